@@ -1,0 +1,167 @@
+"""Checkpointing: drop a partition's activations in forward, recompute them in backward.
+
+torch.utils.checkpoint recomputes inside the backward of one node, so the
+recomputation of a micro-batch cannot start until its gradient has arrived.
+GPipe wants the opposite: on a device, recomputation of micro-batch i should be
+queued before the gradient of i arrives, so that it overlaps with the
+backward of the next partition. The work is therefore split in two autograd
+functions sharing one :class:`Checkpointing` record::
+
+    forward:   input ──Checkpoint (no_grad forward)──> output ──Join──> ...
+                 └────────────Recompute────────────────phony──┘
+    backward:  grad ──Join──> Recompute (replays forward with grad, RNG restored)
+                        └───> Checkpoint (backward through the recomputed graph)
+
+``Recompute`` hangs off the output through a phony (see
+:mod:`pipe.dependency`), so autograd reaches it first, and it runs the forward
+again with the saved random state; ``Checkpoint`` then back-propagates through
+that recomputed graph. The same record serves the thread pipeline and the
+per-rank process pipeline.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from pipe.dependency import fork, join
+from pipe.microbatch import Batch
+from pipe.phony import get_phony
+from pipe.rng import RNGState, restore_rng_state, save_rng_state
+
+__all__ = ["Checkpointing", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
+
+Function = Callable[[Batch], Batch]
+
+
+class _ThreadLocal(threading.local):
+    def __init__(self) -> None:
+        self.is_checkpointing = False
+        self.is_recomputing = False
+
+
+_local = _ThreadLocal()
+
+
+@contextmanager
+def enable_checkpointing() -> Iterator[None]:
+    """Marks the body as the checkpointed (no-grad) first forward."""
+    orig = _local.is_checkpointing
+    _local.is_checkpointing = True
+    try:
+        yield
+    finally:
+        _local.is_checkpointing = orig
+
+
+@contextmanager
+def enable_recomputing() -> Iterator[None]:
+    """Marks the body as the recomputation in backward."""
+    orig = _local.is_recomputing
+    _local.is_recomputing = True
+    try:
+        yield
+    finally:
+        _local.is_recomputing = orig
+
+
+def is_checkpointing() -> bool:
+    """Whether the current forward is a checkpointed one whose activations are dropped.
+
+    A layer can use it to skip work that only matters once, e.g.::
+
+        if not pipe.is_recomputing():
+            self.counter += 1
+    """
+    return _local.is_checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether the current forward is the recomputation of a checkpointed one."""
+    return _local.is_recomputing
+
+
+class Checkpointing:
+    """One checkpointed (micro-batch, partition) cell.
+
+    Usage::
+
+        chk = Checkpointing(function, batch)
+        output = chk.checkpoint()   # forward without keeping activations
+        chk.recompute(output)       # wire recomputation ahead of output's backward
+
+    Args:
+        function: runs the partition on a batch.
+        batch: the input micro-batch.
+    """
+
+    def __init__(self, function: Function, batch: Batch) -> None:
+        self.function = function
+        self.batch = batch
+        self.device = batch.device
+        self.rng_state: Optional[RNGState] = None
+        # Filled by Recompute.backward, consumed by Checkpoint.backward.
+        self.recomputed: deque[tuple[list[Tensor], list[Tensor]]] = deque(maxlen=1)
+        self._output: Optional[Batch] = None
+
+    def checkpoint(self) -> Batch:
+        """Runs the forward under no_grad; the output still requires grad."""
+        phony = get_phony(self.device, requires_grad=True)
+        tensors = Checkpoint.apply(phony, self, *self.batch.tensors)
+        template, self._output = self._output, None
+        assert template is not None  # set by Checkpoint.forward
+        return template.with_tensors(tensors)
+
+    def recompute(self, output: Batch) -> None:
+        """Puts Recompute on ``output``'s first tensor so that it runs before Checkpoint's backward."""
+        if not any(t.requires_grad for t in output.tensors):
+            return
+        tensor, phony = fork(output.tensor)
+        phony = Recompute.apply(phony, self, *self.batch.tensors)
+        output.tensor = join(tensor, phony)
+
+
+class Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.chk = chk
+        chk.rng_state = save_rng_state(chk.device)
+        with torch.no_grad(), enable_checkpointing():
+            output = chk.function(chk.batch)
+        chk._output = output
+        tensors = output.tensors
+        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point() and not t.is_complex()])
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> tuple[Optional[Tensor], ...]:
+        chk: Checkpointing = ctx.chk
+        outputs, inputs = chk.recomputed.pop()
+        pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grad_input = tuple(x.grad if x.requires_grad else None for x in inputs)
+        return (None, None) + grad_input
+
+
+class Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.chk = chk
+        ctx.save_for_backward(*input)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> tuple[None, ...]:
+        chk: Checkpointing = ctx.chk
+        saved = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
+        assert chk.rng_state is not None  # set by Checkpoint.forward
+        with restore_rng_state(chk.device, chk.rng_state), torch.enable_grad(), enable_recomputing():
+            output = chk.function(chk.batch.with_tensors(inputs))
+        chk.recomputed.append((output.tensors, inputs))
+        return (None, None) + (None,) * len(saved)

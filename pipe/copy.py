@@ -1,0 +1,79 @@
+"""Copy and Wait: move micro-batches between devices on copy streams.
+
+A partition computes on its device's compute stream. Moving its output to the
+next device on that same stream would stall compute behind the transfer, so
+every micro-batch gets its own copy stream and the hand-over is::
+
+    prev compute ──wait──> copy stream: x.to(next device) ──wait──> next compute
+                    (Wait)          (Copy)                 (Wait)
+
+Both are autograd functions, so the gradient travels back the same way on the
+same streams. ``record_stream`` keeps the caching allocator from reusing a
+tensor's memory while another stream may still read it. On the CPU every
+stream is a stand-in and these reduce to ``Tensor.to``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipe.stream import AbstractStream, current_stream, get_device, record_stream, use_stream, wait_stream
+
+__all__ = ["Copy", "Wait"]
+
+
+class Copy(torch.autograd.Function):
+    """Copies tensors from ``prev_stream``'s device to ``next_stream``'s."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        output = []
+        output_stream = current_stream(get_device(next_stream))
+        with use_stream(prev_stream), use_stream(next_stream):
+            for x in input:
+                y = x.to(get_device(next_stream), non_blocking=True)
+                output.append(y)
+                # The input is read on prev_stream; the output is used by
+                # whatever stream is current on the next device.
+                record_stream(x, prev_stream)
+                record_stream(y, output_stream)
+        return tuple(output)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor) -> tuple[Any, ...]:
+        prev_stream = ctx.prev_stream
+        next_stream = ctx.next_stream
+        grad_input: deque[Tensor] = deque(maxlen=len(grad_output))
+        input_stream = current_stream(get_device(prev_stream))
+        with use_stream(prev_stream), use_stream(next_stream):
+            for x in reversed(grad_output):
+                y = x.to(get_device(prev_stream), non_blocking=True)
+                grad_input.appendleft(y)
+                record_stream(x, next_stream)
+                record_stream(y, input_stream)
+        return (None, None) + tuple(grad_input)
+
+
+class Wait(torch.autograd.Function):
+    """Makes ``next_stream`` wait for ``prev_stream`` (and the reverse in backward)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        wait_stream(next_stream, prev_stream)
+        return tuple(x.detach() for x in input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_input: Tensor) -> tuple[Any, ...]:
+        wait_stream(ctx.prev_stream, ctx.next_stream)
+        return (None, None) + grad_input

@@ -1,0 +1,208 @@
+"""Micro-batches: split a mini-batch on dim 0, stream the pieces, put them back.
+
+A value flowing through the pipeline may be a tensor, or a tuple/list/dict of
+tensors and other things (masks, flags, ``None``). Every tensor is split on
+dim 0 into ``chunks`` micro-batches; every non-tensor reaches each micro-batch
+unchanged. :class:`Batch` keeps the structure and exposes the flat list of
+tensors that autograd functions, copies and sends work on.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Batch", "flatten", "unflatten", "scatter", "gather", "pack_inputs"]
+
+logger = logging.getLogger(__name__)
+
+# A structure is described by a tree of ("leaf",), ("tuple"|"list", [specs]) or
+# ("dict", [keys], [specs]); leaves are stored flat in order.
+Spec = tuple[Any, ...]
+_LEAF: Spec = ("leaf",)
+
+
+def flatten(value: Any) -> tuple[list[Any], Spec]:
+    """Flattens nested tuples/lists/dicts into leaves and a structure spec."""
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        leaves: list[Any] = []
+        specs = []
+        for item in value:
+            item_leaves, item_spec = flatten(item)
+            leaves.extend(item_leaves)
+            specs.append(item_spec)
+        return leaves, ("tuple" if isinstance(value, tuple) else "list", specs)
+    if isinstance(value, dict):
+        leaves = []
+        specs = []
+        for item in value.values():
+            item_leaves, item_spec = flatten(item)
+            leaves.extend(item_leaves)
+            specs.append(item_spec)
+        return leaves, ("dict", list(value.keys()), specs)
+    return [value], _LEAF
+
+
+def unflatten(leaves: Sequence[Any], spec: Spec) -> Any:
+    """Inverse of :func:`flatten`."""
+    iterator = iter(leaves)
+    value = _build(iterator, spec)
+    return value
+
+
+def _build(leaves: Iterator[Any], spec: Spec) -> Any:
+    kind = spec[0]
+    if kind == "leaf":
+        return next(leaves)
+    if kind == "dict":
+        return {key: _build(leaves, sub) for key, sub in zip(spec[1], spec[2])}
+    items = [_build(leaves, sub) for sub in spec[1]]
+    return tuple(items) if kind == "tuple" else items
+
+
+class Batch:
+    """One micro-batch: a value of any structure and the tensors inside it.
+
+    Autograd functions, stream copies and point-to-point sends see
+    :attr:`tensors`; layers see :attr:`value`. Replacing tensors keeps the
+    structure and every non-tensor leaf.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._leaves, self._spec = flatten(value)
+        self._tensor_index = [i for i, leaf in enumerate(self._leaves) if isinstance(leaf, Tensor)]
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        """The tensors of the value, in structure order."""
+        return [self._leaves[i] for i in self._tensor_index]
+
+    def _lane(self) -> int:
+        if not self._tensor_index:
+            raise TypeError(
+                f"a value crossing a partition boundary holds no tensor ({_describe(self.value)}); "
+                "every layer output must contain at least one tensor"
+            )
+        for k, i in enumerate(self._tensor_index):
+            if self._leaves[i].requires_grad:
+                return k
+        return 0
+
+    @property
+    def tensor(self) -> Tensor:
+        """The lane that fork/join attach to: the first tensor that requires grad, else the first."""
+        return self.tensors[self._lane()]
+
+    @tensor.setter
+    def tensor(self, tensor: Tensor) -> None:
+        tensors = self.tensors
+        tensors[self._lane()] = tensor
+        self.replace_tensors(tensors)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def replace_tensors(self, tensors: Sequence[Tensor]) -> None:
+        """Puts ``tensors`` in place of :attr:`tensors`, in order."""
+        if len(tensors) != len(self._tensor_index):
+            raise ValueError(f"expected {len(self._tensor_index)} tensors, got {len(tensors)}")
+        for i, tensor in zip(self._tensor_index, tensors):
+            self._leaves[i] = tensor
+        self.value = unflatten(self._leaves, self._spec)
+
+    def with_tensors(self, tensors: Sequence[Tensor]) -> "Batch":
+        """A new batch of the same structure holding ``tensors``."""
+        batch = Batch.__new__(Batch)
+        batch._leaves = list(self._leaves)
+        batch._spec = self._spec
+        batch._tensor_index = self._tensor_index
+        batch.replace_tensors(tensors)
+        return batch
+
+    def call(self, function: Callable[[Any], Any]) -> "Batch":
+        """Applies ``function`` to the value, as a layer of ``nn.Sequential``."""
+        return Batch(function(self.value))
+
+    def __repr__(self) -> str:
+        return f"Batch({_describe(self.value)})"
+
+
+def _describe(value: Any) -> str:
+    leaves, _ = flatten(value)
+    parts = [f"Tensor{tuple(leaf.shape)}" if isinstance(leaf, Tensor) else type(leaf).__name__ for leaf in leaves]
+    return ", ".join(parts) if parts else "empty"
+
+
+def pack_inputs(inputs: tuple[Any, ...]) -> Any:
+    """The value the first layer receives: the input itself, or a tuple of several."""
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def scatter(value: Any, chunks: int) -> list[Batch]:
+    """Splits every tensor in ``value`` on dim 0 into at most ``chunks`` pieces.
+
+    Pieces differ in size by at most one. With fewer samples than ``chunks``,
+    each sample becomes a micro-batch and a warning says so.
+
+    Raises:
+        TypeError: ``value`` contains no tensor, or a tensor with no dim 0.
+        ValueError: tensors disagree on the batch size.
+    """
+    leaves, spec = flatten(value)
+    tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    if not tensor_index:
+        raise TypeError(
+            f"Pipe input contains no tensor ({_describe(value)}); pass at least one tensor to split into micro-batches"
+        )
+    sizes = []
+    for i in tensor_index:
+        if leaves[i].dim() == 0:
+            raise TypeError("Pipe input has a 0-dim tensor; tensors are split on dim 0, so each needs a batch dimension")
+        sizes.append(leaves[i].size(0))
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"Pipe input tensors have different batch sizes {sizes}; every tensor is split on dim 0, "
+            "so they must agree (pass tensors that should not be split as non-tensor arguments, "
+            "or give them a batch dimension)"
+        )
+    size = sizes[0]
+    if size == 0:
+        raise ValueError("Pipe input has batch size 0; there is nothing to split into micro-batches")
+    if size < chunks:
+        warnings.warn(
+            f"batch size {size} is smaller than chunks={chunks}: running {size} micro-batches of one sample; "
+            "use a larger batch or fewer chunks to keep the pipeline full",
+            stacklevel=3,
+        )
+    pieces = min(size, chunks)
+    split = {i: leaves[i].tensor_split(pieces, dim=0) for i in tensor_index}
+    batches = []
+    for k in range(pieces):
+        micro = list(leaves)
+        for i in tensor_index:
+            micro[i] = split[i][k]
+        batches.append(Batch(unflatten(micro, spec)))
+    return batches
+
+
+def gather(batches: Sequence[Batch]) -> Any:
+    """Concatenates micro-batch outputs on dim 0, keeping their structure.
+
+    Non-tensor leaves are taken from the first micro-batch.
+    """
+    first_leaves, spec = flatten(batches[0].value)
+    if len(batches) == 1:
+        return batches[0].value
+    all_leaves = [flatten(batch.value)[0] for batch in batches]
+    out = []
+    for position, leaf in enumerate(first_leaves):
+        if isinstance(leaf, Tensor):
+            out.append(torch.cat([leaves[position] for leaves in all_leaves], dim=0))
+        else:
+            out.append(leaf)
+    return unflatten(out, spec)

@@ -1,0 +1,205 @@
+"""The ``Pipe`` front end: validate, partition, split into micro-batches, run, gather.
+
+``Pipe(model, chunks=8, checkpoint="except_last")`` is a drop-in for the
+``nn.Sequential`` it wraps: same outputs, same gradients, same state-dict keys,
+with the layers spread over partitions that work on micro-batches concurrently.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from pipe.microbatch import flatten, gather, pack_inputs, scatter
+from pipe.partition import Device, split_module
+from pipe.pipeline import Pipeline
+from pipe.worker import Workers
+
+__all__ = ["Pipe", "CHECKPOINT_MODES"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+_MOVING_DENIED = (
+    "a Pipe cannot be moved: it places its partitions on pipe.devices itself; "
+    "move the layers before wrapping them, or pass balance= and devices= to Pipe "
+    "(changing the dtype, e.g. pipe.to(torch.float64), is allowed)"
+)
+
+
+def checkpoint_stop(mode: str, chunks: int) -> int:
+    """How many leading micro-batches a checkpoint mode checkpoints."""
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def verify_chunks(chunks: Any) -> int:
+    if not isinstance(chunks, int) or isinstance(chunks, bool):
+        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
+    if chunks <= 0:
+        raise ValueError(f"chunks must be a positive int, got {chunks}; use chunks=1 for no micro-batching")
+    return chunks
+
+
+def verify_checkpoint(checkpoint: Any) -> str:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, got {checkpoint!r}"
+        )
+    return str(checkpoint)
+
+
+class Pipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it with GPipe pipeline parallelism.
+
+    Usage::
+
+        model = nn.Sequential(a, b, c, d)
+        model = Pipe(model, chunks=8, balance=[2, 2], devices=["cuda:0", "cuda:1"])
+        output = model(input)          # input on model.devices[0]
+        output.sum().backward()        # output on model.devices[-1]
+
+    Args:
+        module: the model, an ``nn.Sequential`` whose layers each take the
+            previous layer's output.
+        chunks: number of micro-batches each mini-batch is split into (dim 0).
+        checkpoint: which micro-batches drop their activations in forward and
+            recompute them in backward: ``"always"``, ``"except_last"`` (all but
+            the last, whose backward starts right away) or ``"never"``.
+        balance: layers per partition. Without it, partitions follow where the
+            layers already are (consecutive layers on one device form one
+            partition).
+        devices: one device per partition (with ``balance``). Default: the
+            visible CUDA devices, or the CPU for every partition.
+        deferred_batch_norm: update BatchNorm running statistics once per
+            mini-batch instead of once per micro-batch.
+        cpu_threads: intra-op threads of each CPU partition's worker. Default:
+            PyTorch's thread count divided among the CPU partitions, so that
+            partitions use the cores side by side instead of competing.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or an argument has
+            the wrong type.
+        ValueError: bad ``chunks``, ``checkpoint`` or ``balance``, a layer
+            listed twice, or parameters shared between partitions.
+        IndexError: fewer devices than partitions.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        *,
+        balance: Optional[Sequence[int]] = None,
+        devices: Optional[Sequence[Device]] = None,
+        deferred_batch_norm: bool = False,
+        cpu_threads: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.chunks = verify_chunks(chunks)
+        self.checkpoint = verify_checkpoint(checkpoint)
+        if deferred_batch_norm:
+            raise NotImplementedError(
+                "deferred_batch_norm=True is not available yet; use deferred_batch_norm=False "
+                "(BatchNorm statistics are then updated once per micro-batch)"
+            )
+        self.deferred_batch_norm = deferred_batch_norm
+
+        partitions, balance, devices = split_module(module, balance, devices)
+        # The layers are this module's children under their original names, so
+        # state_dict() keys are those of the wrapped nn.Sequential.
+        for name, layer in module._modules.items():
+            self.add_module(name, layer)
+        self.partitions: list[nn.Sequential] = partitions
+        self.balance: list[int] = balance
+        self.devices: list[torch.device] = devices
+
+        cpu_partitions = sum(1 for d in devices if d.type == "cpu")
+        if cpu_threads is None and cpu_partitions > 1:
+            cpu_threads = max(1, torch.get_num_threads() // cpu_partitions)
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
+        if cpu_partitions > 1 and cpu_threads is not None and cpu_threads * cpu_partitions > (torch.get_num_threads() or 1) * 2:
+            warnings.warn(
+                f"{cpu_partitions} CPU partitions x cpu_threads={cpu_threads} oversubscribe the "
+                f"{torch.get_num_threads()} threads PyTorch uses; this runs, but slower than "
+                f"cpu_threads={max(1, torch.get_num_threads() // cpu_partitions)}",
+                stacklevel=2,
+            )
+        self.cpu_threads = cpu_threads
+        self._workers = Workers(self.devices, cpu_threads)
+        self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
+        logger.info("Pipe: balance=%s devices=%s chunks=%d checkpoint=%s cpu_threads=%s",
+                    balance, [str(d) for d in devices], self.chunks, self.checkpoint, cpu_threads)
+
+    # -- nn.Sequential-like access to the layers ---------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Union[int, slice]) -> Any:
+        layers = list(self._modules.values())
+        if isinstance(index, slice):
+            return nn.Sequential(*layers[index])
+        return layers[index]
+
+    # -- placement belongs to Pipe ------------------------------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
+        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise TypeError(_MOVING_DENIED)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> "Pipe":
+        raise TypeError(_MOVING_DENIED)
+
+    def cpu(self) -> "Pipe":
+        raise TypeError(_MOVING_DENIED)
+
+    def close(self) -> None:
+        """Ends the worker threads now (they also end when the Pipe is collected)."""
+        self._workers.close()
+
+    # -- forward ------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any) -> Any:
+        """Runs the pipeline.
+
+        Args:
+            inputs: what the first layer takes. With several, the first layer
+                receives them as one tuple. Tensors are split on dim 0 into
+                micro-batches; other values reach every micro-batch unchanged.
+
+        Returns:
+            The last layer's output, micro-batches concatenated on dim 0, on
+            ``devices[-1]``.
+        """
+        if not inputs:
+            raise TypeError("Pipe.forward() needs at least one input")
+        value = pack_inputs(inputs)
+        self._verify_input_device(value)
+        batches = scatter(value, self.chunks)
+        stop = checkpoint_stop(self.checkpoint, len(batches))
+        if not (self.training and torch.is_grad_enabled()):
+            stop = 0
+        self._pipeline.training = self.training
+        self._pipeline.run(batches, stop)
+        return gather(batches)
+
+    def _verify_input_device(self, value: Any) -> None:
+        first = self.devices[0]
+        for leaf in flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.device != first:
+                raise ValueError(
+                    f"input is on {leaf.device} but the first partition is on {first}; "
+                    "move it with input.to(pipe.devices[0])"
+                )
+

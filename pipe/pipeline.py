@@ -1,0 +1,167 @@
+"""The thread pipeline: runs a schedule's clock cycles over partitions with workers and streams.
+
+For each clock cycle of the schedule (:mod:`pipe.schedule`; GPipe fill-drain
+for m=3 micro-batches over n=2 partitions)::
+
+    clock  0      1      2      3
+    p0    (0,0)  (1,0)  (2,0)
+    p1           (0,1)  (1,1)  (2,1)
+
+it first *fences* the cells (fork/join edges so that backward visits
+micro-batches in order, and stream copies between devices), then *computes*
+them: each cell goes to its partition's worker thread, the caller collects
+the outputs and finalises them (wiring recomputation for checkpointed cells).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipe.checkpoint import Checkpointing
+from pipe.copy import Copy, Wait
+from pipe.dependency import fork, join
+from pipe.microbatch import Batch
+from pipe.rng import RandomnessGuard
+from pipe.schedule import Schedule
+from pipe.stream import AbstractStream, current_stream, new_stream, use_device
+from pipe.worker import Task, Workers
+
+__all__ = ["Pipeline", "depend", "copy", "wait"]
+
+logger = logging.getLogger(__name__)
+
+
+def depend(fork_from: Batch, join_to: Batch) -> None:
+    """Makes ``fork_from``'s backward wait for ``join_to``'s (an edge with no data)."""
+    fork_from.tensor, phony = fork(fork_from.tensor)
+    join_to.tensor = join(join_to.tensor, phony)
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Moves ``batch`` to ``next_stream``'s device on the copy streams."""
+    batch.replace_tensors(Copy.apply(prev_stream, next_stream, *batch.tensors))
+    wait(batch, prev_stream, next_stream)
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Makes ``next_stream`` wait for the work on ``prev_stream`` that produced ``batch``."""
+    batch.replace_tensors(Wait.apply(prev_stream, next_stream, *batch.tensors))
+
+
+class Pipeline:
+    """Runs micro-batches through partitions with one worker thread per partition.
+
+    Args:
+        partitions: the partitions, each already on its device.
+        devices: the device of each partition.
+        workers: the worker threads.
+    """
+
+    def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device], workers: Workers) -> None:
+        self.partitions = list(partitions)
+        self.devices = list(devices)
+        self.workers = workers
+        self.guards = [RandomnessGuard(device) for device in self.devices]
+        self.training = True
+        # copy_streams[j][i]: the stream micro-batch i arrives on at partition j.
+        self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
+
+    def copy_streams(self, chunks: int) -> list[list[AbstractStream]]:
+        for j, device in enumerate(self.devices):
+            streams = self._copy_streams[j]
+            while len(streams) < chunks:
+                streams.append(new_stream(device))
+        return self._copy_streams
+
+    def _crosses(self, j: int) -> bool:
+        """Whether micro-batches move to another device between partitions j-1 and j."""
+        return j > 0 and self.devices[j - 1] != self.devices[j]
+
+    def run(self, batches: list[Batch], checkpoint_stop: int) -> None:
+        """Runs ``batches`` through every partition in place.
+
+        Args:
+            batches: input micro-batches; on return each holds its output.
+            checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
+
+        Raises:
+            The first exception a layer raised; the pipeline stops at the end of
+            that clock cycle and can run again.
+        """
+        schedule = Schedule("gpipe", ranks=len(self.partitions), microbatches=len(batches))
+        copy_streams = self.copy_streams(len(batches))
+        compute_streams = [current_stream(device) for device in self.devices]
+        for cycle in schedule.forward_clock_cycles():
+            cells = [(action.microbatch, action.stage) for action in cycle]
+            self._fence(batches, cells, copy_streams)
+            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop)
+
+    def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
+               copy_streams: list[list[AbstractStream]]) -> None:
+        for i, j in cells:
+            # In backward, micro-batch i leaves partition j before micro-batch i-1 does.
+            if i != 0:
+                depend(batches[i - 1], batches[i])
+            if self._crosses(j):
+                copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
+
+    def _compute(self, batches: list[Batch], cells: list[tuple[int, int]],
+                 copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
+                 checkpoint_stop: int) -> None:
+        n = len(self.partitions)
+        for i, j in cells:
+            batch = batches[i]
+            partition = self.partitions[j]
+            if self._crosses(j):
+                wait(batch, copy_streams[j][i], compute_streams[j])
+            self.workers.put(j, self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop))
+
+        failure: Optional[BaseException] = None
+        for i, j in cells:
+            ok, payload = self.workers.get(j)
+            if not ok:
+                if failure is None:
+                    failure = payload[1]  # type: ignore[index]
+                continue
+            task, batch = payload  # type: ignore[misc]
+            if j != n - 1 and self._crosses(j + 1):
+                wait(batch, compute_streams[j], copy_streams[j][i])
+            with use_device(self.devices[j]):
+                task.finalize(batch)
+            batches[i] = batch
+        if failure is not None:
+            raise failure
+
+    def _task(self, i: int, j: int, batch: Batch, partition: nn.Sequential, stream: AbstractStream,
+              checkpoint: bool) -> Task:
+        guard = self.guards[j]
+        training = self.training
+        if checkpoint:
+            chk = Checkpointing(partition_function(partition), batch)
+
+            def compute_checkpointed() -> Batch:
+                with guard.forward(training):
+                    return chk.checkpoint()
+
+            return Task(stream, compute=compute_checkpointed, finalize=chk.recompute, tag=(i, j))
+
+        def compute() -> Batch:
+            # Draws of random numbers must not interleave with those of a
+            # checkpointed cell on another thread (see pipe.rng).
+            with guard.forward(training):
+                return batch.call(partition)
+
+        return Task(stream, compute=compute, tag=(i, j))
+
+
+def partition_function(partition: nn.Module) -> Callable[[Batch], Batch]:
+    """The function a checkpoint replays: the partition applied to a batch."""
+
+    def function(batch: Batch) -> Batch:
+        return batch.call(partition)
+
+    return function
+

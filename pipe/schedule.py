@@ -1,0 +1,387 @@
+"""Pipeline schedules as data: the ordered program of every rank.
+
+The thread runner, the process runner (one stage per rank under torchrun) and
+the visualiser must agree on the order in which micro-batches move through the
+stages. Writing that order once, as a table of actions per rank, and deriving
+the clock cycles, the simulated timeline, the bubble and the activation memory
+from the same table keeps them in step. The module imports no torch, so the
+tables can be built, checked and drawn anywhere.
+
+Example:
+    >>> s = Schedule("1f1b", ranks=2, microbatches=4)
+    >>> [str(a) for a in s.actions(0)]
+    ['F0@0', 'F1@0', 'B0@0', 'F2@0', 'B1@0', 'F3@0', 'B2@0', 'B3@0']
+    >>> round(s.bubble_fraction(), 3)
+    0.2
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+__all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
+
+SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+class Phase(str, enum.Enum):
+    """What an action does to one micro-batch on one stage."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECOMPUTE = "R"  # only in simulated timelines, when checkpointing
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program: run ``phase`` of ``microbatch`` on ``stage``.
+
+    ``stage`` is the model stage (a model chunk, or "virtual stage" in the
+    interleaved schedule), not the rank that runs it; see ``Schedule.rank_of``.
+    """
+
+    phase: Phase
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.phase.value}{self.microbatch}@{self.stage}"
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """An action placed on the simulated timeline of ``rank``, from ``start`` to ``end``."""
+
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _one_forward_one_backward(
+    forwards: list[Action], backwards: list[Action], warmup: int
+) -> list[Action]:
+    """Warm-up forwards, then one forward / one backward pairs, then cool-down backwards."""
+    program = forwards[:warmup]
+    for k in range(len(forwards) - warmup):
+        program += [forwards[warmup + k], backwards[k]]
+    program += backwards[len(forwards) - warmup :]
+    return program
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: which rank runs which forward and backward, in which order.
+
+    GPipe (fill-drain), 3 ranks, 4 micro-batches, forward = backward = 1; one
+    column per clock cycle, ``Fi``/``Bi`` is micro-batch i on the rank's stage::
+
+        rank 0 | F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0
+        rank 1 | .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 .
+        rank 2 | .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .
+
+    1F1B (PipeDream-flush), same sizes: rank r runs ``ranks - r - 1`` warm-up
+    forwards, then alternates, so it holds at most ``ranks - r`` micro-batches::
+
+        rank 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+        rank 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+        rank 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+
+    Interleaved 1F1B (Megatron's virtual pipeline) gives each rank
+    ``virtual_stages`` model chunks; stage s runs on rank ``s % ranks``.
+
+    Args:
+        kind: one of ``SCHEDULE_KINDS``.
+        ranks: workers (threads or processes) that execute the stages.
+        microbatches: micro-batches per mini-batch (M).
+        virtual_stages: stages per rank; 1 unless ``kind == "interleaved"``.
+
+    Raises:
+        ValueError: a field is out of range; the message names the value and the fix.
+    """
+
+    kind: str
+    ranks: int
+    microbatches: int
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULE_KINDS:
+            expected = ", ".join(repr(k) for k in SCHEDULE_KINDS)
+            raise ValueError(f"unknown schedule kind {self.kind!r}; expected one of {expected}")
+        for name in ("ranks", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (got {value!r}); pass an int >= 1"
+                )
+        if self.kind != "interleaved" and self.virtual_stages != 1:
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs kind='interleaved'; "
+                f"{self.kind!r} runs one stage per rank (use virtual_stages=1)"
+            )
+        if self.kind == "interleaved" and self.microbatches % self.ranks != 0:
+            lower = self.microbatches // self.ranks * self.ranks or self.ranks
+            upper = lower + self.ranks
+            raise ValueError(
+                f"interleaved schedule needs microbatches divisible by ranks "
+                f"(got microbatches={self.microbatches}, ranks={self.ranks}); "
+                f"use a multiple of {self.ranks}, such as {lower} or {upper}"
+            )
+
+    @property
+    def stages(self) -> int:
+        """Model stages in the pipeline: ``ranks * virtual_stages``."""
+        return self.ranks * self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs ``stage`` (loop placement: stage s on rank ``s % ranks``)."""
+        if not 0 <= stage < self.stages:
+            raise ValueError(
+                f"stage {stage} is out of range for a schedule with {self.stages} stages; "
+                f"expected 0 <= stage < {self.stages}"
+            )
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages that ``rank`` runs, in model order."""
+        self._check_rank(rank)
+        return [chunk * self.ranks + rank for chunk in range(self.virtual_stages)]
+
+    def actions(self, rank: int) -> list[Action]:
+        """The ordered program of forwards and backwards that ``rank`` executes.
+
+        Example:
+            >>> [str(a) for a in Schedule("gpipe", 2, 3).actions(1)]
+            ['F0@1', 'F1@1', 'F2@1', 'B2@1', 'B1@1', 'B0@1']
+        """
+        self._check_rank(rank)
+        m = self.microbatches
+        if self.kind == "gpipe":
+            # Fill, then drain; backward in reverse micro-batch order, as autograd runs it.
+            return [Action(Phase.FORWARD, i, rank) for i in range(m)] + [
+                Action(Phase.BACKWARD, i, rank) for i in reversed(range(m))
+            ]
+        if self.kind == "1f1b":
+            forwards = [Action(Phase.FORWARD, i, rank) for i in range(m)]
+            backwards = [Action(Phase.BACKWARD, i, rank) for i in range(m)]
+            return _one_forward_one_backward(forwards, backwards, min(self.ranks - rank - 1, m))
+        # Interleaved, after Megatron-LM: micro-batches go in groups of `ranks`
+        # through chunk 0, then the same group through chunk 1, ...; backward
+        # visits the chunks in reverse. Warm-up fills every chunk of the ranks below.
+        total = m * self.virtual_stages
+        warmup = (self.ranks - rank - 1) * 2 + (self.virtual_stages - 1) * self.ranks
+        forwards = [self._interleaved(Phase.FORWARD, k, rank) for k in range(total)]
+        backwards = [self._interleaved(Phase.BACKWARD, k, rank) for k in range(total)]
+        return _one_forward_one_backward(forwards, backwards, min(warmup, total))
+
+    def _interleaved(self, phase: Phase, k: int, rank: int) -> Action:
+        """The k-th forward or backward of ``rank`` in the interleaved schedule."""
+        group, position = divmod(k, self.ranks * self.virtual_stages)
+        chunk = position // self.ranks
+        if phase is Phase.BACKWARD:
+            chunk = self.virtual_stages - 1 - chunk
+        microbatch = group * self.ranks + position % self.ranks
+        return Action(phase, microbatch, chunk * self.ranks + rank)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.ranks:
+            raise ValueError(
+                f"rank {rank} is out of range for a schedule with {self.ranks} ranks; "
+                f"expected 0 <= rank < {self.ranks}"
+            )
+
+    def _dependency(self, action: Action) -> Action | None:
+        """The action on another stage whose result ``action`` consumes, if any."""
+        i, s = action.microbatch, action.stage
+        if action.phase is Phase.FORWARD:
+            return Action(Phase.FORWARD, i, s - 1) if s > 0 else None
+        if s == self.stages - 1:
+            return Action(Phase.FORWARD, i, s)  # the loss turns the last forward around
+        return Action(Phase.BACKWARD, i, s + 1)
+
+    def simulate(
+        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0
+    ) -> list[TimedAction]:
+        """Place every action on a timeline, given how long each phase takes.
+
+        An action starts once its rank has finished the previous action of its
+        program and the action it depends on (the forward of the stage before,
+        the backward of the stage after, or the last stage's forward) has ended.
+        Transfers are free. With ``recompute > 0`` each backward is preceded on
+        its rank by a RECOMPUTE of that length, which starts as soon as the rank
+        is free: it does not wait for the gradient (that is why Checkpoint and
+        Recompute are separate), but the backward waits for it.
+
+        Returns:
+            The timed actions of all ranks, sorted by ``(start, rank)``.
+
+        Raises:
+            ValueError: a duration is not a finite number in range.
+            RuntimeError: the programs deadlock; the message names the stuck actions.
+        """
+        _check_durations(forward, backward, recompute)
+        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
+        programs = [self.actions(rank) for rank in range(self.ranks)]
+        ends: dict[Action, float] = {}
+        cursor = [0] * self.ranks
+        free = [0.0] * self.ranks
+        timeline: list[TimedAction] = []
+        progress = True
+        while progress:
+            progress = False
+            for rank, program in enumerate(programs):
+                while cursor[rank] < len(program):
+                    action = program[cursor[rank]]
+                    dependency = self._dependency(action)
+                    if dependency is not None and dependency not in ends:
+                        break
+                    start = free[rank]
+                    if action.phase is Phase.BACKWARD and recompute > 0:
+                        redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
+                        timeline.append(TimedAction(redo, rank, start, start + recompute))
+                        start += recompute
+                    if dependency is not None:
+                        start = max(start, ends[dependency])
+                    end = start + duration[action.phase]
+                    timeline.append(TimedAction(action, rank, start, end))
+                    ends[action] = free[rank] = end
+                    cursor[rank] += 1
+                    progress = True
+        stuck = [
+            f"rank {rank} at {program[cursor[rank]]} (waits for "
+            f"{self._dependency(program[cursor[rank]])})"
+            for rank, program in enumerate(programs)
+            if cursor[rank] < len(program)
+        ]
+        if stuck:
+            raise RuntimeError(f"{self} deadlocks: " + "; ".join(stuck))
+        return sorted(timeline, key=lambda t: (t.start, t.rank, t.end))
+
+    def forward_clock_cycles(self) -> list[list[Action]]:
+        """The forwards grouped into clock cycles, for the thread runner.
+
+        A clock cycle holds the forwards that start together when every phase
+        takes one unit of time, ordered by micro-batch; cycles without a forward
+        are left out. For GPipe, cycle k holds F(i, j) for every i + j == k::
+
+            cycle   0       1             2             3
+                    F0@0    F0@1 F1@0     F1@1 F2@0     F2@1      (2 ranks, 3 micro-batches)
+        """
+        cycles: dict[float, list[Action]] = {}
+        for timed in self.simulate(forward=1.0, backward=1.0):
+            if timed.action.phase is Phase.FORWARD:
+                cycles.setdefault(timed.start, []).append(timed.action)
+        return [
+            sorted(cycles[start], key=lambda a: (a.microbatch, a.stage)) for start in sorted(cycles)
+        ]
+
+    def bubble_fraction(
+        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0
+    ) -> float:
+        """The idle share of the simulated timeline: 1 - busy / (ranks * makespan).
+
+        For GPipe and 1F1B this is (ranks - 1) / (microbatches + ranks - 1).
+        Arguments as for ``simulate``.
+        """
+        timeline = self.simulate(forward, backward, recompute)
+        busy = math.fsum(t.duration for t in timeline)
+        makespan = max(t.end for t in timeline)
+        return 1.0 - busy / (self.ranks * makespan)
+
+    def peak_inflight(self) -> list[int]:
+        """Per rank, the most micro-batches holding activations at once.
+
+        Counts (micro-batch, stage) pairs whose forward has run and whose
+        backward has not, in program order; with one stage per rank these are
+        micro-batches. 1F1B holds ``min(ranks - rank, microbatches)``, GPipe all.
+        """
+        peaks = []
+        for rank in range(self.ranks):
+            held: set[tuple[int, int]] = set()
+            peak = 0
+            for action in self.actions(rank):
+                key = (action.microbatch, action.stage)
+                if action.phase is Phase.FORWARD:
+                    held.add(key)
+                    peak = max(peak, len(held))
+                else:
+                    held.discard(key)
+            peaks.append(peak)
+        return peaks
+
+    def validate(self) -> None:
+        """Check the tables: each (micro-batch, stage) has exactly one forward and
+        one backward, on the rank that owns the stage, forward first; 1F1B keeps
+        at most ``ranks - rank`` micro-batches in flight; the simulation finishes.
+
+        Raises:
+            ValueError: naming the first violation found.
+        """
+        seen: dict[Action, int] = {}
+        for rank in range(self.ranks):
+            position: dict[Action, int] = {}
+            for index, action in enumerate(self.actions(rank)):
+                if action.phase not in (Phase.FORWARD, Phase.BACKWARD):
+                    raise ValueError(
+                        f"{self}: rank {rank} has {action}; "
+                        f"programs hold only forwards and backwards"
+                    )
+                if not 0 <= action.stage < self.stages or self.rank_of(action.stage) != rank:
+                    raise ValueError(
+                        f"{self}: {action} is on rank {rank} but stage {action.stage} "
+                        f"belongs to {self._owner(action.stage)}"
+                    )
+                if action in seen:
+                    raise ValueError(f"{self}: {action} appears more than once")
+                seen[action] = rank
+                position[action] = index
+            for action, index in position.items():
+                if action.phase is Phase.BACKWARD:
+                    twin = Action(Phase.FORWARD, action.microbatch, action.stage)
+                    if position.get(twin, len(position)) > index:
+                        raise ValueError(f"{self}: rank {rank} runs {action} before {twin}")
+        for stage in range(self.stages):
+            for i in range(self.microbatches):
+                for phase in (Phase.FORWARD, Phase.BACKWARD):
+                    if Action(phase, i, stage) not in seen:
+                        raise ValueError(f"{self}: {Action(phase, i, stage)} is missing")
+        if len(seen) != 2 * self.stages * self.microbatches:
+            extra = sorted(str(a) for a in seen if a.microbatch not in range(self.microbatches))
+            raise ValueError(f"{self}: actions for unknown micro-batches: {', '.join(extra)}")
+        if self.kind == "1f1b":
+            for rank, peak in enumerate(self.peak_inflight()):
+                if peak > self.ranks - rank:
+                    raise ValueError(
+                        f"{self}: rank {rank} holds {peak} micro-batches in flight; "
+                        f"1F1B allows at most ranks - rank = {self.ranks - rank}"
+                    )
+        try:
+            self.simulate()
+        except RuntimeError as error:
+            raise ValueError(str(error)) from error
+
+    def _owner(self, stage: int) -> str:
+        if 0 <= stage < self.stages:
+            return f"rank {self.rank_of(stage)}"
+        return f"no rank (the schedule has {self.stages} stages)"
+
+
+def _check_durations(forward: float, backward: float, recompute: float) -> None:
+    for name, value, least in (
+        ("forward", forward, "> 0"),
+        ("backward", backward, "> 0"),
+        ("recompute", recompute, ">= 0"),
+    ):
+        positive = value > 0 if least == "> 0" else value >= 0
+        if isinstance(value, bool) or not math.isfinite(value) or not positive:
+            raise ValueError(
+                f"{name} duration must be a finite number {least} (got {value!r}); "
+                f"durations are relative, e.g. forward=1.0, backward=2.0"
+            )

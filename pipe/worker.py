@@ -1,0 +1,142 @@
+"""Workers: one persistent thread per partition that runs its tasks.
+
+Partitions run concurrently because each has its own thread, also when
+several share a device (two CPU partitions use two cores). Threads start on
+first use, live as long as the :class:`Workers` object and end when it is
+closed or collected; they hold no reference to it, so dropping the owning
+``Pipe`` is enough to end them.
+
+Grad mode is thread-local in PyTorch, so a task captures the caller's grad mode
+and the worker runs it under the same mode.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import weakref
+from types import TracebackType
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from pipe.microbatch import Batch
+from pipe.stream import AbstractStream, use_device, use_stream
+
+__all__ = ["Task", "Workers"]
+
+logger = logging.getLogger(__name__)
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+Result = Union[tuple[bool, tuple["Task", Batch]], tuple[bool, ExcInfo]]
+
+
+class Task:
+    """A unit of work for a worker: ``compute`` in the worker, ``finalize`` in the caller.
+
+    Args:
+        stream: the stream to compute on.
+        compute: produces the output batch.
+        finalize: optional, run by the caller on the output (e.g. wiring recomputation).
+        tag: what the task is, for error messages and traces.
+    """
+
+    def __init__(
+        self,
+        stream: AbstractStream,
+        *,
+        compute: Callable[[], Batch],
+        finalize: Optional[Callable[[Batch], None]] = None,
+        tag: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.stream = stream
+        self._compute = compute
+        self._finalize = finalize
+        self.tag = tag
+        self._grad_enabled = torch.is_grad_enabled()
+
+    def compute(self) -> Batch:
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            return self._compute()
+
+    def finalize(self, batch: Batch) -> None:
+        if self._finalize is None:
+            return
+        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+            self._finalize(batch)
+
+
+def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Result]", device: torch.device,
+            cpu_threads: Optional[int]) -> None:
+    if device.type == "cpu" and cpu_threads is not None:
+        # Intra-op parallelism is per thread (OpenMP), so this bounds this worker only.
+        torch.set_num_threads(cpu_threads)
+    with use_device(device):
+        while True:
+            task = in_queue.get()
+            if task is None:
+                break
+            try:
+                batch = task.compute()
+            except BaseException:
+                exc_info: Any = sys.exc_info()
+                out_queue.put((False, exc_info))
+                continue
+            out_queue.put((True, (task, batch)))
+
+
+def _stop(in_queues: list["queue.Queue[Optional[Task]]"]) -> None:
+    for in_queue in in_queues:
+        in_queue.put(None)
+
+
+class Workers:
+    """The worker threads of a pipeline, one per partition.
+
+    Args:
+        devices: the device of each partition.
+        cpu_threads: intra-op threads of each CPU worker (None: PyTorch's setting).
+    """
+
+    def __init__(self, devices: list[torch.device], cpu_threads: Optional[int] = None) -> None:
+        self.devices = devices
+        self.cpu_threads = cpu_threads
+        self.in_queues: list[queue.Queue[Optional[Task]]] = []
+        self.out_queues: list[queue.Queue[Result]] = []
+        self.threads: list[threading.Thread] = []
+        self._finalizer: Optional[weakref.finalize] = None
+
+    def start(self) -> None:
+        """Starts the threads if they are not running."""
+        if self.threads:
+            return
+        self.in_queues = [queue.Queue() for _ in self.devices]
+        self.out_queues = [queue.Queue() for _ in self.devices]
+        for j, device in enumerate(self.devices):
+            thread = threading.Thread(
+                target=_worker,
+                args=(self.in_queues[j], self.out_queues[j], device, self.cpu_threads),
+                name=f"pipe-worker-{j}-{device}",
+                daemon=True,
+            )
+            thread.start()
+            self.threads.append(thread)
+        self._finalizer = weakref.finalize(self, _stop, self.in_queues)
+        logger.debug("started %d pipeline workers on %s", len(self.threads), self.devices)
+
+    def put(self, j: int, task: Task) -> None:
+        self.start()
+        self.in_queues[j].put(task)
+
+    def get(self, j: int) -> Result:
+        return self.out_queues[j].get()
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Ends the threads and waits for them."""
+        if self._finalizer is not None:
+            self._finalizer()
+        for thread in self.threads:
+            thread.join(timeout)
+        self.threads = []
+        self._finalizer = None
