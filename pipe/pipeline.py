@@ -14,6 +14,7 @@ the outputs and finalises them (wiring recomputation for checkpointed cells).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Optional, Sequence
 
@@ -91,11 +92,10 @@ class Pipeline:
             The first exception a layer raised; the pipeline stops at the end of
             that clock cycle and can run again.
         """
-        schedule = Schedule("gpipe", ranks=len(self.partitions), microbatches=len(batches))
+        cycles = _forward_clock_cycles(len(self.partitions), len(batches))
         copy_streams = self.copy_streams(len(batches))
         compute_streams = [current_stream(device) for device in self.devices]
-        for cycle in schedule.forward_clock_cycles():
-            cells = [(action.microbatch, action.stage) for action in cycle]
+        for cells in cycles:
             self._fence(batches, cells, copy_streams)
             self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop)
 
@@ -155,6 +155,13 @@ class Pipeline:
                 return batch.call(partition)
 
         return Task(stream, compute=compute, tag=(i, j))
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_clock_cycles(partitions: int, chunks: int) -> list[list[tuple[int, int]]]:
+    """The (micro-batch, partition) cells of each GPipe clock cycle, cached per shape."""
+    schedule = Schedule("gpipe", ranks=partitions, microbatches=chunks)
+    return [[(a.microbatch, a.stage) for a in cycle] for cycle in schedule.forward_clock_cycles()]
 
 
 def partition_function(partition: nn.Module) -> Callable[[Batch], Batch]:
