@@ -1,0 +1,139 @@
+"""Checkpoint and Recompute: pass flags, RNG replay, order of recomputation."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipe
+from pipe import Pipe, is_checkpointing, is_recomputing
+from pipe.checkpoint import Checkpointing
+from pipe.microbatch import Batch
+
+
+class Flags(nn.Module):
+    """Records (is_checkpointing, is_recomputing) on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[bool, bool]] = []
+
+    def forward(self, x):
+        self.calls.append((is_checkpointing(), is_recomputing()))
+        return x * 2
+
+
+def test_flags_outside_any_pass():
+    assert not is_checkpointing()
+    assert not is_recomputing()
+
+
+def test_flags_in_each_pass():
+    flags = Flags()
+    piped = Pipe(nn.Sequential(nn.Linear(3, 3), flags), chunks=2, checkpoint="except_last", balance=[1, 1], devices=["cpu", "cpu"])
+    piped(torch.randn(4, 3)).sum().backward()
+    # micro-batch 0: checkpointed forward, then recomputation; micro-batch 1: plain forward.
+    assert sorted(flags.calls) == sorted([(True, False), (False, False), (False, True)])
+    assert flags.calls[-1] == (False, True)  # recomputation happens in backward
+
+
+def test_checkpointing_record_alone():
+    """The record used by both pipelines works on its own: checkpoint, recompute, backward."""
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    chk = Checkpointing(lambda batch: batch.call(layer), Batch(x))
+    out = chk.checkpoint()
+    chk.recompute(out)
+    out.tensor.sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref_layer = copy.deepcopy(layer)
+    ref_layer.zero_grad()
+    layer_grad = layer.weight.grad.clone()
+    ref_layer(ref_x).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(layer_grad, ref_layer.weight.grad)
+
+
+class MaskRecorder(nn.Module):
+    """Dropout that remembers its masks per pass, to compare forward and recomputation."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.p = p
+        self.forward_masks: list[torch.Tensor] = []
+        self.recompute_masks: list[torch.Tensor] = []
+
+    def forward(self, x):
+        mask = (torch.rand_like(x) > self.p).to(x.dtype)
+        (self.recompute_masks if is_recomputing() else self.forward_masks).append(mask)
+        return x * mask / (1 - self.p)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_recompute_replays_dropout(checkpoint):
+    torch.manual_seed(0)
+    first, second = MaskRecorder(), MaskRecorder()
+    model = nn.Sequential(nn.Linear(8, 8), first, nn.Linear(8, 8), second)
+    piped = Pipe(model, chunks=4, checkpoint=checkpoint, balance=[2, 2], devices=["cpu", "cpu"])
+    for _ in range(3):  # several steps: the first probes randomness, later ones run with the guard
+        for rec in (first, second):
+            rec.forward_masks.clear()
+            rec.recompute_masks.clear()
+        piped(torch.randn(16, 8)).sum().backward()
+        for rec in (first, second):
+            checkpointed = 4 if checkpoint == "always" else 3
+            assert len(rec.recompute_masks) == checkpointed
+            # recomputation runs backward, from the last micro-batch to the first
+            for fwd, rec_mask in zip(rec.forward_masks[:checkpointed], reversed(rec.recompute_masks)):
+                assert torch.equal(fwd, rec_mask)
+
+
+def test_dropout_gradients_match_a_manual_replay():
+    """With the masks fixed, gradients through dropout under recomputation equal the plain model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 8), nn.Dropout(0.3))
+    x = torch.randn(4, 8)
+    plain = copy.deepcopy(model)
+    piped = Pipe(model, chunks=1, checkpoint="always", balance=[2, 2], devices=["cpu", "cpu"])
+    torch.manual_seed(1)
+    y_plain = plain(x)
+    torch.manual_seed(1)
+    y_piped = piped(x)
+    torch.testing.assert_close(y_piped, y_plain)
+    y_plain.sum().backward()
+    y_piped.sum().backward()
+    for p, q in zip(plain.parameters(), piped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+def test_recompute_starts_before_checkpoint_backward():
+    events = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            if is_recomputing():
+                events.append("recompute")
+            return x.clone()
+
+    piped = Pipe(nn.Sequential(nn.Linear(2, 2), Probe()), chunks=1, checkpoint="always")
+    out = piped(torch.randn(2, 2))
+    out.register_hook(lambda grad: events.append("gradient arrives"))
+    from pipe.checkpoint import Checkpoint
+
+    original = Checkpoint.backward
+
+    def backward(ctx, *grads):
+        events.append("checkpoint backward")
+        return original(ctx, *grads)
+
+    Checkpoint.backward = staticmethod(backward)
+    try:
+        out.sum().backward()
+    finally:
+        Checkpoint.backward = staticmethod(original)
+    assert events == ["gradient arrives", "recompute", "checkpoint backward"]
+
+
+def test_public_names():
+    assert pipe.is_checkpointing is is_checkpointing
+    assert pipe.is_recomputing is is_recomputing
