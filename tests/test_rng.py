@@ -1,0 +1,55 @@
+"""RNG capture/replay and the guard that keeps concurrent partitions' draws apart."""
+import threading
+
+import torch
+
+from pipe.rng import RandomnessGuard, restore_rng_state, save_rng_state
+
+CPU = torch.device("cpu")
+
+
+def test_restore_replays_and_puts_state_back():
+    state = save_rng_state(CPU)
+    first = torch.rand(4)
+    after = torch.get_rng_state()
+    with restore_rng_state(CPU, state):
+        again = torch.rand(4)
+    assert torch.equal(first, again)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_guard_learns_whether_a_partition_draws():
+    random_guard, plain_guard = RandomnessGuard(CPU), RandomnessGuard(CPU)
+    assert random_guard.draws(True) is None
+    with random_guard.forward(True):
+        torch.rand(1)
+    with plain_guard.forward(True):
+        torch.zeros(1)
+    assert random_guard.draws(True) is True
+    assert plain_guard.draws(True) is False
+    assert plain_guard.draws(False) is None  # each mode is learned separately
+
+
+def test_guard_serialises_random_partitions():
+    guard_a, guard_b = RandomnessGuard(CPU), RandomnessGuard(CPU)
+    for guard in (guard_a, guard_b):
+        with guard.forward(True):
+            torch.rand(1)
+    inside = []
+    overlap = []
+
+    def run(guard):
+        for _ in range(50):
+            with guard.forward(True):
+                inside.append(1)
+                if len(inside) > 1:
+                    overlap.append(1)
+                torch.rand(100)
+                inside.pop()
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in (guard_a, guard_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlap == []
