@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
+from pipe import trace
 from pipe.dependency import fork, join
 from pipe.microbatch import Batch
 from pipe.phony import get_phony
@@ -97,11 +98,13 @@ class Checkpointing:
     Args:
         function: runs the partition on a batch.
         batch: the input micro-batch.
+        tag: (micro-batch, stage) of the cell, for :mod:`pipe.trace`.
     """
 
-    def __init__(self, function: Function, batch: Batch) -> None:
+    def __init__(self, function: Function, batch: Batch, tag: Optional[tuple[int, int]] = None) -> None:
         self.function = function
         self.batch = batch
+        self.tag = tag
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
         # Filled by Recompute.backward, consumed by Checkpoint.backward.
@@ -143,7 +146,8 @@ class Checkpoint(torch.autograd.Function):
         outputs, inputs = chk.recomputed.pop()
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            with trace.span("backward", chk.tag):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grad_input = tuple(x.grad if x.requires_grad else None for x in inputs)
         return (None, None) + grad_input
 
@@ -161,7 +165,8 @@ class Recompute(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
         assert chk.rng_state is not None  # set by Checkpoint.forward
-        with restore_rng_state(chk.device, chk.rng_state), torch.enable_grad(), enable_recomputing():
+        with restore_rng_state(chk.device, chk.rng_state), torch.enable_grad(), enable_recomputing(), \
+                trace.span("recompute", chk.tag):
             output = chk.function(chk.batch.with_tensors(inputs))
         chk.recomputed.append((output.tensors, inputs))
         return (None, None) + (None,) * len(saved)

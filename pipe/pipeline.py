@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from pipe import trace
 from pipe.checkpoint import Checkpointing
 from pipe.copy import Copy, Wait
 from pipe.dependency import fork, join
@@ -106,7 +107,8 @@ class Pipeline:
             if i != 0:
                 depend(batches[i - 1], batches[i])
             if self._crosses(j):
-                copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
+                with trace.span("copy", (i, j)):
+                    copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
 
     def _compute(self, batches: list[Batch], cells: list[tuple[int, int]],
                  copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
@@ -140,10 +142,10 @@ class Pipeline:
         guard = self.guards[j]
         training = self.training
         if checkpoint:
-            chk = Checkpointing(partition_function(partition), batch)
+            chk = Checkpointing(partition_function(partition), batch, tag=(i, j))
 
             def compute_checkpointed() -> Batch:
-                with guard.forward(training):
+                with guard.forward(training), trace.span("forward", (i, j)):
                     return chk.checkpoint()
 
             return Task(stream, compute=compute_checkpointed, finalize=chk.recompute, tag=(i, j))
@@ -151,8 +153,10 @@ class Pipeline:
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
             # checkpointed cell on another thread (see pipe.rng).
-            with guard.forward(training):
-                return batch.call(partition)
+            with guard.forward(training), trace.span("forward", (i, j)):
+                output = batch.call(partition)
+            trace.watch_backward(batch.tensors, output.tensors, (i, j))  # pipe.trace: times the backward
+            return output
 
         return Task(stream, compute=compute, tag=(i, j))
 

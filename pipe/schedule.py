@@ -207,7 +207,8 @@ class Schedule:
         return Action(Phase.BACKWARD, i, s + 1)
 
     def simulate(
-        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0
+        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
+        checkpoint_stop: int | None = None,
     ) -> list[TimedAction]:
         """Place every action on a timeline, given how long each phase takes.
 
@@ -218,6 +219,8 @@ class Schedule:
         its rank by a RECOMPUTE of that length, which starts as soon as the rank
         is free: it does not wait for the gradient (that is why Checkpoint and
         Recompute are separate), but the backward waits for it.
+        ``checkpoint_stop`` limits recomputation to micro-batches ``i <
+        checkpoint_stop``, as ``Pipe``'s checkpoint modes do (None: all).
 
         Returns:
             The timed actions of all ranks, sorted by ``(start, rank)``.
@@ -243,7 +246,9 @@ class Schedule:
                     if dependency is not None and dependency not in ends:
                         break
                     start = free[rank]
-                    if action.phase is Phase.BACKWARD and recompute > 0:
+                    if action.phase is Phase.BACKWARD and recompute > 0 and (
+                        checkpoint_stop is None or action.microbatch < checkpoint_stop
+                    ):
                         redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
                         timeline.append(TimedAction(redo, rank, start, start + recompute))
                         start += recompute

@@ -200,6 +200,15 @@ def test_recompute_sits_right_before_its_backward_on_the_same_rank(schedule: Sch
     assert Schedule("gpipe", 2, 4).simulate(recompute=0.0) == Schedule("gpipe", 2, 4).simulate()
 
 
+def test_checkpoint_stop_recomputes_only_the_leading_microbatches() -> None:
+    # Pipe's checkpoint="except_last" with 3 micro-batches: 0 and 1 recompute, 2 does not.
+    schedule = Schedule("gpipe", ranks=2, microbatches=3)
+    timeline = schedule.simulate(1.0, 2.0, recompute=1.0, checkpoint_stop=2)
+    assert sorted(str(t.action) for t in timeline if t.action.phase is R) == ["R0@0", "R0@1", "R1@0", "R1@1"]
+    assert schedule.simulate(recompute=1.0, checkpoint_stop=3) == schedule.simulate(recompute=1.0)
+    assert schedule.simulate(recompute=1.0, checkpoint_stop=0) == schedule.simulate()
+
+
 def test_docstring_diagrams_match_the_simulation() -> None:
     lines = (Schedule.__doc__ or "").splitlines()
     drawn = [line.strip() for line in lines if line.strip().startswith("rank ") and "|" in line]
