@@ -15,7 +15,10 @@ from torch import nn
 
 from pipe.microbatch import flatten, gather, pack_inputs, scatter
 from pipe.partition import Device, split_module
+from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.pipeline import Pipeline
+from pipe.skip.layout import inspect_skip_layout
+from pipe.skip.skippable import verify_skippables
 from pipe.worker import Workers
 
 __all__ = ["Pipe", "CHECKPOINT_MODES"]
@@ -102,14 +105,16 @@ class Pipe(nn.Module):
         super().__init__()
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
-        if deferred_batch_norm:
-            raise NotImplementedError(
-                "deferred_batch_norm=True is not available yet; use deferred_batch_norm=False "
-                "(BatchNorm statistics are then updated once per micro-batch)"
-            )
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         self.deferred_batch_norm = deferred_batch_norm
+        if deferred_batch_norm and isinstance(module, nn.Sequential):
+            module = convert_deferred_batch_norm(module)
 
         partitions, balance, devices = split_module(module, balance, devices)
+        verify_skippables(module)
+        self._deferred_batch_norms = deferred_batch_norms(module)
+        self.skip_layout = inspect_skip_layout(partitions)
         # The layers are this module's children under their original names, so
         # state_dict() keys are those of the wrapped nn.Sequential.
         for name, layer in module._modules.items():
@@ -132,7 +137,7 @@ class Pipe(nn.Module):
             )
         self.cpu_threads = cpu_threads
         self._workers = Workers(self.devices, cpu_threads)
-        self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
+        self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
         logger.info("Pipe: balance=%s devices=%s chunks=%d checkpoint=%s cpu_threads=%s",
                     balance, [str(d) for d in devices], self.chunks, self.checkpoint, cpu_threads)
 
@@ -191,7 +196,11 @@ class Pipe(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             stop = 0
         self._pipeline.training = self.training
+        for bn in self._deferred_batch_norms:
+            bn.discard()  # what a failed step left behind
         self._pipeline.run(batches, stop)
+        for bn in self._deferred_batch_norms:
+            bn.commit()  # running statistics once per mini-batch
         return gather(batches)
 
     def _verify_input_device(self, value: Any) -> None:

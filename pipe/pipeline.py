@@ -28,6 +28,8 @@ from pipe.dependency import fork, join
 from pipe.microbatch import Batch
 from pipe.rng import RandomnessGuard
 from pipe.schedule import Schedule
+from pipe.skip.layout import SkipLayout
+from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from pipe.stream import AbstractStream, current_stream, new_stream, use_device
 from pipe.worker import Task, Workers
 
@@ -60,12 +62,24 @@ class Pipeline:
         partitions: the partitions, each already on its device.
         devices: the device of each partition.
         workers: the worker threads.
+        skip_layout: routes of the skip tensors of ``@skippable`` layers
+            (:mod:`pipe.skip`); None when the model has none.
     """
 
-    def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device], workers: Workers) -> None:
+    def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device], workers: Workers,
+                 skip_layout: Optional[SkipLayout] = None) -> None:
         self.partitions = list(partitions)
         self.devices = list(devices)
         self.workers = workers
+        self.skip_layout = skip_layout if skip_layout else None
+        # Skips copied between devices: partition j sends some / receives some.
+        self._sends_skips = [False] * len(self.devices)
+        self._receives_skips = [False] * len(self.devices)
+        if self.skip_layout is not None:
+            for j in range(len(self.devices)):
+                for prev_j, _, _ in self.skip_layout.arriving(j):
+                    if self.devices[prev_j] != self.devices[j]:
+                        self._sends_skips[prev_j] = self._receives_skips[j] = True
         self.guards = [RandomnessGuard(device) for device in self.devices]
         self.training = True
         # copy_streams[j][i]: the stream micro-batch i arrives on at partition j.
@@ -96,30 +110,42 @@ class Pipeline:
         cycles = _forward_clock_cycles(len(self.partitions), len(batches))
         copy_streams = self.copy_streams(len(batches))
         compute_streams = [current_stream(device) for device in self.devices]
+        # One skip tracker per micro-batch: its stashes and pops meet there (pipe.skip).
+        skip_trackers = None if self.skip_layout is None else [
+            SkipTrackerThroughPortals(self.skip_layout) for _ in batches]
         for cells in cycles:
-            self._fence(batches, cells, copy_streams)
-            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop)
+            self._fence(batches, cells, copy_streams, skip_trackers)
+            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, skip_trackers)
+
 
     def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
-               copy_streams: list[list[AbstractStream]]) -> None:
+               copy_streams: list[list[AbstractStream]],
+               skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None) -> None:
         for i, j in cells:
             # In backward, micro-batch i leaves partition j before micro-batch i-1 does.
             if i != 0:
                 depend(batches[i - 1], batches[i])
+            if skip_trackers is not None and self._receives_skips[j]:
+                # Skips popped here come straight from the stash partition's device.
+                for prev_j, ns, name in self.skip_layout.arriving(j):  # type: ignore[union-attr]
+                    if self.devices[prev_j] != self.devices[j]:
+                        skip_trackers[i].copy(batches[i], copy_streams[prev_j][i], copy_streams[j][i], ns, name)
             if self._crosses(j):
                 with trace.span("copy", (i, j)):
                     copy(batches[i], copy_streams[j - 1][i], copy_streams[j][i])
 
     def _compute(self, batches: list[Batch], cells: list[tuple[int, int]],
                  copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
-                 checkpoint_stop: int) -> None:
+                 checkpoint_stop: int, skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None) -> None:
         n = len(self.partitions)
         for i, j in cells:
             batch = batches[i]
             partition = self.partitions[j]
-            if self._crosses(j):
+            if self._crosses(j) or self._receives_skips[j]:
                 wait(batch, copy_streams[j][i], compute_streams[j])
-            self.workers.put(j, self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop))
+            skip_tracker = None if skip_trackers is None else skip_trackers[i]
+            self.workers.put(j, self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop,
+                                           skip_tracker))
 
         failure: Optional[BaseException] = None
         for i, j in cells:
@@ -129,7 +155,7 @@ class Pipeline:
                     failure = payload[1]  # type: ignore[index]
                 continue
             task, batch = payload  # type: ignore[misc]
-            if j != n - 1 and self._crosses(j + 1):
+            if (j != n - 1 and self._crosses(j + 1)) or self._sends_skips[j]:
                 wait(batch, compute_streams[j], copy_streams[j][i])
             with use_device(self.devices[j]):
                 task.finalize(batch)
@@ -138,11 +164,12 @@ class Pipeline:
             raise failure
 
     def _task(self, i: int, j: int, batch: Batch, partition: nn.Sequential, stream: AbstractStream,
-              checkpoint: bool) -> Task:
+              checkpoint: bool, skip_tracker: Optional[SkipTracker] = None) -> Task:
         guard = self.guards[j]
         training = self.training
+        function = partition_function(partition, skip_tracker)
         if checkpoint:
-            chk = Checkpointing(partition_function(partition), batch, tag=(i, j))
+            chk = Checkpointing(function, batch, tag=(i, j))
 
             def compute_checkpointed() -> Batch:
                 with guard.forward(training), trace.span("forward", (i, j)):
@@ -154,7 +181,7 @@ class Pipeline:
             # Draws of random numbers must not interleave with those of a
             # checkpointed cell on another thread (see pipe.rng).
             with guard.forward(training), trace.span("forward", (i, j)):
-                output = batch.call(partition)
+                output = function(batch)
             trace.watch_backward(batch.tensors, output.tensors, (i, j))  # pipe.trace: times the backward
             return output
 
@@ -168,11 +195,20 @@ def _forward_clock_cycles(partitions: int, chunks: int) -> list[list[tuple[int, 
     return [[(a.microbatch, a.stage) for a in cycle] for cycle in schedule.forward_clock_cycles()]
 
 
-def partition_function(partition: nn.Module) -> Callable[[Batch], Batch]:
-    """The function a checkpoint replays: the partition applied to a batch."""
+def partition_function(partition: nn.Module, skip_tracker: Optional[SkipTracker] = None) -> Callable[[Batch], Batch]:
+    """The function a checkpoint replays: the partition applied to a batch.
 
-    def function(batch: Batch) -> Batch:
-        return batch.call(partition)
+    With a skip tracker, the partition's skippable layers stash into and pop
+    from it, in the first forward and in the recomputation alike.
+    """
+    if skip_tracker is None:
+        def function(batch: Batch) -> Batch:
+            return batch.call(partition)
+        return function
 
-    return function
+    def function_with_skips(batch: Batch) -> Batch:
+        with use_skip_tracker(skip_tracker):
+            return batch.call(partition)
+
+    return function_with_skips
 
