@@ -86,9 +86,14 @@ def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Res
             out_queue.put((True, (task, batch)))
 
 
-def _stop(in_queues: list["queue.Queue[Optional[Task]]"]) -> None:
+def _stop(in_queues: list["queue.Queue[Optional[Task]]"], threads: list[threading.Thread]) -> None:
     for in_queue in in_queues:
         in_queue.put(None)
+    # Join, so that no worker is still inside PyTorch when the interpreter
+    # tears down at exit (that aborts the process with std::terminate).
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=10)
 
 
 class Workers:
@@ -122,7 +127,7 @@ class Workers:
             )
             thread.start()
             self.threads.append(thread)
-        self._finalizer = weakref.finalize(self, _stop, self.in_queues)
+        self._finalizer = weakref.finalize(self, _stop, self.in_queues, list(self.threads))
         logger.debug("started %d pipeline workers on %s", len(self.threads), self.devices)
 
     def put(self, j: int, task: Task) -> None:
