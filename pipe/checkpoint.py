@@ -34,7 +34,7 @@ from pipe.microbatch import Batch
 from pipe.phony import get_phony
 from pipe.rng import RNGState, restore_rng_state, save_rng_state
 
-__all__ = ["Checkpointing", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
+__all__ = ["Checkpointing", "cell", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
 
 Function = Callable[[Batch], Batch]
 
@@ -126,6 +126,41 @@ class Checkpointing:
         tensor, phony = fork(output.tensor)
         phony = Recompute.apply(phony, self, *self.batch.tensors)
         output.tensor = join(tensor, phony)
+
+
+def cell(
+    function: Function, batch: Batch, checkpoint: bool, tag: tuple[int, int]
+) -> tuple[Callable[[], Batch], Callable[[Batch], None]]:
+    """How to run one (micro-batch, partition) cell, checkpointed or not.
+
+    The one recipe that the thread runner (:mod:`pipe.pipeline`) and the
+    process runner (:mod:`pipe.distributed.runtime`) share: ``compute()``
+    produces the output (where: a worker thread or the rank's main thread);
+    ``finalize(output)`` then runs in the caller, before anything consumes the
+    output: for a checkpointed cell it wires :class:`Recompute` ahead of the
+    output's gradient, for the others it lets :mod:`pipe.trace` time the
+    backward.
+
+    Args:
+        function: the partition applied to a batch.
+        batch: the input micro-batch.
+        checkpoint: whether to drop activations and recompute them in backward.
+        tag: (micro-batch, stage), for traces.
+
+    Returns:
+        ``(compute, finalize)``.
+    """
+    if checkpoint:
+        chk = Checkpointing(function, batch, tag=tag)
+        return chk.checkpoint, chk.recompute
+
+    def compute() -> Batch:
+        return function(batch)
+
+    def finalize(output: Batch) -> None:
+        trace.watch_backward(batch.tensors, output.tensors, tag)  # pipe.trace: times the backward
+
+    return compute, finalize
 
 
 class Checkpoint(torch.autograd.Function):

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["Device", "split_module", "verify_module", "default_devices"]
+__all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +57,16 @@ def _normalize_device(device: Device) -> torch.device:
     return device
 
 
-def _verify_balance(balance: Sequence[int], module: nn.Sequential) -> list[int]:
+def verify_balance(balance: Sequence[int], layers: int) -> list[int]:
+    """Checks that ``balance`` (layers per partition) covers ``layers`` layers, each partition non-empty."""
     if isinstance(balance, (int, str)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
         raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}")
     balance = list(balance)
     if not balance:
-        raise ValueError(f"balance is empty; give at least one partition, e.g. balance=[{len(module)}]")
-    if sum(balance) != len(module):
+        raise ValueError(f"balance is empty; give at least one partition, e.g. balance=[{layers}]")
+    if sum(balance) != layers:
         raise ValueError(
-            f"balance {balance} covers {sum(balance)} layers but the module has {len(module)}; "
+            f"balance {balance} covers {sum(balance)} layers but the module has {layers}; "
             f"balance must sum to len(module) ({_BALANCE_HELP})"
         )
     if any(b < 1 for b in balance):
@@ -73,6 +74,10 @@ def _verify_balance(balance: Sequence[int], module: nn.Sequential) -> list[int]:
             f"balance {balance} has a partition with fewer than 1 layer; every partition needs at least one ({_BALANCE_HELP})"
         )
     return balance
+
+
+def _verify_balance(balance: Sequence[int], module: nn.Sequential) -> list[int]:
+    return verify_balance(balance, len(module))
 
 
 def _layer_device(layer: nn.Module) -> Optional[torch.device]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipe import trace
-from pipe.checkpoint import Checkpointing
+from pipe.checkpoint import cell
 from pipe.copy import Copy, Wait
 from pipe.dependency import fork, join
 from pipe.microbatch import Batch
@@ -167,25 +167,16 @@ class Pipeline:
               checkpoint: bool, skip_tracker: Optional[SkipTracker] = None) -> Task:
         guard = self.guards[j]
         training = self.training
-        function = partition_function(partition, skip_tracker)
-        if checkpoint:
-            chk = Checkpointing(function, batch, tag=(i, j))
-
-            def compute_checkpointed() -> Batch:
-                with guard.forward(training), trace.span("forward", (i, j)):
-                    return chk.checkpoint()
-
-            return Task(stream, compute=compute_checkpointed, finalize=chk.recompute, tag=(i, j))
+        # The recipe of a cell is shared with the process runner (pipe.checkpoint.cell).
+        compute_cell, finalize = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j))
 
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
             # checkpointed cell on another thread (see pipe.rng).
             with guard.forward(training), trace.span("forward", (i, j)):
-                output = function(batch)
-            trace.watch_backward(batch.tensors, output.tensors, (i, j))  # pipe.trace: times the backward
-            return output
+                return compute_cell()
 
-        return Task(stream, compute=compute, tag=(i, j))
+        return Task(stream, compute=compute, finalize=finalize, tag=(i, j))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,87 @@
+"""The torchrun environment: initialise the process group and pick this rank's device.
+
+``torchrun`` (and ``torch.multiprocessing`` launchers that set the same
+variables) tell each process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``. From them :func:`init_from_env` chooses
+NCCL and ``cuda:LOCAL_RANK`` when CUDA is available, gloo and the CPU
+otherwise, and sets a process-group timeout short enough that a rank which
+hangs ends the job in bounded time (PyTorch's default is 30 minutes).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedEnv", "init_from_env", "DEFAULT_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """What :func:`init_from_env` set up for this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_from_env(
+    backend: Optional[str] = None,
+    *,
+    timeout: Optional[datetime.timedelta] = None,
+    cpu_threads: Optional[int] = None,
+) -> DistributedEnv:
+    """Initialises ``torch.distributed`` from the torchrun environment variables.
+
+    Usage (``torchrun --nproc-per-node=2 train.py``)::
+
+        env = pipe.distributed.init_from_env()
+        model = pipe.distributed.DistributedPipe(layers, chunks=8)
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        timeout: how long a collective or point-to-point wait may block before
+            the job fails; default :data:`DEFAULT_TIMEOUT` (60 s).
+        cpu_threads: intra-op threads of this process (e.g. 1 when several
+            ranks share a machine's cores); default: leave PyTorch's setting.
+
+    Returns:
+        The rank, world size, local rank, device and backend. If the process
+        group is already initialised, it is described, not re-created.
+
+    Raises:
+        RuntimeError: a torchrun variable is missing; the message names it.
+    """
+    missing = [name for name in _REQUIRED if name not in os.environ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"environment variables {', '.join(missing)} are not set; start the script with torchrun "
+            "(e.g. torchrun --nproc-per-node=2 script.py, see launch/README.md) or set them yourself"
+        )
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+    env = DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+    logger.info("rank %d of %d (local rank %d) on %s with %s", env.rank, env.world_size, local_rank, device, env.backend)
+    return env

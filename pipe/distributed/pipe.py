@@ -1,0 +1,237 @@
+"""``DistributedPipe``: the multi-process front end, one or more stages per rank under torchrun.
+
+``Pipe(model, chunks, checkpoint=...)`` for processes: every rank describes
+the same model, keeps its stages, and calls ``step()`` with the inputs (used
+where the first stage lives) and the targets and loss function (used where
+the last stage lives). Chunks, checkpoint modes, micro-batches and schedules
+mean what they mean for ``Pipe``, because they are the same code.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.group import Topology, verify_same_config
+from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
+from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
+from pipe.distributed.transport import Transport
+from pipe.microbatch import Batch, gather, pack_inputs, scatter
+from pipe.pipe import checkpoint_stop, verify_checkpoint, verify_chunks
+from pipe.schedule import Schedule
+from pipe.skip.layout import inspect_skip_layout
+from pipe.skip.skippable import verify_skippables
+
+__all__ = ["DistributedPipe", "LOSS_REDUCTIONS"]
+
+logger = logging.getLogger(__name__)
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class DistributedPipe(nn.Module):
+    """Trains an ``nn.Sequential`` as a pipeline over the ranks of a torchrun job.
+
+    Usage (every rank runs the same script)::
+
+        env = pipe.distributed.init_from_env()
+        model = DistributedPipe(nn.Sequential(...), chunks=8, checkpoint="except_last",
+                                schedule="1f1b")
+        optimizer = torch.optim.Adam(model.parameters())      # this rank's layers
+        for x, y in data:
+            loss = model.step(x, y, loss_fn)   # loss on the last stage's rank, None elsewhere
+            optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        model: an ``nn.Sequential`` (build it on ``torch.device("meta")`` to
+            allocate nothing; owned layers are then allocated and reset with
+            ``reset_parameters()``), or a layer factory ``factory(index) ->
+            nn.Module`` called only for the layers this rank owns (with ``layers=``).
+        chunks: micro-batches per mini-batch; every step runs exactly ``chunks``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (:mod:`pipe.schedule`).
+        balance: layers per stage (``ranks x virtual_stages`` entries);
+            default: as even as possible.
+        virtual_stages: stages per rank (``schedule="interleaved"``); stage s
+            runs on pipeline rank ``s % ranks``.
+        data_parallel: replicas of the pipeline; the world has
+            ``pipeline ranks x data_parallel`` ranks and each stage's gradients
+            are averaged over its replicas.
+        layers: the number of layers, with a layer factory.
+        loss_fn: default loss function of :meth:`step`.
+        loss_reduction: ``"mean"`` (default) if ``loss_fn`` averages over the
+            samples: micro-batch losses are weighted by their share of the
+            batch, so the step's loss and gradients are those of the whole
+            batch; ``"sum"`` if it sums.
+        device: where this rank's layers and tensors live; default ``cuda``
+            (current device) under NCCL, else the CPU.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError, ValueError: a bad argument, or ranks that disagree on the
+            configuration (checked collectively at construction).
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        *,
+        schedule: str = "1f1b",
+        balance: Optional[Sequence[int]] = None,
+        virtual_stages: int = 1,
+        data_parallel: int = 1,
+        layers: Optional[int] = None,
+        loss_fn: Optional[LossFn] = None,
+        loss_reduction: str = "mean",
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.chunks = verify_chunks(chunks)
+        self.checkpoint = verify_checkpoint(checkpoint)
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
+        self.loss_fn = loss_fn
+        layers = layer_count(model, layers)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call pipe.distributed.init_from_env() first "
+                "(under torchrun), or torch.distributed.init_process_group(...)"
+            )
+        # Compare before anything can block: a rank with another configuration fails here.
+        verify_same_config({
+            "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
+            "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
+            "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
+        })
+        self.topology = Topology(data_parallel)
+        self.schedule = Schedule(schedule, ranks=self.topology.ranks, microbatches=self.chunks,
+                                 virtual_stages=virtual_stages)
+        self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
+                                                 self.topology.pipeline_rank, self.device)
+        verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
+        layout = inspect_skip_layout(skeleton)
+        self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
+        routes = [(s, s + 1, MAIN) for s in range(self.schedule.stages - 1)]
+        routes += [(s, dst, name) for s, stage in enumerate(self.skips) for dst, _, name in stage.leaving]
+        self.topology.create_groups(routes, self.schedule.rank_of)
+        self._pipeline_group: Optional[dist.ProcessGroup] = None
+        if self.topology.ranks > 1:
+            for replica in range(data_parallel):
+                members = [self.topology.global_rank(p, replica) for p in range(self.topology.ranks)]
+                group = dist.new_group(members)
+                if replica == self.topology.replica:
+                    self._pipeline_group = group
+        # Owned layers are this module's children under their original names, so
+        # state_dict() keys are those of the original nn.Sequential.
+        for stage in sorted(self.partitions):
+            for name, layer in self.partitions[stage].named_children():
+                self.add_module(name, layer)
+        averager = None
+        if data_parallel > 1:
+            averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
+        self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device),
+                                self.skips, averager)
+        logger.info("DistributedPipe: rank %d = pipeline rank %d of replica %d, stages %s, schedule %s, "
+                    "chunks %d, checkpoint %s", self.topology.rank, self.topology.pipeline_rank,
+                    self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)
+
+    # -- where things live --------------------------------------------------------------------
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank runs."""
+        return sorted(self.partitions)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage (and takes the inputs)."""
+        return 0 in self.partitions
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (and takes the targets and computes the loss)."""
+        return self.schedule.stages - 1 in self.partitions
+
+    # -- training and inference -----------------------------------------------------------------
+
+    def step(self, inputs: Any = None, target: Any = None, loss_fn: Optional[LossFn] = None, *,
+             broadcast_loss: bool = False) -> Optional[Tensor]:
+        """Runs forward and backward of one mini-batch; gradients accumulate in ``.grad``.
+
+        Args:
+            inputs: what the first layer takes (a tensor, or a tuple for several);
+                used on the rank of the first stage, ignored elsewhere.
+            target: the loss function's second argument; used on the rank of the last stage.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``; default the constructor's.
+            broadcast_loss: return the loss on every rank (one broadcast), not only the last stage's.
+
+        Returns:
+            The mini-batch's loss (averaged over data-parallel replicas), on the
+            rank of the last stage, or everywhere with ``broadcast_loss``; else None.
+
+        Raises:
+            ValueError, TypeError: bad inputs or targets. If any rank fails, the
+            failing rank re-raises its error and the others raise
+            :class:`pipe.distributed.PipelineFailure` naming it.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        batches = self._scatter(inputs, "inputs") if self.is_first else None
+        targets = weights = None
+        if self.is_last:
+            if loss_fn is None:
+                raise ValueError("the rank of the last stage needs loss_fn, in step() or in the constructor")
+            targets = self._scatter(target, "target")
+            sizes = [_batch_size(t) for t in targets]
+            total = sum(sizes)
+            weights = [size / total for size in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
+        with torch.enable_grad():
+            loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)
+        if self.is_last and self.topology.data_parallel > 1:
+            assert loss is not None
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.topology.data_parallel_group)
+            loss /= self.topology.data_parallel
+        if broadcast_loss and self.topology.ranks > 1:
+            source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
+            loss = broadcast_from(loss, source, self._pipeline_group, self.device)
+        return loss
+
+    def forward(self, *inputs: Any) -> Any:
+        """Runs forwards only (no graph is kept): the output on the last stage's rank, None elsewhere.
+
+        Every rank of the pipeline must call it; ``inputs`` matter on the first stage's rank.
+        """
+        batches = self._scatter(pack_inputs(inputs) if inputs else None, "inputs") if self.is_first else None
+        with torch.no_grad():
+            _, outputs = self._runtime.run(batches, None, None, 0, None, training=False)
+        return gather(outputs) if outputs else None
+
+    def _scatter(self, value: Any, what: str) -> list[Batch]:
+        if value is None:
+            raise ValueError(f"this rank runs the {'first' if what == 'inputs' else 'last'} stage and needs {what}; "
+                             f"pass {what}= to step()")
+        batches = scatter(value, self.chunks)
+        if len(batches) != self.chunks:
+            raise ValueError(
+                f"{what} has batch size {len(batches)}, smaller than chunks={self.chunks}; a multi-process "
+                f"pipeline runs exactly chunks micro-batches per step (every rank must know the count), "
+                f"so pass at least {self.chunks} samples or use fewer chunks"
+            )
+        return batches
+
+
+def _batch_size(batch: Batch) -> int:
+    return batch.tensors[0].size(0)

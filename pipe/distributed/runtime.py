@@ -1,0 +1,335 @@
+"""The process runner: executes this rank's program from :mod:`pipe.schedule` with send/recv.
+
+The thread runner (:mod:`pipe.pipeline`) and this runner read the same
+schedule tables and run every cell with the same recipe
+(:func:`pipe.checkpoint.cell`: checkpointed or not, ``Checkpoint`` then
+``Recompute`` wired ahead of the gradient). They differ in how a tensor moves:
+a stream copy there, a point-to-point message here. A rank walks its program
+(``Schedule(kind, ranks, microbatches, virtual_stages).actions(rank)``)::
+
+    F i@s   input  <- scatter (first stage) or message on the "act" channel from s-1
+            output -> message to s+1, or loss_fn(output, target) on the last stage
+    B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
+            torch.autograd.backward(output, grad); input.grad -> message to s-1
+
+While action k computes, the header of action k+1's message is already posted,
+and sends complete in the background (see :mod:`pipe.distributed.transport`).
+
+Skip connections (:mod:`pipe.skip`) between non-adjacent stages travel the
+same way: a stage that stashes a skip popped on another stage returns it as
+part of its output (so ``Checkpoint``/``Recompute`` treat it as any output),
+and it goes straight to the popping stage on a channel of its own, its
+gradient coming back on the paired channel.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipe import trace
+from pipe.checkpoint import Function, cell
+from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.failure import failure_from
+from pipe.distributed.group import Topology
+from pipe.distributed.transport import Incoming, Transport
+from pipe.microbatch import Batch, flatten
+from pipe.pipeline import partition_function
+from pipe.schedule import Action, Phase, Schedule
+from pipe.skip.layout import SkipLayout
+from pipe.skip.namespace import NamespaceOrNone, SkipKey
+from pipe.skip.tracker import SkipTracker, use_skip_tracker
+
+__all__ = ["Runtime", "StageSkips", "MAIN"]
+
+logger = logging.getLogger(__name__)
+
+MAIN = "main"  # the channel name of the activations flowing stage to stage
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass
+class StageSkips:
+    """The skips that leave or reach one stage, as ``(other stage, key, channel name)``."""
+
+    arriving: list[tuple[int, SkipKey, str]] = field(default_factory=list)
+    leaving: list[tuple[int, SkipKey, str]] = field(default_factory=list)
+
+    @staticmethod
+    def from_layout(layout: Optional[SkipLayout], stages: int) -> list["StageSkips"]:
+        """Per stage, the skips crossing stages; channels are named by route order (same on every rank)."""
+        result = [StageSkips() for _ in range(stages)]
+        if layout is None:
+            return result
+        for k, ((ns, name), (src, dst)) in enumerate(layout.routes.items()):
+            if src == dst:
+                continue
+            channel = f"skip{k}:{name}"
+            result[src].leaving.append((dst, (ns, name), channel))
+            result[dst].arriving.append((src, (ns, name), channel))
+        return result
+
+
+class _CrossStageTracker(SkipTracker):
+    """Skips within the stage are handed over as usual; crossing ones come from / go to the runner."""
+
+    def __init__(self, arriving: dict[SkipKey, Optional[Tensor]], leaving: set[SkipKey]) -> None:
+        super().__init__()
+        self.arriving = arriving
+        self.leaving = leaving
+        self.outgoing: dict[SkipKey, Optional[Tensor]] = {}
+
+    def save(self, batch: Batch, ns: NamespaceOrNone, name: str, tensor: Optional[Tensor]) -> None:
+        if (ns, name) in self.leaving:
+            self.outgoing[(ns, name)] = tensor
+        else:
+            super().save(batch, ns, name, tensor)
+
+    def load(self, batch: Batch, ns: NamespaceOrNone, name: str) -> Optional[Tensor]:
+        if (ns, name) in self.arriving:
+            return self.arriving[(ns, name)]
+        return super().load(batch, ns, name)
+
+
+def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
+    """The function a cell of this stage runs (and a checkpoint replays).
+
+    Without skips crossing the stage it is :func:`pipe.pipeline.partition_function`.
+    Otherwise the input value is ``(value, arriving skips)`` and the output
+    ``(value, leaving skips)``, so skips are ordinary inputs and outputs of the cell.
+    """
+    if not skips.arriving and not skips.leaving:
+        return partition_function(partition)
+    arriving_keys = [key for _, key, _ in skips.arriving]
+    leaving_keys = [key for _, key, _ in skips.leaving]
+
+    def function(batch: Batch) -> Batch:
+        value = batch.value
+        incoming: dict[SkipKey, Optional[Tensor]] = {}
+        if arriving_keys:
+            value, skip_values = value
+            incoming = dict(zip(arriving_keys, skip_values))
+        tracker = _CrossStageTracker(incoming, set(leaving_keys))
+        with use_skip_tracker(tracker):
+            output = partition(value)
+        if leaving_keys:
+            missing = [name for ns, name in leaving_keys if (ns, name) not in tracker.outgoing]
+            if missing:
+                raise RuntimeError(f"skips {missing} are declared but were not stashed in this forward")
+            output = (output, tuple(tracker.outgoing[key] for key in leaving_keys))
+        return Batch(output)
+
+    return function
+
+
+def _count_tensors(value: Any) -> int:
+    return sum(1 for leaf in flatten(value)[0] if isinstance(leaf, Tensor))
+
+
+@dataclass
+class _Cell:
+    """What a forward keeps for its backward."""
+
+    input: Batch
+    output: Batch
+    input_parts: list[int]  # tensors per input part: main value, then each arriving skip
+    output_parts: list[int]  # tensors per output part: main value, then each leaving skip
+    loss: Optional[Tensor] = None
+
+
+class Runtime:
+    """Runs this rank's stages for one step at a time.
+
+    Args:
+        stages: this rank's stages by stage index.
+        schedule: the schedule kind, ranks, micro-batches and virtual stages.
+        topology: ranks, replicas and channels.
+        transport: the point-to-point transport.
+        skips: per stage, the skips that cross stages.
+        averager: averages gradients over the data-parallel group, or None.
+    """
+
+    def __init__(self, stages: dict[int, nn.Sequential], schedule: Schedule, topology: Topology,
+                 transport: Transport, skips: list[StageSkips], averager: Optional[GradientAverager]) -> None:
+        self.stages = stages
+        self.schedule = schedule
+        self.topology = topology
+        self.transport = transport
+        self.skips = skips
+        self.averager = averager
+        self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
+        self.last = schedule.stages - 1
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def run(self, batches: Optional[list[Batch]], targets: Optional[list[Batch]], loss_fn: Optional[LossFn],
+            checkpoint_stop: int, weights: Optional[list[float]], training: bool) -> tuple[Optional[Tensor], list[Batch]]:
+        """Runs the program of this rank for one mini-batch.
+
+        Args:
+            batches: the input micro-batches (on the rank of the first stage).
+            targets: the target micro-batches (on the rank of the last stage, when training).
+            loss_fn: ``loss_fn(output, target)`` -> scalar (on the rank of the last stage).
+            checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
+            weights: per micro-batch, the factor of its loss in the step's loss.
+            training: run backward (True) or forwards only.
+
+        Returns:
+            ``(loss, outputs)``: the step's loss on the last stage's rank when
+            training, and the last stage's output micro-batches (forwards only).
+        """
+        program = [a for a in self.schedule.actions(self.topology.pipeline_rank)
+                   if training or a.phase is Phase.FORWARD]
+        cells: dict[tuple[int, int], _Cell] = {}
+        outputs: dict[int, Batch] = {}
+        loss: Optional[Tensor] = None
+        backwards_left = {s: self.schedule.microbatches for s in self.stages}
+        action: Optional[Action] = None
+        try:
+            posted = self._post(program[0]) if program else {}
+            for k, action in enumerate(program):
+                messages = {name: incoming.wait() for name, incoming in posted.items()}
+                posted = self._post(program[k + 1]) if k + 1 < len(program) else {}
+                i, s = action.microbatch, action.stage
+                if action.phase is Phase.FORWARD:
+                    output = self._forward(action, batches, messages, cells, i < checkpoint_stop, training)
+                    if s == self.last:
+                        if training:
+                            assert targets is not None and loss_fn is not None and weights is not None
+                            cells[(i, s)].loss = _loss(loss_fn, output.value, targets[i].value, i)
+                            scaled = cells[(i, s)].loss.detach() * weights[i]
+                            loss = scaled if loss is None else loss + scaled
+                        else:
+                            outputs[i] = output
+                else:
+                    self._backward(action, messages, cells.pop((i, s)), weights)
+                    backwards_left[s] -= 1
+                    if backwards_left[s] == 0 and self.averager is not None:
+                        self.averager.start(s)  # overlaps with the backward of this rank's other stages
+            action = None
+            self.transport.flush()
+            if self.averager is not None and training:
+                self.averager.finish()
+        except BaseException as error:
+            where = str(action) if action is not None else "the end of the step"
+            raise failure_from(self.topology.rank, where, error) from None
+        return loss, [outputs[i] for i in sorted(outputs)]
+
+    # -- receives ---------------------------------------------------------------------------
+
+    def _post(self, action: Action) -> dict[str, Incoming]:
+        """Posts the receives of every message ``action`` needs."""
+        i, s = action.microbatch, action.stage
+        topology, transport = self.topology, self.transport
+        posted: dict[str, Incoming] = {}
+        where = (i, s)
+        if action.phase is Phase.FORWARD:
+            if s > 0:
+                posted[MAIN] = transport.receive(topology.incoming(s, s - 1, "act", MAIN), i, where)
+            for src, _, name in self.skips[s].arriving:
+                posted[name] = transport.receive(topology.incoming(s, src, "act", name), i, where)
+        else:
+            if s < self.last:
+                posted[MAIN] = transport.receive(topology.incoming(s, s + 1, "grad", MAIN), i, where)
+            for dst, _, name in self.skips[s].leaving:
+                posted[name] = transport.receive(topology.incoming(s, dst, "grad", name), i, where)
+        return posted
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _forward(self, action: Action, batches: Optional[list[Batch]], messages: dict[str, Any],
+                 cells: dict[tuple[int, int], _Cell], checkpoint: bool, training: bool) -> Batch:
+        i, s = action.microbatch, action.stage
+        skips = self.skips[s]
+        if s == 0:
+            if batches is None:
+                raise ValueError("the rank of the first stage got no inputs; pass inputs= to step() on that rank")
+            main = batches[i].value
+        else:
+            main = messages[MAIN]
+        value = main
+        input_parts = [_count_tensors(main)]
+        if skips.arriving:
+            arriving = tuple(messages[name] for _, _, name in skips.arriving)
+            value = (main, arriving)
+            input_parts += [_count_tensors(v) for v in arriving]
+        batch = Batch(value)
+        compute, finalize = cell(self.functions[s], batch, checkpoint and training, (i, s))
+        with trace.span("forward", (i, s)):
+            output = compute()
+        finalize(output)
+
+        main_out = output.value
+        output_parts = [_count_tensors(main_out)]
+        if skips.leaving:
+            main_out, leaving = output.value
+            output_parts = [_count_tensors(main_out)] + [_count_tensors(v) for v in leaving]
+            for (dst, _, name), skip in zip(skips.leaving, leaving):
+                self.transport.send(skip, self.topology.outgoing(s, dst, "act", name), i, (i, s))
+        if s < self.last:
+            self.transport.send(main_out, self.topology.outgoing(s, s + 1, "act", MAIN), i, (i, s))
+        if training:
+            cells[(i, s)] = _Cell(batch, output, input_parts, output_parts)
+        return Batch(main_out) if skips.leaving else output
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def _backward(self, action: Action, messages: dict[str, Any], state: _Cell,
+                  weights: Optional[list[float]]) -> None:
+        i, s = action.microbatch, action.stage
+        skips = self.skips[s]
+        if s == self.last:
+            assert state.loss is not None and weights is not None
+            roots, grads = [state.loss * weights[i]], None
+        else:
+            received: list[Optional[Tensor]] = list(messages[MAIN])
+            for _, _, name in skips.leaving:
+                received += list(messages[name])
+            if len(received) != sum(state.output_parts):
+                raise RuntimeError(
+                    f"stage {s} got {len(received)} gradients for micro-batch {i} but its output holds "
+                    f"{sum(state.output_parts)} tensors; the ranks run different models"
+                )
+            pairs = [(t, g) for t, g in zip(state.output.tensors, received) if g is not None and t.requires_grad]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if s == 0:
+            return
+        input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
+        parts = _split(input_grads, state.input_parts)
+        self.transport.send(parts[0], self.topology.outgoing(s, s - 1, "grad", MAIN), i, (i, s))
+        for (src, _, name), part in zip(skips.arriving, parts[1:]):
+            self.transport.send(part, self.topology.outgoing(s, src, "grad", name), i, (i, s))
+
+
+def _split(items: list[Any], sizes: list[int]) -> list[list[Any]]:
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(items[start:start + size])
+        start += size
+    return parts
+
+
+def _loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
+    loss = loss_fn(output, target)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        described = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        raise TypeError(
+            f"loss_fn returned {described} for micro-batch {microbatch}; it must return a scalar tensor "
+            "(reduce the loss, e.g. with reduction='mean')"
+        )
+    return loss.reshape(())
+
+
+def broadcast_from(value: Optional[Tensor], source: int, group: Optional[dist.ProcessGroup],
+                   device: torch.device) -> Tensor:
+    """``value`` from global rank ``source`` on every rank of ``group``."""
+    buffer = value.detach().clone() if value is not None else torch.zeros((), device=device)
+    dist.broadcast(buffer, source, group=group)
+    return buffer

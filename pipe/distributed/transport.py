@@ -1,0 +1,198 @@
+"""Point-to-point transport: send a micro-batch value to another rank, structure and all.
+
+A stage's output is any value of tensors, tuples, lists, dicts and plain
+Python values (:mod:`pipe.microbatch`), and its shapes change from one
+micro-batch to the next (an uneven last micro-batch, a different batch size
+next step). A receiver cannot allocate buffers for what it does not know, so
+every message starts with a small header that says what follows::
+
+    sender                                    receiver
+    header  [uint8 x HEADER_BYTES] ───────▶   irecv(header)      (posted ahead)
+            8-byte length + pickled (structure, non-tensor leaves,
+            dtype/shape/requires_grad of each tensor)
+    [rest of a long header]        ───────▶   irecv(rest)        (only if longer)
+    tensor 0 .. tensor n-1         ───────▶   irecv(empty(shape, dtype)) x n
+
+Messages travel on *channels*: one process group per (pipeline replica,
+stage boundary or skip route, direction), so that backends that match
+messages in posting order (NCCL) see the same order on both ends; gloo also
+gets a distinct tag per micro-batch and slot. Sends are asynchronous
+(``isend``) and complete in the background while the sender computes; the
+sender only waits for them at the end of a step. A message between two stages
+of one rank (interleaved schedules with one rank) never touches the network.
+
+The pickled header is the same mechanism as ``torch.distributed``'s
+``send_object_list``: the peers are ranks of one job.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipe import trace
+from pipe.microbatch import flatten, unflatten
+
+__all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming"]
+
+logger = logging.getLogger(__name__)
+
+HEADER_BYTES = 1024
+"""Size of the fixed header message; headers longer than this send the rest in a second message."""
+
+Cell = Optional[tuple[int, int]]  # (micro-batch, stage), for pipe.trace
+
+_SLOTS = 4096  # messages (header, rest, tensors) per micro-batch on one channel
+_LENGTH_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where a message goes: the peer's global rank, the process group and a tag base.
+
+    ``group`` is None for a loopback channel (sender and receiver are one rank).
+    """
+
+    peer: int
+    group: Optional[dist.ProcessGroup]
+    name: str
+
+
+class Incoming:
+    """A message being received: the header is posted first, the tensors once it has arrived."""
+
+    def __init__(self, transport: "Transport", channel: Channel, tag: int, cell: Cell = None) -> None:
+        self.transport = transport
+        self.channel = channel
+        self.tag = tag
+        self.cell = cell
+        self._header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=transport.device)
+        self._work: Optional[dist.Work] = None
+        if channel.group is not None:
+            self._work = dist.irecv(self._header, channel.peer, group=channel.group, tag=tag)
+
+    def wait(self) -> Any:
+        """Blocks until the whole message is here and returns its value."""
+        channel = self.channel
+        if channel.group is None:
+            return self.transport._loopback.pop((channel.name, self.tag))
+        with trace.span("recv", self.cell, channel=channel.name):
+            assert self._work is not None
+            self._work.wait()
+            header = self._header.cpu()
+            length = int.from_bytes(header[:_LENGTH_BYTES].numpy().tobytes(), "little")
+            payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
+            if length > HEADER_BYTES - _LENGTH_BYTES:
+                rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self.transport.device)
+                dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1).wait()
+                payload += rest.cpu().numpy().tobytes()
+            spec, leaves, metas = pickle.loads(payload)
+            device = self.transport.device
+            buffers = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in metas]
+            works = [
+                dist.irecv(buffer, channel.peer, group=channel.group, tag=self.tag + 2 + k)
+                for k, buffer in enumerate(buffers)
+            ]
+            for work in works:
+                work.wait()
+        tensors = iter(buffers)
+        flags = iter(requires_grad for _, _, requires_grad in metas)
+        for position, leaf in enumerate(leaves):
+            if leaf is _TENSOR:
+                leaves[position] = next(tensors).requires_grad_(next(flags))
+        return unflatten(leaves, spec)
+
+
+class _TensorMarker:
+    """Stands in the header for a tensor leaf, which travels as its own message."""
+
+    def __reduce__(self) -> str:
+        return "_TENSOR"
+
+
+_TENSOR = _TensorMarker()
+
+
+class Transport:
+    """Sends and receives values over channels with asynchronous point-to-point ops.
+
+    Args:
+        device: where received tensors are allocated (the rank's device).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: list[tuple[dist.Work, list[Tensor]]] = []
+        self._loopback: dict[tuple[str, int], Any] = {}
+
+    @staticmethod
+    def tag(microbatch: int) -> int:
+        """The first tag of ``microbatch``'s message on a channel."""
+        return microbatch * _SLOTS
+
+    def send(self, value: Any, channel: Channel, microbatch: int, cell: Cell = None) -> None:
+        """Starts sending ``value`` (tensors are detached); returns without waiting.
+
+        Raises:
+            ValueError: the value holds more tensors than a message can carry.
+        """
+        leaves, spec = flatten(value)
+        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, Tensor)]
+        tag = self.tag(microbatch)
+        if channel.group is None:
+            self._loopback[(channel.name, tag)] = unflatten(
+                [_loopback_leaf(leaf) for leaf in leaves], spec)
+            return
+        if len(tensors) > _SLOTS - 2:
+            raise ValueError(
+                f"a value sent between stages holds {len(tensors)} tensors; at most {_SLOTS - 2} fit one "
+                "message (stack them into fewer tensors)"
+            )
+        metas = [(t.dtype, tuple(t.shape), t.requires_grad)
+                 for t in (leaf for leaf in leaves if isinstance(leaf, Tensor))]
+        header_leaves = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        payload = pickle.dumps((spec, header_leaves, metas))
+        encoded = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        first = encoded[:HEADER_BYTES]
+        header[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        messages = [(header.to(self.device), tag)]
+        if len(encoded) > HEADER_BYTES:
+            rest = torch.frombuffer(bytearray(encoded[HEADER_BYTES:]), dtype=torch.uint8)
+            messages.append((rest.to(self.device), tag + 1))
+        messages += [(t.contiguous(), tag + 2 + k) for k, t in enumerate(tensors)]
+        with trace.span("send", cell, channel=channel.name):
+            for tensor, message_tag in messages:
+                work = dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag)
+                self._pending.append((work, [tensor]))
+        self._reap()
+
+    def receive(self, channel: Channel, microbatch: int, cell: Cell = None) -> Incoming:
+        """Posts the receive of ``microbatch``'s message; ``.wait()`` returns the value."""
+        return Incoming(self, channel, self.tag(microbatch), cell)
+
+    def _reap(self) -> None:
+        """Forgets sends that have completed, so their buffers can be freed."""
+        self._pending = [(work, keep) for work, keep in self._pending if not work.is_completed()]
+
+    def flush(self) -> None:
+        """Waits until every send has completed."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+        if self._loopback:
+            left = sorted(self._loopback)
+            self._loopback.clear()
+            raise RuntimeError(f"messages sent to this rank itself were never received: {left}")
+
+
+def _loopback_leaf(leaf: Any) -> Any:
+    """What a local receiver gets: a detached tensor with the sender's requires_grad."""
+    if isinstance(leaf, Tensor):
+        return leaf.detach().requires_grad_(leaf.requires_grad)
+    return leaf

@@ -1,0 +1,121 @@
+"""Tiny models for the multi-process tests, and the plain-module oracle they are checked against."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipe.distributed import DistributedPipe
+from pipe.skip import pop, skippable, stash
+
+WIDTH = 6
+
+
+class Block(nn.Module):
+    """Takes and returns ``(x, info)``: a float tensor and a dict with a long tensor and a Python float."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, value: tuple[Tensor, dict[str, Any]]) -> tuple[Tensor, dict[str, Any]]:
+        x, info = value
+        x = torch.tanh(self.linear(x)) * info["scale"] + info["ids"].unsqueeze(1).to(x.dtype) * 0.01
+        return x, {"scale": info["scale"], "ids": info["ids"]}
+
+
+class Head(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, 3)
+
+    def forward(self, value: tuple[Tensor, dict[str, Any]]) -> Tensor:
+        return self.linear(value[0])
+
+
+def block_factory(layers: int) -> Callable[[int], nn.Module]:
+    """Layer i, the same on every rank: seeded by its index."""
+
+    def factory(index: int) -> nn.Module:
+        torch.manual_seed(1000 + index)
+        return Head() if index == layers - 1 else Block()
+
+    return factory
+
+
+def blocks(layers: int = 8) -> nn.Sequential:
+    factory = block_factory(layers)
+    return nn.Sequential(*[factory(i) for i in range(layers)])
+
+
+def batch(size: int, seed: int = 0) -> tuple[tuple[Tensor, dict[str, Any]], Tensor]:
+    """Inputs ``(x, {"scale", "ids"})`` and targets for ``blocks``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, WIDTH, generator=generator)
+    ids = torch.randint(0, 5, (size,), generator=generator)
+    target = torch.randn(size, 3, generator=generator)
+    return (x, {"scale": 0.5, "ids": ids}), target
+
+
+@skippable(stash=["early"])
+class StashLinear(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Any:
+        x = self.linear(x)
+        yield stash("early", x)
+        return torch.tanh(x)
+
+
+@skippable(pop=["early"])
+class PopLinear(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Any:
+        early = yield pop("early")
+        return self.linear(x) + early
+
+
+def skip_model(stash_at: int, pop_at: int, layers: int) -> nn.Sequential:
+    """Linear layers with a skip from layer ``stash_at`` to layer ``pop_at``."""
+    torch.manual_seed(7)
+    entries: list[nn.Module] = []
+    for i in range(layers):
+        if i == stash_at:
+            entries.append(StashLinear())
+        elif i == pop_at:
+            entries.append(PopLinear())
+        else:
+            entries.append(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()))
+    return nn.Sequential(*entries)
+
+
+def oracle(model: nn.Sequential, inputs: Any, target: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Output, loss and every gradient of the plain module on the whole batch."""
+    plain = copy.deepcopy(model)
+    output = plain(inputs)
+    loss = F.mse_loss(output, target)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in plain.named_parameters() if p.grad is not None}
+    return output.detach(), loss.detach(), grads
+
+
+def check_against_oracle(pipe: DistributedPipe, model: nn.Sequential, inputs: Any, target: Tensor,
+                         loss: Optional[Tensor], label: str) -> None:
+    """Loss (on the last stage) and the gradient of every owned parameter equal the plain module's."""
+    _, expected_loss, expected_grads = oracle(model, inputs, target)
+    if pipe.is_last:
+        assert loss is not None, label
+        torch.testing.assert_close(loss, expected_loss, msg=lambda m: f"{label}: loss\n{m}")
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names, label
+    for name, parameter in pipe.named_parameters():
+        assert parameter.grad is not None, f"{label}: {name} has no gradient"
+        torch.testing.assert_close(parameter.grad, expected_grads[name], msg=lambda m: f"{label}: {name}\n{m}")

@@ -1,0 +1,93 @@
+"""Run a function on several gloo ranks on 127.0.0.1, with a deadline so that a hang fails.
+
+Each test spawns as few process groups as it can (a spawn costs seconds on two
+cores) and checks several things per spawn. Ranks are forked, so the function
+may be defined in the test module; each rank compares against the plain
+model itself and returns plain Python values (tensors are not sent back).
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pipe.distributed import init_from_env
+
+DEADLINE = 90.0  # seconds for a whole spawn; a hang fails the test instead of blocking CI
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+           results: "multiprocessing.Queue[Any]", timeout: float, env: dict[str, str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
+    torch.set_num_threads(1)
+    try:
+        init_from_env("gloo", timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done
+        results.put((rank, True, result))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
+              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None) -> list[Any]:
+    """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
+
+    Args:
+        timeout: the process-group timeout of each rank.
+        deadline: the whole run's limit; past it the ranks are killed and the test fails.
+
+    Raises:
+        AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
+    """
+    context = multiprocessing.get_context("fork")
+    results: "multiprocessing.Queue[Any]" = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env or {}),
+                        name=f"pipe-test-rank-{rank}", daemon=True)
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    collected: dict[int, tuple[bool, Any]] = {}
+    end = time.monotonic() + deadline
+    try:
+        while len(collected) < world:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in processes) and results.empty():
+                    break
+                continue
+            collected[rank] = (ok, payload)
+    finally:
+        for process in processes:
+            process.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
+            if process.is_alive():
+                process.kill()  # only the processes this harness started, by their own handle
+                process.join()
+    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
+    missing = [rank for rank in range(world) if rank not in collected]
+    if failures or missing:
+        raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
+                                                     if missing else ""))
+    return [collected[rank][1] for rank in range(world)]
