@@ -1,0 +1,161 @@
+"""Profiling: the cost of each layer in time, in memory, or in parameters.
+
+Every profile runs on copies of the layers, one at a time, with the random
+generators forked, so the user's module is left exactly as it was: same
+parameters, gradients, training flag, BatchNorm statistics and random state.
+Layers run in training mode on a detached input, as a pipeline partition
+would run them; the skips of ``@skippable`` layers are handed over detached,
+so that each layer's backward stays its own.
+
+Memory is measured the same way on every device, without CUDA's allocator:
+the bytes a layer's forward keeps alive are the storages of its output, of
+the tensors autograd saved for backward (``saved_tensors_hooks``) and of the
+skips it stashed, minus what existed before (its input, parameters and
+buffers).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from pipe.microbatch import Batch, scatter
+from pipe.skip.namespace import NamespaceOrNone
+from pipe.skip.tracker import SkipTracker, use_skip_tracker
+from pipe.stream import use_device
+
+__all__ = ["profile_times", "profile_sizes", "profile_params"]
+
+logger = logging.getLogger(__name__)
+
+
+class _DetachingTracker(SkipTracker):
+    """Hands skips over cut from the stashing layer's graph, and remembers what was stashed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stashed: list[Tensor] = []
+
+    def save(self, batch: Batch, ns: NamespaceOrNone, name: str, tensor: Optional[Tensor]) -> None:
+        if tensor is not None:
+            self.stashed.append(tensor)
+            tensor = tensor.detach().requires_grad_(tensor.requires_grad)
+        super().save(batch, ns, name, tensor)
+
+
+def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+    for layer in module:
+        layer = copy.deepcopy(layer).to(device)
+        layer.train()
+        for param in layer.parameters():
+            param.grad = None
+        yield layer
+
+
+def _detach(batch: Batch) -> Batch:
+    return batch.with_tensors([
+        t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
+        for t in batch.tensors
+    ])
+
+
+@contextmanager
+def _sandbox(device: torch.device) -> Iterator[_DetachingTracker]:
+    tracker = _DetachingTracker()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.enable_grad(), use_device(device), use_skip_tracker(tracker):
+        yield tracker
+
+
+def _input(sample: Any, device: torch.device) -> Batch:
+    batch = Batch(sample)
+    return _detach(batch.with_tensors([t.to(device) for t in batch.tensors]))
+
+
+def _backward(batch: Batch) -> None:
+    outputs = [t for t in batch.tensors if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
+    """Seconds of forward plus backward of each layer: the median of the rounds run for ``timeout`` seconds.
+
+    A first, untimed round warms up; at least one timed round follows, whatever the timeout.
+    """
+    samples: list[list[float]] = [[] for _ in module]
+    with _sandbox(device):
+        layers = list(_layer_copies(module, device))
+        begun = time.perf_counter()
+        rounds = 0
+        while rounds < 2 or time.perf_counter() - begun < timeout:
+            batch = _input(sample, device)
+            for k, layer in enumerate(layers):
+                batch = _detach(batch)
+                _synchronize(device)
+                tick = time.perf_counter()
+                batch = batch.call(layer)
+                _backward(batch)
+                _synchronize(device)
+                if rounds > 0:  # the first round warms up (allocations, kernels, autograd threads)
+                    samples[k].append(time.perf_counter() - tick)
+            rounds += 1
+    # The median round, not the sum: a round that another process preempted does not count.
+    times = [statistics.median(round_times) for round_times in samples]
+    logger.debug("profiled times over %d rounds: %s", rounds, times)
+    return times
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    """``{storage address: bytes}`` of the tensors."""
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, Tensor) and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def profile_sizes(module: nn.Sequential, sample: Any, chunks: int, param_scale: float,
+                  device: torch.device) -> list[int]:
+    """Bytes each layer holds for one micro-batch: activations kept for backward, plus
+    ``param_scale`` times its parameter bytes."""
+    sizes: list[int] = []
+    batch = _input(scatter(sample, chunks)[0].value, device)
+    with _sandbox(device) as tracker:
+        for layer in _layer_copies(module, device):
+            batch = _detach(batch)
+            saved: list[Tensor] = []
+
+            def pack(tensor: Tensor) -> Tensor:
+                saved.append(tensor)
+                return tensor
+
+            tracker.stashed.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = batch.call(layer)
+            before = _storages([*batch.tensors, *layer.parameters(), *layer.buffers()])
+            kept = _storages([*output.tensors, *saved, *tracker.stashed])
+            activations = sum(size for address, size in kept.items() if address not in before)
+            params = sum(p.numel() * p.element_size() for p in layer.parameters())
+            sizes.append(int(activations + param_scale * params))
+            _backward(output)  # frees the graph; a later pop may want this layer's skip
+            batch = output
+    logger.debug("profiled sizes: %s", sizes)
+    return sizes
+
+
+def profile_params(module: nn.Sequential) -> list[int]:
+    """The number of parameters of each layer."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in module]

@@ -1,0 +1,104 @@
+"""Profiles and balancers on the CPU: a very heavy layer gets a partition of its own, the user's
+module is left as it was (parameters, gradients, training flag, BatchNorm statistics, random state)."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipe import Pipe
+from pipe.balance import balance_by_params, balance_by_size, balance_by_time, balance_cost
+from pipe.balance.profile import profile_params, profile_sizes
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "skip"))
+from models import PopLinear, StashLinear  # noqa: E402
+
+
+def heavy_model() -> nn.Sequential:
+    """Six layers; layer 2 costs far more than all the others together (time, memory, parameters)."""
+    torch.manual_seed(0)
+    heavy = nn.Sequential(nn.Linear(16, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(), nn.Linear(384, 16))
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), heavy, nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 16))
+
+
+SAMPLE = torch.randn(64, 16)
+
+
+def state(module: nn.Module) -> list[torch.Tensor]:
+    return [t.clone() for t in module.state_dict().values()]
+
+
+@pytest.mark.parametrize("balancer", ["time", "size", "params"])
+def test_heavy_layer_gets_its_own_partition(balancer: str) -> None:
+    model = heavy_model()
+    if balancer == "time":
+        balance = balance_by_time(3, model, SAMPLE, timeout=0.05)
+    elif balancer == "size":
+        balance = balance_by_size(3, model, SAMPLE, chunks=4)
+    else:
+        balance = balance_by_params(3, model)
+    assert balance == [2, 1, 3]
+    Pipe(model, chunks=4, balance=balance, devices=["cpu"] * 3, cpu_threads=1).close()
+
+
+@pytest.mark.parametrize("balancer", ["time", "size"])
+def test_no_side_effects(balancer: str) -> None:
+    model = heavy_model().eval()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = state(model)
+    rng = torch.get_rng_state()
+    if balancer == "time":
+        balance_by_time(2, model, SAMPLE, timeout=0.01)
+    else:
+        balance_by_size(2, model, SAMPLE)
+    assert all(torch.equal(a, b) for a, b in zip(before, state(model)))  # incl. BN statistics
+    assert not model.training and not any(m.training for m in model.modules())
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert all(p.grad is None for p in model[1:].parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_sizes_count_activations_and_parameters() -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    sample = torch.randn(16, 8)
+    only_activations = profile_sizes(model, sample, chunks=2, param_scale=0.0, device=torch.device("cpu"))
+    # Linear keeps its output (8 x 32 floats) and saves its input (counted with the layer before);
+    # ReLU's output (8 x 32) is new and saved.
+    assert only_activations[0] == 8 * 32 * 4
+    assert only_activations[1] == 8 * 32 * 4
+    assert only_activations[2] == 8 * 8 * 4
+    with_params = profile_sizes(model, sample, chunks=2, param_scale=2.0, device=torch.device("cpu"))
+    assert with_params[0] - only_activations[0] == 2 * (8 * 32 + 32) * 4
+    assert profile_params(model) == [8 * 32 + 32, 0, 32 * 8 + 8]
+
+
+def test_skippable_layers_can_be_profiled() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(StashLinear(4), nn.Linear(4, 4), PopLinear(4))
+    sizes = profile_sizes(model, torch.randn(8, 4), chunks=1, param_scale=0.0, device=torch.device("cpu"))
+    assert sizes[0] >= 2 * 8 * 4 * 4  # its output and the stashed skip
+    assert len(balance_by_time(2, model, torch.randn(8, 4), timeout=0.01)) == 2
+
+
+def test_errors_name_the_value() -> None:
+    model = heavy_model()
+    with pytest.raises(ValueError, match="cannot split 6 layers into 7 partitions"):
+        balance_by_params(7, model)
+    with pytest.raises(TypeError, match="Pipe takes an nn.Sequential"):
+        balance_by_params(1, nn.Linear(1, 1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        balance_by_time(2, model, SAMPLE, timeout=0)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        balance_by_size(2, model, SAMPLE, chunks=0)
+    with pytest.raises(ValueError, match="param_scale must be a non-negative number"):
+        balance_by_size(2, model, SAMPLE, param_scale=-1)
+    assert balance_cost([1, 1, 8, 1, 1], 3) == [2, 1, 2]
+
+
+def test_bad_balance_error_points_to_the_helpers() -> None:
+    with pytest.raises(ValueError, match="pipe.balance.balance_by_time"):
+        Pipe(heavy_model(), balance=[1, 1], devices=["cpu", "cpu"])
