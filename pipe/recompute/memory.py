@@ -1,0 +1,70 @@
+"""Activation memory, counted: the bytes a forward leaves alive for backward.
+
+Policies are judged by the memory they save, and on the CPU there is no
+allocator counter to read. :class:`ActivationMemory` is a dispatch mode that
+adds the bytes of every storage an op creates and subtracts them when the
+storage is freed (a weak-reference finaliser), so ``live_bytes`` after a
+forward is exactly the activation memory kept for backward, and
+``peak_bytes`` the high-water mark, independent of timing and of the
+allocator. It counts the ops of the thread that entered it, so measure a
+model outside ``Pipe`` (whose partitions run on worker threads).
+
+Usage::
+
+    with ActivationMemory() as memory:
+        loss = model(x).sum()
+        kept = memory.live_bytes     # activations held for backward
+        loss.backward()
+    memory.peak_bytes
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["ActivationMemory"]
+
+
+class ActivationMemory(TorchDispatchMode):
+    """Counts the bytes of the storages created while it is active, live and peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        """Starts a new high-water mark from the current live bytes."""
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {leaf.untyped_storage().data_ptr()
+                  for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, Tensor)}
+        for leaf in tree_flatten(out)[0]:
+            if not isinstance(leaf, Tensor) or leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()
+            address, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or address in inputs:
+                continue  # a view or an in-place result: no new memory
+            with self._lock:
+                if address in self._live:
+                    continue
+                self._live[address] = size
+                self.live_bytes += size
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(storage, self._free, address)
+        return out
+
+    def _free(self, address: int) -> None:
+        with self._lock:
+            size = self._live.pop(address, 0)
+            self.live_bytes -= size

@@ -1,0 +1,172 @@
+"""Module-level recompute: mark a layer, and backward recomputes everything inside it.
+
+MindSpore's ``Cell.recompute()`` marks a cell in place: in backward every
+operation inside it (and inside its sub-cells) is recomputed, only its output
+and its inputs are kept. :func:`recompute` does the same for an ``nn.Module``
+on top of :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, random
+state replayed, so dropout masks are identical).
+
+A mark is a *policy* stored on the module, and the module's ``forward`` is
+routed through :func:`_marked_forward`; module names, ``state_dict()`` keys and
+``isinstance`` are unchanged. The same mechanism carries the selective policy
+(:mod:`pipe.recompute.selective`) and the offload policy
+(:mod:`pipe.recompute.offload`): one layer carries at most one policy.
+
+A policy applies only where it can save memory. It is skipped (the layer runs
+plainly) when grad is disabled, inside the recomputation ``Pipe`` does for a
+checkpointed micro-batch (the whole partition is recomputed anyway), and inside
+another marked layer's region: the outermost mark wins, so nested marks never
+recompute the same operation twice.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipe.checkpoint import enable_recomputing, is_recomputing
+
+__all__ = ["Policy", "FullRecompute", "recompute", "mark", "unmark", "policy_of", "in_region"]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+_POLICY = "_pipe_recompute_policy"
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_local = _Local()
+
+
+@contextmanager
+def _region() -> Iterator[None]:
+    """Marks the body as running inside a marked layer (inner marks are ignored there)."""
+    _local.depth += 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def in_region() -> bool:
+    """Whether the current thread runs inside a layer whose policy is active."""
+    return _local.depth > 0
+
+
+class Policy:
+    """What a marked layer does with its activations; subclasses implement :meth:`run`."""
+
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A short description for logs."""
+        return type(self).__name__
+
+    @staticmethod
+    def regioned(forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` run inside a region; calls after the first are recomputations."""
+        calls = 0
+
+        def function(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                with _region():
+                    return forward(*args, **kwargs)
+            with _region(), enable_recomputing():
+                return forward(*args, **kwargs)
+
+        return function
+
+
+class FullRecompute(Policy):
+    """Keeps the layer's inputs and output; recomputes everything inside it in backward."""
+
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    def describe(self) -> str:
+        return "recompute"
+
+
+def _marked_forward(module: nn.Module, original: Optional[Callable[..., Any]], *args: Any, **kwargs: Any) -> Any:
+    forward = original if original is not None else functools.partial(type(module).forward, module)
+    policy: Optional[Policy] = module.__dict__.get(_POLICY)
+    if policy is None or not torch.is_grad_enabled() or is_recomputing() or in_region():
+        return forward(*args, **kwargs)
+    return policy.run(module, forward, args, kwargs)
+
+
+def mark(module: ModuleT, policy: Optional[Policy]) -> ModuleT:
+    """Puts ``policy`` on ``module`` (replacing any previous one); ``None`` removes it.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``policy`` not a :class:`Policy`.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module to mark for recompute, got {type(module).__name__}")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"expected a pipe.recompute Policy, got {type(policy).__name__}")
+    current = module.__dict__.get("forward")
+    wrapped = isinstance(current, functools.partial) and current.func is _marked_forward
+    if policy is None:
+        module.__dict__.pop(_POLICY, None)
+        if wrapped:
+            original = current.args[1]  # type: ignore[union-attr]
+            if original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = original
+        return module
+    module.__dict__[_POLICY] = policy
+    if not wrapped:
+        # A partial of a module-level function (not a closure): deepcopy and
+        # pickle carry it over to the copy of the module.
+        module.__dict__["forward"] = functools.partial(_marked_forward, module, current)
+    return module
+
+
+def unmark(module: ModuleT) -> ModuleT:
+    """Removes any recompute/selective/offload policy from ``module``."""
+    return mark(module, None)
+
+
+def policy_of(module: nn.Module) -> Optional[Policy]:
+    """The policy on ``module``, or None."""
+    return module.__dict__.get(_POLICY)
+
+
+def recompute(module: ModuleT, enabled: bool = True) -> ModuleT:
+    """Marks ``module`` for full recompute (MindSpore ``Cell.recompute()``) and returns it.
+
+    In forward only the module's inputs and output are kept; in backward
+    everything inside it is recomputed, with the random state of the first
+    forward (dropout masks are identical). Outputs and gradients are those of
+    the unmarked module.
+
+    Usage::
+
+        block = pipe.recompute.recompute(model.blocks[3])
+
+    Args:
+        module: the layer to mark; it may sit anywhere in a model, also inside
+            a ``Pipe`` partition.
+        enabled: ``False`` removes the mark.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    return mark(module, FullRecompute() if enabled else None)

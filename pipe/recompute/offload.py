@@ -1,0 +1,320 @@
+"""Offload: tensors kept for backward go to host memory in forward and come back before backward.
+
+Paddle's recompute-offload moves the checkpoints to host memory; MindFormers'
+activation SWAP does so for chosen layers and ops and prefetches them
+``backward_prefetch`` steps before backward needs them. :class:`Offloader`
+does both with :func:`torch.autograd.graph.saved_tensors_hooks`:
+
+- forward: every tensor saved for backward inside :meth:`Offloader.unit` is
+  copied to host memory (pinned, on a side stream, on CUDA) and the device
+  copy is released once the copy is done. Parameters (and their views) and
+  tiny tensors stay where they are.
+- backward: the first time a unit's tensors are needed, the units registered
+  up to ``backward_prefetch`` places before it are copied back on the side
+  stream, so that their transfer overlaps with this unit's backward; a unit
+  that was not prefetched in time is fetched on the spot.
+
+Units are counted per offloader in forward order: one per offloaded layer
+call, or per checkpointed micro-batch for the inputs ``Pipe`` keeps at a
+partition boundary (:class:`pipe.checkpoint.Checkpointing`). On the CPU the
+"host copy" is a second CPU tensor: nothing is saved, but the mechanism, its
+ordering and its gradients are the same and are what the tests check.
+:attr:`Offloader.events` records ``("offload"|"prefetch"|"fetch"|"use", unit)``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from pipe.recompute.module import Policy, mark
+from pipe.recompute.scope import Scope, compile_pattern
+
+__all__ = ["Offloader", "OffloadLayer", "offload"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Packed:
+    """A saved tensor living in host memory (and, once prefetched, on its device again)."""
+
+    __slots__ = ("unit", "host", "device", "ready", "event", "__weakref__")
+
+    def __init__(self, unit: "_Unit", host: Tensor, device: torch.device, event: Any) -> None:
+        self.unit = unit
+        self.host = host
+        self.device = device
+        self.ready: Optional[Tensor] = None  # the prefetched device copy, handed out once
+        self.event = event                   # CUDA event of the last copy, None on the CPU
+
+    def __del__(self) -> None:
+        self.unit.release(self)
+
+
+class _Unit:
+    """The tensors one layer call (or one checkpointed micro-batch) saved for backward."""
+
+    def __init__(self, offloader: "Offloader", index: int, name: str, prefetch: int) -> None:
+        self.offloader = offloader
+        self.index = index
+        self.name = name
+        self.prefetch = prefetch
+        # Weak: a packed tensor lives as long as the autograd graph that saved it.
+        self.packed: list[weakref.ref[_Packed]] = []
+        self.fetched = False
+        self.used = False
+        self.alive = 0
+        self.dedup: weakref.WeakValueDictionary[tuple[Any, ...], _Packed] = weakref.WeakValueDictionary()
+
+    def release(self, packed: _Packed) -> None:
+        self.alive -= 1
+        if self.alive <= 0:
+            self.offloader._drop(self)
+
+
+class Offloader:
+    """Moves saved activations to host memory in forward and prefetches them for backward.
+
+    Usage::
+
+        offloader = Offloader(backward_prefetch=1)
+        for layer in layers:
+            with offloader.unit(f"layer {i}"):
+                x = layer(x)
+        x.sum().backward()      # units come back in reverse order, one ahead
+
+    Args:
+        backward_prefetch: default number of units ahead of backward that a
+            unit is copied back (0: only when needed).
+        min_bytes: tensors smaller than this stay on the device.
+        record_events: keep :attr:`events` (for tests and measurements).
+    """
+
+    def __init__(self, backward_prefetch: int = 1, *, min_bytes: int = 1024, record_events: bool = False) -> None:
+        if not isinstance(backward_prefetch, int) or isinstance(backward_prefetch, bool) or backward_prefetch < 0:
+            raise ValueError(f"backward_prefetch must be an int >= 0, got {backward_prefetch!r}")
+        if not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.backward_prefetch = backward_prefetch
+        self.min_bytes = min_bytes
+        self.record_events = record_events
+        self.events: list[tuple[str, int]] = []
+        self.offloaded_bytes = 0
+        self._units: OrderedDict[int, _Unit] = OrderedDict()
+        self._counter = itertools.count()
+        self._lock = threading.RLock()
+        self._streams: dict[torch.device, Any] = {}
+
+    # -- forward --------------------------------------------------------------------------
+
+    @contextmanager
+    def unit(self, name: str = "", backward_prefetch: Optional[int] = None,
+             select: Optional[Callable[[], bool]] = None) -> Iterator[None]:
+        """Offloads the tensors saved for backward in the body, as one unit.
+
+        Args:
+            name: how logs name the unit.
+            backward_prefetch: this unit's prefetch distance (default: the offloader's).
+            select: if given, a tensor is offloaded only when ``select()`` is true
+                at the moment it is saved.
+        """
+        prefetch = self.backward_prefetch if backward_prefetch is None else backward_prefetch
+        with self._lock:
+            unit = _Unit(self, next(self._counter), name, prefetch)
+            self._units[unit.index] = unit
+
+        def pack(tensor: Tensor) -> Any:
+            if select is not None and not select():
+                return tensor
+            return self._pack(unit, tensor)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            with self._lock:
+                if unit.alive == 0:
+                    self._units.pop(unit.index, None)  # nothing offloaded: nothing to track
+
+    def hooks(self, name: str = "", backward_prefetch: Optional[int] = None) -> Callable[[], Any]:
+        """A factory of :meth:`unit` contexts (what ``Checkpointing(offload=...)`` takes)."""
+        return lambda: self.unit(name, backward_prefetch)
+
+    def _keep_in_place(self, tensor: Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+            return True  # a parameter (or a view of one): it stays on the device anyway
+        return tensor.numel() * tensor.element_size() < self.min_bytes or tensor.device.type == "meta"
+
+    def _pack(self, unit: _Unit, tensor: Tensor) -> Any:
+        if self._keep_in_place(tensor):
+            return tensor
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()), tensor.dtype)
+        with self._lock:
+            packed = unit.dedup.get(key)
+            if packed is not None:
+                unit.alive += 1
+                return packed
+        device = tensor.device
+        if device.type == "cuda":
+            stream = self._stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            tensor.record_stream(stream)  # the device memory is reused only after the copy
+        else:
+            host, event = tensor.detach().clone(), None
+        packed = _Packed(unit, host, device, event)
+        with self._lock:
+            unit.packed.append(weakref.ref(packed))
+            unit.alive += 1
+            unit.dedup[key] = packed
+            self.offloaded_bytes += host.numel() * host.element_size()
+            if len(unit.packed) == 1:
+                self._event("offload", unit)
+        return packed
+
+    # -- backward -------------------------------------------------------------------------
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        unit: _Unit = packed.unit
+        with self._lock:
+            if not unit.used:
+                unit.used = True
+                unit.dedup.clear()  # forward is over for this unit
+                if not unit.fetched:
+                    self._fetch(unit, "fetch")
+                self._event("use", unit)
+                for other in list(self._units.values()):
+                    if other.index < unit.index and not other.fetched and other.index + other.prefetch >= unit.index:
+                        self._fetch(other, "prefetch")
+            tensor = packed.ready
+            packed.ready = None
+        if tensor is None:  # needed again (retain_graph): fetch this tensor alone
+            tensor = self._copy_back(packed)
+        if tensor.device.type == "cuda":
+            current = torch.cuda.current_stream(tensor.device)
+            if packed.event is not None:
+                current.wait_event(packed.event)
+            tensor.record_stream(current)
+        return tensor
+
+    def _fetch(self, unit: _Unit, kind: str) -> None:
+        unit.fetched = True
+        for ref in unit.packed:
+            packed = ref()
+            if packed is not None:
+                packed.ready = self._copy_back(packed)
+        self._event(kind, unit)
+
+    def _copy_back(self, packed: _Packed) -> Tensor:
+        if packed.device.type != "cuda":
+            return packed.host  # host memory is where CPU tensors live
+        stream = self._stream(packed.device)
+        with torch.cuda.stream(stream):
+            tensor = packed.host.to(packed.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        packed.event = event
+        return tensor
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _event(self, kind: str, unit: _Unit) -> None:
+        if self.record_events:
+            self.events.append((kind, unit.index))
+        logger.debug("offload: %s unit %d (%s)", kind, unit.index, unit.name)
+
+    def _drop(self, unit: _Unit) -> None:
+        with self._lock:
+            self._units.pop(unit.index, None)
+
+    def pending_units(self) -> int:
+        """Units whose tensors are still held (0 once every graph is freed)."""
+        with self._lock:
+            return len(self._units)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"backward_prefetch": self.backward_prefetch, "min_bytes": self.min_bytes,
+                "record_events": self.record_events}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["backward_prefetch"], min_bytes=state["min_bytes"],  # type: ignore[misc]
+                      record_events=state["record_events"])
+
+
+class OffloadLayer(Policy):
+    """Offloads what a layer (or the submodules matching ``names``) saves for backward.
+
+    Args:
+        layer: the layer.
+        offloader: shared by the layers of one stage, so prefetch counts across them.
+        backward_prefetch: this layer's prefetch distance (default: the offloader's).
+        names: if given, only tensors saved inside submodules whose qualified
+            name fully matches one of these regexes are offloaded (op swap).
+        label: how logs name the layer.
+    """
+
+    def __init__(self, layer: nn.Module, offloader: Offloader, backward_prefetch: Optional[int] = None,
+                 names: tuple[str, ...] = (), label: str = "") -> None:
+        self.offloader = offloader
+        self.backward_prefetch = backward_prefetch
+        self.names = tuple(names)
+        self._patterns = [compile_pattern(n, "op_swap op_name") for n in self.names]
+        self.scope = Scope.of(layer) if self.names else None
+        self.label = label or type(layer).__name__
+
+    def describe(self) -> str:
+        what = f"op_swap {list(self.names)}" if self.names else "swap"
+        prefetch = self.offloader.backward_prefetch if self.backward_prefetch is None else self.backward_prefetch
+        return f"{what} backward_prefetch={prefetch}"
+
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        if not self.names:
+            with self.offloader.unit(self.label, self.backward_prefetch):
+                return self.regioned(forward)(*args, **kwargs)
+        scope, patterns = self.scope, self._patterns
+        assert scope is not None  # set with names
+
+        def chosen() -> bool:
+            # Only tensors saved inside the chosen submodules leave the device.
+            return any(p.fullmatch(path) for p in patterns for path in scope.enclosing())
+
+        with self.offloader.unit(self.label, self.backward_prefetch, select=chosen):
+            return self.regioned(forward)(*args, **kwargs)
+
+
+def offload(layer: nn.Module, offloader: Offloader, backward_prefetch: Optional[int] = None,
+            names: tuple[str, ...] = ()) -> nn.Module:
+    """Marks ``layer`` to offload its saved activations through ``offloader``; returns it.
+
+    Usage::
+
+        offloader = Offloader(backward_prefetch=1)
+        for block in model.blocks:
+            offload(block, offloader)
+
+    Raises:
+        ValueError: a regex in ``names`` does not compile.
+    """
+    return mark(layer, OffloadLayer(layer, offloader, backward_prefetch, tuple(names)))

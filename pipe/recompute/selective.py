@@ -1,0 +1,412 @@
+"""Op-level selective recompute: recompute chosen operations of a layer, keep the rest.
+
+MindSpore's ``Primitive.recompute()``, MindFormers' ``select_recompute`` and
+Megatron's "selective" recompute drop the outputs of a few cheap operations
+that hold much memory (activations, softmax) and recompute them in backward.
+This module builds that on PyTorch's selective activation checkpointing
+(:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`): the layer
+runs under a non-reentrant checkpoint whose policy says, for every ATen op,
+``MUST_RECOMPUTE`` or ``MUST_SAVE``.
+
+Why a plan, not just "chosen ops recompute, the rest save": selective
+checkpointing saves the *outputs* of the ops marked save, whereas plain
+autograd keeps whatever each backward formula needs. "Save everything else"
+would keep tensors backward never needed (the pre-softmax scores, the output of
+the last matmul) and can use more memory than no recompute at all. So the first
+call of a layer for an input signature runs plainly and records which op
+outputs autograd really keeps (saved-tensor hooks, a dispatch mode); the plan
+then marks an op
+
+- recompute if it is chosen, or if it produces an input of a recomputed op
+  that autograd did not keep anyway (``softmax`` pulls in the ``q @ k^T`` that
+  feeds it: keeping the scores would cost as much as keeping the
+  probabilities);
+- save if autograd keeps its output (it is held anyway: saving costs nothing);
+- recompute if it comes after the last kept tensor (checkpoint's early stop
+  never replays it), or if it is cheap; save if it is a matmul-like op.
+
+A chosen op whose output autograd does not keep saves nothing by being
+recomputed, and a chosen op whose output the next op keeps saves it only here,
+because the next op's saved input is rebuilt in backward from the chosen op's
+recomputation; with module-level recompute of the op alone (checkpointing just
+``nn.GELU``), the next op would still keep the output and nothing would be
+saved. The plan logs both at DEBUG.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from pipe.recompute.module import Policy, mark
+from pipe.recompute.scope import Scope, compile_pattern
+
+__all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection"]
+
+logger = logging.getLogger(__name__)
+
+#: What ``select_recompute: True`` chooses: the activation functions and the
+#: attention softmax of every layer (MindFormers' default is the FFN's SiLU and mul).
+DEFAULT_SELECT = (r"(.*\.)?(gelu|silu|softmax)",)
+
+# ATen names that users know under another name.
+_ALIASES = {
+    "_softmax": "softmax",
+    "_safe_softmax": "softmax",
+    "_log_softmax": "log_softmax",
+    "native_dropout": "dropout",
+    "native_layer_norm": "layer_norm",
+    "native_group_norm": "group_norm",
+    "_native_batch_norm_legit": "batch_norm",
+    "_native_batch_norm_legit_no_training": "batch_norm",
+    "_fused_rms_norm": "rms_norm",
+    "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_efficient_attention": "scaled_dot_product_attention",
+    "_scaled_dot_product_cudnn_attention": "scaled_dot_product_attention",
+}
+_KNOWN_KINDS = frozenset(_ALIASES.values())
+
+# Ops whose recomputation costs real FLOPs: kept unless chosen or needed.
+_HEAVY = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product_attention",
+                    "_efficient_attention_forward", "_flash_attention_forward"})
+
+
+def op_name(func: Any) -> str:
+    """The name an ATen op is chosen by: ``gelu``, ``softmax``, ``addmm``, ``dropout``..."""
+    packet = getattr(func, "overloadpacket", func)
+    name = getattr(packet, "__name__", str(packet)).split(".")[-1]
+    return _ALIASES.get(name, name)
+
+
+def _verify_kind(kind: Any) -> str:
+    if not isinstance(kind, str):
+        return op_name(kind)
+    name = kind.lower()
+    if name in _KNOWN_KINDS or name in _ALIASES or hasattr(torch.ops.aten, name):
+        return _ALIASES.get(name, name)
+    raise ValueError(
+        f"unknown op kind {kind!r}; use an ATen op name such as 'gelu', 'silu', 'relu', 'softmax', "
+        f"'dropout', 'layer_norm', 'mul', 'addmm', 'bmm' (see torch.ops.aten)"
+    )
+
+
+class Selection:
+    """Which operations of a layer are chosen: by name regex and/or by op kind.
+
+    A regex chooses an operation when it fully matches the qualified name of a
+    submodule the operation runs in (``mlp``, ``mlp.act``), or
+    ``<innermost submodule>.<op name>`` (``mlp.act.gelu``, ``attn.softmax``;
+    just ``<op name>`` for code in the layer's own ``forward``).
+
+    Args:
+        names: regexes on qualified names.
+        ops: op kinds (``"gelu"``, ``"softmax"``) or ATen ops (``torch.ops.aten.gelu``).
+
+    Raises:
+        ValueError: a regex does not compile or an op kind is unknown.
+    """
+
+    def __init__(self, names: Sequence[str] = (), ops: Sequence[Any] = ()) -> None:
+        if isinstance(names, str):
+            names = [names]
+        if isinstance(ops, str):
+            ops = [ops]
+        self.names = tuple(names)
+        self._patterns = [(name, compile_pattern(name, "select_recompute")) for name in self.names]
+        self.ops = tuple(sorted({_verify_kind(kind) for kind in ops}))
+        self._cache: dict[tuple[tuple[str, ...], str], Optional[str]] = {}
+
+    def match(self, enclosing: Sequence[str], name: str) -> Optional[str]:
+        """The regex or ``op:<kind>`` that chooses op ``name`` running in ``enclosing``, or None."""
+        key = (tuple(enclosing), name)
+        if key in self._cache:
+            return self._cache[key]
+        found: Optional[str] = None
+        innermost = enclosing[-1] if enclosing else ""
+        candidate = f"{innermost}.{name}" if innermost else name
+        for source, pattern in self._patterns:
+            if pattern.fullmatch(candidate) or any(pattern.fullmatch(path) for path in enclosing):
+                found = source
+                break
+        if found is None and name in self.ops:
+            found = f"op:{name}"
+        self._cache[key] = found
+        return found
+
+    def sources(self) -> list[str]:
+        return list(self.names) + [f"op:{kind}" for kind in self.ops]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"names": self.names, "ops": self.ops}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["names"], state["ops"])  # type: ignore[misc]
+
+
+# -- recording the plain forward ---------------------------------------------------------
+
+
+@dataclass
+class _Op:
+    func: Any
+    name: str
+    inputs: list[int]                      # storage addresses of tensor inputs
+    outputs: list[tuple[int, int]]         # (storage address, bytes) of tensor outputs
+    chosen_by: Optional[str]
+
+
+def _storages(value: Any) -> list[tuple[int, int]]:
+    out = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, Tensor) and leaf.device.type != "meta":
+            storage = leaf.untyped_storage()
+            if storage.nbytes():
+                out.append((storage.data_ptr(), storage.nbytes()))
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every op of a plain forward (the ops selective checkpointing will see)."""
+
+    def __init__(self, scope: Scope, selection: Selection) -> None:
+        super().__init__()
+        self.scope = scope
+        self.selection = selection
+        self.ops: list[_Op] = []
+        self.saved: set[int] = set()
+        self.last_pack = 0  # ops recorded when the last tensor was saved for backward
+        self._keep: list[Any] = []  # outputs stay alive so that addresses are not reused
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SAC_IGNORED_OPS:
+            return out
+        name = op_name(func)
+        self._keep.append(out)
+        self.ops.append(_Op(func, name, [p for p, _ in _storages((args, kwargs))], _storages(out),
+                            self.selection.match(self.scope.enclosing(), name)))
+        return out
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        for address, _ in _storages(tensor):
+            self.saved.add(address)
+        self.last_pack = len(self.ops)
+        return tensor
+
+
+@dataclass
+class Plan:
+    """Per-op decisions for one input signature of a layer."""
+
+    ops: list[Any]
+    decisions: list[CheckpointPolicy]
+    chosen: dict[str, int] = field(default_factory=dict)  # regex/kind -> ops it chose
+    freed_bytes: int = 0    # bytes autograd keeps that the plan recomputes instead
+    extra_bytes: int = 0    # bytes the plan keeps that autograd would not
+    stale: bool = False
+
+    def policy(self, on_mismatch: Callable[[], None]) -> Callable[..., CheckpointPolicy]:
+        """A fresh policy function for one checkpointed call (ops are counted per call)."""
+        counter = 0
+        ops, decisions = self.ops, self.decisions
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            nonlocal counter
+            i = counter
+            counter += 1
+            if self.stale or i >= len(ops) or ops[i] is not func:
+                if not self.stale:
+                    self.stale = True
+                    on_mismatch()
+                return CheckpointPolicy.MUST_SAVE  # always correct; re-planned on the next call
+            return decisions[i]
+
+        return policy
+
+
+def make_plan(ops: list[_Op], saved: set[int], last_pack: int) -> Plan:
+    """Decides recompute/save for every recorded op (see the module docstring)."""
+    creator: dict[int, int] = {}
+    created: list[list[tuple[int, int]]] = []
+    for k, op in enumerate(ops):
+        mine = [(p, n) for p, n in op.outputs if p not in creator and p not in op.inputs]
+        for p, _ in mine:
+            creator[p] = k
+        created.append(mine)
+    kept = [any(p in saved for p, _ in mine) for mine in created]
+
+    recompute: set[int] = {k for k, op in enumerate(ops) if op.chosen_by is not None and created[k]}
+    stack = list(recompute)
+    while stack:  # producers of recomputed inputs that autograd did not keep
+        k = stack.pop()
+        for p in ops[k].inputs:
+            c = creator.get(p)
+            if c is None or c in recompute or kept[c] or c >= k:
+                continue
+            recompute.add(c)
+            stack.append(c)
+
+    decisions: list[CheckpointPolicy] = []
+    plan = Plan([op.func for op in ops], decisions)
+    for k, op in enumerate(ops):
+        if not created[k]:
+            # A view or in-place op follows the op that created its storage.
+            owner = creator.get(op.outputs[0][0]) if op.outputs else None
+            decisions.append(decisions[owner] if owner is not None and owner < k
+                             else CheckpointPolicy.MUST_SAVE)
+            continue
+        size = sum(n for _, n in created[k])
+        if k in recompute:
+            decisions.append(CheckpointPolicy.MUST_RECOMPUTE)
+            plan.freed_bytes += size if kept[k] else 0
+        elif kept[k]:
+            decisions.append(CheckpointPolicy.MUST_SAVE)
+        elif k >= last_pack or op.name not in _HEAVY:
+            decisions.append(CheckpointPolicy.MUST_RECOMPUTE)
+        else:
+            decisions.append(CheckpointPolicy.MUST_SAVE)
+            plan.extra_bytes += size
+        if op.chosen_by is not None:
+            plan.chosen[op.chosen_by] = plan.chosen.get(op.chosen_by, 0) + 1
+    return plan
+
+
+# -- the policy --------------------------------------------------------------------------
+
+
+Signature = tuple[Any, ...]
+
+
+def _signature(module: nn.Module, args: Any, kwargs: Any) -> Signature:
+    leaves = tree_flatten((args, kwargs))[0]
+    return (module.training,) + tuple(
+        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, Tensor) else type(x)
+        for x in leaves
+    )
+
+
+class SelectiveRecompute(Policy):
+    """Recomputes the chosen operations of a layer in backward and keeps the rest.
+
+    Args:
+        layer: the layer (its submodule names are what ``names`` match).
+        names: regexes on qualified submodule names or ``<submodule>.<op>``.
+        ops: op kinds (``"gelu"``, ``"silu"``, ``"softmax"``) or ATen ops.
+        label: how logs name the layer.
+    """
+
+    _PLANS = 8  # input signatures remembered per layer
+
+    def __init__(self, layer: nn.Module, names: Sequence[str] = (), ops: Sequence[Any] = (),
+                 label: str = "") -> None:
+        self.selection = Selection(names, ops)
+        if not self.selection.sources():
+            raise ValueError("select_recompute needs at least one name regex or op kind to choose operations")
+        self.scope = Scope.of(layer)
+        self.label = label or type(layer).__name__
+        self._plans: OrderedDict[Signature, Plan] = OrderedDict()
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def describe(self) -> str:
+        return f"select_recompute {self.selection.sources()}"
+
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        signature = _signature(module, args, kwargs)
+        with self._lock:
+            plan = self._plans.get(signature)
+            if plan is not None and plan.stale:
+                plan = None
+        if plan is None:
+            return self._probe(forward, args, kwargs, signature)
+
+        def on_mismatch() -> None:
+            logger.warning("%s: the operations differ from the first call's; this call keeps every "
+                           "output (no saving) and the layer is planned again on its next call", self.label)
+
+        def contexts() -> Any:
+            return create_selective_checkpoint_contexts(plan.policy(on_mismatch))
+
+        return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=contexts, **kwargs)
+
+    def _probe(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               signature: Signature) -> Any:
+        """Runs the layer plainly once, recording what autograd keeps, and plans from it."""
+        recorder = _Recorder(self.scope, self.selection)
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder:
+            output = self.regioned(forward)(*args, **kwargs)
+        plan = make_plan(recorder.ops, recorder.saved, recorder.last_pack)
+        with self._lock:
+            self._plans[signature] = plan
+            while len(self._plans) > self._PLANS:
+                self._plans.popitem(last=False)
+        unused = [s for s in self.selection.sources() if s not in plan.chosen]
+        if unused and not self._warned:
+            self._warned = True
+            logger.warning("%s: select_recompute %s chose no operation; names seen: %s", self.label, unused,
+                           sorted(self.scope.names) or "(no submodules)")
+        logger.debug("%s: selective plan: %d of %d ops recomputed, frees %d bytes, keeps %d extra bytes; "
+                     "chosen: %s", self.label,
+                     sum(d == CheckpointPolicy.MUST_RECOMPUTE for d in plan.decisions), len(plan.decisions),
+                     plan.freed_bytes, plan.extra_bytes, plan.chosen)
+        return output
+
+    def plans(self) -> list[Plan]:
+        """The plans made so far (one per input signature)."""
+        with self._lock:
+            return list(self._plans.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_plans"] = OrderedDict()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def select_recompute(layer: nn.Module, names: Union[str, Sequence[str]] = (),
+                     ops: Union[str, Iterable[Any]] = (), label: str = "") -> nn.Module:
+    """Marks ``layer`` for op-level selective recompute and returns it.
+
+    Usage::
+
+        select_recompute(block, names=[r"mlp\\.act"], ops=["softmax"])
+
+    The first call for each input shape runs plainly to plan which outputs to
+    keep; later calls keep only those. Outputs and gradients equal the
+    unmarked layer's.
+
+    Args:
+        layer: the layer, e.g. one transformer block.
+        names: regexes fully matching a submodule's qualified name in
+            ``layer.named_modules()`` (all its operations are chosen) or
+            ``<submodule>.<op>`` (e.g. ``attn\\.softmax``).
+        ops: op kinds chosen wherever they run in the layer.
+        label: how logs name the layer.
+
+    Raises:
+        ValueError: nothing to choose, a bad regex or an unknown op kind.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    ops = [ops] if isinstance(ops, str) else list(ops)
+    return mark(layer, SelectiveRecompute(layer, names, ops, label))
