@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -99,12 +99,17 @@ class Checkpointing:
         function: runs the partition on a batch.
         batch: the input micro-batch.
         tag: (micro-batch, stage) of the cell, for :mod:`pipe.trace`.
+        offload: optional factory of a saved-tensor hooks context
+            (:meth:`pipe.recompute.Offloader.hooks`): the input kept for
+            recomputation then waits in host memory (checkpoint swap).
     """
 
-    def __init__(self, function: Function, batch: Batch, tag: Optional[tuple[int, int]] = None) -> None:
+    def __init__(self, function: Function, batch: Batch, tag: Optional[tuple[int, int]] = None,
+                 offload: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
         self.function = function
         self.batch = batch
         self.tag = tag
+        self.offload = offload
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
         # Filled by Recompute.backward, consumed by Checkpoint.backward.
@@ -124,12 +129,19 @@ class Checkpointing:
         if not any(t.requires_grad for t in output.tensors):
             return
         tensor, phony = fork(output.tensor)
-        phony = Recompute.apply(phony, self, *self.batch.tensors)
+        if self.offload is None:
+            phony = Recompute.apply(phony, self, *self.batch.tensors)
+        else:
+            with self.offload():
+                phony = Recompute.apply(phony, self, *self.batch.tensors)
+            # Recompute saved the input (offloaded); keep only its structure here.
+            self.batch = self.batch.with_tensors([t.new_empty(0) for t in self.batch.tensors])
         output.tensor = join(tensor, phony)
 
 
 def cell(
-    function: Function, batch: Batch, checkpoint: bool, tag: tuple[int, int]
+    function: Function, batch: Batch, checkpoint: bool, tag: tuple[int, int],
+    offload: Optional[Callable[[], ContextManager[Any]]] = None,
 ) -> tuple[Callable[[], Batch], Callable[[Batch], None]]:
     """How to run one (micro-batch, partition) cell, checkpointed or not.
 
@@ -146,12 +158,14 @@ def cell(
         batch: the input micro-batch.
         checkpoint: whether to drop activations and recompute them in backward.
         tag: (micro-batch, stage), for traces.
+        offload: for a checkpointed cell, where its kept input waits
+            (see :class:`Checkpointing`); None keeps it on the device.
 
     Returns:
         ``(compute, finalize)``.
     """
     if checkpoint:
-        chk = Checkpointing(function, batch, tag=tag)
+        chk = Checkpointing(function, batch, tag=tag, offload=offload)
         return chk.checkpoint, chk.recompute
 
     def compute() -> Batch:

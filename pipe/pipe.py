@@ -17,6 +17,7 @@ from pipe.microbatch import flatten, gather, pack_inputs, scatter
 from pipe.partition import Device, split_module
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.pipeline import Pipeline
+from pipe.recompute.config import ConfigSource, RecomputeStrategy, attach_to_pipeline
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 from pipe.worker import Workers
@@ -82,6 +83,10 @@ class Pipe(nn.Module):
         cpu_threads: intra-op threads of each CPU partition's worker. Default:
             PyTorch's thread count divided among the CPU partitions, so that
             partitions use the cores side by side instead of competing.
+        recompute: a recompute/swap config (a YAML path or a dict, see
+            docs/recompute.md): full, selective and offload policies per
+            layer, stage = partition; best with ``checkpoint="never"``.
+            The normalised strategy is ``pipe.recompute_strategy``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has
@@ -101,6 +106,7 @@ class Pipe(nn.Module):
         devices: Optional[Sequence[Device]] = None,
         deferred_batch_norm: bool = False,
         cpu_threads: Optional[int] = None,
+        recompute: Optional[ConfigSource] = None,
     ) -> None:
         super().__init__()
         self.chunks = verify_chunks(chunks)
@@ -138,6 +144,10 @@ class Pipe(nn.Module):
         self.cpu_threads = cpu_threads
         self._workers = Workers(self.devices, cpu_threads)
         self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
+        self.recompute_strategy: Optional[RecomputeStrategy] = None
+        if recompute is not None:
+            self.recompute_strategy = attach_to_pipeline(self.partitions, recompute, self.checkpoint,
+                                                         self._pipeline)
         logger.info("Pipe: balance=%s devices=%s chunks=%d checkpoint=%s cpu_threads=%s",
                     balance, [str(d) for d in devices], self.chunks, self.checkpoint, cpu_threads)
 

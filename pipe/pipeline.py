@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,8 @@ class Pipeline:
                         self._sends_skips[prev_j] = self._receives_skips[j] = True
         self.guards = [RandomnessGuard(device) for device in self.devices]
         self.training = True
+        # Per partition: where the inputs kept for recomputation wait (pipe.recompute's checkpoint swap).
+        self.checkpoint_offload: list[Optional[Callable[[], ContextManager[Any]]]] = [None] * len(self.devices)
         # copy_streams[j][i]: the stream micro-batch i arrives on at partition j.
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
 
@@ -116,7 +118,6 @@ class Pipeline:
         for cells in cycles:
             self._fence(batches, cells, copy_streams, skip_trackers)
             self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, skip_trackers)
-
 
     def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
                copy_streams: list[list[AbstractStream]],
@@ -168,7 +169,8 @@ class Pipeline:
         guard = self.guards[j]
         training = self.training
         # The recipe of a cell is shared with the process runner (pipe.checkpoint.cell).
-        compute_cell, finalize = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j))
+        compute_cell, finalize = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j),
+                                      offload=self.checkpoint_offload[j])
 
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
