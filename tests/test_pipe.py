@@ -333,3 +333,36 @@ def test_repeated_training_steps_match_plain_training():
             opt.step()
     for p, q in zip(plain.parameters(), piped.parameters()):
         torch.testing.assert_close(q, p)
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if type(obj) in (torch.Tensor, nn.Parameter))
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_long_run_holds_steady(checkpoint):
+    """R3: no growth of live tensors, threads or open files over many steps."""
+    piped = Pipe(make_model(), chunks=4, checkpoint=checkpoint, balance=[3, 4], devices=["cpu", "cpu"])
+    opt = torch.optim.SGD(piped.parameters(), lr=0.01)
+
+    def steps(n):
+        for _ in range(n):
+            opt.zero_grad()
+            piped(torch.randn(8, 6)).square().mean().backward()
+            opt.step()
+
+    steps(20)
+    before = (_live_tensors(), threading.active_count(), _open_fds())
+    steps(100)
+    after = (_live_tensors(), threading.active_count(), _open_fds())
+    assert after == before
+    piped.close()
