@@ -27,7 +27,7 @@ from torch import nn
 from pipe.recompute.module import FullRecompute, mark
 from pipe.recompute.offload import OffloadLayer, Offloader
 from pipe.recompute.scope import compile_pattern
-from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute
+from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
 
 __all__ = ["LayerStrategy", "RecomputeStrategy", "load_config", "parse_config", "apply_recompute_config",
            "attach_to_pipeline"]
@@ -460,13 +460,14 @@ def apply_recompute_config(model: Any, config: ConfigSource, stages: Optional[Se
     n = len(stages)
     strategy.offloaders = [None] * n
     strategy.checkpoint_offloaders = [None] * n
+    usage = Usage({p: sum(p in l.select for l in strategy.layers) for l in strategy.layers for p in l.select})
     for layer_strategy, layer in zip(strategy.layers, layers):
         s = layer_strategy.stage
         label = f"layer {layer_strategy.index} ({layer_strategy.name})"
         if layer_strategy.recompute:
             mark(layer, FullRecompute())
         elif layer_strategy.select:
-            mark(layer, SelectiveRecompute(layer, names=layer_strategy.select, label=label))
+            mark(layer, SelectiveRecompute(layer, names=layer_strategy.select, label=label, usage=usage))
         elif layer_strategy.swap is not None or layer_strategy.op_swap:
             if strategy.offloaders[s] is None:
                 strategy.offloaders[s] = Offloader(strategy.default_prefetch, min_bytes=strategy.min_bytes)

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import (
 from pipe.recompute.module import Policy, mark
 from pipe.recompute.scope import Scope, compile_pattern
 
-__all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection"]
+__all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection", "Usage"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,42 @@ def _signature(module: nn.Module, args: Any, kwargs: Any) -> Signature:
     )
 
 
+class Usage:
+    """How many operations each regex/kind chose, over the layers that use it.
+
+    A pattern that chose nothing in any layer is most likely a typo: it gets
+    one warning once every layer using it has run, rather than one per layer.
+
+    Args:
+        layers: per pattern, how many layers use it (default: 1 each).
+    """
+
+    def __init__(self, layers: Optional[dict[str, int]] = None) -> None:
+        self.layers = dict(layers or {})
+        self._probed: dict[str, set[int]] = {}
+        self._chosen: dict[str, int] = {}
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def report(self, layer: int, chosen: dict[str, int], sources: list[str], names: list[str]) -> None:
+        with self._lock:
+            for source in sources:
+                self._probed.setdefault(source, set()).add(layer)
+                self._chosen[source] = self._chosen.get(source, 0) + chosen.get(source, 0)
+                done = len(self._probed[source]) >= self.layers.get(source, 1)
+                if done and not self._chosen[source] and source not in self._warned:
+                    self._warned.add(source)
+                    logger.warning("select_recompute %r chose no operation in any of its layers; patterns fully "
+                                   "match submodule names such as %s, or '<submodule>.<op>' such as "
+                                   "'mlp.act.gelu'", source, sorted(names)[:8] or "(no submodules)")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"layers": self.layers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["layers"])  # type: ignore[misc]
+
+
 class SelectiveRecompute(Policy):
     """Recomputes the chosen operations of a layer in backward and keeps the rest.
 
@@ -308,20 +344,22 @@ class SelectiveRecompute(Policy):
         names: regexes on qualified submodule names or ``<submodule>.<op>``.
         ops: op kinds (``"gelu"``, ``"silu"``, ``"softmax"``) or ATen ops.
         label: how logs name the layer.
+        usage: shared by the layers of one config, to warn about a pattern
+            that chose nothing anywhere.
     """
 
     _PLANS = 8  # input signatures remembered per layer
 
     def __init__(self, layer: nn.Module, names: Sequence[str] = (), ops: Sequence[Any] = (),
-                 label: str = "") -> None:
+                 label: str = "", usage: Optional[Usage] = None) -> None:
         self.selection = Selection(names, ops)
+        self.usage = usage if usage is not None else Usage()
         if not self.selection.sources():
             raise ValueError("select_recompute needs at least one name regex or op kind to choose operations")
         self.scope = Scope.of(layer)
         self.label = label or type(layer).__name__
         self._plans: OrderedDict[Signature, Plan] = OrderedDict()
         self._lock = threading.Lock()
-        self._warned = False
 
     def describe(self) -> str:
         return f"select_recompute {self.selection.sources()}"
@@ -335,6 +373,8 @@ class SelectiveRecompute(Policy):
                 plan = None
         if plan is None:
             return self._probe(forward, args, kwargs, signature)
+        if not plan.chosen:
+            return forward(*args, **kwargs)  # nothing chosen here: a checkpoint would only cost time
 
         def on_mismatch() -> None:
             logger.warning("%s: the operations differ from the first call's; this call keeps every "
@@ -357,11 +397,7 @@ class SelectiveRecompute(Policy):
             self._plans[signature] = plan
             while len(self._plans) > self._PLANS:
                 self._plans.popitem(last=False)
-        unused = [s for s in self.selection.sources() if s not in plan.chosen]
-        if unused and not self._warned:
-            self._warned = True
-            logger.warning("%s: select_recompute %s chose no operation; names seen: %s", self.label, unused,
-                           sorted(self.scope.names) or "(no submodules)")
+        self.usage.report(id(self), plan.chosen, self.selection.sources(), self.scope.names)
         logger.debug("%s: selective plan: %d of %d ops recomputed, frees %d bytes, keeps %d extra bytes; "
                      "chosen: %s", self.label,
                      sum(d == CheckpointPolicy.MUST_RECOMPUTE for d in plan.decisions), len(plan.decisions),
