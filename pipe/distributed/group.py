@@ -13,15 +13,17 @@ instead of hanging in its first receive.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from pipe.distributed.transport import Channel
 
-__all__ = ["Topology", "verify_same_config"]
+__all__ = ["Topology", "verify_same_config", "world_timeout"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,23 @@ def _require_initialized() -> None:
             "torch.distributed is not initialised; call pipe.distributed.init_from_env() first "
             "(under torchrun), or torch.distributed.init_process_group(...)"
         )
+
+
+def world_timeout() -> datetime.timedelta:
+    """The timeout the default process group was created with (``init_process_group(timeout=...)``).
+
+    New groups get PyTorch's default (30 minutes) unless told otherwise, and a
+    point-to-point wait on gloo has no timeout at all, so every group and every
+    wait of the pipeline is given this one.
+    """
+    _require_initialized()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):
+        from pipe.distributed.env import DEFAULT_TIMEOUT
+
+        return DEFAULT_TIMEOUT
 
 
 @dataclass
@@ -53,6 +72,7 @@ class Topology:
     pipeline_rank: int = field(init=False)
     replica: int = field(init=False)
     data_parallel_group: Optional[dist.ProcessGroup] = field(init=False, default=None)
+    timeout: datetime.timedelta = field(init=False)
     _channels: dict[tuple[int, int, str, str], Channel] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,6 +89,13 @@ class Topology:
             )
         self.ranks = self.world // self.data_parallel
         self.replica, self.pipeline_rank = divmod(self.rank, self.ranks)
+        self.timeout = world_timeout()
+
+    def new_group(self, members: list[int]) -> dist.ProcessGroup:
+        """A process group of ``members`` with the pipeline's timeout (collective over the world)."""
+        group = dist.new_group(members, timeout=self.timeout)
+        assert group is not None
+        return group
 
     def global_rank(self, pipeline_rank: int, replica: Optional[int] = None) -> int:
         """The global rank of ``pipeline_rank`` in ``replica`` (default: this rank's)."""
@@ -83,7 +110,7 @@ class Topology:
         if self.data_parallel > 1:
             for p in range(self.ranks):
                 members = [self.global_rank(p, r) for r in range(self.data_parallel)]
-                group = dist.new_group(members)
+                group = self.new_group(members)
                 if p == self.pipeline_rank:
                     self.data_parallel_group = group
         for replica in range(self.data_parallel):
@@ -94,7 +121,7 @@ class Topology:
                         group = None
                     else:
                         members = sorted({self.global_rank(rank_a, replica), self.global_rank(rank_b, replica)})
-                        group = dist.new_group(members)
+                        group = self.new_group(members)
                     if replica != self.replica:
                         continue
                     label = f"{kind} {name} {a}->{b}"

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
@@ -130,7 +131,7 @@ class DistributedPipe(nn.Module):
         if self.topology.ranks > 1:
             for replica in range(data_parallel):
                 members = [self.topology.global_rank(p, replica) for p in range(self.topology.ranks)]
-                group = dist.new_group(members)
+                group = self.topology.new_group(members)
                 if replica == self.topology.replica:
                     self._pipeline_group = group
         # Owned layers are this module's children under their original names, so
@@ -141,7 +142,7 @@ class DistributedPipe(nn.Module):
         averager = None
         if data_parallel > 1:
             averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
-        self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device),
+        self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
                                 self.skips, averager)
         logger.info("DistributedPipe: rank %d = pipeline rank %d of replica %d, stages %s, schedule %s, "
                     "chunks %d, checkpoint %s", self.topology.rank, self.topology.pipeline_rank,
@@ -187,15 +188,18 @@ class DistributedPipe(nn.Module):
             :class:`pipe.distributed.PipelineFailure` naming it.
         """
         loss_fn = loss_fn or self.loss_fn
-        batches = self._scatter(inputs, "inputs") if self.is_first else None
         targets = weights = None
-        if self.is_last:
-            if loss_fn is None:
-                raise ValueError("the rank of the last stage needs loss_fn, in step() or in the constructor")
-            targets = self._scatter(target, "target")
-            sizes = [_batch_size(t) for t in targets]
-            total = sum(sizes)
-            weights = [size / total for size in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        try:  # a bad argument on one rank must not leave the others waiting: report it
+            batches = self._scatter(inputs, "inputs") if self.is_first else None
+            if self.is_last:
+                if loss_fn is None:
+                    raise ValueError("the rank of the last stage needs loss_fn, in step() or in the constructor")
+                targets = self._scatter(target, "target")
+                sizes = [_batch_size(t) for t in targets]
+                total = sum(sizes)
+                weights = [size / total for size in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+        except (TypeError, ValueError) as error:
+            raise failure_from(self.topology.rank, "step()", error) from None
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         with torch.enable_grad():
             loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)

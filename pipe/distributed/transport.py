@@ -26,6 +26,7 @@ The pickled header is the same mechanism as ``torch.distributed``'s
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import pickle
 from dataclasses import dataclass
@@ -74,22 +75,38 @@ class Incoming:
         self._header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=transport.device)
         self._work: Optional[dist.Work] = None
         if channel.group is not None:
-            self._work = dist.irecv(self._header, channel.peer, group=channel.group, tag=tag)
+            try:
+                self._work = dist.irecv(self._header, channel.peer, group=channel.group, tag=tag)
+            except RuntimeError as error:
+                raise self._failed(error) from error
+
+    def _failed(self, error: RuntimeError) -> RuntimeError:
+        return RuntimeError(
+            f"receiving {self.channel.name} of micro-batch {self.tag // _SLOTS} from rank {self.channel.peer} "
+            f"failed: {error}"
+        )
 
     def wait(self) -> Any:
         """Blocks until the whole message is here and returns its value."""
         channel = self.channel
         if channel.group is None:
             return self.transport._loopback.pop((channel.name, self.tag))
+        try:
+            return self._wait()
+        except RuntimeError as error:
+            raise self._failed(error) from error
+
+    def _wait(self) -> Any:
+        channel = self.channel
         with trace.span("recv", self.cell, channel=channel.name):
             assert self._work is not None
-            self._work.wait()
+            self._work.wait(self.transport.timeout)
             header = self._header.cpu()
             length = int.from_bytes(header[:_LENGTH_BYTES].numpy().tobytes(), "little")
             payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
             if length > HEADER_BYTES - _LENGTH_BYTES:
                 rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self.transport.device)
-                dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1).wait()
+                dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1).wait(self.transport.timeout)
                 payload += rest.cpu().numpy().tobytes()
             spec, leaves, metas = pickle.loads(payload)
             device = self.transport.device
@@ -99,7 +116,7 @@ class Incoming:
                 for k, buffer in enumerate(buffers)
             ]
             for work in works:
-                work.wait()
+                work.wait(self.transport.timeout)
         tensors = iter(buffers)
         flags = iter(requires_grad for _, _, requires_grad in metas)
         for position, leaf in enumerate(leaves):
@@ -123,11 +140,14 @@ class Transport:
 
     Args:
         device: where received tensors are allocated (the rank's device).
+        timeout: how long a wait may block before it fails (gloo's point-to-point
+            waits have no timeout of their own).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeout: datetime.timedelta) -> None:
         self.device = device
-        self._pending: list[tuple[dist.Work, list[Tensor]]] = []
+        self.timeout = timeout
+        self._pending: list[tuple[dist.Work, list[Tensor], Channel]] = []
         self._loopback: dict[tuple[str, int], Any] = {}
 
     @staticmethod
@@ -168,8 +188,13 @@ class Transport:
         messages += [(t.contiguous(), tag + 2 + k) for k, t in enumerate(tensors)]
         with trace.span("send", cell, channel=channel.name):
             for tensor, message_tag in messages:
-                work = dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag)
-                self._pending.append((work, [tensor]))
+                try:
+                    work = dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag)
+                except RuntimeError as error:
+                    raise RuntimeError(
+                        f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}"
+                    ) from error
+                self._pending.append((work, [tensor], channel))
         self._reap()
 
     def receive(self, channel: Channel, microbatch: int, cell: Cell = None) -> Incoming:
@@ -178,13 +203,16 @@ class Transport:
 
     def _reap(self) -> None:
         """Forgets sends that have completed, so their buffers can be freed."""
-        self._pending = [(work, keep) for work, keep in self._pending if not work.is_completed()]
+        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
 
     def flush(self) -> None:
         """Waits until every send has completed."""
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            work.wait()
+        for work, _, channel in pending:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as error:
+                raise RuntimeError(f"sending {channel.name} to rank {channel.peer} failed: {error}") from error
         if self._loopback:
             left = sorted(self._loopback)
             self._loopback.clear()

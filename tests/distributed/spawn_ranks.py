@@ -31,26 +31,28 @@ def free_port() -> int:
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           results: "multiprocessing.Queue[Any]", timeout: float, env: dict[str, str]) -> None:
+           results: "multiprocessing.Queue[Any]", timeout: float, env: dict[str, str], barrier: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
     try:
         init_from_env("gloo", timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
-        dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done
+        if barrier:
+            dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done
         results.put((rank, True, result))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
-              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None) -> list[Any]:
+              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
 
     Args:
         timeout: the process-group timeout of each rank.
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
+        barrier: wait for every rank before exiting (off when ranks are meant to fail).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
@@ -59,7 +61,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     results: "multiprocessing.Queue[Any]" = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env or {}),
+        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env or {}, barrier),
                         name=f"pipe-test-rank-{rank}", daemon=True)
         for rank in range(world)
     ]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_models import batch, blocks, check_against_oracle, oracle
+from dist_models import WIDTH, batch, blocks, check_against_oracle, oracle, skip_model
 from pipe.distributed import DistributedPipe
 from spawn_ranks import run_ranks
 
@@ -43,3 +43,30 @@ def _schedules(rank: int, world: int, schedule: str) -> int:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_matches_plain_module(schedule: str) -> None:
     assert run_ranks(_schedules, 2, schedule) == [6, 6]
+
+
+def _skips(rank: int, world: int) -> int:
+    """Skips between non-adjacent stages: across ranks, and (interleaved) between two stages of one rank."""
+    if world == 3:
+        cases = [("1f1b", 1, skip_model(0, 4, 6))]  # stage 0 (rank 0) -> stage 2 (rank 2)
+    else:
+        cases = [("interleaved", 2, skip_model(1, 5, 8)),  # stage 0 -> stage 2: both on rank 0
+                 ("interleaved", 2, skip_model(1, 7, 8)),  # stage 0 -> stage 3: rank 0 -> rank 1
+                 ("gpipe", 1, skip_model(0, 3, 4))]  # stage 0 -> stage 1, through a skip channel
+    checked = 0
+    for schedule, virtual, model in cases:
+        for checkpoint in CHECKPOINTS:
+            pipe = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=schedule,
+                                   virtual_stages=virtual)
+            generator = torch.Generator().manual_seed(checked)
+            x = torch.randn(10, WIDTH, generator=generator)
+            target = torch.randn(10, WIDTH, generator=generator)
+            loss = pipe.step(x, target, F.mse_loss)
+            check_against_oracle(pipe, model, x, target, loss, f"skip {schedule}/{checkpoint}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_skip_connections_between_non_adjacent_stages(world: int) -> None:
+    assert run_ranks(_skips, world) == [9 if world == 2 else 3] * world
