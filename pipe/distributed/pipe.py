@@ -223,6 +223,29 @@ class DistributedPipe(nn.Module):
             _, outputs = self._runtime.run(batches, None, None, 0, None, training=False)
         return gather(outputs) if outputs else None
 
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clips the gradients of the whole pipeline to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
+
+        The norm is over every stage's gradients (one all-reduce over the
+        pipeline ranks), so each rank scales by the same factor as a single
+        process would. Every rank of the pipeline must call it.
+
+        Returns:
+            The total norm before clipping, on every rank.
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squares = torch.zeros((), device=self.device, dtype=torch.float64)
+        for grad in grads:
+            squares += grad.detach().double().pow(2).sum()
+        if self._pipeline_group is not None:
+            dist.all_reduce(squares, group=self._pipeline_group)
+        total = squares.sqrt()
+        scale = max_norm / (total + 1e-6)
+        if scale < 1:
+            for grad in grads:
+                grad.mul_(scale.to(grad.dtype))
+        return total.float()
+
     def _scatter(self, value: Any, what: str) -> list[Batch]:
         if value is None:
             raise ValueError(f"this rank runs the {'first' if what == 'inputs' else 'last'} stage and needs {what}; "

@@ -1,0 +1,104 @@
+"""Stage-agnostic training checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Every rank saves the state of the layers it owns under the original
+``nn.Sequential``'s keys (``"3.linear.weight"``), and its optimizer's state
+flattened per parameter under the same keys (``"state.3.linear.weight.exp_avg"``,
+``"param_groups.3.linear.weight.lr"``). A checkpoint therefore does not
+remember how the model was cut: a run with K stages resumes with K' stages (each
+rank reads only its own keys), with more or fewer data-parallel replicas
+(replicas hold the same keys, DCP writes them once), or into the plain module
+in one process (:func:`load_module`).
+
+DCP is PyTorch's own format for this (parallel writes from every rank, a
+metadata file, reads of any subset of keys); ``torch.distributed.checkpoint.format_utils``
+converts it to a single ``torch.save`` file if needed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = ["save", "load", "load_module"]
+
+logger = logging.getLogger(__name__)
+
+Path = Union[str, "os.PathLike[str]"]
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _state(module: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+    return state
+
+
+def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> None:
+    """Saves the model (and optimizer) state of every rank into the directory ``path``.
+
+    Collective: every rank of the job calls it with its ``DistributedPipe``
+    (or, in one process, the plain module).
+
+    Args:
+        path: a directory (created).
+        module: a ``DistributedPipe`` or any module whose keys are the original model's.
+        optimizer: the optimizer over ``module.parameters()``.
+        extra: small values every rank agrees on (step number, ...), returned by :func:`load`.
+    """
+    state = _state(module, optimizer)
+    state["extra"] = dict(extra)
+    dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+    logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
+
+
+def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """Loads what :func:`save` wrote into ``module`` (and ``optimizer``), whatever the stages were.
+
+    Collective when ``torch.distributed`` is initialised. Each rank reads the
+    keys of the layers it owns.
+
+    Returns:
+        The ``extra`` values given to :func:`save`.
+
+    Raises:
+        RuntimeError: the checkpoint lacks a key this rank needs (DCP names it).
+    """
+    state = _state(module, optimizer)
+    # "extra" holds plain values whose keys the loader cannot know in advance: list them first.
+    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
+    extra_keys = [key for key in metadata.state_dict_metadata if key.startswith("extra.")]
+    state["extra"] = {key.split(".", 1)[1]: None for key in extra_keys}
+    dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+    set_model_state_dict(module, state["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
+    logger.info("loaded %d tensors of the model from %s", len(state["model"]), path)
+    return dict(state["extra"])
+
+
+def load_module(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """Loads a checkpoint of a pipeline into the plain module, in a process without a process group.
+
+    The same as :func:`load`; named apart for the reader: any number of
+    stages on the saving side, one module on this one.
+    """
+    if _distributed():
+        logger.debug("load_module with an initialised process group: every rank loads the whole module")
+    return load(path, module, optimizer)
