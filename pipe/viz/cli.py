@@ -1,0 +1,151 @@
+"""The ``pipe-viz`` command: draw a planned schedule or a recorded trace.
+
+Usage::
+
+    pipe-viz plan --schedule 1f1b --stages 4 --microbatches 8 [--virtual-stages 2]
+                  [--checkpoint always] [-o out.svg]
+    pipe-viz trace run.json [more ranks' files ...] [--step N] [--plan] [-o out.html]
+
+The output format follows the extension of ``-o``: ``.svg``, ``.html``,
+``.txt`` or ``.json`` (Chrome trace events, for https://ui.perfetto.dev);
+without ``-o`` a text timeline goes to the terminal. Bad arguments exit with
+status 2 and a message naming the value and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipe.pipe import CHECKPOINT_MODES
+from pipe.schedule import SCHEDULE_KINDS
+from pipe.trace import TraceError, load, merge
+from pipe.viz.html import render_html
+from pipe.viz.measured import from_trace, plan_like
+from pipe.viz.plan import plan
+from pipe.viz.svg import render_svg
+from pipe.viz.text import render_text
+from pipe.viz.timeline import Timeline
+
+__all__ = ["main", "FORMATS"]
+
+FORMATS = (".svg", ".html", ".txt", ".json")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value} (use 1 or more)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def _output(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() not in FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"cannot tell the format of {text!r} from its extension; use one of {', '.join(FORMATS)}"
+        )
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipe-viz",
+        description="Draw pipeline schedules: planned ones from pipe.schedule, measured ones from pipe.trace.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{plan,trace}", required=True)
+
+    p = commands.add_parser("plan", help="draw the planned schedule of a configuration",
+                            description="Draw the planned schedule (pipe.schedule.Schedule.simulate) of a "
+                                        "configuration, with its bubble and micro-batches in flight.")
+    p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
+    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (default: 4)")
+    p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches (default: 8)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=1,
+                   help="model chunks per stage, for --schedule interleaved (default: 1)")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never",
+                   help="checkpoint mode: checkpointed micro-batches recompute before backward (default: never)")
+    p.add_argument("--forward", type=_positive_float, default=1.0, help="forward time of a stage (default: 1)")
+    p.add_argument("--backward", type=_positive_float, default=2.0, help="backward time of a stage (default: 2)")
+    p.add_argument("--recompute", type=_positive_float, default=None,
+                   help="recompute time of a stage (default: the forward time)")
+    p.add_argument("-o", "--output", type=_output, help=f"output file ({', '.join(FORMATS)}); default: text to stdout")
+    p.set_defaults(subparser=p)
+
+    t = commands.add_parser("trace", help="draw a recorded trace (pipe.trace)",
+                            description="Draw a trace recorded with pipe.trace.record() (several files: one per "
+                                        "rank, merged onto one clock).")
+    t.add_argument("traces", nargs="+", metavar="TRACE", help="trace JSON file(s)")
+    t.add_argument("--step", type=int, default=None,
+                   help="draw only this training step (0-based, -1 for the last); default: the whole trace")
+    t.add_argument("--plan", action="store_true",
+                   help="also draw the plan of the same configuration with the mean measured durations")
+    t.add_argument("-o", "--output", type=_output, help=f"output file ({', '.join(FORMATS)}); default: text to stdout")
+    t.set_defaults(subparser=t)
+    return parser
+
+
+def _write(timelines: Sequence[Timeline], output: Optional[Path], title: str,
+           trace: Optional[dict[str, Any]] = None) -> None:
+    if output is None:
+        sys.stdout.write(render_text(timelines))
+        return
+    suffix = output.suffix.lower()
+    if suffix == ".svg":
+        content = render_svg(timelines)
+    elif suffix == ".html":
+        content = render_html(timelines, title=title)
+    elif suffix == ".txt":
+        content = render_text(timelines)
+    else:
+        # A recording is written back as recorded (merged); a plan as trace events.
+        content = json.dumps(trace if trace is not None else timelines[0].to_trace(), indent=None)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(content)
+    sys.stderr.write(f"pipe-viz: wrote {output}\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command; returns the exit status (argument errors exit with 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub: argparse.ArgumentParser = args.subparser
+    if args.command == "plan":
+        if args.virtual_stages > 1 and args.schedule != "interleaved":
+            sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved "
+                      f"(got --schedule {args.schedule})")
+        try:
+            timeline = plan(args.schedule, args.stages, args.microbatches, virtual_stages=args.virtual_stages,
+                            checkpoint=args.checkpoint, forward=args.forward, backward=args.backward,
+                            recompute=args.recompute)
+        except ValueError as error:
+            sub.error(f"{error} (ranks are --stages)" if "ranks" in str(error) else str(error))
+        _write([timeline], args.output, "pipe-viz plan")
+        return 0
+    try:
+        trace = load(args.traces[0]) if len(args.traces) == 1 else merge(args.traces)
+        measured = from_trace(trace, args.step, source=repr(args.traces[0]) if len(args.traces) == 1 else "trace")
+        timelines = [measured] + ([plan_like(measured, trace)] if args.plan else [])
+    except TraceError as error:
+        sub.error(str(error))
+    _write(timelines, args.output, f"pipe-viz trace {' '.join(args.traces)}", trace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

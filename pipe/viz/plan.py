@@ -1,0 +1,107 @@
+"""Planned timelines: a schedule from :mod:`pipe.schedule`, simulated and laid out for drawing.
+
+The picture must show what the engines execute, so nothing here decides an
+order: the cells are ``Schedule.simulate()``'s timed actions and the peak
+in-flight counts are ``Schedule.peak_inflight()``. This module only names the
+rows, picks durations and writes the title.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pipe.pipe import checkpoint_stop, verify_checkpoint
+from pipe.schedule import Phase, Schedule
+from pipe.viz.timeline import Cell, Timeline
+
+__all__ = ["plan", "plan_schedule", "SCHEDULE_NAMES"]
+
+#: How each schedule kind is named in titles.
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+
+_KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+
+
+def plan(
+    schedule: str = "gpipe",
+    stages: int = 4,
+    microbatches: int = 8,
+    *,
+    virtual_stages: int = 1,
+    checkpoint: str = "never",
+    forward: float = 1.0,
+    backward: float = 2.0,
+    recompute: Optional[float] = None,
+) -> Timeline:
+    """The planned timeline of a schedule, in time steps (a forward takes ``forward``).
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        stages: pipeline stages (devices, or ranks); one row each.
+        microbatches: micro-batches per mini-batch.
+        virtual_stages: model chunks per stage (interleaved only).
+        checkpoint: ``Pipe``'s checkpoint mode; checkpointed micro-batches
+            recompute their forward before their backward.
+        forward, backward: durations of one forward and one backward of a
+            whole stage; with virtual stages each model chunk takes
+            ``1 / virtual_stages`` of them, so schedules compare on one axis.
+        recompute: duration of one recomputation (default: ``forward``).
+
+    Returns:
+        A :class:`Timeline` titled with the configuration and the bubble.
+
+    Raises:
+        ValueError: a bad schedule, count, mode or duration (the message names it).
+
+    Example:
+        >>> round(plan("gpipe", 4, 8).bubble(), 4)  # (K - 1) / (M + K - 1) = 3 / 11
+        0.2727
+    """
+    mode = verify_checkpoint(checkpoint)
+    shape = Schedule(schedule, ranks=stages, microbatches=microbatches, virtual_stages=virtual_stages)
+    stop = checkpoint_stop(mode, microbatches)
+    share = 1.0 / virtual_stages
+    redo = forward if recompute is None else recompute
+    timeline = plan_schedule(shape, forward * share, backward * share, redo * share, stop)
+    timeline.title = f"{_describe(shape)} · checkpoint={mode} · bubble {timeline.bubble():.1%}"
+    return timeline
+
+
+def plan_schedule(
+    schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step"
+) -> Timeline:
+    """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
+
+    The title is a plain description; :func:`plan` and the trace renderer add to it.
+    """
+    timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop)
+    cells = [
+        Cell(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
+             microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // schedule.ranks)
+        for t in timed
+    ]
+    rows = [f"stage {r}" for r in range(schedule.ranks)]
+    notes = [
+        f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"
+        + (f", recompute {recompute:g}" if stop > 0 else "") + f" ({'time steps' if unit == 'step' else unit});"
+        " transfers are free",
+    ]
+    if schedule.virtual_stages > 1:
+        chunks = ", ".join(f"r + {c * schedule.ranks}" if c else "r" for c in range(schedule.virtual_stages))
+        notes.append(f"stage r runs the model chunks {chunks}; later chunks are drawn lighter (lower case in text)")
+    return Timeline(
+        title=_describe(schedule),
+        rows=rows,
+        cells=cells,
+        unit=unit,
+        chunks=schedule.virtual_stages,
+        peak_inflight=schedule.peak_inflight(),
+        notes=notes,
+    )
+
+
+def _describe(schedule: Schedule) -> str:
+    name = SCHEDULE_NAMES[schedule.kind]
+    stages = f"{schedule.ranks} stage{'s' if schedule.ranks != 1 else ''}"
+    if schedule.virtual_stages > 1:
+        stages += f" × {schedule.virtual_stages} virtual"
+    return f"{name} · {stages} · {schedule.microbatches} micro-batch{'es' if schedule.microbatches != 1 else ''}"

@@ -1,0 +1,1 @@
+"""Tests for pipe.viz, one file per module."""

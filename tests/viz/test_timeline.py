@@ -1,0 +1,50 @@
+"""Tests for pipe.viz.timeline: busy time, utilisation, bubble, in-flight counts, trace export."""
+from __future__ import annotations
+
+import pytest
+
+from pipe import trace
+from pipe.viz.timeline import Cell, Timeline
+
+
+def make() -> Timeline:
+    return Timeline(
+        title="t",
+        rows=["stage 0", "stage 1"],
+        cells=[
+            Cell(0, "forward", 0.0, 2.0, 0, 0),
+            Cell(0, "forward", 1.0, 3.0, 1, 0),  # overlaps the first: counted once
+            Cell(0, "backward", 6.0, 8.0, 1, 0),
+            Cell(0, "backward", 8.0, 10.0, 0, 0),
+            Cell(1, "recompute", 4.0, 5.0, 0, 1),
+        ],
+    )
+
+
+def test_busy_utilisation_and_bubble() -> None:
+    t = make()
+    assert (t.origin, t.end, t.makespan) == (0.0, 10.0, 10.0)
+    assert t.busy(0) == 7.0 and t.busy(1) == 1.0
+    assert t.utilisation() == [0.7, 0.1]
+    assert t.bubble() == pytest.approx(0.6)
+    assert t.kinds() == ["forward", "backward", "recompute"]
+    assert t.count(0, "forward") == 2
+
+
+def test_measured_inflight_counts_forwards_not_yet_backwarded() -> None:
+    assert make().measured_inflight() == [2, 0]
+
+
+def test_labels() -> None:
+    assert Cell(0, "forward", 0, 1, 3).label == "F3"
+    assert Cell(0, "recv", 0, 1, 2).label == "V2"
+    assert Cell(0, "backward", 0, 1).label == "B"
+
+
+def test_to_trace_is_a_valid_chrome_trace() -> None:
+    data = make().to_trace()
+    trace.validate(data)
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"], e["dur"], e["tid"]) for e in spans][:2] == [("F0", 0.0, 2000.0, 0),
+                                                                            ("F1", 1000.0, 2000.0, 0)]
+    assert data["otherData"]["bubble"] == pytest.approx(0.6)
