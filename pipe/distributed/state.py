@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -64,7 +65,9 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     """
     state = _state(module, optimizer)
     state["extra"] = dict(extra)
-    dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
 
@@ -85,7 +88,10 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
     extra_keys = [key for key in metadata.state_dict_metadata if key.startswith("extra.")]
     state["extra"] = {key.split(".", 1)[1]: None for key in extra_keys}
-    dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+    with warnings.catch_warnings():
+        # Loading in one process is intended here (load_module); DCP warns about it regardless.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
     set_model_state_dict(module, state["model"], options=_OPTIONS)
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)

@@ -1,0 +1,45 @@
+"""pipe.trace on the process runner: one trace file per rank, merged onto one clock and drawn."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from dist_models import batch, blocks
+from pipe import trace
+from pipe.distributed import DistributedPipe
+from pipe.viz.cli import main as pipe_viz
+from pipe.viz.measured import from_trace
+from spawn_ranks import run_ranks
+
+
+def _record(rank: int, world: int, directory: str) -> int:
+    pipe = DistributedPipe(copy.deepcopy(blocks(4)), chunks=4, checkpoint="except_last", schedule="1f1b",
+                           loss_fn=F.mse_loss)
+    inputs, target = batch(8)
+    pipe.step(inputs, target)  # warm-up, not recorded
+    with trace.record(Path(directory) / "run.{rank}.json", rank=rank, schedule="1f1b", checkpoint="except_last"):
+        pipe.step(inputs, target)
+    return rank
+
+
+def test_each_rank_records_a_file_and_the_files_merge(tmp_path: Path) -> None:
+    assert run_ranks(_record, 2, str(tmp_path)) == [0, 1]
+    files = [tmp_path / f"run.{rank}.json" for rank in range(2)]
+    merged = trace.merge(files)
+    timeline = from_trace(merged)
+    assert timeline.rows == ["rank 0", "rank 1"]
+    for row in range(2):
+        counts = {kind: timeline.count(row, kind) for kind in ("forward", "backward", "recompute")}
+        assert counts == {"forward": 4, "backward": 4, "recompute": 3}, (row, counts)
+    # Activations go 0 -> 1 and gradients 1 -> 0: each rank sends and receives once per micro-batch.
+    assert timeline.count(0, "send") == timeline.count(1, "recv") == 4
+    assert timeline.count(1, "send") == timeline.count(0, "recv") == 4
+    # On one clock: rank 1's first forward starts after rank 0's first forward ended.
+    f0 = min((c for c in timeline.cells if c.row == 0 and c.kind == "forward"), key=lambda c: c.start)
+    f1 = min((c for c in timeline.cells if c.row == 1 and c.kind == "forward"), key=lambda c: c.start)
+    assert f0.end <= f1.start
+    assert timeline.title.startswith("measured 1F1B · 2 ranks · 4 micro-batches · checkpoint=except_last")
+    assert pipe_viz(["trace", *map(str, files), "--plan", "-o", str(tmp_path / "run.svg")]) == 0
+    import shutil; shutil.copy(tmp_path / "run.svg", "/tmp/vizcheck/ranks.svg")
