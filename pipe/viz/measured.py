@@ -109,7 +109,8 @@ def from_trace(trace: Mapping[str, Any], step: Optional[int] = None, source: str
         unit="ms",
         chunks=max(1, max((c.chunk for c in cells), default=0) + 1),
         notes=[
-            "measured: wall time of each span; overlapping spans on a row count once in busy time",
+            "measured wall time of each span; busy = forward, backward or recompute "
+            "(transfers and waits are not), overlaps counted once",
         ],
     )
     timeline.peak_inflight = timeline.measured_inflight()

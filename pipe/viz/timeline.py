@@ -16,10 +16,14 @@ from typing import Any, Optional
 
 from pipe.trace import complete_event
 
-__all__ = ["Cell", "Timeline", "KIND_ORDER", "LETTERS"]
+__all__ = ["Cell", "Timeline", "COMPUTE", "KIND_ORDER", "LETTERS"]
 
 #: Kinds in legend order; anything else is drawn as "other".
 KIND_ORDER: tuple[str, ...] = ("forward", "backward", "recompute", "copy", "send", "recv")
+
+#: Kinds that count as busy in utilisation and bubble: compute. Copies, sends and
+#: receives (which include waiting for the peer) are drawn but are not compute.
+COMPUTE: frozenset[str] = frozenset({"forward", "backward", "recompute"})
 
 #: The letter of each kind in labels (``F3``) and text timelines.
 LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "recompute": "R", "copy": "C", "send": "S", "recv": "V"}
@@ -92,8 +96,9 @@ class Timeline:
         return self.end - self.origin
 
     def busy(self, row: int) -> float:
-        """Time ``row`` spends working: the union of its cells (overlaps count once)."""
-        intervals = sorted((c.start, c.end) for c in self.cells if c.row == row)
+        """Time ``row`` spends computing: the union of its forward, backward and
+        recompute cells (overlaps count once; transfers do not count)."""
+        intervals = sorted((c.start, c.end) for c in self.cells if c.row == row and c.kind in COMPUTE)
         total, reach = 0.0, -math.inf
         for start, end in intervals:
             if end <= reach:
@@ -103,7 +108,7 @@ class Timeline:
         return total
 
     def utilisation(self) -> list[float]:
-        """Per row, busy time over the makespan."""
+        """Per row, compute time over the makespan."""
         span = self.makespan
         return [self.busy(row) / span if span > 0 else 0.0 for row in range(len(self.rows))]
 

@@ -17,6 +17,7 @@ def make() -> Timeline:
             Cell(0, "backward", 6.0, 8.0, 1, 0),
             Cell(0, "backward", 8.0, 10.0, 0, 0),
             Cell(1, "recompute", 4.0, 5.0, 0, 1),
+            Cell(1, "recv", 5.0, 9.0, 1, 1),  # a transfer (or a wait): drawn, not busy
         ],
     )
 
@@ -27,7 +28,7 @@ def test_busy_utilisation_and_bubble() -> None:
     assert t.busy(0) == 7.0 and t.busy(1) == 1.0
     assert t.utilisation() == [0.7, 0.1]
     assert t.bubble() == pytest.approx(0.6)
-    assert t.kinds() == ["forward", "backward", "recompute"]
+    assert t.kinds() == ["forward", "backward", "recompute", "recv"]
     assert t.count(0, "forward") == 2
 
 
