@@ -115,7 +115,7 @@ def balance_by_params(partitions: int, module: nn.Sequential) -> list[int]:
     return solve(profile_params(module), partitions)
 
 
-def _verify(partitions: Any, module: nn.Module) -> None:
+def _verify(partitions: Any, module: nn.Sequential) -> None:
     verify_module(module)
     if not isinstance(partitions, int) or isinstance(partitions, bool):
         raise TypeError(f"partitions must be an int, got {partitions!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import statistics
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -90,16 +89,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
-    """Seconds of forward plus backward of each layer: the median of the rounds run for ``timeout`` seconds.
+    """Seconds of forward plus backward of each layer: the fastest of the rounds run for ``timeout`` seconds.
 
-    A first, untimed round warms up; at least one timed round follows, whatever the timeout.
+    A first, untimed round warms up; at least three timed rounds follow, whatever the timeout.
     """
     samples: list[list[float]] = [[] for _ in module]
     with _sandbox(device):
         layers = list(_layer_copies(module, device))
         begun = time.perf_counter()
         rounds = 0
-        while rounds < 2 or time.perf_counter() - begun < timeout:
+        while rounds < 4 or time.perf_counter() - begun < timeout:
             batch = _input(sample, device)
             for k, layer in enumerate(layers):
                 batch = _detach(batch)
@@ -111,8 +110,9 @@ def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: to
                 if rounds > 0:  # the first round warms up (allocations, kernels, autograd threads)
                     samples[k].append(time.perf_counter() - tick)
             rounds += 1
-    # The median round, not the sum: a round that another process preempted does not count.
-    times = [statistics.median(round_times) for round_times in samples]
+    # The fastest round, not the sum or the mean: time lost to other processes
+    # (preemption on a shared machine) is not the layer's cost.
+    times = [min(round_times) for round_times in samples]
     logger.debug("profiled times over %d rounds: %s", rounds, times)
     return times
 

@@ -179,3 +179,25 @@ def test_tracker_load_unstashed_names_the_skip() -> None:
     with use_skip_tracker(SkipTracker()):
         with pytest.raises(RuntimeError, match="'skip' is popped but was not stashed"):
             PopLinear(4)(torch.randn(1, 4))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("devices", [["cpu", "cuda:0", "cuda:0"], ["cuda:0", "cpu", "cuda:0"]])
+def test_skip_copied_between_devices(checkpoint: str, devices: list[str]) -> None:
+    # The skip goes from partition 0 to partition 2 through a portal copy, skipping partition 1.
+    model = skip_model()
+    oracle = copy.deepcopy(model)
+    pipe = Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 2, 2], devices=devices, cpu_threads=1)
+    x = torch.randn(6, 4, device=devices[0], requires_grad=True)
+    output = pipe(x)
+    assert output.device == torch.device(devices[-1])
+    output.square().sum().backward()
+    pipe.close()
+    x_oracle = x.detach().cpu().requires_grad_()
+    expected = plain_forward(oracle, x_oracle)
+    expected.square().sum().backward()
+    torch.testing.assert_close(output.cpu(), expected)
+    torch.testing.assert_close(x.grad.cpu(), x_oracle.grad)
+    for p, q in zip(model.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad)
