@@ -1,0 +1,174 @@
+"""P5: the multi-process pipeline against torch.distributed.pipelining, same model, ranks, schedule, micro-batches.
+
+Both engines train the same stack of Linear+ReLU layers (width W, L layers,
+balance L/2 per rank) on 2 gloo ranks on this machine, one intra-op thread
+each, with a 1F1B schedule, M micro-batches of a B-row batch, no activation
+checkpointing, and an MSE loss. Each engine runs in fresh processes (so that
+peak memory is its own), alternating engine by engine ``--repeats`` times; the
+script prints the throughput ratio (pipe / torch, higher is better) and the
+ratio of the peak resident memory each rank gained over the run (pipe / torch,
+lower is better; glibc's MALLOC_MMAP_THRESHOLD_=65536 makes freed activations
+leave RSS), and saves them to benchmarks/results/.
+
+Run:
+    python benchmarks/distributed_vs_torch_pipelining.py            # W=1024 L=8 B=4096 M=8, a few minutes
+    python benchmarks/distributed_vs_torch_pipelining.py --quick    # W=256 B=512, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def model(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocessing.Queue[Any]") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    before = _rss_bytes()
+    full = model(args.width, args.layers)
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, args.width)
+    half = args.layers // 2
+    if args.engine == "pipe":
+        from pipe.distributed import DistributedPipe
+
+        pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint="never", schedule="1f1b",
+                               balance=[half, args.layers - half])
+        del full
+
+        def step() -> None:
+            pipe.step(x, y, F.mse_loss)
+            pipe.zero_grad(set_to_none=True)
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        submodule = full[:half] if rank == 0 else full[half:]
+        del full
+        stage = PipelineStage(submodule, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+        schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
+
+        def step() -> None:
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            submodule.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results.put({"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20})
+    dist.destroy_process_group()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine, 2 ranks forked from this process; prints one JSON line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    results: "multiprocessing.Queue[Any]" = context.Queue()
+    processes = [context.Process(target=_rank, args=(rank, port, args, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    ranks = sorted((results.get(timeout=1800) for _ in processes), key=lambda r: r["rank"])
+    for process in processes:
+        process.join()
+    print(json.dumps(ranks))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (W=256, B=512), seconds")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating")
+    parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.width, args.batch, args.steps, args.warmup, args.repeats = 256, 512, 5, 1, 1
+    if args.engine:
+        worker(args)
+        return
+
+    runs: dict[str, list[list[dict[str, float]]]] = {"pipe": [], "torch": []}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
+             "--microbatches", str(args.microbatches), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for _ in range(args.repeats):
+        for engine in ("pipe", "torch"):
+            out = subprocess.run([sys.executable, __file__, "--engine", engine, *flags], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            runs[engine].append(json.loads(out.strip().splitlines()[-1]))
+
+    def throughput(engine: str) -> float:  # samples/s of the slower rank, median over repeats
+        return statistics.median(min(r["steps_per_s"] for r in run) for run in runs[engine]) * args.batch
+
+    def memory(engine: str, rank: int) -> float:
+        return statistics.median(run[rank]["peak_gain_mb"] for run in runs[engine])
+
+    result = {
+        "figure": "P5",
+        "config": {"width": args.width, "layers": args.layers, "batch": args.batch,
+                   "microbatches": args.microbatches, "ranks": 2, "threads_per_rank": 1, "schedule": "1f1b",
+                   "checkpoint": "never", "steps": args.steps, "repeats": args.repeats, "quick": args.quick},
+        "samples_per_s": {engine: throughput(engine) for engine in runs},
+        "throughput_ratio_pipe_over_torch": throughput("pipe") / throughput("torch"),
+        "peak_memory_gain_mb": {engine: [memory(engine, rank) for rank in (0, 1)] for engine in runs},
+        "memory_ratio_pipe_over_torch": [memory("pipe", rank) / memory("torch", rank) for rank in (0, 1)],
+        "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+    }
+    print(f"P5 (W={args.width} L={args.layers} B={args.batch} M={args.microbatches}, 2 ranks x 1 thread, 1F1B):")
+    print(f"  throughput pipe / torch.distributed.pipelining: {result['throughput_ratio_pipe_over_torch']:.3f} "
+          f"({result['samples_per_s']['pipe']:.0f} vs {result['samples_per_s']['torch']:.0f} samples/s; target >= 1)")
+    print("  peak memory gain per rank pipe / torch: "
+          + ", ".join(f"rank {r}: {ratio:.3f}" for r, ratio in enumerate(result["memory_ratio_pipe_over_torch"]))
+          + " (target <= 1)")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"distributed_vs_torch_pipelining{'-quick' if args.quick else ''}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"  saved {path.relative_to(HERE.parent)}")
+
+
+if __name__ == "__main__":
+    main()
