@@ -22,8 +22,13 @@ then marks an op
   feeds it: keeping the scores would cost as much as keeping the
   probabilities);
 - save if autograd keeps its output (it is held anyway: saving costs nothing);
-- recompute if it comes after the last kept tensor (checkpoint's early stop
-  never replays it), or if it is cheap; save if it is a matmul-like op.
+- skip if autograd does not keep its output and no replayed op reads it (the
+  qkv matmul whose q, k, v are kept as contiguous copies): the replay gets an
+  uninitialised tensor of the right shape instead of running it (a dispatch
+  mode under the replay, :class:`_SkipDead`), so it costs neither memory nor
+  FLOPs; ops that draw random numbers or write in place always replay;
+- otherwise recompute if it comes after the last kept tensor (checkpoint's
+  early stop never replays it) or is cheap, and save if it is a matmul.
 
 A chosen op whose output autograd does not keep saves nothing by being
 recomputed, and a chosen op whose output the next op keeps saves it only here,
@@ -36,9 +41,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -167,6 +173,9 @@ class _Op:
     inputs: list[int]                      # storage addresses of tensor inputs
     outputs: list[tuple[int, int]]         # (storage address, bytes) of tensor outputs
     chosen_by: Optional[str]
+    mutates: bool = False                  # an in-place op (bernoulli_, add_, relu_...)
+    seeded: bool = False                   # draws random numbers (never skipped in the replay)
+    meta: Optional[tuple[Any, ...]] = None  # (shape, stride, dtype, device) of a single tensor output
 
 
 def _storages(value: Any) -> list[tuple[int, int]]:
@@ -198,8 +207,12 @@ class _Recorder(TorchDispatchMode):
             return out
         name = op_name(func)
         self._keep.append(out)
+        schema = getattr(func, "_schema", None)
+        meta = (tuple(out.shape), out.stride(), out.dtype, out.device) if isinstance(out, Tensor) else None
         self.ops.append(_Op(func, name, [p for p, _ in _storages((args, kwargs))], _storages(out),
-                            self.selection.match(self.scope.enclosing(), name)))
+                            self.selection.match(self.scope.enclosing(), name),
+                            bool(getattr(schema, "is_mutable", False)),
+                            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()), meta))
         return out
 
     def pack(self, tensor: Tensor) -> Tensor:
@@ -218,7 +231,12 @@ class Plan:
     chosen: dict[str, int] = field(default_factory=dict)  # regex/kind -> ops it chose
     freed_bytes: int = 0    # bytes autograd keeps that the plan recomputes instead
     extra_bytes: int = 0    # bytes the plan keeps that autograd would not
+    dead: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # op index -> output meta
     stale: bool = False
+
+    def replay_context(self) -> "_SkipDead":
+        """Under the recomputation: dead ops yield uninitialised tensors instead of running."""
+        return _SkipDead(self)
 
     def policy(self, on_mismatch: Callable[[], None]) -> Callable[..., CheckpointPolicy]:
         """A fresh policy function for one checkpointed call (ops are counted per call)."""
@@ -249,6 +267,10 @@ def make_plan(ops: list[_Op], saved: set[int], last_pack: int) -> Plan:
             creator[p] = k
         created.append(mine)
     kept = [any(p in saved for p, _ in mine) for mine in created]
+    # A storage written in place later (CPU dropout: empty_like, bernoulli_, div_) must be
+    # rebuilt by replaying every write: a cached copy would be stale, and code keeps using
+    # the variable, not the cached return value.
+    mutated = {p for op in ops if op.mutates for p, _ in op.outputs}
 
     recompute: set[int] = {k for k, op in enumerate(ops) if op.chosen_by is not None and created[k]}
     stack = list(recompute)
@@ -271,9 +293,9 @@ def make_plan(ops: list[_Op], saved: set[int], last_pack: int) -> Plan:
                              else CheckpointPolicy.MUST_SAVE)
             continue
         size = sum(n for _, n in created[k])
-        if k in recompute:
+        if k in recompute or any(p in mutated for p, _ in created[k]):
             decisions.append(CheckpointPolicy.MUST_RECOMPUTE)
-            plan.freed_bytes += size if kept[k] else 0
+            plan.freed_bytes += size if kept[k] and k in recompute else 0
         elif kept[k]:
             decisions.append(CheckpointPolicy.MUST_SAVE)
         elif k >= last_pack or op.name not in _HEAVY:
@@ -283,7 +305,61 @@ def make_plan(ops: list[_Op], saved: set[int], last_pack: int) -> Plan:
             plan.extra_bytes += size
         if op.chosen_by is not None:
             plan.chosen[op.chosen_by] = plan.chosen.get(op.chosen_by, 0) + 1
+
+    # Dead ops: outputs autograd does not keep and no replayed op reads (the qkv matmul
+    # whose q/k/v are kept as contiguous copies, the attention output projection). Saving
+    # them would cost memory, replaying them FLOPs: the replay skips them (_SkipDead).
+    needed: set[int] = set()
+    for k in range(min(last_pack, len(ops)) - 1, -1, -1):
+        op = ops[k]
+        if (created[k] and not kept[k] and op.meta is not None and not op.seeded and not op.mutates
+                and not any(p in mutated or p in needed for p, _ in created[k])):
+            if decisions[k] == CheckpointPolicy.MUST_SAVE:
+                plan.extra_bytes -= sum(n for _, n in created[k])
+            decisions[k] = CheckpointPolicy.MUST_RECOMPUTE
+            plan.dead[k] = op.meta
+            continue
+        if decisions[k] == CheckpointPolicy.MUST_RECOMPUTE and (created[k] or op.mutates):
+            needed.update(op.inputs)
+    for k, op in enumerate(ops):  # views follow their storage's creator again
+        owner = creator.get(op.outputs[0][0]) if op.outputs and not created[k] else None
+        if owner is not None and owner < k:
+            decisions[k] = decisions[owner]
     return plan
+
+
+@contextmanager
+def _below(outer: Any, inner: Any) -> Iterator[None]:
+    """Enters ``outer`` then ``inner``: a mode entered first sees what the later one passes down."""
+    with outer, inner:
+        yield
+
+
+class _SkipDead(TorchDispatchMode):
+    """Sits below selective checkpointing's replay mode, which hands it the ops to recompute.
+
+    Ops are matched to the plan by their per-op invocation count (as the replay
+    mode does); a dead op returns an uninitialised tensor of its recorded shape.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__()
+        self.plan = plan
+        self.queues: dict[Any, deque[int]] = {}
+        for k, (func, decision) in enumerate(zip(plan.ops, plan.decisions)):
+            if decision == CheckpointPolicy.MUST_RECOMPUTE:
+                self.queues.setdefault(func, deque()).append(k)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        queue = self.queues.get(func)
+        if func in SAC_IGNORED_OPS or not queue or self.plan.stale:
+            return func(*args, **kwargs)
+        meta = self.plan.dead.get(queue.popleft())
+        if meta is None:
+            return func(*args, **kwargs)
+        shape, stride, dtype, device = meta
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 # -- the policy --------------------------------------------------------------------------
@@ -381,7 +457,10 @@ class SelectiveRecompute(Policy):
                            "output (no saving) and the layer is planned again on its next call", self.label)
 
         def contexts() -> Any:
-            return create_selective_checkpoint_contexts(plan.policy(on_mismatch))
+            forward_context, replay = create_selective_checkpoint_contexts(plan.policy(on_mismatch))
+            if not plan.dead:
+                return forward_context, replay
+            return forward_context, _below(plan.replay_context(), replay)
 
         return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=contexts, **kwargs)

@@ -1,0 +1,114 @@
+"""Op-level selective recompute: choose ops by name regex or kind, keep the rest."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from recompute_models import assert_same_as_plain, blocks, kept_bytes, sample
+from torch.utils.checkpoint import CheckpointPolicy
+
+from pipe.recompute import SelectiveRecompute, policy_of, recompute, select_recompute
+from pipe.recompute.selective import Selection, op_name
+
+
+@pytest.mark.parametrize("names, ops", [
+    ((), ["gelu"]),
+    ((), ["softmax"]),
+    ((), ["gelu", "softmax", "layer_norm"]),
+    ([r"mlp\.act"], ()),
+    ([r"attn\.softmax"], ()),
+    (["mlp"], ()),
+    ([r"mlp\.fc1", r"(.*\.)?gelu"], ["softmax"]),
+])
+def test_every_selection_keeps_outputs_and_gradients(names: list[str], ops: list[str]) -> None:
+    assert_same_as_plain(blocks(), lambda m: [select_recompute(b, names, ops) for b in m], sample(), steps=3)
+
+
+def test_dropout_masks_are_replayed() -> None:
+    # On the CPU dropout is bernoulli_/div_/mul (in-place writes): chosen or not, it must replay.
+    assert_same_as_plain(blocks(dropout=0.5), lambda m: [select_recompute(b, ops=["softmax"]) for b in m], sample())
+    assert_same_as_plain(blocks(dropout=0.5), lambda m: [select_recompute(b, [r"attn\.drop"]) for b in m], sample())
+
+
+@pytest.mark.parametrize("ops", [["gelu"], ["softmax"], ["gelu", "softmax"]])
+def test_memory_drops(ops: list[str]) -> None:
+    plain, x = blocks(), sample()
+    marked = copy.deepcopy(plain)
+    for b in marked:
+        select_recompute(b, ops=ops)
+    kept_bytes(marked, x)  # plans
+    assert kept_bytes(marked, x) < kept_bytes(plain, x)
+
+
+def test_gelu_saving_is_exactly_its_output() -> None:
+    plain, x = blocks(n=1), sample()
+    marked = copy.deepcopy(plain)
+    select_recompute(marked[0], ops=["gelu"])
+    kept_bytes(marked, x)
+    gelu_output = x.numel() * 4 * x.element_size()  # [B, T, 4d]
+    assert kept_bytes(plain, x) - kept_bytes(marked, x) == gelu_output
+
+
+def test_recomputing_the_op_alone_saves_nothing() -> None:
+    # The docs' point: checkpointing nn.GELU by itself keeps its input, and fc2 keeps its output anyway.
+    plain, x = blocks(n=1), sample()
+    alone = copy.deepcopy(plain)
+    recompute(alone[0].mlp.act)
+    assert kept_bytes(alone, x) == kept_bytes(plain, x)
+
+
+def test_softmax_pulls_in_the_scores_that_feed_it() -> None:
+    model = blocks(n=1)
+    select_recompute(model[0], ops=["softmax"])
+    model(sample()).sum().backward()
+    policy = policy_of(model[0])
+    assert isinstance(policy, SelectiveRecompute)
+    (plan,) = policy.plans()
+    names = [op_name(f) for f in plan.ops]
+    decisions = dict(zip(names, plan.decisions))  # last decision per op name
+    first_bmm = names.index("bmm")  # q @ k^T, which only the softmax needs
+    assert plan.decisions[first_bmm] == CheckpointPolicy.MUST_RECOMPUTE
+    assert decisions["softmax"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert decisions["layer_norm"] == CheckpointPolicy.MUST_SAVE
+    assert plan.freed_bytes > 0 and plan.chosen == {"op:softmax": 1}
+
+
+def test_changed_shapes_plan_again() -> None:
+    plain = blocks(n=1)
+    model = assert_same_as_plain(plain, lambda m: select_recompute(m[0], ops=["gelu"]), sample(seq=6))
+    assert_same_as_plain(plain, lambda m: m.load_state_dict(model.state_dict()), sample(seq=6))
+    for seq in (3, 5):
+        torch.testing.assert_close(model(sample(seq=seq)), plain(sample(seq=seq)), rtol=0, atol=0)
+    assert len(policy_of(model[0]).plans()) == 3  # type: ignore[union-attr]
+
+
+def test_selection_matching() -> None:
+    selection = Selection([r"mlp\.act", r"attn\.softmax"], ["silu"])
+    assert selection.match(["mlp", "mlp.act"], "gelu") == r"mlp\.act"
+    assert selection.match(["attn"], "softmax") == r"attn\.softmax"
+    assert selection.match(["attn"], "bmm") is None
+    assert selection.match([], "silu") == "op:silu"
+    assert op_name(torch.ops.aten._softmax.default) == "softmax"
+    assert op_name(torch.ops.aten.native_dropout.default) == "dropout"
+
+
+def test_a_pattern_choosing_nothing_warns(caplog: pytest.LogCaptureFixture) -> None:
+    model = blocks(n=2)
+    for b in model:
+        select_recompute(b, names=[r"mlp\.activation"])
+    with caplog.at_level(logging.WARNING, logger="pipe.recompute.selective"):
+        model(sample()).sum().backward()
+    assert [r.getMessage() for r in caplog.records if "chose no operation" in r.getMessage()] and \
+        "mlp.act" in caplog.text
+
+
+def test_bad_input() -> None:
+    block = blocks(n=1)[0]
+    with pytest.raises(ValueError, match=r"select_recompute regex 'mlp\(' is not a valid regular expression"):
+        select_recompute(block, names=["mlp("])
+    with pytest.raises(ValueError, match="unknown op kind 'gelux'"):
+        select_recompute(block, ops=["gelux"])
+    with pytest.raises(ValueError, match="needs at least one name regex or op kind"):
+        select_recompute(block)
