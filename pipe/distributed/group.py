@@ -117,18 +117,17 @@ class Topology:
             for src, dst, name in routes:
                 for kind, (a, b) in (("act", (src, dst)), ("grad", (dst, src))):
                     rank_a, rank_b = rank_of(a), rank_of(b)
-                    if rank_a == rank_b:
-                        group = None
-                    else:
+                    channel_group: Optional[dist.ProcessGroup] = None
+                    if rank_a != rank_b:
                         members = sorted({self.global_rank(rank_a, replica), self.global_rank(rank_b, replica)})
-                        group = self.new_group(members)
+                        channel_group = self.new_group(members)
                     if replica != self.replica:
                         continue
                     label = f"{kind} {name} {a}->{b}"
                     if rank_a == self.pipeline_rank:
-                        self._channels[(a, b, kind, name)] = Channel(self.global_rank(rank_b), group, label)
+                        self._channels[(a, b, kind, name)] = Channel(self.global_rank(rank_b), channel_group, label)
                     if rank_b == self.pipeline_rank:
-                        self._channels[(b, a, kind + "-in", name)] = Channel(self.global_rank(rank_a), group, label)
+                        self._channels[(b, a, kind + "-in", name)] = Channel(self.global_rank(rank_a), channel_group, label)
 
     def outgoing(self, src: int, dst: int, kind: str, name: str) -> Channel:
         """The channel that carries ``kind`` (``"act"`` or ``"grad"``) messages from stage ``src`` to ``dst``."""

@@ -201,8 +201,9 @@ class Runtime:
                     if s == self.last:
                         if training:
                             assert targets is not None and loss_fn is not None and weights is not None
-                            cells[(i, s)].loss = _loss(loss_fn, output.value, targets[i].value, i)
-                            scaled = cells[(i, s)].loss.detach() * weights[i]
+                            micro_loss = _loss(loss_fn, output.value, targets[i].value, i)
+                            cells[(i, s)].loss = micro_loss
+                            scaled = micro_loss.detach() * weights[i]
                             loss = scaled if loss is None else loss + scaled
                         else:
                             outputs[i] = output

@@ -106,13 +106,13 @@ class Incoming:
             payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
             if length > HEADER_BYTES - _LENGTH_BYTES:
                 rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self.transport.device)
-                dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1).wait(self.transport.timeout)
+                _work(dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1)).wait(self.transport.timeout)
                 payload += rest.cpu().numpy().tobytes()
             spec, leaves, metas = pickle.loads(payload)
             device = self.transport.device
             buffers = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape, _ in metas]
             works = [
-                dist.irecv(buffer, channel.peer, group=channel.group, tag=self.tag + 2 + k)
+                _work(dist.irecv(buffer, channel.peer, group=channel.group, tag=self.tag + 2 + k))
                 for k, buffer in enumerate(buffers)
             ]
             for work in works:
@@ -189,7 +189,7 @@ class Transport:
         with trace.span("send", cell, channel=channel.name):
             for tensor, message_tag in messages:
                 try:
-                    work = dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag)
+                    work = _work(dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag))
                 except RuntimeError as error:
                     raise RuntimeError(
                         f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}"
@@ -217,6 +217,13 @@ class Transport:
             left = sorted(self._loopback)
             self._loopback.clear()
             raise RuntimeError(f"messages sent to this rank itself were never received: {left}")
+
+
+def _work(work: Optional[dist.Work]) -> dist.Work:
+    """The handle of an asynchronous op (``isend``/``irecv`` return one for ranks of the group)."""
+    if work is None:
+        raise RuntimeError("a point-to-point operation returned no handle: this rank is not in the channel's group")
+    return work
 
 
 def _loopback_leaf(leaf: Any) -> Any:
