@@ -2,9 +2,11 @@
 
 A small Pipe (two CPU partitions of Linear+Tanh blocks, 4 micro-batches,
 checkpoint="except_last") runs training steps alternately with recording off
-and on; the median step times give the on/off ratio. The cost when off cannot
-be switched off (the hooks are in the engine), so it is measured directly: the
-time of the no-op hook calls one step makes, over the step time.
+and on; the median step times give the on/off ratio. Because that ratio is at
+the mercy of machine noise, the hooks are also timed directly: the calls one
+recorded step makes (spans, and two calls per hooked autograd node, counted
+in a real step), and the no-op calls a step makes when recording is off, each
+over the step time.
 
 Every figure is a ratio of measurements taken in this run, printed and saved
 to benchmarks/results/viz_overhead.json (viz_overhead-quick.json with --quick).
@@ -71,6 +73,23 @@ def off_path_cost(cells: int, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def on_path_cost(spans: int, nodes: int, repeats: int) -> float:
+    """Seconds the recording hooks of one step take: ``spans`` spans and ``nodes`` node hook pairs."""
+    with trace.record() as recorder:
+        backward = trace._Backward((0, 0), recorder._ticks)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for _ in range(spans):
+                with trace.span("forward", (0, 0)):
+                    pass
+            for _ in range(nodes):
+                backward.begin(None)
+                backward.finish(None, None)
+            recorder._events.clear()
+            backward.segments.clear()
+        return (time.perf_counter() - start) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
@@ -87,10 +106,15 @@ def main() -> None:
     for _ in range(steps):  # alternate so that machine noise hits both alike
         off.append(time_steps(model, x, False))
         on.append(time_steps(model, x, True))
+    with trace.record() as recorder:
+        step(model, x)
+    spans = len(recorder._events)
+    nodes = recorder.hooked_nodes
     model.close()
     off_median, on_median = statistics.median(off), statistics.median(on)
     cells = chunks * 2
     hooks = off_path_cost(cells, 2000)
+    recording = on_path_cost(spans, nodes, 200)
     result: dict[str, Any] = {
         "config": {"width": width, "layers_per_partition": layers, "batch": batch, "chunks": chunks,
                    "partitions": 2, "checkpoint": "except_last", "steps": steps, "quick": args.quick},
@@ -99,12 +123,18 @@ def main() -> None:
         "on_over_off": on_median / off_median,
         "off_hooks_us_per_step": hooks * 1e6,
         "off_hooks_share_of_step": hooks / off_median,
+        "on_spans_per_step": spans,
+        "on_hooked_nodes_per_step": nodes,
+        "on_hooks_us_per_step": recording * 1e6,
+        "on_hooks_share_of_step": recording / off_median,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
     }
     print(f"step with recording off: {result['step_ms_off']:.2f} ms, on: {result['step_ms_on']:.2f} ms "
           f"-> on/off = {result['on_over_off']:.3f}")
+    print(f"recording hooks when on ({spans} spans, {nodes} autograd nodes): "
+          f"{result['on_hooks_us_per_step']:.1f} us per step = {result['on_hooks_share_of_step']:.3%} of a step")
     print(f"no-op hooks when off: {result['off_hooks_us_per_step']:.1f} us per step = "
           f"{result['off_hooks_share_of_step']:.4%} of a step")
     RESULTS.mkdir(exist_ok=True)

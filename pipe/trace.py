@@ -26,11 +26,13 @@ How each kind is measured:
 * ``backward``: ``Checkpoint.backward`` for checkpointed cells. A
   non-checkpointed cell's backward is plain autograd inside the partition, so
   :func:`watch_backward` walks the cell's autograd nodes once after its forward
-  and hooks them: the span starts when the first node of the cell begins and
-  ends when the last one finishes. Gradient accumulation into parameters
-  (``AccumulateGrad``) is not counted; everything else is. Autograd may run
-  a cell's last weight-gradient nodes after the previous stage's backward has
-  begun, so neighbouring backward spans can overlap by a few nodes.
+  and hooks each of them, so every node is timed. Autograd runs the nodes of
+  several cells in one thread (on the CPU, all of them) and may interleave
+  them; a run of the cell's nodes with nothing else recorded in between is
+  one span, so an interleaved backward shows as several ``B3`` spans (with
+  ``args.segment``) whose sum is the cell's backward time. Gradient
+  accumulation into parameters (``AccumulateGrad``) and the engine's time
+  between nodes are not counted.
 * ``copy``: the host-side time of moving a micro-batch to the next device
   (on CUDA this is the time to *issue* the asynchronous copy).
 """
@@ -117,44 +119,69 @@ def complete_event(
     }
 
 
+class _Ticks(threading.local):
+    """A per-thread count of recorded happenings, to tell whether anything ran between two nodes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def tick(self) -> int:
+        self.count += 1
+        return self.count
+
+
 class _Span:
     """A context manager that appends one event when it exits (no allocation per call beyond itself)."""
 
-    __slots__ = ("events", "kind", "cell", "args", "start")
+    __slots__ = ("recorder", "kind", "cell", "args", "start")
 
-    def __init__(self, events: list[tuple[Any, ...]], kind: str, cell: Cell, args: dict[str, Any]) -> None:
-        self.events = events
+    def __init__(self, recorder: "Recorder", kind: str, cell: Cell, args: dict[str, Any]) -> None:
+        self.recorder = recorder
         self.kind = kind
         self.cell = cell
         self.args = args
         self.start = 0
 
     def __enter__(self) -> None:
+        self.recorder._ticks.tick()
         self.start = time.perf_counter_ns()
 
     def __exit__(self, *exc: Any) -> None:
-        self.events.append((self.kind, self.cell, self.start, time.perf_counter_ns(), self.args))
+        end = time.perf_counter_ns()
+        self.recorder._ticks.tick()
+        self.recorder._events.append((self.kind, self.cell, self.start, end, self.args))
 
 
 class _Backward:
-    """The backward of one non-checkpointed cell, filled in by autograd node hooks."""
+    """The backward of one non-checkpointed cell, filled in by autograd node hooks.
 
-    __slots__ = ("cell", "start", "end")
+    Every node of the cell times itself (pre-hook to post-hook). Consecutive
+    nodes on one thread with nothing recorded in between extend one segment;
+    a node of another cell, or any span, in between starts a new segment.
+    """
 
-    def __init__(self, cell: Cell) -> None:
+    __slots__ = ("cell", "ticks", "node_start", "segments")
+
+    def __init__(self, cell: Cell, ticks: _Ticks) -> None:
         self.cell = cell
-        self.start: Optional[int] = None
-        self.end: Optional[int] = None
+        self.ticks = ticks
+        self.node_start = 0
+        # [start_ns, end_ns, tick of the last node, thread]
+        self.segments: list[list[int]] = []
 
     def begin(self, grad_outputs: Any) -> None:
-        if self.start is None:
-            self.start = time.perf_counter_ns()
+        self.node_start = time.perf_counter_ns()
 
     def finish(self, grad_inputs: Any, grad_outputs: Any) -> None:
         now = time.perf_counter_ns()
-        if self.start is None:
-            self.start = now
-        self.end = now
+        tick = self.ticks.tick()
+        thread = threading.get_ident()
+        if self.segments:
+            last = self.segments[-1]
+            if last[2] == tick - 1 and last[3] == thread:
+                last[1], last[2] = now, tick
+                return
+        self.segments.append([self.node_start, now, tick, thread])
 
 
 class Recorder:
@@ -178,6 +205,9 @@ class Recorder:
         self._origin_unix_us = time.time_ns() / 1000.0
         self._events: list[tuple[Any, ...]] = []
         self._backwards: list[_Backward] = []
+        self._ticks = _Ticks()
+        #: Autograd nodes hooked by watch_backward so far (each costs two Python calls in backward).
+        self.hooked_nodes = 0
 
     def annotate(self, **config: Any) -> None:
         """Adds to the configuration saved with the trace (JSON-serialisable values)."""
@@ -185,7 +215,7 @@ class Recorder:
 
     def span(self, kind: str, cell: Cell = None, **args: Any) -> ContextManager[None]:
         """Times the body as one span of ``kind`` for ``cell`` = (micro-batch, stage)."""
-        return _Span(self._events, kind, cell, args)
+        return _Span(self, kind, cell, args)
 
     def add(self, kind: str, cell: Cell, start_ns: int, end_ns: int, **args: Any) -> None:
         """Adds a span measured elsewhere, in ``time.perf_counter_ns`` units."""
@@ -195,25 +225,24 @@ class Recorder:
         """Records the coming backward of the autograd graph between ``inputs`` and ``outputs``.
 
         Walks the nodes created by the cell (stopping at the inputs' nodes and
-        at parameters) and hooks them: a pre-hook on the output nodes marks the
-        start, a post-hook on every node moves the end.
+        at parameters) and hooks each: its pre- and post-hook time it, and runs
+        of the cell's nodes uninterrupted by other recorded work become spans.
         """
         roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if not roots:
             return
         stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        span = _Backward(cell)
+        span = _Backward(cell, self._ticks)
         self._backwards.append(span)
         seen: set[Any] = set()
-        for root in roots:
-            if root not in stop:
-                root.register_prehook(span.begin)
         stack = list(roots)
         while stack:
             node = stack.pop()
             if node in seen or node in stop:
                 continue
             seen.add(node)
+            self.hooked_nodes += 1
+            node.register_prehook(span.begin)
             node.register_hook(span.finish)
             for child, _ in node.next_functions:
                 if child is not None and type(child).__name__ != "AccumulateGrad":
@@ -223,10 +252,11 @@ class Recorder:
         """The recording as a Chrome trace-event JSON object."""
         origin = self._origin_ns
         events: list[dict[str, Any]] = []
-        spans = list(self._events) + [
-            ("backward", b.cell, b.start, b.end, {}) for b in self._backwards
-            if b.start is not None and b.end is not None
-        ]
+        spans = list(self._events)
+        for b in self._backwards:
+            many = len(b.segments) > 1
+            for index, (start, end, _, _) in enumerate(b.segments):
+                spans.append(("backward", b.cell, start, end, {"segment": index} if many else {}))
         stages: set[int] = set()
         for kind, cell, start, end, args in spans:
             microbatch, stage = cell if cell is not None else (None, None)
@@ -326,7 +356,7 @@ def span(kind: str, cell: Cell = None, **args: Any) -> ContextManager[None]:
     current = recorder
     if current is None:
         return _NO_SPAN
-    return _Span(current._events, kind, cell, args)
+    return _Span(current, kind, cell, args)
 
 
 def watch_backward(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], cell: Cell) -> None:

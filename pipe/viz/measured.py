@@ -99,6 +99,7 @@ def from_trace(trace: Mapping[str, Any], step: Optional[int] = None, source: str
             microbatch=args.get("microbatch"),
             stage=args.get("stage", e["tid"]),
             chunk=chunk,
+            segment=int(args.get("segment", 0)),
         ))
     config = dict(trace.get("otherData", {}).get("config", {}))
     microbatches = len({c.microbatch for c in cells if c.kind == "forward" and c.microbatch is not None})
@@ -133,9 +134,7 @@ def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
         TraceError: the trace holds no forward and backward to time.
     """
     config = trace.get("otherData", {}).get("config", {})
-    forwards = [c.duration for c in measured.cells if c.kind == "forward"]
-    backwards = [c.duration for c in measured.cells if c.kind == "backward"]
-    recomputes = [c.duration for c in measured.cells if c.kind == "recompute"]
+    forwards, backwards, recomputes = (measured.durations(k) for k in ("forward", "backward", "recompute"))
     if not forwards or not backwards:
         raise TraceError("--plan needs a trace with forward and backward spans (a training step, not eval)")
     microbatches = sorted({c.microbatch for c in measured.cells if c.kind == "forward" and c.microbatch is not None})

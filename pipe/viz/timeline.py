@@ -40,6 +40,8 @@ class Cell:
         microbatch: the micro-batch, or None when unknown.
         stage: the model stage (virtual stage in interleaved schedules).
         chunk: which of its row's model chunks the stage is (0 unless interleaved).
+        segment: the index of this piece when autograd interleaved the cell's
+            backward with other work (:mod:`pipe.trace`); 0 for the first or only one.
     """
 
     row: int
@@ -49,6 +51,7 @@ class Cell:
     microbatch: Optional[int] = None
     stage: Optional[int] = None
     chunk: int = 0
+    segment: int = 0
 
     @property
     def duration(self) -> float:
@@ -118,7 +121,22 @@ class Timeline:
         return 1.0 - sum(usage) / len(usage) if usage else 0.0
 
     def count(self, row: int, kind: str) -> int:
-        return sum(1 for c in self.cells if c.row == row and c.kind == kind)
+        """How many cells of ``kind`` ``row`` ran (a backward in segments counts once)."""
+        return sum(1 for c in self.cells if c.row == row and c.kind == kind and c.segment == 0)
+
+    def durations(self, kind: str) -> list[float]:
+        """The time of each cell of ``kind``, the segments of a backward summed."""
+        totals: list[float] = []
+        open_cells: dict[tuple[int, Optional[int], Optional[int]], int] = {}
+        for c in sorted(self.cells, key=lambda c: c.start):
+            if c.kind != kind:
+                continue
+            key = (c.row, c.microbatch, c.stage)
+            if c.segment == 0 or key not in open_cells:
+                open_cells[key] = len(totals)
+                totals.append(0.0)
+            totals[open_cells[key]] += c.duration
+        return totals
 
     def kinds(self) -> list[str]:
         """The kinds present, in legend order (unknown kinds last)."""
@@ -128,16 +146,24 @@ class Timeline:
     def measured_inflight(self) -> list[int]:
         """Per row, the most micro-batches whose forward has ended and whose backward has not.
 
-        The measured counterpart of ``Schedule.peak_inflight`` (events in time order).
+        The measured counterpart of ``Schedule.peak_inflight`` (events in time order;
+        a backward in segments ends with its last one).
         """
         peaks = []
         for row in range(len(self.rows)):
             moments: list[tuple[float, int]] = []
-            for c in self.cells:
+            backward_ends: list[float] = []  # of each backward's last segment
+            open_cells: dict[tuple[Optional[int], Optional[int]], int] = {}
+            for c in sorted(self.cells, key=lambda c: c.start):
                 if c.row == row and c.kind == "forward":
                     moments.append((c.end, +1))
                 elif c.row == row and c.kind == "backward":
-                    moments.append((c.end, -1))
+                    key = (c.microbatch, c.stage)
+                    if c.segment == 0 or key not in open_cells:
+                        open_cells[key] = len(backward_ends)
+                        backward_ends.append(c.end)
+                    backward_ends[open_cells[key]] = c.end
+            moments += [(end, -1) for end in backward_ends]
             held = peak = 0
             for _, delta in sorted(moments, key=lambda m: (m[0], m[1])):
                 held += delta

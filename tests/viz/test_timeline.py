@@ -49,3 +49,16 @@ def test_to_trace_is_a_valid_chrome_trace() -> None:
     assert [(e["name"], e["ts"], e["dur"], e["tid"]) for e in spans][:2] == [("F0", 0.0, 2000.0, 0),
                                                                             ("F1", 1000.0, 2000.0, 0)]
     assert data["otherData"]["bubble"] == pytest.approx(0.6)
+
+
+def test_a_backward_in_segments_counts_once_and_sums() -> None:
+    t = Timeline(title="t", rows=["stage 0"], cells=[
+        Cell(0, "forward", 0.0, 1.0, 0, 0),
+        Cell(0, "backward", 2.0, 3.0, 0, 0),  # interleaved with other work: two segments
+        Cell(0, "backward", 4.0, 4.5, 0, 0, segment=1),
+        Cell(0, "forward", 7.0, 8.0, 0, 0),  # the next step
+        Cell(0, "backward", 9.0, 9.5, 0, 0),
+    ])
+    assert t.count(0, "backward") == 2 and t.count(0, "forward") == 2
+    assert t.durations("backward") == [1.5, 0.5]
+    assert t.measured_inflight() == [1]
