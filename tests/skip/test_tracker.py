@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import weakref
 
 import pytest
@@ -153,7 +152,7 @@ def test_skip_tensors_are_freed_when_no_longer_needed(checkpoint: str, balance: 
     for _ in range(3):
         StashFresh.refs = []
         x = torch.randn(4, 4, requires_grad=True)
-        output = pipe(x)  # no gc.collect() below: reference counting alone must free the skips
+        output = pipe(x)  # no garbage collection below: reference counting alone must free the skips
         alive = [ref() is not None for ref in StashFresh.refs]
         # Without recomputation nobody needs a skip once popped; with it, the
         # checkpointed micro-batches keep theirs for the recomputed pop.
