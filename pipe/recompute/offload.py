@@ -42,20 +42,32 @@ __all__ = ["Offloader", "OffloadLayer", "offload"]
 logger = logging.getLogger(__name__)
 
 
-class _Packed:
-    """A saved tensor living in host memory (and, once prefetched, on its device again)."""
+class _Stored:
+    """One device storage copied to host memory; every tensor saved from it is a view of it."""
 
     __slots__ = ("unit", "host", "device", "ready", "event", "__weakref__")
 
     def __init__(self, unit: "_Unit", host: Tensor, device: torch.device, event: Any) -> None:
         self.unit = unit
-        self.host = host
+        self.host = host                     # 1-D, the whole storage
         self.device = device
-        self.ready: Optional[Tensor] = None  # the prefetched device copy, handed out once
+        self.ready: Optional[Tensor] = None  # the device copy once fetched
         self.event = event                   # CUDA event of the last copy, None on the CPU
 
+
+class _Packed:
+    """What autograd holds instead of a saved tensor: a view of a stored storage."""
+
+    __slots__ = ("stored", "size", "stride", "offset")
+
+    def __init__(self, stored: _Stored, tensor: Tensor) -> None:
+        self.stored = stored
+        self.size = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+
     def __del__(self) -> None:
-        self.unit.release(self)
+        self.stored.unit.release()
 
 
 class _Unit:
@@ -66,14 +78,17 @@ class _Unit:
         self.index = index
         self.name = name
         self.prefetch = prefetch
-        # Weak: a packed tensor lives as long as the autograd graph that saved it.
-        self.packed: list[weakref.ref[_Packed]] = []
+        # Weak: a stored storage lives as long as the autograd graph holds views of it.
+        self.stored: list[weakref.ref[_Stored]] = []
         self.fetched = False
         self.used = False
         self.alive = 0
-        self.dedup: weakref.WeakValueDictionary[tuple[Any, ...], _Packed] = weakref.WeakValueDictionary()
+        # Views of one storage (q, k, v of one qkv; softmax's output saved twice) are copied
+        # once. Addresses are reused once a device copy is freed, so an entry holds the
+        # storage weakly and counts only while that very storage is alive.
+        self.dedup: dict[tuple[Any, ...], tuple[weakref.ref[Any], weakref.ref[_Stored]]] = {}
 
-    def release(self, packed: _Packed) -> None:
+    def release(self) -> None:
         self.alive -= 1
         if self.alive <= 0:
             self.offloader._drop(self)
@@ -156,41 +171,45 @@ class Offloader:
     def _pack(self, unit: _Unit, tensor: Tensor) -> Any:
         if self._keep_in_place(tensor):
             return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), tensor.dtype)
         with self._lock:
-            packed = unit.dedup.get(key)
-            if packed is not None:
+            entry = unit.dedup.get(key)
+            stored = entry[1]() if entry is not None and entry[0]() is storage else None
+            if stored is not None:
                 unit.alive += 1
-                return packed
+                return _Packed(stored, tensor)
+        # The whole storage as one flat tensor: views of it are rebuilt in backward.
+        flat = tensor.detach().as_strided((storage.nbytes() // tensor.element_size(),), (1,), 0)
         device = tensor.device
         if device.type == "cuda":
             stream = self._stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-                host.copy_(tensor, non_blocking=True)
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
-            tensor.record_stream(stream)  # the device memory is reused only after the copy
+            flat.record_stream(stream)  # the device memory is reused only after the copy
         else:
-            host, event = tensor.detach().clone(), None
-        packed = _Packed(unit, host, device, event)
+            host, event = flat.clone(), None
+        stored = _Stored(unit, host, device, event)
         with self._lock:
-            unit.packed.append(weakref.ref(packed))
+            unit.stored.append(weakref.ref(stored))
+            unit.dedup[key] = (weakref.ref(storage), weakref.ref(stored))
             unit.alive += 1
-            unit.dedup[key] = packed
             self.offloaded_bytes += host.numel() * host.element_size()
-            if len(unit.packed) == 1:
+            if len(unit.stored) == 1:
                 self._event("offload", unit)
-        return packed
+        return _Packed(stored, tensor)
 
     # -- backward -------------------------------------------------------------------------
 
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        unit: _Unit = packed.unit
+        stored: _Stored = packed.stored
+        unit = stored.unit
         with self._lock:
             if not unit.used:
                 unit.used = True
@@ -198,37 +217,36 @@ class Offloader:
                 if not unit.fetched:
                     self._fetch(unit, "fetch")
                 self._event("use", unit)
-                for other in list(self._units.values()):
+                for other in reversed(list(self._units.values())):  # the nearest first
                     if other.index < unit.index and not other.fetched and other.index + other.prefetch >= unit.index:
                         self._fetch(other, "prefetch")
-            tensor = packed.ready
-            packed.ready = None
-        if tensor is None:  # needed again (retain_graph): fetch this tensor alone
-            tensor = self._copy_back(packed)
-        if tensor.device.type == "cuda":
-            current = torch.cuda.current_stream(tensor.device)
-            if packed.event is not None:
-                current.wait_event(packed.event)
-            tensor.record_stream(current)
-        return tensor
+            base = stored.ready
+            if base is None:  # stored after its unit was fetched
+                base = stored.ready = self._copy_back(stored)
+        if base.device.type == "cuda":
+            current = torch.cuda.current_stream(base.device)
+            if stored.event is not None:
+                current.wait_event(stored.event)
+            base.record_stream(current)
+        return base.as_strided(packed.size, packed.stride, packed.offset)
 
     def _fetch(self, unit: _Unit, kind: str) -> None:
         unit.fetched = True
-        for ref in unit.packed:
-            packed = ref()
-            if packed is not None:
-                packed.ready = self._copy_back(packed)
+        for ref in unit.stored:
+            stored = ref()
+            if stored is not None and stored.ready is None:
+                stored.ready = self._copy_back(stored)
         self._event(kind, unit)
 
-    def _copy_back(self, packed: _Packed) -> Tensor:
-        if packed.device.type != "cuda":
-            return packed.host  # host memory is where CPU tensors live
-        stream = self._stream(packed.device)
+    def _copy_back(self, stored: _Stored) -> Tensor:
+        if stored.device.type != "cuda":
+            return stored.host  # host memory is where CPU tensors live
+        stream = self._stream(stored.device)
         with torch.cuda.stream(stream):
-            tensor = packed.host.to(packed.device, non_blocking=True)
+            tensor = stored.host.to(stored.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        packed.event = event
+        stored.event = event
         return tensor
 
     # -- bookkeeping ----------------------------------------------------------------------
