@@ -7,6 +7,7 @@ with the layers spread over partitions that work on micro-batches concurrently.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -134,11 +135,14 @@ class Pipe(nn.Module):
             cpu_threads = max(1, torch.get_num_threads() // cpu_partitions)
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
-        if cpu_partitions > 1 and cpu_threads is not None and cpu_threads * cpu_partitions > (torch.get_num_threads() or 1) * 2:
+        cores = os.cpu_count() or 1
+        if cpu_partitions > 1 and cpu_threads is not None and cpu_threads * cpu_partitions > cores:
+            fix = (f"cpu_threads={max(1, cores // cpu_partitions)}" if cpu_threads > 1
+                   else f"at most {cores} CPU partitions")
             warnings.warn(
-                f"{cpu_partitions} CPU partitions x cpu_threads={cpu_threads} oversubscribe the "
-                f"{torch.get_num_threads()} threads PyTorch uses; this runs, but slower than "
-                f"cpu_threads={max(1, torch.get_num_threads() // cpu_partitions)}",
+                f"{cpu_partitions} CPU partitions x cpu_threads={cpu_threads} need "
+                f"{cpu_partitions * cpu_threads} threads but this machine has {cores} cores, so partitions "
+                f"compete for them; this runs, but faster with {fix}",
                 stacklevel=2,
             )
         self.cpu_threads = cpu_threads
