@@ -72,6 +72,9 @@ class Policy:
         """A short description for logs."""
         return type(self).__name__
 
+    def release(self, module: nn.Module) -> None:
+        """Called when the policy is taken off ``module`` (replaced or removed)."""
+
     @staticmethod
     def regioned(forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run inside a region; calls after the first are recomputations."""
@@ -120,6 +123,9 @@ def mark(module: ModuleT, policy: Optional[Policy]) -> ModuleT:
         raise TypeError(f"expected a pipe.recompute Policy, got {type(policy).__name__}")
     current = module.__dict__.get("forward")
     wrapped = isinstance(current, functools.partial) and current.func is _marked_forward
+    previous = module.__dict__.get(_POLICY)
+    if previous is not None and previous is not policy:
+        previous.release(module)
     if policy is None:
         module.__dict__.pop(_POLICY, None)
         if wrapped:

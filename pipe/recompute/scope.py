@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -21,6 +22,7 @@ __all__ = ["Scope", "compile_pattern"]
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[str] = []
+        self.calls: Optional[dict[str, int]] = None  # calls per submodule, while counting
 
 
 class _Enter:
@@ -29,7 +31,10 @@ class _Enter:
         self.name = name
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.scope._local.stack.append(self.name)
+        local = self.scope._local
+        local.stack.append(self.name)
+        if local.calls is not None:
+            local.calls[self.name] = local.calls.get(self.name, 0) + 1
 
 
 class _Leave:
@@ -71,6 +76,16 @@ class Scope:
                 continue
             sub.register_forward_pre_hook(_Enter(self, name))
             sub.register_forward_hook(_Leave(self), always_call=True)
+
+    @contextmanager
+    def counting(self) -> Iterator[dict[str, int]]:
+        """Counts the calls of each submodule in the body (this thread)."""
+        calls: dict[str, int] = {}
+        previous, self._local.calls = self._local.calls, calls
+        try:
+            yield calls
+        finally:
+            self._local.calls = previous
 
     def enclosing(self) -> list[str]:
         """Qualified names of the running submodules, outermost first ('' at the layer itself)."""

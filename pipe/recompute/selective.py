@@ -57,7 +57,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from pipe.recompute.module import Policy, mark
+from pipe.recompute.module import Policy, mark, policy_of
 from pipe.recompute.scope import Scope, compile_pattern
 
 __all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection", "Usage"]
@@ -176,6 +176,7 @@ class _Op:
     mutates: bool = False                  # an in-place op (bernoulli_, add_, relu_...)
     seeded: bool = False                   # draws random numbers (never skipped in the replay)
     meta: Optional[tuple[Any, ...]] = None  # (shape, stride, dtype, device) of a single tensor output
+    path: str = ""                         # the innermost submodule it ran in
 
 
 def _storages(value: Any) -> list[tuple[int, int]]:
@@ -188,13 +189,32 @@ def _storages(value: Any) -> list[tuple[int, int]]:
     return out
 
 
+def _prefixed(prefix: str, names: list[str]) -> list[str]:
+    """Names relative to a submodule ``prefix`` of the layer, made relative to the layer."""
+    if not prefix:
+        return names
+    return [prefix] + [f"{prefix}.{name}" for name in names]
+
+
+def _common(paths: Iterable[str]) -> str:
+    """The deepest submodule enclosing every one of ``paths`` ('' for the layer itself)."""
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
 class _Recorder(TorchDispatchMode):
     """Records every op of a plain forward (the ops selective checkpointing will see)."""
 
-    def __init__(self, scope: Scope, selection: Selection) -> None:
+    def __init__(self, scope: Scope, selection: Selection, prefix: str = "") -> None:
         super().__init__()
         self.scope = scope
         self.selection = selection
+        self.prefix = prefix
         self.ops: list[_Op] = []
         self.saved: set[int] = set()
         self.last_pack = 0  # ops recorded when the last tensor was saved for backward
@@ -209,10 +229,12 @@ class _Recorder(TorchDispatchMode):
         self._keep.append(out)
         schema = getattr(func, "_schema", None)
         meta = (tuple(out.shape), out.stride(), out.dtype, out.device) if isinstance(out, Tensor) else None
+        enclosing = _prefixed(self.prefix, self.scope.enclosing())
         self.ops.append(_Op(func, name, [p for p, _ in _storages((args, kwargs))], _storages(out),
-                            self.selection.match(self.scope.enclosing(), name),
+                            self.selection.match(enclosing, name),
                             bool(getattr(schema, "is_mutable", False)),
-                            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()), meta))
+                            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()), meta,
+                            enclosing[-1] if enclosing else ""))
         return out
 
     def pack(self, tensor: Tensor) -> Tensor:
@@ -232,6 +254,9 @@ class Plan:
     freed_bytes: int = 0    # bytes autograd keeps that the plan recomputes instead
     extra_bytes: int = 0    # bytes the plan keeps that autograd would not
     dead: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # op index -> output meta
+    # The smallest submodules holding the chosen ops that free memory, the ops that rebuild
+    # their inputs and the ops that keep their outputs; [""] for the whole layer, [] if none.
+    regions: list[str] = field(default_factory=list)
     stale: bool = False
 
     def replay_context(self) -> "_SkipDead":
@@ -325,6 +350,35 @@ def make_plan(ops: list[_Op], saved: set[int], last_pack: int) -> Plan:
         owner = creator.get(op.outputs[0][0]) if op.outputs and not created[k] else None
         if owner is not None and owner < k:
             decisions[k] = decisions[owner]
+
+    # Regions: a chosen op whose output autograd keeps, with its producer chain and the ops
+    # that keep it. Checkpointing just that submodule replays a few ops instead of the layer.
+    group: dict[int, int] = {}
+
+    def find(k: int) -> int:
+        while group.get(k, k) != k:
+            k = group[k]
+        return k
+
+    seeds = [k for k in recompute if ops[k].chosen_by is not None and kept[k]]
+    for k in sorted(recompute):
+        for p in ops[k].inputs:
+            c = creator.get(p)
+            if c is not None and c in recompute and c < k:
+                group[find(k)] = find(c)
+    paths: dict[int, list[str]] = {}
+    for k in recompute:
+        paths.setdefault(find(k), []).append(ops[k].path)
+    freeing = {find(k) for k in seeds}
+    for j, op in enumerate(ops):  # the readers of what the seeds and their chains produce
+        if created[j] or op.mutates:
+            for p in op.inputs:
+                c = creator.get(p)
+                if c is not None and c in recompute and c != j:
+                    paths[find(c)].append(op.path)
+    regions = sorted({_common(paths[root]) for root in freeing})
+    plan.regions = [r for r in regions if not any(r.startswith(o + ".") for o in regions if o)] \
+        if "" not in regions else [""]
     return plan
 
 
@@ -422,14 +476,18 @@ class SelectiveRecompute(Policy):
         label: how logs name the layer.
         usage: shared by the layers of one config, to warn about a pattern
             that chose nothing anywhere.
+        prefix: the qualified name of ``layer`` inside the layer the names
+            are relative to (when a policy narrows itself to a submodule).
     """
 
     _PLANS = 8  # input signatures remembered per layer
 
     def __init__(self, layer: nn.Module, names: Sequence[str] = (), ops: Sequence[Any] = (),
-                 label: str = "", usage: Optional[Usage] = None) -> None:
+                 label: str = "", usage: Optional[Usage] = None, prefix: str = "") -> None:
         self.selection = Selection(names, ops)
         self.usage = usage if usage is not None else Usage()
+        self.prefix = prefix
+        self.delegates: list[nn.Module] = []  # submodules this policy narrowed itself to
         if not self.selection.sources():
             raise ValueError("select_recompute needs at least one name regex or op kind to choose operations")
         self.scope = Scope.of(layer)
@@ -449,8 +507,11 @@ class SelectiveRecompute(Policy):
                 plan = None
         if plan is None:
             return self._probe(forward, args, kwargs, signature)
-        if not plan.chosen:
-            return forward(*args, **kwargs)  # nothing chosen here: a checkpoint would only cost time
+        if not plan.regions:
+            return forward(*args, **kwargs)  # nothing to free here: a checkpoint would only cost time
+        if plan.regions != [""]:
+            self._delegate(module, plan.regions)
+            return forward(*args, **kwargs)  # the regions' own policies checkpoint them
 
         def on_mismatch() -> None:
             logger.warning("%s: the operations differ from the first call's; this call keeps every "
@@ -465,18 +526,44 @@ class SelectiveRecompute(Policy):
         return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=contexts, **kwargs)
 
+    def _delegate(self, module: nn.Module, regions: list[str]) -> None:
+        """Puts selective policies on the region submodules (once); the layer then runs plainly."""
+        if self.delegates:
+            return
+        named = dict(module.named_modules())
+        for region in regions:
+            sub = named[region]
+            if policy_of(sub) is None:
+                prefix = f"{self.prefix}.{region}" if self.prefix else region
+                mark(sub, SelectiveRecompute(sub, self.selection.names, self.selection.ops,
+                                             label=f"{self.label}.{region}", usage=Usage({}), prefix=prefix))
+                self.delegates.append(sub)
+        logger.debug("%s: selective recompute narrowed to %s", self.label, regions)
+
+    def release(self, module: nn.Module) -> None:
+        for sub in self.delegates:
+            if isinstance(policy_of(sub), SelectiveRecompute):
+                mark(sub, None)
+        self.delegates = []
+
     def _probe(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                signature: Signature) -> Any:
         """Runs the layer plainly once, recording what autograd keeps, and plans from it."""
-        recorder = _Recorder(self.scope, self.selection)
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder:
+        recorder = _Recorder(self.scope, self.selection, self.prefix)
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder, \
+                self.scope.counting() as calls:
             output = self.regioned(forward)(*args, **kwargs)
         plan = make_plan(recorder.ops, recorder.saved, recorder.last_pack)
+        if self.prefix:  # regions are relative to the layer; this policy is already one
+            plan.regions = [""] if plan.regions else []
+        elif any(calls.get(region, 0) != 1 for region in plan.regions if region):
+            plan.regions = [""]  # a region called twice per forward: keep one checkpoint for the layer
         with self._lock:
             self._plans[signature] = plan
             while len(self._plans) > self._PLANS:
                 self._plans.popitem(last=False)
-        self.usage.report(id(self), plan.chosen, self.selection.sources(), self.scope.names)
+        if self.usage.layers or not self.prefix:
+            self.usage.report(id(self), plan.chosen, self.selection.sources(), self.scope.names)
         logger.debug("%s: selective plan: %d of %d ops recomputed, frees %d bytes, keeps %d extra bytes; "
                      "chosen: %s", self.label,
                      sum(d == CheckpointPolicy.MUST_RECOMPUTE for d in plan.decisions), len(plan.decisions),

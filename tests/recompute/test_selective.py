@@ -38,7 +38,8 @@ def test_memory_drops(ops: list[str]) -> None:
     marked = copy.deepcopy(plain)
     for b in marked:
         select_recompute(b, ops=ops)
-    kept_bytes(marked, x)  # plans
+    kept_bytes(marked, x)  # plans the layer...
+    kept_bytes(marked, x)  # ...and the submodules it narrows to
     assert kept_bytes(marked, x) < kept_bytes(plain, x)
 
 
@@ -47,6 +48,8 @@ def test_gelu_saving_is_exactly_its_output() -> None:
     marked = copy.deepcopy(plain)
     select_recompute(marked[0], ops=["gelu"])
     kept_bytes(marked, x)
+    kept_bytes(marked, x)
+    assert policy_of(marked[0]).delegates == [marked[0].mlp]  # type: ignore[union-attr]
     gelu_output = x.numel() * 4 * x.element_size()  # [B, T, 4d]
     assert kept_bytes(plain, x) - kept_bytes(marked, x) == gelu_output
 
@@ -73,6 +76,27 @@ def test_softmax_pulls_in_the_scores_that_feed_it() -> None:
     assert decisions["softmax"] == CheckpointPolicy.MUST_RECOMPUTE
     assert decisions["layer_norm"] == CheckpointPolicy.MUST_SAVE
     assert plan.freed_bytes > 0 and plan.chosen == {"op:softmax": 1}
+
+
+def test_narrowed_to_the_submodules_that_hold_the_chosen_ops() -> None:
+    model = blocks(n=1)
+    select_recompute(model[0], ops=["gelu", "softmax"])
+    for _ in range(2):
+        model(sample()).sum().backward()
+    layer_policy = policy_of(model[0])
+    assert isinstance(layer_policy, SelectiveRecompute)
+    (plan,) = layer_policy.plans()
+    assert plan.regions == ["attn", "mlp"]
+    attn_policy = policy_of(model[0].attn)
+    assert isinstance(attn_policy, SelectiveRecompute) and attn_policy.prefix == "attn"
+    assert attn_policy.plans()[0].chosen == {"op:softmax": 1}
+    # a regex naming the whole block's residual path cannot narrow: one checkpoint for the layer
+    whole = blocks(n=1)
+    select_recompute(whole[0], names=[r"ln2", r"mlp\.act"])
+    whole(sample()).sum().backward()
+    assert policy_of(whole[0]).plans()[0].regions == [""]  # type: ignore[union-attr]
+    recompute(model[0])  # replacing the policy takes the narrowed ones off too
+    assert policy_of(model[0].attn) is None and policy_of(model[0].mlp) is None
 
 
 def test_changed_shapes_plan_again() -> None:

@@ -1,0 +1,264 @@
+"""P6: selective recompute vs none vs full on transformer blocks; full-by-config vs checkpoint="always"; offload.
+
+Every figure is a ratio of two measurements taken in this one run, printed and
+saved to benchmarks/results/recompute.json (recompute-quick.json with --quick).
+
+- Activation memory is counted, not sampled: pipe.recompute.ActivationMemory
+  adds the bytes of every storage an op creates and subtracts them when freed,
+  so "kept" (after forward, what backward will use) and "peak" (forward and
+  backward) are exact and independent of timing and of the allocator. On CUDA
+  the offload figure uses torch.cuda.max_memory_allocated.
+- Step time is the median of interleaved repeats (none, selective, full, ...
+  in turn) to cancel drift on a shared machine.
+
+The blocks are pre-LN transformer blocks with explicit softmax attention
+(q @ k^T, softmax, @ v) and a GELU MLP: what Megatron's "selective" recompute
+targets. Selective = the config's default selection (select_recompute: True:
+GELU, SiLU, softmax of every layer).
+
+Run:
+    python benchmarks/recompute.py            # full sizes, a few minutes on 2 cores
+    python benchmarks/recompute.py --quick    # small sizes, well under a minute
+
+Target (P6): selective costs at most 1.10x the step time of no recompute for at
+least 30% less activation memory.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from pipe import Pipe
+from pipe.recompute import ActivationMemory, apply_recompute_config
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=-1)  # 3 x [B, T, D]
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D/H]
+        probs = ((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5).softmax(-1)  # [B, H, T, T]
+        return self.proj((probs @ v).transpose(1, 2).reshape(B, T, D))  # [B, T, D]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def model(size: dict[str, int], seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block(size["width"], size["heads"]) for _ in range(size["layers"])])
+
+
+def batch(size: dict[str, int], device: str = "cpu") -> torch.Tensor:
+    return torch.randn(size["batch"], size["seq"], size["width"], device=device,
+                       generator=torch.Generator(device).manual_seed(1))
+
+
+def train_step(m: nn.Module, x: torch.Tensor) -> None:
+    m.zero_grad(set_to_none=True)
+    m(x).square().mean().backward()
+
+
+def memory(m: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """Counted activation bytes: kept after forward (output excluded) and peak over the step."""
+    m.zero_grad(set_to_none=True)
+    with ActivationMemory() as counter:
+        y = m(x)
+        kept = counter.live_bytes - y.untyped_storage().nbytes()
+        y.square().mean().backward()
+        del y
+    return {"kept_MiB": kept / 2**20, "peak_MiB": counter.peak_bytes / 2**20}
+
+
+def interleaved_times(models: dict[str, nn.Module], x: torch.Tensor, rounds: int, repeat: int,
+                      sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median step seconds per model, measured in turn to cancel drift."""
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for name, m in models.items():  # warm-up, and the selective layers' plans
+        train_step(m, x)
+        train_step(m, x)
+    for _ in range(rounds):
+        for name, m in models.items():
+            for _ in range(repeat):
+                sync()
+                start = time.perf_counter()
+                train_step(m, x)
+                sync()
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def max_grad_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+# -- P6 ---------------------------------------------------------------------------------------
+
+def p6(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    plain = model(size)
+    x = batch(size)
+    configs = {"none": None, "selective": {"select_recompute": True}, "full": {"recompute": True}}
+    models: dict[str, nn.Module] = {}
+    for name, config in configs.items():
+        models[name] = copy.deepcopy(plain)
+        if config is not None:
+            apply_recompute_config(models[name], config)
+    for m in models.values():
+        # The first call of a selective layer runs plainly to plan; the second, where the plan
+        # narrows to submodules, plans those.
+        train_step(m, x)
+        train_step(m, x)
+    mem = {name: memory(m, x) for name, m in models.items()}
+    for m in models.values():
+        train_step(m, x)
+    same = {name: max_grad_diff(m, models["none"]) for name, m in models.items()}
+    times = interleaved_times(models, x, rounds, repeat)
+    out: dict[str, Any] = {}
+    for name in models:
+        out[name] = {"step_ms": 1000 * times[name], **mem[name], "max_grad_diff_vs_none": same[name]}
+        if name != "none":
+            out[name]["time_ratio"] = times[name] / times["none"]
+            out[name]["kept_ratio"] = mem[name]["kept_MiB"] / mem["none"]["kept_MiB"]
+            out[name]["peak_ratio"] = mem[name]["peak_MiB"] / mem["none"]["peak_MiB"]
+    sel = out["selective"]
+    out["target"] = "selective: time_ratio <= 1.10 and kept_ratio <= 0.70"
+    out["met"] = bool(sel["time_ratio"] <= 1.10 and sel["kept_ratio"] <= 0.70)
+    return out
+
+
+# -- full recompute through the config vs checkpoint="always" -------------------------------------
+
+def consistency(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    plain = model(size)
+    x = batch(size)
+    by_config = Pipe(copy.deepcopy(plain), chunks=1, checkpoint="never", devices=["cpu"] * 1,
+                     balance=[len(plain)], recompute={"recompute": True})
+    by_pipe = Pipe(copy.deepcopy(plain), chunks=1, checkpoint="always", devices=["cpu"], balance=[len(plain)])
+    never = Pipe(copy.deepcopy(plain), chunks=1, checkpoint="never", devices=["cpu"], balance=[len(plain)])
+    models = {"config_full": by_config, "checkpoint_always": by_pipe, "never": never}
+    for m in models.values():
+        train_step(m, x)
+    times = interleaved_times(models, x, rounds, repeat)
+    out = {
+        "step_ms": {name: 1000 * t for name, t in times.items()},
+        "config_full_over_checkpoint_always": times["config_full"] / times["checkpoint_always"],
+        "config_full_over_never": times["config_full"] / times["never"],
+        "checkpoint_always_over_never": times["checkpoint_always"] / times["never"],
+        "max_grad_diff_config_full_vs_checkpoint_always": max_grad_diff(by_config, by_pipe),
+        "max_grad_diff_config_full_vs_never": max_grad_diff(by_config, never),
+    }
+    for m in models.values():
+        m.close()
+    return out
+
+
+# -- offload on a GPU -----------------------------------------------------------------------------
+
+def offload_gpu(size: dict[str, int], rounds: int, repeat: int) -> Optional[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        return None
+    device = "cuda"
+    plain = model(size).to(device)
+    x = batch(size, device)
+    swapped = copy.deepcopy(plain)
+    strategy = apply_recompute_config(swapped, {"swap_config": {"swap": True, "default_prefetch": 1}})
+    offloader = strategy.offloaders[0]
+    assert offloader is not None
+
+    def activation_peak(m: nn.Module) -> float:
+        train_step(m, x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        train_step(m, x)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    peaks = {"none": activation_peak(plain), "offload": activation_peak(swapped)}
+    before = offloader.offloaded_bytes
+    train_step(swapped, x)
+    per_step = offloader.offloaded_bytes - before
+    times = interleaved_times({"none": plain, "offload": swapped}, x, rounds, repeat, torch.cuda.synchronize)
+    # What the copies would cost if nothing overlapped: the same bytes down and up, alone.
+    host = torch.empty(per_step // 4, pin_memory=True)
+    dev = torch.empty(per_step // 4, device=device)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    host.copy_(dev, non_blocking=True)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    copy_seconds = time.perf_counter() - start
+    extra = times["offload"] - times["none"]
+    return {
+        "device": torch.cuda.get_device_name(),
+        "activation_peak_MiB": peaks,
+        "peak_ratio": peaks["offload"] / peaks["none"],
+        "step_ms": {k: 1000 * v for k, v in times.items()},
+        "time_ratio": times["offload"] / times["none"],
+        "offloaded_MiB_per_step": per_step / 2**20,
+        "serial_copy_ms": 1000 * copy_seconds,
+        "hidden_fraction": max(0.0, min(1.0, 1 - extra / copy_seconds)) if copy_seconds > 0 else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        size = {"width": 128, "heads": 4, "seq": 128, "batch": 4, "layers": 2}
+        gpu = {"width": 512, "heads": 8, "seq": 512, "batch": 8, "layers": 4}
+        rounds, repeat = 3, 2
+    else:
+        size = {"width": 512, "heads": 8, "seq": 256, "batch": 4, "layers": 4}
+        gpu = {"width": 1024, "heads": 16, "seq": 1024, "batch": 8, "layers": 8}
+        rounds, repeat = 5, 3
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                    "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
+        "quick": args.quick,
+        "size": size,
+    }
+    results["P6"] = p6(size, rounds, repeat)
+    print("P6", json.dumps(results["P6"], indent=2))
+    results["full_config_vs_checkpoint_always"] = consistency(size, rounds, repeat)
+    print("full_config_vs_checkpoint_always", json.dumps(results["full_config_vs_checkpoint_always"], indent=2))
+    results["offload_gpu"] = offload_gpu(gpu, rounds, repeat)
+    print("offload_gpu", json.dumps(results["offload_gpu"], indent=2))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / ("recompute-quick.json" if args.quick else "recompute.json")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"saved {out.relative_to(HERE.parent)}")
+
+
+if __name__ == "__main__":
+    main()
