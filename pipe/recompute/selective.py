@@ -30,6 +30,12 @@ then marks an op
 - otherwise recompute if it comes after the last kept tensor (checkpoint's
   early stop never replays it) or is cheap, and save if it is a matmul.
 
+The plan also finds the smallest submodules that hold the chosen ops which
+free memory, the ops rebuilding their inputs and the ops keeping their outputs
+(``attn`` for the softmax, ``mlp`` for the GELU): the policy then narrows
+itself to those submodules, so that a backward replays a few ops rather than
+the whole layer (the next call plans them in turn).
+
 A chosen op whose output autograd does not keep saves nothing by being
 recomputed, and a chosen op whose output the next op keeps saves it only here,
 because the next op's saved input is rebuilt in backward from the chosen op's
@@ -595,7 +601,8 @@ def select_recompute(layer: nn.Module, names: Union[str, Sequence[str]] = (),
         select_recompute(block, names=[r"mlp\\.act"], ops=["softmax"])
 
     The first call for each input shape runs plainly to plan which outputs to
-    keep; later calls keep only those. Outputs and gradients equal the
+    keep (and the second too, where the plan narrows to submodules); later
+    calls keep only those. Outputs and gradients equal the
     unmarked layer's.
 
     Args:
