@@ -283,3 +283,18 @@ def test_the_example_yaml_files_apply_to_the_example_model(name: str) -> None:
         assert isinstance(policy_of(model[1]), SelectiveRecompute)
     else:
         assert isinstance(policy_of(model[2]), OffloadLayer) and isinstance(policy_of(model[1]), SelectiveRecompute)
+
+
+@pytest.mark.timeout(120)
+def test_the_example_script_runs_as_documented() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "recompute_config.py"), "--steps", "1", "--width", "16",
+         "--seq-len", "16", "--batch-size", "4", "--chunks", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max |grad diff| 0.0e+00" in proc.stderr and "layer 3 (stage 1, 3): full recompute" in proc.stderr
