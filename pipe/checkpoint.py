@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -124,6 +124,28 @@ class Checkpointing:
         assert template is not None  # set by Checkpoint.forward
         return template.with_tensors(tensors)
 
+    def replay(self, saved: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Runs the forward again on ``saved`` inputs with grad and the first forward's RNG state.
+
+        Returns:
+            ``(outputs, inputs)`` of the recomputed graph, for Checkpoint's backward.
+        """
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
+        assert self.rng_state is not None  # set by Checkpoint.forward
+        with restore_rng_state(self.device, self.rng_state), torch.enable_grad(), enable_recomputing(), \
+                trace.span("recompute", self.tag):
+            output = self.function(self.batch.with_tensors(inputs))
+        return output.tensors, inputs
+
+    def recompute_ahead(self) -> None:
+        """Recomputes now, before the gradient arrives; Recompute then finds the work done.
+
+        The thread pipeline calls this in a worker that is waiting for the next
+        partition's gradient (see :mod:`pipe.backward`).
+        """
+        if not self.recomputed:
+            self.recomputed.append(self.replay(self.batch.tensors))
+
     def recompute(self, output: Batch) -> None:
         """Puts Recompute on ``output``'s first tensor so that it runs before Checkpoint's backward."""
         if not any(t.requires_grad for t in output.tensors):
@@ -142,7 +164,7 @@ class Checkpointing:
 def cell(
     function: Function, batch: Batch, checkpoint: bool, tag: tuple[int, int],
     offload: Optional[Callable[[], ContextManager[Any]]] = None,
-) -> tuple[Callable[[], Batch], Callable[[Batch], None]]:
+) -> tuple[Callable[[], Batch], Callable[[Batch], None], Optional[Checkpointing]]:
     """How to run one (micro-batch, partition) cell, checkpointed or not.
 
     The one recipe that the thread runner (:mod:`pipe.pipeline`) and the
@@ -162,11 +184,12 @@ def cell(
             (see :class:`Checkpointing`); None keeps it on the device.
 
     Returns:
-        ``(compute, finalize)``.
+        ``(compute, finalize, record)``; ``record`` is the cell's
+        :class:`Checkpointing` when it is checkpointed, else None.
     """
     if checkpoint:
         chk = Checkpointing(function, batch, tag=tag, offload=offload)
-        return chk.checkpoint, chk.recompute
+        return chk.checkpoint, chk.recompute, chk
 
     def compute() -> Batch:
         return function(batch)
@@ -174,7 +197,7 @@ def cell(
     def finalize(output: Batch) -> None:
         trace.watch_backward(batch.tensors, output.tensors, tag)  # pipe.trace: times the backward
 
-    return compute, finalize
+    return compute, finalize, None
 
 
 class Checkpoint(torch.autograd.Function):
@@ -212,10 +235,6 @@ class Recompute(torch.autograd.Function):
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[None, ...]:
         chk: Checkpointing = ctx.chk
         saved = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
-        assert chk.rng_state is not None  # set by Checkpoint.forward
-        with restore_rng_state(chk.device, chk.rng_state), torch.enable_grad(), enable_recomputing(), \
-                trace.span("recompute", chk.tag):
-            output = chk.function(chk.batch.with_tensors(inputs))
-        chk.recomputed.append((output.tensors, inputs))
+        if not chk.recomputed:  # unless recompute_ahead() did it already
+            chk.recomputed.append(chk.replay(saved))
         return (None, None) + (None,) * len(saved)

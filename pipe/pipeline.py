@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from pipe import trace
-from pipe.checkpoint import cell
+from pipe.backward import BackwardPass, CellBackward
+from pipe.checkpoint import Checkpointing, cell
 from pipe.copy import Copy, Wait
 from pipe.dependency import fork, join
 from pipe.microbatch import Batch
@@ -82,6 +83,13 @@ class Pipeline:
                         self._sends_skips[prev_j] = self._receives_skips[j] = True
         self.guards = [RandomnessGuard(device) for device in self.devices]
         self.training = True
+        # Autograd would run the backward of CPU partitions one after another on
+        # the caller's thread; their workers run it side by side (pipe.backward).
+        # Skips cross partitions outside the cells' inputs and outputs, and
+        # offloaded boundary inputs must not stay referenced by the previous
+        # cell's job, so those keep autograd's own backward.
+        self.worker_backward = (len(self.devices) > 1 and all(d.type == "cpu" for d in self.devices)
+                                and self.skip_layout is None)
         # Per partition: where the inputs kept for recomputation wait (pipe.recompute's checkpoint swap).
         self.checkpoint_offload: list[Optional[Callable[[], ContextManager[Any]]]] = [None] * len(self.devices)
         # copy_streams[j][i]: the stream micro-batch i arrives on at partition j.
@@ -115,9 +123,15 @@ class Pipeline:
         # One skip tracker per micro-batch: its stashes and pops meet there (pipe.skip).
         skip_trackers = None if self.skip_layout is None else [
             SkipTrackerThroughPortals(self.skip_layout) for _ in batches]
+        backward_pass = None
+        if self.worker_backward and torch.is_grad_enabled() and not any(self.checkpoint_offload):
+            # Gradients for the inputs leave the pipeline: partition 0's jobs must then finish in backward.
+            inputs_need_grad = any(t.requires_grad for batch in batches for t in batch.tensors)
+            backward_pass = BackwardPass(self.workers.submit, sync_first=inputs_need_grad)
         for cells in cycles:
             self._fence(batches, cells, copy_streams, skip_trackers)
-            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, skip_trackers)
+            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, skip_trackers,
+                          backward_pass)
 
     def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
                copy_streams: list[list[AbstractStream]],
@@ -137,16 +151,25 @@ class Pipeline:
 
     def _compute(self, batches: list[Batch], cells: list[tuple[int, int]],
                  copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
-                 checkpoint_stop: int, skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None) -> None:
+                 checkpoint_stop: int, skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None,
+                 backward_pass: Optional[BackwardPass] = None) -> None:
         n = len(self.partitions)
+        # Cells cut out of the caller's graph: (their input there, their backward job).
+        cut: dict[tuple[int, int], tuple[Batch, CellBackward]] = {}
         for i, j in cells:
             batch = batches[i]
             partition = self.partitions[j]
             if self._crosses(j) or self._receives_skips[j]:
                 wait(batch, copy_streams[j][i], compute_streams[j])
             skip_tracker = None if skip_trackers is None else skip_trackers[i]
-            self.workers.put(j, self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop,
-                                           skip_tracker))
+            if backward_pass is not None:
+                outer = batch
+                batch = batch.with_tensors([t.detach().requires_grad_(t.requires_grad) for t in batch.tensors])
+            task, recomputable = self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop,
+                                             skip_tracker)
+            if backward_pass is not None:
+                cut[(i, j)] = outer, self._cell_backward(backward_pass, i, j, batch, recomputable)
+            self.workers.put(j, task)
 
         failure: Optional[BaseException] = None
         for i, j in cells:
@@ -160,16 +183,19 @@ class Pipeline:
                 wait(batch, compute_streams[j], copy_streams[j][i])
             with use_device(self.devices[j]):
                 task.finalize(batch)
+            if (i, j) in cut:
+                outer, cell_backward = cut[(i, j)]
+                batch = cell_backward.connect(outer, batch)
             batches[i] = batch
         if failure is not None:
             raise failure
 
     def _task(self, i: int, j: int, batch: Batch, partition: nn.Sequential, stream: AbstractStream,
-              checkpoint: bool, skip_tracker: Optional[SkipTracker] = None) -> Task:
+              checkpoint: bool, skip_tracker: Optional[SkipTracker] = None) -> tuple[Task, Optional[Checkpointing]]:
         guard = self.guards[j]
         training = self.training
         # The recipe of a cell is shared with the process runner (pipe.checkpoint.cell).
-        compute_cell, finalize = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j),
+        compute_cell, finalize, record = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j),
                                       offload=self.checkpoint_offload[j])
 
         def compute() -> Batch:
@@ -178,7 +204,21 @@ class Pipeline:
             with guard.forward(training), trace.span("forward", (i, j)):
                 return compute_cell()
 
-        return Task(stream, compute=compute, finalize=finalize, tag=(i, j))
+        return Task(stream, compute=compute, finalize=finalize, tag=(i, j)), record
+
+    def _cell_backward(self, backward_pass: BackwardPass, i: int, j: int, inner_input: Batch,
+                       record: Optional[Checkpointing]) -> CellBackward:
+        """The backward job of cell (i, j) for its worker (see pipe.backward)."""
+        guard = self.guards[j]
+        training = self.training
+        prepare = None
+        if record is not None:
+            def prepare() -> None:
+                # Replays random state, so it must not interleave with other partitions' draws.
+                with guard.forward(training):
+                    record.recompute_ahead()
+
+        return CellBackward(backward_pass, j, inner_input, prepare=prepare, sync=j == 0 and backward_pass.sync_first)
 
 
 @functools.lru_cache(maxsize=64)

@@ -74,16 +74,27 @@ def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Res
         torch.set_num_threads(cpu_threads)
     with use_device(device):
         while True:
-            task = in_queue.get()
-            if task is None:
+            item = in_queue.get()
+            if item is None:
                 break
-            try:
-                batch = task.compute()
-            except BaseException:
-                exc_info: Any = sys.exc_info()
-                out_queue.put((False, exc_info))
-                continue
-            out_queue.put((True, (task, batch)))
+            _run(item, out_queue)
+            # Nothing of a finished task may stay on this thread's stack while it
+            # waits: a task can hold its pipeline's Workers, whose collection is
+            # what ends this thread.
+            del item
+
+
+def _run(item: Union[Task, Callable[[], None]], out_queue: "queue.Queue[Result]") -> None:
+    if not isinstance(item, Task):
+        item()  # a job that reports by itself (pipe.backward)
+        return
+    try:
+        batch = item.compute()
+    except BaseException:
+        exc_info: Any = sys.exc_info()
+        out_queue.put((False, exc_info))
+        return
+    out_queue.put((True, (item, batch)))
 
 
 def _stop(in_queues: list["queue.Queue[Optional[Task]]"], threads: list[threading.Thread]) -> None:
@@ -133,6 +144,11 @@ class Workers:
     def put(self, j: int, task: Task) -> None:
         self.start()
         self.in_queues[j].put(task)
+
+    def submit(self, j: int, job: Callable[[], None]) -> None:
+        """Runs ``job`` on worker j; it reports its result by itself and must not raise."""
+        self.start()
+        self.in_queues[j].put(job)  # type: ignore[arg-type]
 
     def get(self, j: int) -> Result:
         return self.out_queues[j].get()

@@ -14,6 +14,7 @@ def pipe_threads() -> list[threading.Thread]:
 
 
 def wait_for_no_pipe_threads(timeout: float = 5.0) -> None:
+    gc.collect()  # a failed step's exception and traceback form cycles that hold its Pipe
     for thread in pipe_threads():
         thread.join(timeout)
     assert pipe_threads() == []

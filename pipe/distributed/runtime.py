@@ -260,7 +260,7 @@ class Runtime:
             value = (main, arriving)
             input_parts += [_count_tensors(v) for v in arriving]
         batch = Batch(value)
-        compute, finalize = cell(self.functions[s], batch, checkpoint and training, (i, s))
+        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s))
         with trace.span("forward", (i, s)):
             output = compute()
         finalize(output)
