@@ -6,6 +6,7 @@ wrong here is checked with a message that names the values and the fix.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from typing import Optional, Sequence, Union
@@ -81,9 +82,7 @@ def _verify_balance(balance: Sequence[int], module: nn.Sequential) -> list[int]:
 
 
 def _layer_device(layer: nn.Module) -> Optional[torch.device]:
-    for tensor in layer.parameters():
-        return tensor.device
-    for tensor in layer.buffers():
+    for tensor in itertools.chain(layer.parameters(), layer.buffers()):
         return tensor.device
     return None
 

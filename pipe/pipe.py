@@ -161,10 +161,10 @@ class Pipe(nn.Module):
         return len(self._modules)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())  # type: ignore[arg-type]
+        return iter([layer for layer in self._modules.values() if layer is not None])
 
     def __getitem__(self, index: Union[int, slice]) -> Any:
-        layers = list(self._modules.values())
+        layers = [layer for layer in self._modules.values() if layer is not None]
         if isinstance(index, slice):
             return nn.Sequential(*layers[index])
         return layers[index]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from pipe.schedule import Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 from pipe.stream import AbstractStream, current_stream, new_stream, use_device
-from pipe.worker import Task, Workers
+from pipe.worker import ExcInfo, Task, Workers
 
 __all__ = ["Pipeline", "depend", "copy", "wait"]
 
@@ -176,9 +176,9 @@ class Pipeline:
             ok, payload = self.workers.get(j)
             if not ok:
                 if failure is None:
-                    failure = payload[1]  # type: ignore[index]
+                    failure = cast(ExcInfo, payload)[1]
                 continue
-            task, batch = payload  # type: ignore[misc]
+            task, batch = cast(tuple[Task, Batch], payload)
             if (j != n - 1 and self._crosses(j + 1)) or self._sends_skips[j]:
                 wait(batch, compute_streams[j], copy_streams[j][i])
             with use_device(self.devices[j]):
