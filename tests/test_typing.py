@@ -1,5 +1,4 @@
 """The package type-checks: pipe/ is annotated and mypy (setup.cfg [mypy]) holds it to that."""
-import shutil
 import subprocess
 import sys
 from pathlib import Path
