@@ -12,7 +12,8 @@ a stream copy there, a point-to-point message here. A rank walks its program
     B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
             torch.autograd.backward(output, grad); input.grad -> message to s-1
 
-While action k computes, the header of action k+1's message is already posted,
+While action k computes, the receives of action k+1's messages are already
+posted (the header, and on gloo the tensors of the layout it had last step),
 and sends complete in the background (see :mod:`pipe.distributed.transport`).
 
 Skip connections (:mod:`pipe.skip`) between non-adjacent stages travel the

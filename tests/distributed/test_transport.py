@@ -1,0 +1,65 @@
+"""The point-to-point transport on 2 gloo ranks: values arrive whole whether the layout guess holds or not."""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipe.distributed.transport import Channel, Transport
+from spawn_ranks import run_ranks
+
+
+def _values() -> list[tuple[int, Any]]:
+    """(micro-batch, value) in sending order: repeats (guess holds) and changes (guess fails)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    return [
+        (0, randn(3, 4)),  # no guess yet
+        (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 0.5})),
+        (0, randn(3, 4).requires_grad_()),  # same layout: the guess holds; requires_grad travels in the header
+        (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 2.0})),  # holds; a new Python leaf
+        (0, randn(2, 4)),  # another batch size
+        (1, (randn(2, 4).double(), {"ids": torch.arange(2), "scale": 2.0})),  # another dtype
+        (0, [randn(2, 4), randn(0, 4), randn(1)]),  # more tensors, one empty
+        (1, randn(5)),  # fewer tensors
+        (0, [randn(2, 4), randn(0, 4), randn(1)]),  # holds again
+        (1, randn(5)),  # holds again
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.requires_grad == b.requires_grad and torch.equal(a.detach(), b))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _exchange(rank: int, world: int) -> tuple[bool, list[bool]]:
+    default = Transport(torch.device("cpu"), datetime.timedelta(seconds=20)).guess
+    checked = []
+    for guess in (True, False):
+        transport = Transport(torch.device("cpu"), datetime.timedelta(seconds=20), guess=guess)
+        channel = Channel(1 - rank, dist.group.WORLD, f"test {guess}")
+        for microbatch, value in _values():
+            if rank == 0:
+                transport.send(value, channel, microbatch)
+            else:
+                incoming = transport.receive(channel, microbatch)
+                checked.append(_same(value, incoming.wait()))
+        transport.flush()
+    return default, checked
+
+
+def test_values_arrive_whole_whether_the_layout_guess_holds_or_not() -> None:
+    (guess0, sent), (guess1, received) = run_ranks(_exchange, 2)
+    assert guess0 and guess1, "the receiver guesses layouts on gloo by default"
+    assert sent == [] and received == [True] * 2 * len(_values())
