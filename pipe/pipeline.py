@@ -27,7 +27,7 @@ from pipe.checkpoint import Checkpointing, cell
 from pipe.copy import Copy, Wait
 from pipe.dependency import fork, join
 from pipe.microbatch import Batch
-from pipe.rng import RandomnessGuard
+from pipe.rng import RandomnessGuard, cell_seed, draw_base_seed
 from pipe.schedule import Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
@@ -128,9 +128,13 @@ class Pipeline:
             # Gradients for the inputs leave the pipeline: partition 0's jobs must then finish in backward.
             inputs_need_grad = any(t.requires_grad for batch in batches for t in batch.tensors)
             backward_pass = BackwardPass(self.workers.submit, sync_first=inputs_need_grad)
+        # With several micro-batches, cells run concurrently: each draws from its
+        # own stream, seeded from one draw of the global generator (see pipe.rng).
+        # One micro-batch runs cell after cell and draws as the plain module does.
+        base_seed = draw_base_seed() if len(batches) > 1 else None
         for cells in cycles:
             self._fence(batches, cells, copy_streams, skip_trackers)
-            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, skip_trackers,
+            self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, base_seed, skip_trackers,
                           backward_pass)
 
     def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
@@ -151,7 +155,8 @@ class Pipeline:
 
     def _compute(self, batches: list[Batch], cells: list[tuple[int, int]],
                  copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
-                 checkpoint_stop: int, skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None,
+                 checkpoint_stop: int, base_seed: Optional[int],
+                 skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None,
                  backward_pass: Optional[BackwardPass] = None) -> None:
         n = len(self.partitions)
         # Cells cut out of the caller's graph: (their input there, their backward job).
@@ -165,10 +170,11 @@ class Pipeline:
             if backward_pass is not None:
                 outer = batch
                 batch = batch.with_tensors([t.detach().requires_grad_(t.requires_grad) for t in batch.tensors])
+            seed = None if base_seed is None else cell_seed(base_seed, i, j)
             task, recomputable = self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop,
-                                             skip_tracker)
+                                             seed, skip_tracker)
             if backward_pass is not None:
-                cut[(i, j)] = outer, self._cell_backward(backward_pass, i, j, batch, recomputable)
+                cut[(i, j)] = outer, self._cell_backward(backward_pass, i, j, batch, recomputable, seed)
             self.workers.put(j, task)
 
         failure: Optional[BaseException] = None
@@ -191,7 +197,8 @@ class Pipeline:
             raise failure
 
     def _task(self, i: int, j: int, batch: Batch, partition: nn.Sequential, stream: AbstractStream,
-              checkpoint: bool, skip_tracker: Optional[SkipTracker] = None) -> tuple[Task, Optional[Checkpointing]]:
+              checkpoint: bool, seed: Optional[int],
+              skip_tracker: Optional[SkipTracker] = None) -> tuple[Task, Optional[Checkpointing]]:
         guard = self.guards[j]
         training = self.training
         # The recipe of a cell is shared with the process runner (pipe.checkpoint.cell).
@@ -201,13 +208,13 @@ class Pipeline:
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
             # checkpointed cell on another thread (see pipe.rng).
-            with guard.forward(training), trace.span("forward", (i, j)):
+            with guard.forward(training, seed), trace.span("forward", (i, j)):
                 return compute_cell()
 
         return Task(stream, compute=compute, finalize=finalize, tag=(i, j)), record
 
     def _cell_backward(self, backward_pass: BackwardPass, i: int, j: int, inner_input: Batch,
-                       record: Optional[Checkpointing]) -> CellBackward:
+                       record: Optional[Checkpointing], seed: Optional[int]) -> CellBackward:
         """The backward job of cell (i, j) for its worker (see pipe.backward)."""
         guard = self.guards[j]
         training = self.training
@@ -215,7 +222,7 @@ class Pipeline:
         if record is not None:
             def prepare() -> None:
                 # Replays random state, so it must not interleave with other partitions' draws.
-                with guard.forward(training):
+                with guard.forward(training, seed):
                     record.recompute_ahead()
 
         return CellBackward(backward_pass, j, inner_input, prepare=prepare, sync=j == 0 and backward_pass.sync_first)

@@ -11,10 +11,13 @@ state would not reproduce either of them. :class:`RandomnessGuard` prevents
 that without giving up concurrency where it is safe: the first time a partition
 runs in a mode (training or not) it runs under the generator's lock and is
 watched; partitions that drew random numbers keep taking the lock, those that
-did not run freely from then on.
+did not run freely from then on. Under the lock, each cell draws from its own
+stream, seeded from one draw of the global generator per forward, so that
+which partition takes the lock first changes nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -22,7 +25,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RNGState", "save_rng_state", "restore_rng_state", "RandomnessGuard"]
+__all__ = ["RNGState", "save_rng_state", "restore_rng_state", "RandomnessGuard", "cell_seed", "draw_base_seed"]
 
 RNGState = tuple[Tensor, Optional[Tensor]]
 
@@ -59,10 +62,15 @@ def restore_rng_state(device: torch.device, state: RNGState) -> Iterator[None]:
 
 
 class RandomnessGuard:
-    """Serialises a partition's forward with others on its device only if it draws random numbers.
+    """Gives a partition's forward its own random stream, and the generator to itself while it draws.
 
-    One guard per partition. Use ``with guard.forward(training):`` around every
-    forward of the partition that runs concurrently with other partitions.
+    One guard per partition. Use ``with guard.forward(training, seed):`` around
+    every forward of the partition that runs concurrently with other
+    partitions. While a partition that draws random numbers runs, it holds its
+    device's generator lock and the generator is seeded with ``seed`` (the
+    caller derives one per cell from the global generator), then put back: the
+    numbers a cell draws depend on the seed, not on which thread got there
+    first, so seeded runs are reproducible.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -76,12 +84,24 @@ class RandomnessGuard:
         return self._draws.get(training)
 
     @contextmanager
-    def forward(self, training: bool) -> Iterator[None]:
+    def forward(self, training: bool, seed: Optional[int] = None) -> Iterator[None]:
+        """Runs the body of one forward of the partition.
+
+        Args:
+            training: the mode, which decides whether the partition draws (dropout).
+            seed: the cell's seed; None draws from the global generator as it
+                stands (when no other cell can run concurrently).
+        """
         known = self._draws.get(training)
         if known is False:
             yield
             return
-        with self._lock:
+        devices = [self.device] if self.device.type == "cuda" and seed is not None else []
+        with self._lock, (torch.random.fork_rng(devices) if seed is not None else contextlib.nullcontext()):
+            if seed is not None:
+                torch.default_generator.manual_seed(seed)
+                if self.device.type == "cuda":
+                    torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
             if known is None:
                 before = save_rng_state(self.device)
                 yield
@@ -89,6 +109,16 @@ class RandomnessGuard:
                 self._draws[training] = not _same(before, after)
             else:
                 yield
+
+
+def cell_seed(base: int, microbatch: int, partition: int) -> int:
+    """A cell's seed, derived from one draw of the global generator per forward."""
+    return (base * 1_000_003 + microbatch * 7_919 + partition) % (2**63 - 1)
+
+
+def draw_base_seed() -> int:
+    """One draw from the global CPU generator: what makes a forward's random streams follow torch.manual_seed."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def _same(a: RNGState, b: RNGState) -> bool:

@@ -21,9 +21,9 @@ def test_restore_replays_and_puts_state_back():
 def test_guard_learns_whether_a_partition_draws():
     random_guard, plain_guard = RandomnessGuard(CPU), RandomnessGuard(CPU)
     assert random_guard.draws(True) is None
-    with random_guard.forward(True):
+    with random_guard.forward(True, seed=1):
         torch.rand(1)
-    with plain_guard.forward(True):
+    with plain_guard.forward(True, seed=2):
         torch.zeros(1)
     assert random_guard.draws(True) is True
     assert plain_guard.draws(True) is False
@@ -33,14 +33,14 @@ def test_guard_learns_whether_a_partition_draws():
 def test_guard_serialises_random_partitions():
     guard_a, guard_b = RandomnessGuard(CPU), RandomnessGuard(CPU)
     for guard in (guard_a, guard_b):
-        with guard.forward(True):
+        with guard.forward(True, seed=0):
             torch.rand(1)
     inside = []
     overlap = []
 
     def run(guard):
         for _ in range(50):
-            with guard.forward(True):
+            with guard.forward(True, seed=0):
                 inside.append(1)
                 if len(inside) > 1:
                     overlap.append(1)
@@ -53,3 +53,16 @@ def test_guard_serialises_random_partitions():
     for t in threads:
         t.join()
     assert overlap == []
+
+
+def test_seeded_forward_draws_from_its_own_stream_and_restores_the_global_one():
+    guard = RandomnessGuard(CPU)
+    before = torch.get_rng_state()
+    with guard.forward(True, seed=123):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the global stream did not move
+    with guard.forward(True, seed=123):
+        again = torch.rand(3)
+    assert torch.equal(first, again)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), first)
