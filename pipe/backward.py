@@ -86,12 +86,19 @@ class BackwardPass:
         self._placeholders: dict[int, tuple[Tensor, _Ready]] = {}
 
     def readiness(self, grad: Optional[Tensor]) -> Optional[_Ready]:
-        """The readiness of ``grad`` if it is a placeholder of this pass, else None."""
+        """The readiness of ``grad`` if it is a placeholder of this pass, else None.
+
+        A placeholder has one consumer, so it is forgotten here: the pass does
+        not keep gradients alive after the job that reads them.
+        """
         if grad is None:
             return None
         with self._lock:
             entry = self._placeholders.get(id(grad))
-        return entry[1] if entry is not None and entry[0] is grad else None
+            if entry is None or entry[0] is not grad:
+                return None
+            del self._placeholders[id(grad)]
+        return entry[1]
 
     def placeholders(self, like: Sequence[Optional[Tensor]], ready: _Ready) -> list[Optional[Tensor]]:
         """Uninitialised gradients shaped like ``like`` (None stays None), filled when ``ready`` is set."""
