@@ -143,7 +143,7 @@ class Checkpointing:
         The thread pipeline calls this in a worker that is waiting for the next
         partition's gradient (see :mod:`pipe.backward`).
         """
-        if not self.recomputed:
+        if self.offload is None and not self.recomputed:  # offloaded inputs: Recompute unpacks them
             self.recomputed.append(self.replay(self.batch.tensors))
 
     def recompute(self, output: Batch) -> None:

@@ -218,13 +218,12 @@ class Pipeline:
         """The backward job of cell (i, j) for its worker (see pipe.backward)."""
         guard = self.guards[j]
         training = self.training
-        prepare = None
-        if record is not None:
-            def prepare() -> None:
-                # Replays random state, so it must not interleave with other partitions' draws.
-                with guard.forward(training, seed):
-                    record.recompute_ahead()
+        def recompute_ahead(record: Checkpointing) -> None:
+            # Replays random state, so it must not interleave with other partitions' draws.
+            with guard.forward(training, seed):
+                record.recompute_ahead()
 
+        prepare = None if record is None else functools.partial(recompute_ahead, record)
         return CellBackward(backward_pass, j, inner_input, prepare=prepare, sync=j == 0 and backward_pass.sync_first)
 
 
