@@ -2,10 +2,54 @@
 
 ``Pipe(model, chunks=8, checkpoint="except_last")`` runs an ``nn.Sequential``
 as a GPipe pipeline over devices, with recomputation of activations.
+
+The package, by layer (``docs/design.md`` draws it):
+
+* ``pipe.core``: what both runners share: schedules as data, micro-batches,
+  the checkpointed cell, random-number replay, partitioning, streams and
+  copies, and the argument checks of the front ends (``pipe.core.options``).
+* ``pipe.threads``: the thread runner behind :class:`Pipe` (one worker
+  thread per partition, the worker backward of CPU partitions).
+* ``pipe.distributed``: the process runner behind ``DistributedPipe`` (one
+  stage per rank under torchrun).
+* features: ``pipe.skip``, ``pipe.recompute``, ``pipe.balance``,
+  ``pipe.batchnorm``; observation: ``pipe.trace``, ``pipe.viz``.
+
+Names are loaded on first use, so ``import pipe.core.schedule`` (which needs
+no torch) does not import torch.
 """
-from pipe.checkpoint import is_checkpointing, is_recomputing
-from pipe.pipe import Pipe
-from pipe import balance, skip  # pipe.balance.balance_by_time, pipe.skip.skippable, as in torchgpipe
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on first use
+    from pipe import balance, skip
+    from pipe.core.checkpoint import is_checkpointing, is_recomputing
+    from pipe.pipe import Pipe
 
 __all__ = ["Pipe", "is_checkpointing", "is_recomputing", "balance", "skip"]
 __version__ = "0.1.0"
+
+_NAMES = {
+    "Pipe": ("pipe.pipe", "Pipe"),
+    "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),
+    "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
+}
+_SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        module, attr = _NAMES[name]
+        value = getattr(importlib.import_module(module), attr)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"pipe.{name}")
+    else:
+        raise AttributeError(f"module 'pipe' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES) | _SUBMODULES)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipe.checkpoint import is_recomputing
+from pipe.core.checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "deferred_batch_norms"]
 

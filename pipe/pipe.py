@@ -14,47 +14,25 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.microbatch import flatten, gather, pack_inputs, scatter
-from pipe.partition import Device, split_module
+from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
+from pipe.core.microbatch import flatten, gather, pack_inputs, scatter
+from pipe.core.partition import Device, split_module
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
-from pipe.pipeline import Pipeline
+from pipe.threads.pipeline import Pipeline
 from pipe.recompute.config import ConfigSource, RecomputeStrategy, attach_to_pipeline
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
-from pipe.worker import Workers
+from pipe.threads.worker import Workers
 
-__all__ = ["Pipe", "CHECKPOINT_MODES"]
+__all__ = ["Pipe"]
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 _MOVING_DENIED = (
     "a Pipe cannot be moved: it places its partitions on pipe.devices itself; "
     "move the layers before wrapping them, or pass balance= and devices= to Pipe "
     "(changing the dtype, e.g. pipe.to(torch.float64), is allowed)"
 )
-
-
-def checkpoint_stop(mode: str, chunks: int) -> int:
-    """How many leading micro-batches a checkpoint mode checkpoints."""
-    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
-
-
-def verify_chunks(chunks: Any) -> int:
-    if not isinstance(chunks, int) or isinstance(chunks, bool):
-        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
-    if chunks <= 0:
-        raise ValueError(f"chunks must be a positive int, got {chunks}; use chunks=1 for no micro-batching")
-    return chunks
-
-
-def verify_checkpoint(checkpoint: Any) -> str:
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, got {checkpoint!r}"
-        )
-    return str(checkpoint)
 
 
 class Pipe(nn.Module):

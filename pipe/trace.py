@@ -1,6 +1,6 @@
 """Measured timelines: record when each stage ran each micro-batch, as Chrome trace events.
 
-A schedule on paper (:mod:`pipe.schedule`) says where a pipeline *should* be
+A schedule on paper (:mod:`pipe.core.schedule`) says where a pipeline *should* be
 idle; a recording says where it *was*. The engine calls :func:`span` around
 forward, recompute, backward and copy work, and :func:`watch_backward` on each
 non-checkpointed cell. While no recording is on, each of those is one function

@@ -279,7 +279,7 @@ def test_warns_on_oversubscribed_cpu_threads():
 
 
 def _count_checkpointed(piped: Pipe, x: torch.Tensor) -> int:
-    from pipe import checkpoint as chk_module
+    from pipe.core import checkpoint as chk_module
 
     count = 0
     original = chk_module.Checkpointing.checkpoint

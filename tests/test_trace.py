@@ -73,7 +73,7 @@ def test_recorder_captures_every_cell_of_a_real_pipe(checkpoint: str, recomputed
             assert by_name[f"F{i}@{j}"]["segments"] == 1
             assert event["cat"] == "forward" and event["pid"] == 0 and event["tid"] == j
     assert recorded["otherData"]["config"] == {"schedule": "gpipe"}
-    # On the CPU each stage's worker runs its recomputation and backward (pipe.backward):
+    # On the CPU each stage's worker runs its recomputation and backward (pipe.threads.worker_backward):
     # one thread per stage, so a stage's backward-side spans never overlap.
     for stage in range(2):
         backward_side = sorted((e["ts"], e["ts"] + e["dur"]) for e in recorded["traceEvents"]

@@ -20,7 +20,8 @@ from torch import nn
 
 from pipe.balance.profile import profile_params, profile_sizes, profile_times
 from pipe.balance.solver import solve
-from pipe.partition import verify_module
+from pipe.core.options import is_int, positive_int
+from pipe.core.partition import verify_module
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost"]
 
@@ -93,8 +94,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, sample: Any, *, chun
         TypeError, ValueError: a bad argument (see the message).
     """
     _verify(partitions, module)
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int (the Pipe's chunks), got {chunks!r}")
+    positive_int("chunks", chunks, "the Pipe's chunks")
     if not isinstance(param_scale, (int, float)) or not (math.isfinite(param_scale) and param_scale >= 0):
         raise ValueError(
             f"param_scale must be a non-negative number, got {param_scale!r} "
@@ -117,7 +117,7 @@ def balance_by_params(partitions: int, module: nn.Sequential) -> list[int]:
 
 def _verify(partitions: Any, module: nn.Sequential) -> None:
     verify_module(module)
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
+    if not is_int(partitions):
         raise TypeError(f"partitions must be an int, got {partitions!r}")
     if not 1 <= partitions <= len(module):
         raise ValueError(

@@ -24,10 +24,10 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from pipe.microbatch import Batch, scatter
+from pipe.core.microbatch import Batch, scatter
 from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
-from pipe.stream import use_device
+from pipe.core.stream import use_device
 
 __all__ = ["profile_times", "profile_sizes", "profile_params"]
 

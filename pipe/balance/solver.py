@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from pipe.core.options import is_int
+
 __all__ = ["solve"]
 
 
@@ -36,7 +38,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
         ValueError: a negative or non-finite cost, or more partitions than layers.
         TypeError: ``partitions`` is not an int.
     """
-    if not isinstance(partitions, int) or isinstance(partitions, bool):
+    if not is_int(partitions):
         raise TypeError(f"partitions must be an int, got {partitions!r}")
     n = len(costs)
     if partitions < 1 or partitions > n:

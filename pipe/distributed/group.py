@@ -28,7 +28,7 @@ __all__ = ["Topology", "verify_same_config", "world_timeout"]
 logger = logging.getLogger(__name__)
 
 
-def _require_initialized() -> None:
+def require_initialized() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised; call pipe.distributed.init_from_env() first "
@@ -43,7 +43,7 @@ def world_timeout() -> datetime.timedelta:
     point-to-point wait on gloo has no timeout at all, so every group and every
     wait of the pipeline is given this one.
     """
-    _require_initialized()
+    require_initialized()
     device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
     try:
         return dist.group.WORLD._get_backend(device).options._timeout  # type: ignore[union-attr]
@@ -76,9 +76,7 @@ class Topology:
     _channels: dict[tuple[int, int, str, str], Channel] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require_initialized()
-        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) or self.data_parallel < 1:
-            raise ValueError(f"data_parallel must be a positive int (replicas of the pipeline), got {self.data_parallel!r}")
+        require_initialized()
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         if self.world % self.data_parallel != 0:
@@ -144,7 +142,7 @@ def verify_same_config(config: dict[str, Any]) -> None:
     Raises:
         ValueError: naming the first field that differs, with each rank's value.
     """
-    _require_initialized()
+    require_initialized()
     configs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(configs, config)
     for key in config:

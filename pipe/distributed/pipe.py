@@ -17,13 +17,13 @@ from torch import Tensor, nn
 
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
-from pipe.distributed.group import Topology, verify_same_config
+from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
 from pipe.distributed.transport import Transport
-from pipe.microbatch import Batch, gather, pack_inputs, scatter
-from pipe.pipe import checkpoint_stop, verify_checkpoint, verify_chunks
-from pipe.schedule import Schedule
+from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
+from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
+from pipe.core.schedule import Schedule
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -54,7 +54,7 @@ class DistributedPipe(nn.Module):
             nn.Module`` called only for the layers this rank owns (with ``layers=``).
         chunks: micro-batches per mini-batch; every step runs exactly ``chunks``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (:mod:`pipe.schedule`).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (:mod:`pipe.core.schedule`).
         balance: layers per stage (``ranks x virtual_stages`` entries);
             default: as even as possible.
         virtual_stages: stages per rank (``schedule="interleaved"``); stage s
@@ -95,16 +95,13 @@ class DistributedPipe(nn.Module):
         super().__init__()
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
+        positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
         self.loss_fn = loss_fn
         layers = layer_count(model, layers)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised; call pipe.distributed.init_from_env() first "
-                "(under torchrun), or torch.distributed.init_process_group(...)"
-            )
+        require_initialized()
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,

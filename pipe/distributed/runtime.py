@@ -1,8 +1,8 @@
-"""The process runner: executes this rank's program from :mod:`pipe.schedule` with send/recv.
+"""The process runner: executes this rank's program from :mod:`pipe.core.schedule` with send/recv.
 
-The thread runner (:mod:`pipe.pipeline`) and this runner read the same
+The thread runner (:mod:`pipe.threads.pipeline`) and this runner read the same
 schedule tables and run every cell with the same recipe
-(:func:`pipe.checkpoint.cell`: checkpointed or not, ``Checkpoint`` then
+(:func:`pipe.core.checkpoint.cell`: checkpointed or not, ``Checkpoint`` then
 ``Recompute`` wired ahead of the gradient). They differ in how a tensor moves:
 a stream copy there, a point-to-point message here. A rank walks its program
 (``Schedule(kind, ranks, microbatches, virtual_stages).actions(rank)``)::
@@ -33,14 +33,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe import trace
-from pipe.checkpoint import Function, cell
+from pipe.core.checkpoint import Function, cell
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
 from pipe.distributed.transport import Incoming, Transport
-from pipe.microbatch import Batch, flatten
-from pipe.pipeline import partition_function
-from pipe.schedule import Action, Phase, Schedule
+from pipe.core.microbatch import Batch, flatten
+from pipe.threads.pipeline import partition_function
+from pipe.core.schedule import Action, Phase, Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -100,7 +100,7 @@ class _CrossStageTracker(SkipTracker):
 def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
     """The function a cell of this stage runs (and a checkpoint replays).
 
-    Without skips crossing the stage it is :func:`pipe.pipeline.partition_function`.
+    Without skips crossing the stage it is :func:`pipe.threads.pipeline.partition_function`.
     Otherwise the input value is ``(value, arriving skips)`` and the output
     ``(value, leaving skips)``, so skips are ordinary inputs and outputs of the cell.
     """

@@ -3,7 +3,7 @@
 Every rank describes the same model, either as an ``nn.Sequential`` (possibly
 built on the ``meta`` device, which costs no memory) or as a layer factory
 ``factory(index) -> nn.Module``. A rank keeps the stages the schedule gives it
-(:meth:`pipe.schedule.Schedule.stages_of`) and materialises only those layers
+(:meth:`pipe.core.schedule.Schedule.stages_of`) and materialises only those layers
 on its device; the others stay on ``meta`` (factory) or where the user left
 them. Layers keep their names in the original ``nn.Sequential``, so state-dict
 keys are the original model's on every rank.
@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.partition import _verify_no_sharing, verify_balance, verify_module
-from pipe.schedule import Schedule
+from pipe.core.partition import _verify_no_sharing, verify_balance, verify_module
+from pipe.core.schedule import Schedule
 
 __all__ = ["LayerFactory", "ModelSpec", "even_balance", "build_stages", "layer_names"]
 

@@ -1,7 +1,7 @@
 """Point-to-point transport: send a micro-batch value to another rank, structure and all.
 
 A stage's output is any value of tensors, tuples, lists, dicts and plain
-Python values (:mod:`pipe.microbatch`), and its shapes change from one
+Python values (:mod:`pipe.core.microbatch`), and its shapes change from one
 micro-batch to the next (an uneven last micro-batch, a different batch size
 next step). A receiver cannot allocate buffers for what it does not know, so
 every message starts with a small header that says what follows::
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipe import trace
-from pipe.microbatch import flatten, unflatten
+from pipe.core.microbatch import flatten, unflatten
 
 __all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming"]
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipe.checkpoint import enable_recomputing, is_recomputing
+from pipe.core.checkpoint import enable_recomputing, is_recomputing
 
 __all__ = ["Policy", "FullRecompute", "recompute", "mark", "unmark", "policy_of", "in_region"]
 

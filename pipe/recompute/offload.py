@@ -16,7 +16,7 @@ does both with :func:`torch.autograd.graph.saved_tensors_hooks`:
 
 Units are counted per offloader in forward order: one per offloaded layer
 call, or per checkpointed micro-batch for the inputs ``Pipe`` keeps at a
-partition boundary (:class:`pipe.checkpoint.Checkpointing`). On the CPU the
+partition boundary (:class:`pipe.core.checkpoint.Checkpointing`). On the CPU the
 "host copy" is a second CPU tensor: nothing is saved, but the mechanism, its
 ordering and its gradients are the same and are what the tests check.
 :attr:`Offloader.events` records ``("offload"|"prefetch"|"fetch"|"use", unit)``.

@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from pipe.copy import Copy
-from pipe.phony import get_phony
-from pipe.stream import AbstractStream, get_device
+from pipe.core.copy import Copy
+from pipe.core.phony import get_phony
+from pipe.core.stream import AbstractStream, get_device
 
 __all__ = ["Portal"]
 

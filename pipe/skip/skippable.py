@@ -28,7 +28,7 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Iterator, Optio
 
 from torch import Tensor, nn
 
-from pipe.microbatch import Batch
+from pipe.core.microbatch import Batch
 from pipe.skip.namespace import Namespace, SkipKey
 from pipe.skip.tracker import current_skip_tracker
 

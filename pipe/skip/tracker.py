@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 from torch import Tensor
 
-from pipe.checkpoint import is_checkpointing
-from pipe.dependency import fork, join
-from pipe.microbatch import Batch
+from pipe.core.checkpoint import is_checkpointing
+from pipe.core.dependency import fork, join
+from pipe.core.microbatch import Batch
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
 from pipe.skip.portal import Portal
-from pipe.stream import AbstractStream
+from pipe.core.stream import AbstractStream
 
 if TYPE_CHECKING:
     from pipe.skip.layout import SkipLayout

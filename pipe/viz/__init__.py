@@ -1,6 +1,6 @@
 """pipe.viz: pictures of pipeline schedules, planned and measured.
 
-Plans come from :mod:`pipe.schedule` (the tables the engines execute),
+Plans come from :mod:`pipe.core.schedule` (the tables the engines execute),
 measurements from :mod:`pipe.trace` recordings; both become a
 :class:`~pipe.viz.timeline.Timeline` drawn as text, SVG, HTML or Chrome
 trace-event JSON. The ``pipe-viz`` command (``python -m pipe.viz``) wraps it::
@@ -10,7 +10,7 @@ trace-event JSON. The ``pipe-viz`` command (``python -m pipe.viz``) wraps it::
 """
 from pipe.trace import record
 from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.plan import plan
+from pipe.viz.planned import plan
 from pipe.viz.timeline import Cell, Timeline
 
 __all__ = ["Cell", "Timeline", "from_trace", "plan", "plan_like", "record"]

@@ -19,12 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pipe.pipe import CHECKPOINT_MODES
-from pipe.schedule import SCHEDULE_KINDS
+from pipe.core.options import CHECKPOINT_MODES
+from pipe.core.schedule import SCHEDULE_KINDS
 from pipe.trace import TraceError, load, merge
 from pipe.viz.html import render_html
 from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.plan import plan
+from pipe.viz.planned import plan
 from pipe.viz.svg import render_svg
 from pipe.viz.text import render_text
 from pipe.viz.timeline import Timeline
@@ -66,12 +66,12 @@ def _output(text: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipe-viz",
-        description="Draw pipeline schedules: planned ones from pipe.schedule, measured ones from pipe.trace.",
+        description="Draw pipeline schedules: planned ones from pipe.core.schedule, measured ones from pipe.trace.",
     )
     commands = parser.add_subparsers(dest="command", metavar="{plan,trace}", required=True)
 
     p = commands.add_parser("plan", help="draw the planned schedule of a configuration",
-                            description="Draw the planned schedule (pipe.schedule.Schedule.simulate) of a "
+                            description="Draw the planned schedule (pipe.core.schedule.Schedule.simulate) of a "
                                         "configuration, with its bubble and micro-batches in flight.")
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
     p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (default: 4)")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Optional
 
-from pipe.schedule import Schedule
+from pipe.core.schedule import Schedule
 from pipe.trace import TraceError
-from pipe.viz.plan import SCHEDULE_NAMES, plan_schedule
+from pipe.viz.planned import SCHEDULE_NAMES, plan_schedule
 from pipe.viz.timeline import Cell, Timeline
 
 __all__ = ["from_trace", "plan_like", "step_starts"]

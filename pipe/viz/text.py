@@ -1,7 +1,7 @@
 """Text timelines for terminals: one line per stage, ``F3``/``B3``/``R3`` cells, ``.`` for idle.
 
 A plan in time steps gets three characters per step, as the diagrams in
-:mod:`pipe.schedule` do::
+:mod:`pipe.core.schedule` do::
 
     stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3--- B2--- B1--- B0---
     stage 1 | .  F0 F1 F2 F3 .  .  .  .  B3--- B2--- B1--- B0--- .

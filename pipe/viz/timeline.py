@@ -1,6 +1,6 @@
 """Timelines: rows of timed cells, the one shape that plans and recordings are drawn from.
 
-A planned schedule (:mod:`pipe.viz.plan`) and a measured run
+A planned schedule (:mod:`pipe.viz.planned`) and a measured run
 (:mod:`pipe.viz.measured`) both become a :class:`Timeline`: one row per stage
 (or rank), cells with a kind (forward, backward, recompute, copy, send, recv),
 a micro-batch and a start and end time. The renderers (text, SVG, HTML,

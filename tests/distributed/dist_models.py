@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -9,7 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipe.distributed import DistributedPipe
-from pipe.skip import pop, skippable, stash
+
+# The skip layers are the skip tests' own (one definition of the pair).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "skip"))
+from models import PopLinear, StashLinear  # noqa: E402
 
 WIDTH = 6
 
@@ -60,38 +65,15 @@ def batch(size: int, seed: int = 0) -> tuple[tuple[Tensor, dict[str, Any]], Tens
     return (x, {"scale": 0.5, "ids": ids}), target
 
 
-@skippable(stash=["early"])
-class StashLinear(nn.Module):
-    def __init__(self, width: int = WIDTH) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Any:
-        x = self.linear(x)
-        yield stash("early", x)
-        return torch.tanh(x)
-
-
-@skippable(pop=["early"])
-class PopLinear(nn.Module):
-    def __init__(self, width: int = WIDTH) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Any:
-        early = yield pop("early")
-        return self.linear(x) + early
-
-
 def skip_model(stash_at: int, pop_at: int, layers: int) -> nn.Sequential:
     """Linear layers with a skip from layer ``stash_at`` to layer ``pop_at``."""
     torch.manual_seed(7)
     entries: list[nn.Module] = []
     for i in range(layers):
         if i == stash_at:
-            entries.append(StashLinear())
+            entries.append(StashLinear(WIDTH))
         elif i == pop_at:
-            entries.append(PopLinear())
+            entries.append(PopLinear(WIDTH))
         else:
             entries.append(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()))
     return nn.Sequential(*entries)

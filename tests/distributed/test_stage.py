@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pipe.distributed.stage import build_stages, even_balance, layer_count
-from pipe.schedule import Schedule
+from pipe.core.schedule import Schedule
 
 
 def test_even_balance() -> None:

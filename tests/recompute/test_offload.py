@@ -9,8 +9,8 @@ import torch
 from recompute_models import assert_same_as_plain, blocks, kept_bytes, sample
 from torch import nn
 
-from pipe.checkpoint import Checkpointing
-from pipe.microbatch import Batch
+from pipe.core.checkpoint import Checkpointing
+from pipe.core.microbatch import Batch
 from pipe.recompute import Offloader, offload
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipe.phony import get_phony
+from pipe.core.phony import get_phony
 from pipe.skip.portal import Portal
-from pipe.stream import CPUStream
+from pipe.core.stream import CPUStream
 
 
 def test_life_two_then_dropped() -> None:

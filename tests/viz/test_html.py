@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pipe.viz.html import render_html
-from pipe.viz.plan import plan
+from pipe.viz.planned import plan
 
 
 def test_page_holds_svg_table_and_escaped_title() -> None:

@@ -1,12 +1,12 @@
-"""Tests for pipe.viz.plan: hand-computed tables, bubble formulas, titles and errors."""
+"""Tests for pipe.viz.planned: hand-computed tables, bubble formulas, titles and errors."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
 
-from pipe.schedule import SCHEDULE_KINDS, Schedule
-from pipe.viz.plan import plan
+from pipe.core.schedule import SCHEDULE_KINDS, Schedule
+from pipe.viz.planned import plan
 from pipe.viz.timeline import Timeline
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from pipe.viz.html import render_html
 from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.plan import plan
+from pipe.viz.planned import plan
 from pipe.viz.svg import COLOURS, render_svg
 
 SVG = "{http://www.w3.org/2000/svg}"

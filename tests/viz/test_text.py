@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipe.viz.measured import from_trace
-from pipe.viz.plan import plan
+from pipe.viz.planned import plan
 from pipe.viz.text import nice_step, render_text
 
 

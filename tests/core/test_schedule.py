@@ -1,4 +1,4 @@
-"""Tests for pipe.schedule: hand-computed tables, timelines, bounds and errors."""
+"""Tests for pipe.core.schedule: hand-computed tables, timelines, bounds and errors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import pipe.schedule
-from pipe.schedule import SCHEDULE_KINDS, Action, Phase, Schedule, TimedAction
+import pipe.core.schedule
+from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule, TimedAction
 
 F, B, R = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
 
@@ -216,7 +216,7 @@ def test_docstring_diagrams_match_the_simulation() -> None:
 
 
 def test_docstring_examples() -> None:
-    assert doctest.testmod(pipe.schedule).failed == 0
+    assert doctest.testmod(pipe.core.schedule).failed == 0
 
 
 @pytest.mark.parametrize("schedule", GRID, ids=label)
@@ -427,7 +427,7 @@ def test_simulate_raises_on_deadlock_naming_stuck_actions(monkeypatch: pytest.Mo
 
 
 def test_module_does_not_import_torch() -> None:
-    path = Path(pipe.schedule.__file__).resolve()
+    path = Path(pipe.core.schedule.__file__).resolve()
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('schedule', {str(path)!r})\n"

@@ -1,6 +1,6 @@
 """The thread pipeline: runs a schedule's clock cycles over partitions with workers and streams.
 
-For each clock cycle of the schedule (:mod:`pipe.schedule`; GPipe fill-drain
+For each clock cycle of the schedule (:mod:`pipe.core.schedule`; GPipe fill-drain
 for m=3 micro-batches over n=2 partitions)::
 
     clock  0      1      2      3
@@ -22,17 +22,17 @@ import torch
 from torch import nn
 
 from pipe import trace
-from pipe.backward import BackwardPass, CellBackward
-from pipe.checkpoint import Checkpointing, cell
-from pipe.copy import Copy, Wait
-from pipe.dependency import fork, join
-from pipe.microbatch import Batch
-from pipe.rng import RandomnessGuard, cell_seed, draw_base_seed
-from pipe.schedule import Schedule
+from pipe.threads.worker_backward import BackwardPass, CellBackward
+from pipe.core.checkpoint import Checkpointing, cell
+from pipe.core.copy import Copy, Wait
+from pipe.core.dependency import fork, join
+from pipe.core.microbatch import Batch
+from pipe.core.rng import RandomnessGuard, cell_seed, draw_base_seed
+from pipe.core.schedule import Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
-from pipe.stream import AbstractStream, current_stream, new_stream, use_device
-from pipe.worker import ExcInfo, Task, Workers
+from pipe.core.stream import AbstractStream, current_stream, new_stream, use_device
+from pipe.threads.worker import ExcInfo, Task, Workers
 
 __all__ = ["Pipeline", "depend", "copy", "wait"]
 
@@ -84,7 +84,7 @@ class Pipeline:
         self.guards = [RandomnessGuard(device) for device in self.devices]
         self.training = True
         # Autograd would run the backward of CPU partitions one after another on
-        # the caller's thread; their workers run it side by side (pipe.backward).
+        # the caller's thread; their workers run it side by side (pipe.threads.worker_backward).
         # Skips cross partitions outside the cells' inputs and outputs, and
         # offloaded boundary inputs must not stay referenced by the previous
         # cell's job, so those keep autograd's own backward.
@@ -129,7 +129,7 @@ class Pipeline:
             inputs_need_grad = any(t.requires_grad for batch in batches for t in batch.tensors)
             backward_pass = BackwardPass(self.workers.submit, sync_first=inputs_need_grad)
         # With several micro-batches, cells run concurrently: each draws from its
-        # own stream, seeded from one draw of the global generator (see pipe.rng).
+        # own stream, seeded from one draw of the global generator (see pipe.core.rng).
         # One micro-batch runs cell after cell and draws as the plain module does.
         base_seed = draw_base_seed() if len(batches) > 1 else None
         for cells in cycles:
@@ -201,13 +201,13 @@ class Pipeline:
               skip_tracker: Optional[SkipTracker] = None) -> tuple[Task, Optional[Checkpointing]]:
         guard = self.guards[j]
         training = self.training
-        # The recipe of a cell is shared with the process runner (pipe.checkpoint.cell).
+        # The recipe of a cell is shared with the process runner (pipe.core.checkpoint.cell).
         compute_cell, finalize, record = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j),
                                       offload=self.checkpoint_offload[j])
 
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
-            # checkpointed cell on another thread (see pipe.rng).
+            # checkpointed cell on another thread (see pipe.core.rng).
             with guard.forward(training, seed), trace.span("forward", (i, j)):
                 return compute_cell()
 
@@ -215,7 +215,7 @@ class Pipeline:
 
     def _cell_backward(self, backward_pass: BackwardPass, i: int, j: int, inner_input: Batch,
                        record: Optional[Checkpointing], seed: Optional[int]) -> CellBackward:
-        """The backward job of cell (i, j) for its worker (see pipe.backward)."""
+        """The backward job of cell (i, j) for its worker (see pipe.threads.worker_backward)."""
         guard = self.guards[j]
         training = self.training
         def recompute_ahead(record: Checkpointing) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipe.phony import get_phony
+from pipe.core.phony import get_phony
 
 __all__ = ["fork", "join"]
 

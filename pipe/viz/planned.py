@@ -1,4 +1,4 @@
-"""Planned timelines: a schedule from :mod:`pipe.schedule`, simulated and laid out for drawing.
+"""Planned timelines: a schedule from :mod:`pipe.core.schedule`, simulated and laid out for drawing.
 
 The picture must show what the engines execute, so nothing here decides an
 order: the cells are ``Schedule.simulate()``'s timed actions and the peak
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pipe.pipe import checkpoint_stop, verify_checkpoint
-from pipe.schedule import Phase, Schedule
+from pipe.core.options import checkpoint_stop, verify_checkpoint
+from pipe.core.schedule import Phase, Schedule
 from pipe.viz.timeline import Cell, Timeline
 
 __all__ = ["plan", "plan_schedule", "SCHEDULE_NAMES"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pipe.microbatch import Batch, flatten, gather, scatter, unflatten
+from pipe.core.microbatch import Batch, flatten, gather, scatter, unflatten
 
 
 def test_flatten_roundtrip():

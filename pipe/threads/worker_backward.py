@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from pipe.microbatch import Batch
-from pipe.phony import get_phony
+from pipe.core.microbatch import Batch
+from pipe.core.phony import get_phony
 
 __all__ = ["BackwardPass", "Boundary", "CellBackward"]
 

@@ -7,8 +7,8 @@ from torch import nn
 
 import pipe
 from pipe import Pipe, is_checkpointing, is_recomputing
-from pipe.checkpoint import Checkpointing
-from pipe.microbatch import Batch
+from pipe.core.checkpoint import Checkpointing
+from pipe.core.microbatch import Batch
 
 
 class Flags(nn.Module):
@@ -118,7 +118,7 @@ def test_recompute_starts_before_checkpoint_backward():
     piped = Pipe(nn.Sequential(nn.Linear(2, 2), Probe()), chunks=1, checkpoint="always")
     out = piped(torch.randn(2, 2))
     out.register_hook(lambda grad: events.append("gradient arrives"))
-    from pipe.checkpoint import Checkpoint
+    from pipe.core.checkpoint import Checkpoint
 
     original = Checkpoint.backward
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipe.stream import AbstractStream, current_stream, get_device, record_stream, use_stream, wait_stream
+from pipe.core.stream import AbstractStream, current_stream, get_device, record_stream, use_stream, wait_stream
 
 __all__ = ["Copy", "Wait"]
 

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from pipe.stream import default_stream, use_stream
+from pipe.core.stream import default_stream, use_stream
 
 __all__ = ["get_phony"]
 

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from pipe.microbatch import Batch
-from pipe.stream import AbstractStream, use_device, use_stream
+from pipe.core.microbatch import Batch
+from pipe.core.stream import AbstractStream, use_device, use_stream
 
 __all__ = ["Task", "Workers"]
 
@@ -86,7 +86,7 @@ def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Res
 
 def _run(item: Union[Task, Callable[[], None]], out_queue: "queue.Queue[Result]") -> None:
     if not isinstance(item, Task):
-        item()  # a job that reports by itself (pipe.backward)
+        item()  # a job that reports by itself (pipe.threads.worker_backward)
         return
     try:
         batch = item.compute()

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from pipe.copy import Copy, Wait
-from pipe.stream import (CPUStream, current_stream, default_stream, get_device, is_cuda, new_stream,
+from pipe.core.copy import Copy, Wait
+from pipe.core.stream import (CPUStream, current_stream, default_stream, get_device, is_cuda, new_stream,
                          record_stream, use_device, use_stream, wait_stream)
 
 CPU = torch.device("cpu")

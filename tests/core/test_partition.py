@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipe.partition import default_devices, split_module, verify_module
+from pipe.core.partition import default_devices, split_module, verify_module
 
 
 def test_split_by_balance_keeps_names():
@@ -21,7 +21,7 @@ def test_split_by_placement_groups_consecutive_layers():
 
 
 def test_device_spellings():
-    from pipe.partition import _normalize_device
+    from pipe.core.partition import _normalize_device
 
     assert _normalize_device(1) == torch.device("cuda", 1)
     assert _normalize_device("cpu") == torch.device("cpu")

@@ -3,7 +3,7 @@ import threading
 
 import torch
 
-from pipe.rng import RandomnessGuard, restore_rng_state, save_rng_state
+from pipe.core.rng import RandomnessGuard, restore_rng_state, save_rng_state
 
 CPU = torch.device("cpu")
 

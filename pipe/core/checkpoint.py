@@ -13,7 +13,7 @@ functions sharing one :class:`Checkpointing` record::
                         └───> Checkpoint (backward through the recomputed graph)
 
 ``Recompute`` hangs off the output through a phony (see
-:mod:`pipe.dependency`), so autograd reaches it first, and it runs the forward
+:mod:`pipe.core.dependency`), so autograd reaches it first, and it runs the forward
 again with the saved random state; ``Checkpoint`` then back-propagates through
 that recomputed graph. The same record serves the thread pipeline and the
 per-rank process pipeline.
@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from pipe import trace
-from pipe.dependency import fork, join
-from pipe.microbatch import Batch
-from pipe.phony import get_phony
-from pipe.rng import RNGState, restore_rng_state, save_rng_state
+from pipe.core.dependency import fork, join
+from pipe.core.microbatch import Batch
+from pipe.core.phony import get_phony
+from pipe.core.rng import RNGState, restore_rng_state, save_rng_state
 
 __all__ = ["Checkpointing", "cell", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
 
@@ -141,7 +141,7 @@ class Checkpointing:
         """Recomputes now, before the gradient arrives; Recompute then finds the work done.
 
         The thread pipeline calls this in a worker that is waiting for the next
-        partition's gradient (see :mod:`pipe.backward`).
+        partition's gradient (see :mod:`pipe.threads.worker_backward`).
         """
         if self.offload is None and not self.recomputed:  # offloaded inputs: Recompute unpacks them
             self.recomputed.append(self.replay(self.batch.tensors))
@@ -167,7 +167,7 @@ def cell(
 ) -> tuple[Callable[[], Batch], Callable[[Batch], None], Optional[Checkpointing]]:
     """How to run one (micro-batch, partition) cell, checkpointed or not.
 
-    The one recipe that the thread runner (:mod:`pipe.pipeline`) and the
+    The one recipe that the thread runner (:mod:`pipe.threads.pipeline`) and the
     process runner (:mod:`pipe.distributed.runtime`) share: ``compute()``
     produces the output (where: a worker thread or the rank's main thread);
     ``finalize(output)`` then runs in the caller, before anything consumes the

@@ -1,8 +1,8 @@
 """Fork and join add ordering edges without data."""
 import torch
 
-from pipe.dependency import fork, join
-from pipe.phony import get_phony
+from pipe.core.dependency import fork, join
+from pipe.core.phony import get_phony
 
 
 def test_phony_is_cached_and_empty():

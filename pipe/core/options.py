@@ -1,0 +1,54 @@
+"""Argument checks shared by the front ends (``Pipe``, ``DistributedPipe``) and ``pipe-viz``.
+
+Each check names the argument, the value it got and how to fix it, so that
+the same mistake reads the same from every entry point. Only front ends and
+tools (``pipe.balance``) import this module; the runners below them take
+checked values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "checkpoint_stop",
+    "verify_checkpoint",
+    "verify_chunks",
+    "is_int",
+    "positive_int",
+]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any, meaning: str) -> int:
+    """``value`` if it is a positive int, else ``ValueError`` naming ``name`` and what it counts."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int ({meaning}), got {value!r}")
+    return int(value)
+
+
+def checkpoint_stop(mode: str, chunks: int) -> int:
+    """How many leading micro-batches a checkpoint mode checkpoints."""
+    return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+
+
+def verify_chunks(chunks: Any) -> int:
+    if not is_int(chunks):
+        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
+    if chunks <= 0:
+        raise ValueError(f"chunks must be a positive int, got {chunks}; use chunks=1 for no micro-batching")
+    return int(chunks)
+
+
+def verify_checkpoint(checkpoint: Any) -> str:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, got {checkpoint!r}"
+        )
+    return str(checkpoint)
