@@ -149,7 +149,7 @@ class Pipe(nn.Module):
 
     # -- placement belongs to Pipe ------------------------------------------------------
 
-    def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> "Pipe":
         device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
             raise TypeError(_MOVING_DENIED)

@@ -33,7 +33,7 @@ class PipeSequential(nn.Sequential):
         out = model(tokens, mask)                 # Embed(tokens, mask) -> (x, mask) -> Block(x, mask) ...
     """
 
-    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+    def forward(self, *inputs: Any) -> Any:
         value: Any = inputs if len(inputs) != 1 else inputs[0]
         for layer in self:
             value = call_layer(layer, value, unpack=True)

@@ -202,7 +202,7 @@ def cell(
 
 class Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> tuple[Tensor, ...]:
         ctx.chk = chk
         chk.rng_state = save_rng_state(chk.device)
         with torch.no_grad(), enable_checkpointing():
@@ -226,7 +226,7 @@ class Checkpoint(torch.autograd.Function):
 
 class Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:
         ctx.chk = chk
         ctx.save_for_backward(*input)
         return phony.detach()

@@ -29,7 +29,7 @@ class Copy(torch.autograd.Function):
     """Copies tensors from ``prev_stream``'s device to ``next_stream``'s."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.prev_stream = prev_stream
@@ -65,7 +65,7 @@ class Wait(torch.autograd.Function):
     """Makes ``next_stream`` wait for ``prev_stream`` (and the reverse in backward)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, prev_stream: AbstractStream, next_stream: AbstractStream, *input: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.prev_stream = prev_stream

@@ -41,12 +41,12 @@ def fork(input: Tensor) -> tuple[Tensor, Tensor]:
 
 class Fork(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, input: Tensor) -> tuple[Tensor, Tensor]:
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor, grad_phony: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad_input: Tensor, grad_phony: Tensor) -> Tensor:
         return grad_input
 
 
@@ -59,11 +59,11 @@ def join(input: Tensor, phony: Tensor) -> Tensor:
 
 class Join(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:
         return input.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_input: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_input: Tensor) -> tuple[Tensor, None]:
         # The phony gets no gradient (None), but the engine still runs the
         # node it comes from once this one is done: that is the edge.
         return grad_input, None

@@ -116,12 +116,12 @@ class PortalBlue(torch.autograd.Function):
     """Hides a tensor from autograd; its gradient comes back through the portal."""
 
     @staticmethod
-    def forward(ctx: Any, portal: Portal, tensor: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, portal: Portal, tensor: Tensor) -> Tensor:
         ctx.portal = portal
         return get_phony(tensor.device, requires_grad=False).detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_phony: Tensor) -> tuple[None, Optional[Tensor]]:  # type: ignore[override]
+    def backward(ctx: Any, grad_phony: Tensor) -> tuple[None, Optional[Tensor]]:
         return None, ctx.portal.use_grad()
 
 
@@ -129,14 +129,14 @@ class PortalOrange(torch.autograd.Function):
     """Hands out the hidden tensor; its gradient goes into the portal."""
 
     @staticmethod
-    def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:
         ctx.portal = portal
         tensor = portal.use_tensor()
         assert tensor is not None  # orange() checked it
         return tensor.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
         ctx.portal.put_grad(grad)
         return None, None
 
@@ -145,7 +145,7 @@ class PortalCopy(torch.autograd.Function):
     """Replaces the hidden tensor by its copy on another device (and the gradient back)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, portal: Portal, prev_stream: AbstractStream, next_stream: AbstractStream, phony: Tensor
     ) -> Tensor:
         ctx.portal = portal
@@ -154,7 +154,7 @@ class PortalCopy(torch.autograd.Function):
         return get_phony(get_device(next_stream), requires_grad=False).detach()
 
     @staticmethod
-    def backward(ctx: Any, grad_phony: Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_phony: Tensor) -> tuple[None, None, None, None]:
         portal = ctx.portal
         if portal.grad is not None:
             _, _, portal.grad = Copy.backward(ctx, portal.grad)

@@ -215,7 +215,7 @@ class Boundary(torch.autograd.Function):
     """Stands for a cell in the caller's graph; its backward hands the cell's backward to a worker."""
 
     @staticmethod
-    def forward(ctx: Any, phony: Tensor, cell: CellBackward, *outer_input: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, phony: Tensor, cell: CellBackward, *outer_input: Tensor) -> tuple[Tensor, ...]:
         ctx.cell = cell
         ctx.input_needs_grad = [x.requires_grad for x in outer_input]
         assert cell.inner_output is not None  # set by connect()
