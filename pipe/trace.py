@@ -209,10 +209,6 @@ class Recorder:
         #: Autograd nodes hooked by watch_backward so far (each costs two Python calls in backward).
         self.hooked_nodes = 0
 
-    def annotate(self, **config: Any) -> None:
-        """Adds to the configuration saved with the trace (JSON-serialisable values)."""
-        self.config.update(config)
-
     def span(self, kind: str, cell: Cell = None, **args: Any) -> ContextManager[None]:
         """Times the body as one span of ``kind`` for ``cell`` = (micro-batch, stage)."""
         return _Span(self, kind, cell, args)

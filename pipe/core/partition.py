@@ -77,10 +77,6 @@ def verify_balance(balance: Sequence[int], layers: int) -> list[int]:
     return balance
 
 
-def _verify_balance(balance: Sequence[int], module: nn.Sequential) -> list[int]:
-    return verify_balance(balance, len(module))
-
-
 def _layer_device(layer: nn.Module) -> Optional[torch.device]:
     for tensor in itertools.chain(layer.parameters(), layer.buffers()):
         return tensor.device
@@ -118,7 +114,7 @@ def split_module(
             )
         balance, placed = _balance_from_placement(layers)
     else:
-        balance = _verify_balance(balance, module)
+        balance = verify_balance(balance, len(module))
         if devices is None:
             placed = default_devices(len(balance))
         else:

@@ -4,8 +4,9 @@ The thread runner, the process runner (one stage per rank under torchrun) and
 the visualiser must agree on the order in which micro-batches move through the
 stages. Writing that order once, as a table of actions per rank, and deriving
 the clock cycles, the simulated timeline, the bubble and the activation memory
-from the same table keeps them in step. The module imports no torch, so the
-tables can be built, checked and drawn anywhere.
+from the same table keeps them in step. The module imports no torch, and
+``import pipe.core.schedule`` loads none (``pipe``'s top-level names load on
+first use), so the tables can be built, checked and drawn anywhere.
 
 Example:
     >>> s = Schedule("1f1b", ranks=2, microbatches=4)

@@ -1,10 +1,16 @@
 """The process runner: executes this rank's program from :mod:`pipe.core.schedule` with send/recv.
 
-The thread runner (:mod:`pipe.threads.pipeline`) and this runner read the same
-schedule tables and run every cell with the same recipe
+What this runner shares with the thread runner (:mod:`pipe.threads.pipeline`):
+the schedule tables of :mod:`pipe.core.schedule`, micro-batches
+(:mod:`pipe.core.microbatch`) and the recipe of a cell
 (:func:`pipe.core.checkpoint.cell`: checkpointed or not, ``Checkpoint`` then
-``Recompute`` wired ahead of the gradient). They differ in how a tensor moves:
-a stream copy there, a point-to-point message here. A rank walks its program
+``Recompute`` wired ahead of the gradient). What differs: how a tensor moves
+(a point-to-point message here, a stream copy there); who drives backward
+(this rank's program runs each ``B`` itself, while the thread runner leaves
+backward to autograd, or to its workers on the CPU); the schedules (the
+thread runner runs GPipe only); how skips travel (extra cell outputs and
+messages here, portals there) and how random state is kept (one thread per
+rank here, guards between worker threads there). A rank walks its program
 (``Schedule(kind, ranks, microbatches, virtual_stages).actions(rank)``)::
 
     F i@s   input  <- scatter (first stage) or message on the "act" channel from s-1

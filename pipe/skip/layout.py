@@ -1,12 +1,11 @@
 """Skip layout: which partition stashes each skip and which pops it.
 
 The layout is the routing table of skip tensors, computed once when a
-``Pipe`` is built. The thread pipeline reads it to copy a skip tensor from
-the stash partition's device straight to the pop partition's
-(:meth:`SkipLayout.arriving`); a process pipeline reads the same table to
-send a skip from the stash rank to the pop rank, however many ranks lie in
-between (:meth:`SkipLayout.leaving` on the sender, ``arriving`` on the
-receiver).
+``Pipe`` or ``DistributedPipe`` is built. The thread pipeline reads it to copy
+a skip tensor from the stash partition's device straight to the pop
+partition's (:meth:`SkipLayout.arriving`); the process runner turns its
+``routes`` into one channel per skip, from the stash stage to the pop stage,
+however many stages lie in between (``pipe.distributed.runtime.StageSkips``).
 """
 from __future__ import annotations
 
@@ -32,11 +31,9 @@ class SkipLayout:
         self.num_partitions = num_partitions
         self.routes = dict(routes)
         self._arriving: list[list[tuple[int, NamespaceOrNone, str]]] = [[] for _ in range(num_partitions)]
-        self._leaving: list[list[tuple[int, NamespaceOrNone, str]]] = [[] for _ in range(num_partitions)]
         for (ns, name), (prev_j, next_j) in self.routes.items():
             if prev_j != next_j:
                 self._arriving[next_j].append((prev_j, ns, name))
-                self._leaving[prev_j].append((next_j, ns, name))
 
     def __bool__(self) -> bool:
         return bool(self.routes)
@@ -53,10 +50,6 @@ class SkipLayout:
     def arriving(self, j: int) -> list[tuple[int, NamespaceOrNone, str]]:
         """``(stash partition, namespace, name)`` of the skips popped in ``j`` but stashed elsewhere."""
         return self._arriving[j]
-
-    def leaving(self, j: int) -> list[tuple[int, NamespaceOrNone, str]]:
-        """``(pop partition, namespace, name)`` of the skips stashed in ``j`` and popped elsewhere."""
-        return self._leaving[j]
 
 
 def _skippables(layers: Iterable[nn.Module]) -> Iterator[Skippable]:
