@@ -11,8 +11,9 @@ Run:
     python benchmarks/core.py --only P2  # one figure
 
 P2 includes torchgpipe 0.0.7 (PyPI) as a peer when it can be installed into a
-virtual environment beside this file (benchmarks/.venv-torchgpipe); --no-peer
-skips it.
+folder beside this file (benchmarks/.peer-torchgpipe, put on the child's
+PYTHONPATH, so the peer runs on this interpreter's torch also inside a
+virtual environment); --no-peer skips it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-PEER_VENV = HERE / ".venv-torchgpipe"
+PEER_DIR = HERE / ".peer-torchgpipe"
 
 
 def mlp(width: int, layers: int, seed: int = 0) -> nn.Sequential:
@@ -53,7 +54,7 @@ def wrap(model: nn.Sequential, engine: str, **kwargs: Any) -> nn.Module:
 
         return Pipe(model, **kwargs)
     if engine == "torchgpipe":
-        import torchgpipe  # only inside the peer's virtual environment
+        import torchgpipe  # only in the peer's child process (PYTHONPATH has its folder)
 
         kwargs.pop("cpu_threads", None)
         return torchgpipe.GPipe(model, **kwargs)
@@ -146,16 +147,19 @@ def p3(size: dict[str, int], warmup: int, repeat: int) -> dict[str, Any]:
 
 
 def run_peer(size: dict[str, int], warmup: int, repeat: int) -> float | None:
-    python = PEER_VENV / "bin" / "python"
-    if not python.exists():
+    # torchgpipe is pure Python: install it into a folder of its own and run it with this
+    # interpreter, so it sees the same torch (a venv would not see torch when this project is
+    # itself installed in a virtual environment).
+    if not (PEER_DIR / "torchgpipe").exists():
         try:
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(PEER_VENV)], check=True)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "torchgpipe==0.0.7"], check=True)
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PEER_DIR),
+                            "torchgpipe==0.0.7"], check=True)
         except (subprocess.CalledProcessError, OSError) as error:
             print(f"torchgpipe peer unavailable ({error}); skipping it")
             return None
-    cmd = [str(python), __file__, "--child-peer", json.dumps({"size": size, "warmup": warmup, "repeat": repeat})]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, __file__, "--child-peer", json.dumps({"size": size, "warmup": warmup, "repeat": repeat})]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PEER_DIR), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         print(f"torchgpipe peer failed: {out.stderr[-500:]}")
         return None
