@@ -51,7 +51,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from pipe.recompute.scope import Scope, compile_pattern
 
-__all__ = ["op_name", "Selection", "Plan", "Recorder", "SkipDead", "below", "make_plan"]
+__all__ = ["op_name", "Selection", "Plan", "OpRecorder", "SkipDead", "below", "make_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _common(paths: Iterable[str]) -> str:
     return ".".join(common)
 
 
-class Recorder(TorchDispatchMode):
+class OpRecorder(TorchDispatchMode):
     """Records every op of a plain forward (the ops selective checkpointing will see)."""
 
     def __init__(self, scope: Scope, selection: Selection, prefix: str = "") -> None:

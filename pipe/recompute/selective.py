@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pipe.recompute.module import Policy, mark, policy_of
-from pipe.recompute.plan import Plan, Recorder, Selection, below, make_plan, op_name
+from pipe.recompute.plan import Plan, OpRecorder, Selection, below, make_plan, op_name
 from pipe.recompute.scope import Scope
 
 __all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection", "Usage"]
@@ -168,7 +168,7 @@ class SelectiveRecompute(Policy):
     def _probe(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                signature: Signature) -> Any:
         """Runs the layer plainly once, recording what autograd keeps, and plans from it."""
-        recorder = Recorder(self.scope, self.selection, self.prefix)
+        recorder = OpRecorder(self.scope, self.selection, self.prefix)
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder, \
                 self.scope.counting() as calls:
             output = self.regioned(forward)(*args, **kwargs)
