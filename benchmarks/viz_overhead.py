@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe, trace
+from pipe.trace.recorder import _Backward
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -76,7 +77,7 @@ def off_path_cost(cells: int, repeats: int) -> float:
 def on_path_cost(spans: int, nodes: int, repeats: int) -> float:
     """Seconds the recording hooks of one step take: ``spans`` spans and ``nodes`` node hook pairs."""
     with trace.record() as recorder:
-        backward = trace._Backward((0, 0), recorder._ticks)
+        backward = _Backward((0, 0), recorder._ticks)
         start = time.perf_counter()
         for _ in range(repeats):
             for _ in range(spans):
