@@ -260,7 +260,7 @@ def _check_order(events: list[tuple[Any, ...]], program: list[str], prefetch_of:
 
 def _swap_on_ranks(rank: int, world: int) -> dict[str, int]:
     """layer_swap, op_swap and checkpoint_swap: gradients, event order from the schedule, units released."""
-    model = blocks(4, D)
+    model = blocks(4 if world == 2 else 8, D)
     x, y = _data(8, seed=3)
     checked: dict[str, int] = {}
     for schedule in SCHEDULES:
@@ -288,8 +288,9 @@ def _swap_on_ranks(rank: int, world: int) -> dict[str, int]:
     return checked
 
 
-def test_offload_follows_the_schedule() -> None:
-    results = run_ranks(_swap_on_ranks, 2, deadline=150.0)
+@pytest.mark.parametrize("world", [2, 4])
+def test_offload_follows_the_schedule(world: int) -> None:
+    results = run_ranks(_swap_on_ranks, world, deadline=150.0)
     for result in results:
         assert all(count > 0 for count in result.values()), results
 
@@ -377,7 +378,7 @@ def _bn_on_ranks(rank: int, world: int) -> list[str]:
     generator = torch.Generator().manual_seed(4)
     x, y = torch.randn(24, D, generator=generator), torch.randn(24, D, generator=generator)
     cases = [("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved", 2, 1)] if world == 2 else \
-        [("gpipe", 1, 2), ("interleaved", 2, 2)]
+        [("1f1b", 1, 1), ("gpipe", 1, 2), ("interleaved", 2, 2)]
     done = []
     for schedule, virtual, replicas in cases:
         for checkpoint in ("except_last", "never"):
@@ -414,9 +415,35 @@ def _bn_on_ranks(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_deferred_batch_norm_matches_plain_module_on_the_mini_batch(world: int) -> None:
     results = run_ranks(_bn_on_ranks, world, deadline=150.0)
-    assert all(len(r) == (6 if world == 2 else 4) for r in results)
+    assert all(len(r) == 6 for r in results)
 
 
 def test_deferred_batch_norm_is_checked_across_ranks() -> None:
     with pytest.raises(TypeError, match="deferred_batch_norm must be True or False"):
         DistributedPipe(_bn_model(), deferred_batch_norm="yes")  # type: ignore[arg-type]
+
+
+# -- the example --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_distributed_example_takes_the_recompute_yaml() -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NPROC="2", THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(
+        ["bash", "launch/single_node.sh", "examples/transformer_lm_distributed.py", "--steps", "2", "--layers", "4",
+         "--width", "32", "--seq-len", "16", "--batch-size", "8", "--eval-batches", "1", "--checkpoint", "never",
+         "--recompute", "examples/recompute.yaml", "--memory"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=170, start_new_session=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "rank 0 (stages [0]): layer 0 (stage 0, 0): select_recompute" in out
+    saved = [line for line in out.splitlines() if line.startswith("memory: rank")]
+    assert len(saved) == 2 and all("(saved -" not in line and "(saved 0," not in line for line in saved), saved
+    assert "done: 2 steps" in out
