@@ -123,7 +123,7 @@ class DistributedPipe(nn.Module):
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
-            "deferred_batch_norm": deferred_batch_norm,
+            "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
         self.topology = Topology(data_parallel)
         self.schedule = Schedule(schedule, ranks=self.topology.ranks, microbatches=self.chunks,
