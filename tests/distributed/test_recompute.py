@@ -323,6 +323,25 @@ def test_a_checkpointed_cell_lets_its_received_input_go() -> None:
     assert kept.tensors[0].untyped_storage().nbytes() == 4
 
 
+def test_the_caller_prefetches_by_tag_and_distance() -> None:
+    """Offloader(prefetch_on_use=False): nothing comes back by itself; prefetch(tag, distance) brings a cell's units."""
+    from pipe.recompute import Offloader
+
+    offloader = Offloader(1, min_bytes=0, prefetch_on_use=False, record_events=True)
+    layer = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+    outputs = {}
+    for tag, far in (("a", 2), ("b", 1)):
+        with offloader.tagged(tag), offloader.unit(tag, backward_prefetch=far):
+            outputs[tag] = layer(torch.randn(3, D, requires_grad=True))
+    offloader.prefetch("a", 2)   # a's prefetch distance is 2: due
+    offloader.prefetch("b", 2)   # b's is 1: not yet
+    assert offloader.events == [("offload", 0), ("offload", 1), ("prefetch", 0)]
+    outputs["b"].sum().backward()  # b fetched when used; a is not prefetched by the neighbour rule
+    outputs["a"].sum().backward()
+    assert offloader.events[3:] == [("fetch", 1), ("use", 1), ("use", 0)]
+    assert offloader.pending_units() == 0
+
+
 @pytest.mark.cuda
 def test_offload_on_cuda_uses_pinned_memory_and_gives_the_same_gradients() -> None:
     def one_rank(rank: int, world: int) -> bool:
@@ -342,7 +361,26 @@ def test_offload_on_cuda_uses_pinned_memory_and_gives_the_same_gradients() -> No
         assert swap is not None and any(o.offloaded_bytes for o in swap.offloaders())
         return all(s.is_cuda for o in swap.offloaders() for s in o._streams.values() if s is not None)
 
+    def pinned(rank: int, world: int) -> list[bool]:
+        device = torch.device("cuda", 0)
+        x, y = _data(8, seed=5)
+        pipe = DistributedPipe(blocks(4, D), chunks=2, checkpoint="never", schedule="gpipe", loss_fn=F.mse_loss,
+                               recompute=SWAP, device=device)
+        swap = pipe._runtime.swap
+        assert swap is not None
+        seen: list[bool] = []
+        for offloader in swap.offloaders():
+            def watch(kind: str, name: str, tag: Any, offloader: Any = offloader) -> None:
+                if kind == "offload":  # the host copies of every unit alive now
+                    for unit in offloader._units.values():
+                        seen.extend(ref().host.is_pinned() for ref in unit.stored if ref() is not None)
+            offloader.observer = watch
+        pipe.step(x.to(device), y.to(device))
+        return seen
+
     assert run_ranks(one_rank, 1) == [True]
+    host = run_ranks(pinned, 1)[0]
+    assert host and all(host)
 
 
 # -- deferred BatchNorm -------------------------------------------------------------------------------
