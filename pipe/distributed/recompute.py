@@ -46,8 +46,6 @@ __all__ = ["RankSwap", "attach_to_ranks"]
 
 logger = logging.getLogger(__name__)
 
-Cell = tuple[int, int]  # (micro-batch, stage)
-
 
 class RankSwap:
     """This rank's offloaders: units tagged by the cell whose forward made them, prefetched from the program.
@@ -121,37 +119,33 @@ class RankSwap:
         run: offloading the copy saved for recomputation would free nothing.
         The cell gets views made by :class:`_Tap` instead, whose node holds no
         tensor, and the runner keeps stand-ins (one element, broadcast to the
-        shape) whose ``.grad`` the tap fills in backward, where the runner
-        reads the input gradients it sends upstream.
+        shape): leaves of the tap into whose ``.grad`` autograd accumulates
+        the input gradients the runner sends upstream.
         """
         indices = [k for k, t in enumerate(batch.tensors) if t.requires_grad]
         if not indices:
             return batch, batch
         tensors = batch.tensors
-        stand_ins = {k: tensors[k].new_zeros(()).expand(tensors[k].shape).requires_grad_() for k in indices}
-        anchor = torch.zeros((), device=tensors[indices[0]].device, requires_grad=True)
+        stand_ins = [tensors[k].new_zeros(()).expand(tensors[k].shape).requires_grad_() for k in indices]
         # Detached: the tap's node must not reach the leaves' gradient accumulators (they hold the leaves).
-        views = _Tap.apply(anchor, [stand_ins[k] for k in indices], *[tensors[k].detach() for k in indices])
+        views = _Tap.apply(len(indices), *stand_ins, *[tensors[k].detach() for k in indices])
         kept = list(tensors)
-        for k, view in zip(indices, views):
-            tensors[k], kept[k] = view, stand_ins[k]
+        for k, view, stand_in in zip(indices, views, stand_ins):
+            tensors[k], kept[k] = view, stand_in
         return batch.with_tensors(tensors), batch.with_tensors(kept)
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on tensors that keeps no reference to them; backward writes their gradients to stand-ins."""
+    """Views of ``tensors`` (no reference kept) whose gradients autograd accumulates into the stand-ins."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, stand_ins: list[Tensor], *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.stand_ins = stand_ins
-        return tuple(t.view_as(t) for t in tensors)
+    def forward(ctx: Any, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.n = n
+        return tuple(t.view_as(t) for t in inputs[n:])  # inputs: n stand-ins, then the n tensors
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-        for stand_in, grad in zip(ctx.stand_ins, grads):
-            if grad is not None:
-                stand_in.grad = grad if stand_in.grad is None else stand_in.grad + grad
-        return (None, None) + (None,) * len(grads)
+        return (None, *grads) + (None,) * ctx.n
 
 
 def attach_to_ranks(
