@@ -12,6 +12,12 @@ Run it on the CPU (2 ranks, one thread each; a few minutes)::
     bash launch/single_node.sh examples/transformer_lm_distributed.py
     bash launch/single_node.sh examples/transformer_lm_distributed.py --steps 3 --layers 2 --width 32  # smoke test
     NPROC=4 bash launch/single_node.sh examples/transformer_lm_distributed.py --data-parallel 2
+    bash launch/single_node.sh examples/transformer_lm_distributed.py --recompute examples/recompute.yaml --memory
+
+``--recompute`` applies a MindFormers-style recompute/swap YAML as ``Pipe``
+does (stage = balance entry; the YAML's per-stage counts assume 4 blocks, i.e.
+6 layers in 2 stages of 3); ``--memory`` logs each rank's peak activation
+memory of one step without and with it.
 
 The last line printed (by rank 0) is a summary: first and last training loss,
 validation loss and wall time. ``--save DIR`` writes a stage-agnostic
@@ -22,6 +28,7 @@ plain model.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -37,6 +44,7 @@ from transformer_lm import CharData, build_model, learning_rate  # noqa: E402  (
 
 import pipe.distributed as pd  # noqa: E402
 from pipe.distributed import state  # noqa: E402
+from pipe.recompute import ActivationMemory  # noqa: E402
 
 log = logging.getLogger("transformer_lm_distributed")
 
@@ -64,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--save", metavar="DIR", help="save a stage-agnostic checkpoint at the end")
     p.add_argument("--resume", metavar="DIR", help="start from a checkpoint saved with --save (any rank count)")
+    p.add_argument("--recompute", metavar="YAML", help="recompute/swap config, as for Pipe (examples/recompute.yaml; "
+                   "stage = balance entry, one count per rank with --virtual-stages)")
+    p.add_argument("--memory", action="store_true", help="before training, log each rank's peak activation "
+                   "memory of one step without and with --recompute (counted by pipe.recompute.ActivationMemory)")
     return p.parse_args(argv)
 
 
@@ -77,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     # Every rank builds the same model (small here; build it under torch.device("meta") or
     # pass a layer factory when it is not) and keeps its own stages.
     plain = build_model(data.vocab_size, args.width, args.layers, args.heads, args.seq_len, args.dropout)
+    if args.memory:
+        measure_memory(plain, data, args, env.rank)
     model = pd.DistributedPipe(plain, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                                virtual_stages=args.virtual_stages, data_parallel=args.data_parallel,
-                               loss_fn=lm_loss)
+                               loss_fn=lm_loss, recompute=args.recompute)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -120,6 +134,30 @@ def main(argv: list[str] | None = None) -> None:
              args.steps - start_step, first_loss, last_loss, val_loss, train_time,
              (args.steps - start_step) * args.batch_size / max(train_time, 1e-9))
     dist.destroy_process_group()
+
+
+def measure_memory(plain: torch.nn.Sequential, data: CharData, args: argparse.Namespace, rank: int) -> None:
+    """Logs (on rank 0) every rank's peak activation bytes of one step, without and with ``--recompute``.
+
+    The counts are those of :class:`pipe.recompute.ActivationMemory` (bytes of
+    the storages created during the step, independent of the allocator), after
+    one warm-up step so that selective recompute has made its plans.
+    """
+    peaks = []
+    for config in (None, args.recompute):
+        model = pd.DistributedPipe(copy.deepcopy(plain), chunks=args.chunks, checkpoint=args.checkpoint,
+                                   schedule=args.schedule, virtual_stages=args.virtual_stages,
+                                   data_parallel=args.data_parallel, loss_fn=lm_loss, recompute=config)
+        x, y = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+        model.step(x, y)
+        with ActivationMemory() as memory:
+            model.step(x, y)
+        peaks.append(memory.peak_bytes)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (rank, *peaks))
+    for r, without, with_config in every:
+        log.info("memory: rank %d peak activation bytes of a step: %d without the config, %d with it "
+                 "(saved %d, %.2fx)", r, without, with_config, without - with_config, with_config / max(without, 1))
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ un-split batch (unbiased variance, ``momentum=None`` as a cumulative average).
 from __future__ import annotations
 
 import logging
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipe.core.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "deferred_batch_norms"]
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "convert_deferred_model", "deferred_batch_norms"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,22 @@ def convert_deferred_batch_norm(module: M) -> M:
         if converted_child is not child:
             setattr(module, name, converted_child)
     return module
+
+
+def convert_deferred_model(model: Any) -> Any:
+    """:func:`convert_deferred_batch_norm` for an ``nn.Sequential`` or a layer factory ``factory(index) -> layer``.
+
+    A factory is wrapped so that each layer it makes is converted (``DistributedPipe``
+    builds only the layers a rank owns).
+    """
+    if isinstance(model, nn.Module) or not callable(model):
+        return convert_deferred_batch_norm(model)
+
+    def factory(index: int) -> Any:
+        layer = model(index)
+        return convert_deferred_batch_norm(layer) if isinstance(layer, nn.Module) else layer
+
+    return factory
 
 
 def deferred_batch_norms(module: nn.Module) -> list[DeferredBatchNorm]:

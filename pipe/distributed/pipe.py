@@ -19,7 +19,10 @@ from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
-from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
+from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
+from pipe.distributed.recompute import attach_to_ranks
+from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
+from pipe.recompute.config import ConfigSource, RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
@@ -70,6 +73,13 @@ class DistributedPipe(nn.Module):
             batch; ``"sum"`` if it sums.
         device: where this rank's layers and tensors live; default ``cuda``
             (current device) under NCCL, else the CPU.
+        deferred_batch_norm: update BatchNorm running statistics once per
+            mini-batch (of this replica), as ``Pipe`` does; not averaged over
+            replicas (docs/distributed.md).
+        recompute: a recompute/swap config (YAML path or dict), as for
+            ``Pipe``: stage = ``balance`` entry, each rank applies its part
+            (:mod:`pipe.distributed.recompute`); the normalised strategy is
+            ``recompute_strategy``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -91,6 +101,8 @@ class DistributedPipe(nn.Module):
         loss_fn: Optional[LossFn] = None,
         loss_reduction: str = "mean",
         device: Optional[torch.device] = None,
+        deferred_batch_norm: bool = False,
+        recompute: Optional[ConfigSource] = None,
     ) -> None:
         super().__init__()
         self.chunks = verify_chunks(chunks)
@@ -100,6 +112,10 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
         self.loss_fn = loss_fn
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
+        if deferred_batch_norm:
+            model = convert_deferred_model(model)
         layers = layer_count(model, layers)
         require_initialized()
         # Compare before anything can block: a rank with another configuration fails here.
@@ -107,6 +123,7 @@ class DistributedPipe(nn.Module):
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
+            "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
         self.topology = Topology(data_parallel)
         self.schedule = Schedule(schedule, ranks=self.topology.ranks, microbatches=self.chunks,
@@ -141,6 +158,12 @@ class DistributedPipe(nn.Module):
             averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
         self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
                                 self.skips, averager)
+        self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
+        self.recompute_strategy: Optional[RecomputeStrategy] = None
+        if recompute is not None:
+            self.recompute_strategy, self._runtime.swap = attach_to_ranks(
+                self.partitions, recompute, self.balance, layer_names(model, layers), self.schedule,
+                self.checkpoint, self.topology.rank)
         logger.info("DistributedPipe: rank %d = pipeline rank %d of replica %d, stages %s, schedule %s, "
                     "chunks %d, checkpoint %s", self.topology.rank, self.topology.pipeline_rank,
                     self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)
@@ -198,8 +221,12 @@ class DistributedPipe(nn.Module):
         except (TypeError, ValueError) as error:
             raise failure_from(self.topology.rank, "step()", error) from None
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
+        for bn in self._deferred_batch_norms:
+            bn.discard()  # what a failed step left behind
         with torch.enable_grad():
             loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)
+        for bn in self._deferred_batch_norms:
+            bn.commit()  # running statistics once per mini-batch
         if self.is_last and self.topology.data_parallel > 1:
             assert loss is not None
             loss = loss.detach().clone()
@@ -216,8 +243,12 @@ class DistributedPipe(nn.Module):
         Every rank of the pipeline must call it; ``inputs`` matter on the first stage's rank.
         """
         batches = self._scatter(pack_inputs(inputs) if inputs else None, "inputs") if self.is_first else None
+        for bn in self._deferred_batch_norms:
+            bn.discard()
         with torch.no_grad():
             _, outputs = self._runtime.run(batches, None, None, 0, None, training=False)
+        for bn in self._deferred_batch_norms:
+            bn.commit()
         return gather(outputs) if outputs else None
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:

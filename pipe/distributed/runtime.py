@@ -43,6 +43,7 @@ from pipe.core.checkpoint import Function, cell
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
+from pipe.distributed.recompute import RankSwap
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch, flatten
 from pipe.threads.pipeline import partition_function
@@ -171,6 +172,8 @@ class Runtime:
         self.averager = averager
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
         self.last = schedule.stages - 1
+        # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute).
+        self.swap: Optional[RankSwap] = None
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class Runtime:
             for k, action in enumerate(program):
                 messages = {name: incoming.wait() for name, incoming in posted.items()}
                 posted = self._post(program[k + 1]) if k + 1 < len(program) else {}
+                if self.swap:
+                    self.swap.before(program, k)
                 i, s = action.microbatch, action.stage
                 if action.phase is Phase.FORWARD:
                     output = self._forward(action, batches, messages, cells, i < checkpoint_stop, training)
@@ -266,8 +271,12 @@ class Runtime:
             arriving = tuple(messages[name] for _, _, name in skips.arriving)
             value = (main, arriving)
             input_parts += [_count_tensors(v) for v in arriving]
-        batch = Batch(value)
-        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s))
+        batch = kept = Batch(value)
+        offload = self.swap.checkpoint_hooks(s) if self.swap and checkpoint and training else None
+        if offload is not None:
+            batch, kept = self.swap.tap(batch)  # type: ignore[union-attr]
+        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s), offload)
+        del batch  # the offloaded input must not stay referenced here
         with trace.span("forward", (i, s)):
             output = compute()
         finalize(output)
@@ -282,7 +291,7 @@ class Runtime:
         if s < self.last:
             self.transport.send(main_out, self.topology.outgoing(s, s + 1, "act", MAIN), i, (i, s))
         if training:
-            cells[(i, s)] = _Cell(batch, output, input_parts, output_parts)
+            cells[(i, s)] = _Cell(kept, output, input_parts, output_parts)
         return Batch(main_out) if skips.leaving else output
 
     # -- backward ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
 
 __all__ = ["LayerStrategy", "RecomputeStrategy", "load_config", "parse_config", "apply_recompute_config",
-           "attach_to_pipeline"]
+           "apply_strategy", "attach_to_pipeline", "warn_checkpoint_interplay"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +110,16 @@ class RecomputeStrategy:
         offloader = self.checkpoint_offloaders[stage]
         return None if offloader is None else offloader.hooks(f"stage {stage} checkpoint", self.checkpoint_swap)
 
-    def log(self) -> None:
-        logger.info("recompute strategy (normalised; valid as a config): %r", self.to_config())
+    def log(self, stages: Optional[Sequence[int]] = None, prefix: str = "") -> None:
+        """Logs the normalised config, then one line per layer (of ``stages`` only, if given)."""
+        logger.info("%srecompute strategy (normalised; valid as a config): %r", prefix, self.to_config())
         for layer in self.layers:
-            logger.info("layer %d (stage %d, %s): %s", layer.index, layer.stage, layer.name, layer.describe())
+            if stages is None or layer.stage in stages:
+                logger.info("%slayer %d (stage %d, %s): %s", prefix, layer.index, layer.stage, layer.name,
+                            layer.describe())
         if self.checkpoint_swap is not None:
-            logger.info("checkpoint_swap: inputs kept at partition boundaries go to host memory, "
-                        "backward_prefetch=%d", self.checkpoint_swap)
+            logger.info("%scheckpoint_swap: inputs kept at partition boundaries go to host memory, "
+                        "backward_prefetch=%d", prefix, self.checkpoint_swap)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -160,8 +163,45 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool) -> list[bool]:
-    """One bool per layer from bool | per-stage counts | 2D counts | (swap on) layer indices."""
+def _per_rank_counts(value: Sequence[Any], key: str, stages: Sequence[int], ranks: int) -> list[Any]:
+    """MindFormers' ``pipeline_stage`` counts with virtual stages: one count per rank, spread over its chunks.
+
+    Stage ``s`` runs on rank ``s % ranks`` (chunk ``s // ranks``). As
+    MindFormers' ``LayerSetting`` does with ``pp_interleave_num > 1``, a rank's
+    count is dealt round-robin over its chunks (one layer to chunk 0, one to
+    chunk 1, ..., skipping full chunks); each chunk then takes its share from
+    its first layer.
+    """
+    chunks = len(stages) // ranks
+    counts = [0] * len(stages)
+    for r, count in enumerate(value):
+        mine = [c * ranks + r for c in range(chunks)]
+        size = sum(stages[s] for s in mine)
+        if count is True:
+            count = size
+        elif count is False:
+            count = 0
+        elif not _is_int(count) or count < 0:
+            raise ValueError(f"{key}[{r}] = {count!r}: a per-rank count must be an int >= 0 or True/False")
+        if count > size:
+            raise ValueError(f"{key}[{r}] = {count} but pipeline rank {r} has only {size} layers (stages {mine}, "
+                             f"layers per stage {[stages[s] for s in mine]}); use at most {size} (or True for "
+                             "all of them)")
+        while count:
+            for s in mine:
+                if count and counts[s] < stages[s]:
+                    counts[s] += 1
+                    count -= 1
+    return counts
+
+
+def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool, ranks: Optional[int] = None) -> list[bool]:
+    """One bool per layer from bool | per-stage counts | 2D counts | (swap on) layer indices.
+
+    With ``ranks`` (a multi-process pipeline of ``len(stages) // ranks``
+    virtual stages per rank), a flat list of ``ranks`` counts is per rank
+    (:func:`_per_rank_counts`) and a 2D list must be ``[chunk][rank]``.
+    """
     total = sum(stages)
     if value is None or value is False:
         return [False] * total
@@ -178,13 +218,28 @@ def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool) -> list
             raise ValueError(f"{key} = {value!r}: layer indices {bad} out of range; the model has {total} layers "
                              f"(0..{total - 1})")
         return [i in set(value) for i in range(total)]
-    flat = [c for row in value for c in row] if value and all(isinstance(r, (list, tuple)) for r in value) \
-        else list(value)
+    nested = bool(value) and all(isinstance(r, (list, tuple)) for r in value)
+    flat = [c for row in value for c in row] if nested else list(value)
+    virtual = ranks is not None and len(stages) != ranks
+    if virtual and nested:
+        assert ranks is not None
+        shape = [len(row) for row in value]
+        if len(value) != len(stages) // ranks or any(n != ranks for n in shape):
+            raise ValueError(
+                f"{key} = {value!r} has rows of {shape} counts but the pipeline has {len(stages) // ranks} "
+                f"virtual stages (chunks) of {ranks} ranks; give one row per chunk with one count per rank "
+                f"(MindFormers' [pp_interleave_num][pipeline_stage]), or {ranks} per-rank counts"
+            )
+    elif virtual and len(flat) == ranks:
+        assert ranks is not None
+        flat = _per_rank_counts(flat, key, stages, ranks)
     if len(flat) != len(stages):
         raise ValueError(
             f"{key} = {value!r} gives {len(flat)} per-stage counts but there are {len(stages)} stages "
             f"(layers per stage {list(stages)}); give one count per stage (a 2D list is flattened "
-            "chunk-major for virtual stages), or True/False for every layer"
+            "chunk-major for virtual stages), "
+            + (f"one count per pipeline rank ({ranks}), " if virtual else "")
+            + "or True/False for every layer"
         )
     mask: list[bool] = []
     for s, (count, size) in enumerate(zip(flat, stages)):
@@ -216,11 +271,12 @@ def _canonical_mask(mask: list[bool], stages: Sequence[int], swap: bool) -> Any:
     return counts
 
 
-def _select_masks(value: Any, stages: Sequence[int], swap: bool) -> dict[str, list[bool]]:
+def _select_masks(value: Any, stages: Sequence[int], swap: bool, ranks: Optional[int] = None
+                  ) -> dict[str, list[bool]]:
     total = sum(stages)
     if value is None or isinstance(value, bool) or (
             isinstance(value, (list, tuple)) and value and all(not isinstance(v, str) for v in value)):
-        mask = _layer_mask(value, "select_recompute", stages, swap)
+        mask = _layer_mask(value, "select_recompute", stages, swap, ranks)
         return {pattern: mask for pattern in DEFAULT_SELECT} if any(mask) else {}
     if isinstance(value, str):
         value = [value]
@@ -235,7 +291,7 @@ def _select_masks(value: Any, stages: Sequence[int], swap: bool) -> dict[str, li
     masks = {}
     for pattern, setting in value.items():
         compile_pattern(pattern, "select_recompute")
-        mask = _layer_mask(setting, f"select_recompute[{pattern!r}]", stages, swap)
+        mask = _layer_mask(setting, f"select_recompute[{pattern!r}]", stages, swap, ranks)
         if any(mask):
             masks[pattern] = mask
     assert all(len(m) == total for m in masks.values())
@@ -274,8 +330,8 @@ def _entries(value: Any, key: str, allowed: tuple[str, ...]) -> list[Mapping[str
     return list(value)
 
 
-def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Sequence[str]] = None
-                 ) -> RecomputeStrategy:
+def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Sequence[str]] = None,
+                 ranks: Optional[int] = None) -> RecomputeStrategy:
     """Normalises a recompute/swap config for a model of ``sum(stages)`` layers.
 
     Args:
@@ -284,6 +340,10 @@ def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Se
             :class:`RecomputeStrategy` (returned as is).
         stages: layers per stage (``Pipe``'s ``balance``).
         names: layer names for the log.
+        ranks: pipeline ranks of a multi-process pipeline whose stage ``s``
+            runs on rank ``s % ranks`` (``DistributedPipe``): with virtual
+            stages, flat count lists may then give one count per rank, as
+            MindFormers' ``pipeline_stage`` counts do (see :func:`_per_rank_counts`).
 
     Raises:
         ValueError / TypeError: bad keys, values, regexes, counts or lengths,
@@ -328,8 +388,10 @@ def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Se
         warnings.warn("swap_config has layer_swap/op_swap/checkpoint_swap but swap is False: nothing is "
                       "offloaded; set swap: True to enable them", stacklevel=3)
 
-    full = _layer_mask(recompute_section.get("recompute", False), "recompute", stages, swap)
-    select = _select_masks(recompute_section.get("select_recompute", False), stages, swap)
+    if ranks is not None and (not _is_int(ranks) or ranks < 1 or len(stages) % ranks):
+        raise ValueError(f"ranks = {ranks!r} must be a positive int dividing the {len(stages)} stages")
+    full = _layer_mask(recompute_section.get("recompute", False), "recompute", stages, swap, ranks)
+    select = _select_masks(recompute_section.get("select_recompute", False), stages, swap, ranks)
 
     layer_swap: dict[int, int] = {}
     op_swap: dict[int, list[tuple[str, int]]] = {}
@@ -457,11 +519,35 @@ def apply_recompute_config(model: Any, config: ConfigSource, stages: Optional[Se
         raise ValueError(f"stages {stages} cover {sum(stages)} layers but the model has {len(layers)}; "
                          "give the number of layers of each stage (Pipe's balance)")
     strategy = parse_config(config, stages, names)
-    n = len(stages)
+    apply_strategy(strategy, dict(enumerate(layers)))
+    strategy.log()
+    return strategy
+
+
+def apply_strategy(strategy: RecomputeStrategy, layers: Mapping[int, nn.Module],
+                   offloader: Optional[Callable[[int, int], Offloader]] = None) -> None:
+    """Puts a parsed strategy's policies on the layers given, by layer index; the others are left alone.
+
+    The stage-agnostic half of :func:`apply_recompute_config`, which both
+    front ends call: ``Pipe`` gives every layer, a ``DistributedPipe`` rank
+    the layers of its own stages. The stages of the layers given get their
+    offloaders (``strategy.offloaders``, ``strategy.checkpoint_offloaders``).
+
+    Args:
+        strategy: from :func:`parse_config`.
+        layers: the layers to mark, by their index in the model.
+        offloader: ``offloader(backward_prefetch, min_bytes)`` makes a stage's
+            offloader (default :class:`Offloader`; ``DistributedPipe`` gives
+            one that prefetches from its schedule).
+    """
+    make = offloader if offloader is not None else _offloader
+    n = len(strategy.stages)
     strategy.offloaders = [None] * n
     strategy.checkpoint_offloaders = [None] * n
-    usage = Usage({p: sum(p in l.select for l in strategy.layers) for l in strategy.layers for p in l.select})
-    for layer_strategy, layer in zip(strategy.layers, layers):
+    mine = [strategy.layers[i] for i in sorted(layers)]
+    usage = Usage({p: sum(p in l.select for l in mine) for l in mine for p in l.select})
+    for layer_strategy in mine:
+        layer = layers[layer_strategy.index]
         s = layer_strategy.stage
         label = f"layer {layer_strategy.index} ({layer_strategy.name})"
         if layer_strategy.recompute:
@@ -469,20 +555,21 @@ def apply_recompute_config(model: Any, config: ConfigSource, stages: Optional[Se
         elif layer_strategy.select:
             mark(layer, SelectiveRecompute(layer, names=layer_strategy.select, label=label, usage=usage))
         elif layer_strategy.swap is not None or layer_strategy.op_swap:
-            if strategy.offloaders[s] is None:
-                strategy.offloaders[s] = Offloader(strategy.default_prefetch, min_bytes=strategy.min_bytes)
-            offloader = strategy.offloaders[s]
-            assert offloader is not None
+            stage_offloader = strategy.offloaders[s]
+            if stage_offloader is None:
+                stage_offloader = strategy.offloaders[s] = make(strategy.default_prefetch, strategy.min_bytes)
             prefetch = layer_strategy.swap if layer_strategy.swap is not None else layer_strategy.op_swap_prefetch
-            mark(layer, OffloadLayer(layer, offloader, prefetch, layer_strategy.op_swap, label))
+            mark(layer, OffloadLayer(layer, stage_offloader, prefetch, layer_strategy.op_swap, label))
         else:
             mark(layer, None)
     if strategy.checkpoint_swap is not None:
         # Stage 0's checkpoints are slices of the caller's input: offloading them frees nothing.
-        strategy.checkpoint_offloaders = [None] + [
-            Offloader(strategy.checkpoint_swap, min_bytes=strategy.min_bytes) for _ in range(1, n)]
-    strategy.log()
-    return strategy
+        for s in sorted({l.stage for l in mine} - {0}):
+            strategy.checkpoint_offloaders[s] = make(strategy.checkpoint_swap, strategy.min_bytes)
+
+
+def _offloader(backward_prefetch: int, min_bytes: int) -> Offloader:
+    return Offloader(backward_prefetch, min_bytes=min_bytes)
 
 
 def attach_to_pipeline(partitions: Sequence[nn.Sequential], config: ConfigSource, checkpoint: str,
@@ -493,17 +580,23 @@ def attach_to_pipeline(partitions: Sequence[nn.Sequential], config: ConfigSource
     hook factory per partition in ``checkpoint_offload``.
     """
     strategy = apply_recompute_config(list(partitions), config)
-    has_layer_policy = any(l.recompute or l.select or l.swap is not None or l.op_swap for l in strategy.layers)
-    if has_layer_policy and checkpoint == "always":
-        warnings.warn("Pipe(checkpoint='always') recomputes every partition in backward, so the per-layer "
-                      "recompute/swap config has no effect; use checkpoint='never' with a per-layer config",
-                      stacklevel=3)
-    elif has_layer_policy and checkpoint == "except_last":
-        logger.info("Pipe(checkpoint='except_last'): the per-layer config applies to the last micro-batch "
-                    "only (the others recompute whole partitions); checkpoint='never' applies it to all")
-    if strategy.checkpoint_swap is not None and checkpoint == "never":
-        warnings.warn("swap_config.checkpoint_swap offloads the inputs Pipe keeps for checkpointed "
-                      "micro-batches, and checkpoint='never' keeps none; use checkpoint='except_last' or "
-                      "'always'", stacklevel=3)
+    warn_checkpoint_interplay(strategy, checkpoint, "Pipe", stacklevel=4)
     pipeline.checkpoint_offload = [strategy.checkpoint_offload(j) for j in range(len(partitions))]
     return strategy
+
+
+def warn_checkpoint_interplay(strategy: RecomputeStrategy, checkpoint: str, front: str, stacklevel: int = 3
+                              ) -> None:
+    """What a front end's checkpoint mode leaves of a per-layer config: a warning or an INFO line."""
+    has_layer_policy = any(l.recompute or l.select or l.swap is not None or l.op_swap for l in strategy.layers)
+    if has_layer_policy and checkpoint == "always":
+        warnings.warn(f"{front}(checkpoint='always') recomputes every partition in backward, so the per-layer "
+                      "recompute/swap config has no effect; use checkpoint='never' with a per-layer config",
+                      stacklevel=stacklevel)
+    elif has_layer_policy and checkpoint == "except_last":
+        logger.info("%s(checkpoint='except_last'): the per-layer config applies to the last micro-batch "
+                    "only (the others recompute whole partitions); checkpoint='never' applies it to all", front)
+    if strategy.checkpoint_swap is not None and checkpoint == "never":
+        warnings.warn(f"swap_config.checkpoint_swap offloads the inputs {front} keeps for checkpointed "
+                      "micro-batches, and checkpoint='never' keeps none; use checkpoint='except_last' or "
+                      "'always'", stacklevel=stacklevel)

@@ -73,11 +73,12 @@ class _Packed:
 class _Unit:
     """The tensors one layer call (or one checkpointed micro-batch) saved for backward."""
 
-    def __init__(self, offloader: "Offloader", index: int, name: str, prefetch: int) -> None:
+    def __init__(self, offloader: "Offloader", index: int, name: str, prefetch: int, tag: Any = None) -> None:
         self.offloader = offloader
         self.index = index
         self.name = name
         self.prefetch = prefetch
+        self.tag = tag  # what the unit belongs to, for a caller that prefetches by tag (Offloader.tagged)
         # Weak: a stored storage lives as long as the autograd graph holds views of it.
         self.stored: list[weakref.ref[_Stored]] = []
         self.fetched = False
@@ -110,9 +111,15 @@ class Offloader:
             unit is copied back (0: only when needed).
         min_bytes: tensors smaller than this stay on the device.
         record_events: keep :attr:`events` (for tests and measurements).
+        prefetch_on_use: when a unit is first used, prefetch the units
+            registered up to their ``backward_prefetch`` places before it (the
+            default, for a backward that visits units in reverse forward
+            order). ``False`` for a caller that knows the backward order and
+            calls :meth:`prefetch` itself (``DistributedPipe``, from its schedule).
     """
 
-    def __init__(self, backward_prefetch: int = 1, *, min_bytes: int = 1024, record_events: bool = False) -> None:
+    def __init__(self, backward_prefetch: int = 1, *, min_bytes: int = 1024, record_events: bool = False,
+                 prefetch_on_use: bool = True) -> None:
         if not isinstance(backward_prefetch, int) or isinstance(backward_prefetch, bool) or backward_prefetch < 0:
             raise ValueError(f"backward_prefetch must be an int >= 0, got {backward_prefetch!r}")
         if not isinstance(min_bytes, int) or min_bytes < 0:
@@ -120,7 +127,11 @@ class Offloader:
         self.backward_prefetch = backward_prefetch
         self.min_bytes = min_bytes
         self.record_events = record_events
+        self.prefetch_on_use = prefetch_on_use
         self.events: list[tuple[str, int]] = []
+        # Called with (kind, unit name, unit tag) for every event, if set.
+        self.observer: Optional[Callable[[str, str, Any], None]] = None
+        self.current_tag: Any = None  # what units registered now belong to (see tagged)
         self.offloaded_bytes = 0
         self._units: OrderedDict[int, _Unit] = OrderedDict()
         self._counter = itertools.count()
@@ -142,7 +153,7 @@ class Offloader:
         """
         prefetch = self.backward_prefetch if backward_prefetch is None else backward_prefetch
         with self._lock:
-            unit = _Unit(self, next(self._counter), name, prefetch)
+            unit = _Unit(self, next(self._counter), name, prefetch, self.current_tag)
             self._units[unit.index] = unit
 
         def pack(tensor: Tensor) -> Any:
@@ -157,6 +168,26 @@ class Offloader:
             with self._lock:
                 if unit.alive == 0:
                     self._units.pop(unit.index, None)  # nothing offloaded: nothing to track
+
+    @contextmanager
+    def tagged(self, tag: Any) -> Iterator[None]:
+        """Units registered in the body carry ``tag`` (e.g. the pipeline cell whose forward made them)."""
+        orig, self.current_tag = self.current_tag, tag
+        try:
+            yield
+        finally:
+            self.current_tag = orig
+
+    def prefetch(self, tag: Any, distance: int) -> None:
+        """Copies back the units tagged ``tag`` whose ``backward_prefetch`` is at least ``distance``.
+
+        The caller knows its backward order: it calls this ``distance``
+        steps before the backward that uses the units tagged ``tag``.
+        """
+        with self._lock:
+            for unit in list(self._units.values()):
+                if unit.tag == tag and not unit.fetched and unit.prefetch >= distance:
+                    self._fetch(unit, "prefetch")
 
     def hooks(self, name: str = "", backward_prefetch: Optional[int] = None) -> Callable[[], Any]:
         """A factory of :meth:`unit` contexts (what ``Checkpointing(offload=...)`` takes)."""
@@ -217,7 +248,7 @@ class Offloader:
                 if not unit.fetched:
                     self._fetch(unit, "fetch")
                 self._event("use", unit)
-                for other in reversed(list(self._units.values())):  # the nearest first
+                for other in reversed(list(self._units.values())) if self.prefetch_on_use else ():  # nearest first
                     if other.index < unit.index and not other.fetched and other.index + other.prefetch >= unit.index:
                         self._fetch(other, "prefetch")
             base = stored.ready
@@ -260,6 +291,8 @@ class Offloader:
     def _event(self, kind: str, unit: _Unit) -> None:
         if self.record_events:
             self.events.append((kind, unit.index))
+        if self.observer is not None:
+            self.observer(kind, unit.name, unit.tag)
         logger.debug("offload: %s unit %d (%s)", kind, unit.index, unit.name)
 
     def _drop(self, unit: _Unit) -> None:
@@ -273,11 +306,11 @@ class Offloader:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"backward_prefetch": self.backward_prefetch, "min_bytes": self.min_bytes,
-                "record_events": self.record_events}
+                "record_events": self.record_events, "prefetch_on_use": self.prefetch_on_use}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["backward_prefetch"], min_bytes=state["min_bytes"],  # type: ignore[misc]
-                      record_events=state["record_events"])
+                      record_events=state["record_events"], prefetch_on_use=state.get("prefetch_on_use", True))
 
 
 class OffloadLayer(Policy):
