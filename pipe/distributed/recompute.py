@@ -139,7 +139,7 @@ class _Tap(torch.autograd.Function):
     """Views of ``tensors`` (no reference kept) whose gradients autograd accumulates into the stand-ins."""
 
     @staticmethod
-    def forward(ctx: Any, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, n: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.n = n
         return tuple(t.view_as(t) for t in inputs[n:])  # inputs: n stand-ins, then the n tensors
 
