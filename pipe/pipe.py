@@ -19,7 +19,9 @@ from pipe.core.microbatch import flatten, gather, pack_inputs, scatter
 from pipe.core.partition import Device, split_module
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.threads.pipeline import Pipeline
-from pipe.recompute.config import ConfigSource, RecomputeStrategy, attach_to_pipeline
+from pipe.recompute.attach import attach_to_pipeline
+from pipe.recompute.config import ConfigSource
+from pipe.recompute.strategy import RecomputeStrategy
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 from pipe.threads.worker import Workers

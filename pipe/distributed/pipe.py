@@ -22,7 +22,8 @@ from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcas
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
-from pipe.recompute.config import ConfigSource, RecomputeStrategy
+from pipe.recompute.config import ConfigSource
+from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks

@@ -33,13 +33,9 @@ from torch import Tensor, nn
 from pipe.core.microbatch import Batch
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.distributed.group import verify_same_config
-from pipe.recompute.config import (
-    ConfigSource,
-    RecomputeStrategy,
-    apply_strategy,
-    parse_config,
-    warn_checkpoint_interplay,
-)
+from pipe.recompute.attach import apply_strategy, warn_checkpoint_interplay
+from pipe.recompute.config import ConfigSource, parse_config
+from pipe.recompute.strategy import RecomputeStrategy
 from pipe.recompute.offload import Offloader
 
 __all__ = ["RankSwap", "attach_to_ranks"]

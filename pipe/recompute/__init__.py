@@ -13,17 +13,13 @@
 
 Guide: docs/recompute.md.
 """
-from pipe.recompute.config import (
-    LayerStrategy,
-    RecomputeStrategy,
-    apply_recompute_config,
-    load_config,
-    parse_config,
-)
+from pipe.recompute.attach import apply_recompute_config
+from pipe.recompute.config import load_config, parse_config
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import FullRecompute, Policy, policy_of, recompute, unmark
 from pipe.recompute.offload import OffloadLayer, Offloader, offload
 from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, select_recompute
+from pipe.recompute.strategy import LayerStrategy, RecomputeStrategy
 
 __all__ = [
     "recompute", "select_recompute", "offload", "unmark", "policy_of",

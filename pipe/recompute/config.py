@@ -5,8 +5,8 @@ fully, which operations of which layers recompute selectively, and which
 layers (or submodules of layers) offload their saved activations to host
 memory. :func:`parse_config` normalises it into one :class:`LayerStrategy` per
 layer (with clear errors for bad keys, regexes, counts and list lengths);
-:func:`apply_recompute_config` puts the matching policies on the layers, with
-or without ``Pipe``. The normalised strategy is logged at INFO as a dict that
+:func:`pipe.recompute.attach.apply_recompute_config` puts the matching
+policies on the layers, with or without ``Pipe``. The normalised strategy is logged at INFO as a dict that
 is itself a valid config, then one line per layer.
 
 Precedence (from the seeds): full recompute wins over selective recompute on
@@ -19,18 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
-from torch import nn
-
-from pipe.recompute.module import FullRecompute, mark
-from pipe.recompute.offload import OffloadLayer, Offloader
+from pipe.core.options import is_int
 from pipe.recompute.scope import compile_pattern
-from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
+from pipe.recompute.selective import DEFAULT_SELECT
+from pipe.recompute.strategy import LayerStrategy, RecomputeStrategy
 
-__all__ = ["LayerStrategy", "RecomputeStrategy", "load_config", "parse_config", "apply_recompute_config",
-           "apply_strategy", "attach_to_pipeline", "warn_checkpoint_interplay"]
+__all__ = ["ConfigSource", "load_config", "parse_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,84 +38,6 @@ SWAP_KEYS = ("swap", "default_prefetch", "layer_swap", "op_swap", "checkpoint_sw
 SECTIONS = ("recompute_config", "swap_config")
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], "RecomputeStrategy"]
-
-
-@dataclass(frozen=True)
-class LayerStrategy:
-    """What one layer does, after precedence."""
-
-    index: int
-    stage: int
-    name: str
-    recompute: bool = False
-    select: tuple[str, ...] = ()
-    swap: Optional[int] = None                 # backward_prefetch of a whole-layer swap
-    op_swap: tuple[str, ...] = ()              # submodule regexes whose saved tensors are offloaded
-    op_swap_prefetch: Optional[int] = None
-    dropped: tuple[str, ...] = ()              # what precedence removed, for the log
-
-    def describe(self) -> str:
-        parts = []
-        if self.recompute:
-            parts.append("full recompute")
-        if self.select:
-            parts.append(f"select_recompute {list(self.select)}")
-        if self.swap is not None:
-            parts.append(f"swap backward_prefetch={self.swap}")
-        if self.op_swap:
-            parts.append(f"op_swap {list(self.op_swap)} backward_prefetch={self.op_swap_prefetch}")
-        text = ", ".join(parts) or "no recompute"
-        if self.dropped:
-            text += f" ({'; '.join(self.dropped)})"
-        return text
-
-
-@dataclass
-class RecomputeStrategy:
-    """A normalised recompute/swap configuration for a model cut into stages.
-
-    Attributes:
-        stages: layers per stage.
-        layers: one :class:`LayerStrategy` per layer, in order.
-        swap: whether the swap section is on.
-        checkpoint_swap: backward_prefetch for the partition-boundary
-            checkpoints ``Pipe`` keeps, or None.
-        offloaders: one :class:`Offloader` per stage for layer/op swap (None
-            where the stage offloads nothing); filled by :func:`apply_recompute_config`.
-        checkpoint_offloaders: the same for ``checkpoint_swap``.
-    """
-
-    stages: list[int]
-    layers: list[LayerStrategy]
-    swap: bool = False
-    default_prefetch: int = 1
-    min_bytes: int = 1024
-    checkpoint_swap: Optional[int] = None
-    canonical: dict[str, Any] = field(default_factory=dict)
-    offloaders: list[Optional[Offloader]] = field(default_factory=list)
-    checkpoint_offloaders: list[Optional[Offloader]] = field(default_factory=list)
-
-    def to_config(self) -> dict[str, Any]:
-        """The normalised config: a dict that :func:`parse_config` reads back into this strategy."""
-        return {section: dict(values) for section, values in self.canonical.items()}
-
-    def checkpoint_offload(self, stage: int) -> Optional[Callable[[], Any]]:
-        """The offload hooks for the checkpoints kept at the input of ``stage`` (None: keep them)."""
-        if stage >= len(self.checkpoint_offloaders):
-            return None
-        offloader = self.checkpoint_offloaders[stage]
-        return None if offloader is None else offloader.hooks(f"stage {stage} checkpoint", self.checkpoint_swap)
-
-    def log(self, stages: Optional[Sequence[int]] = None, prefix: str = "") -> None:
-        """Logs the normalised config, then one line per layer (of ``stages`` only, if given)."""
-        logger.info("%srecompute strategy (normalised; valid as a config): %r", prefix, self.to_config())
-        for layer in self.layers:
-            if stages is None or layer.stage in stages:
-                logger.info("%slayer %d (stage %d, %s): %s", prefix, layer.index, layer.stage, layer.name,
-                            layer.describe())
-        if self.checkpoint_swap is not None:
-            logger.info("%scheckpoint_swap: inputs kept at partition boundaries go to host memory, "
-                        "backward_prefetch=%d", prefix, self.checkpoint_swap)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -159,10 +77,6 @@ def _sections(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return dict(config), {}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _per_rank_counts(value: Sequence[Any], key: str, stages: Sequence[int], ranks: int) -> list[Any]:
     """MindFormers' ``pipeline_stage`` counts with virtual stages: one count per rank, spread over its chunks.
 
@@ -181,7 +95,7 @@ def _per_rank_counts(value: Sequence[Any], key: str, stages: Sequence[int], rank
             count = size
         elif count is False:
             count = 0
-        elif not _is_int(count) or count < 0:
+        elif not is_int(count) or count < 0:
             raise ValueError(f"{key}[{r}] = {count!r}: a per-rank count must be an int >= 0 or True/False")
         if count > size:
             raise ValueError(f"{key}[{r}] = {count} but pipeline rank {r} has only {size} layers (stages {mine}, "
@@ -211,7 +125,7 @@ def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool, ranks: 
         raise TypeError(f"{key} must be True/False or a list of per-stage counts, got {value!r}")
     if swap:
         # With swap on, MindFormers reads a flat list as layer indices.
-        if not all(_is_int(i) for i in value):
+        if not all(is_int(i) for i in value):
             raise TypeError(f"{key} = {value!r}: with swap_config.swap on, a list holds layer indices (ints)")
         bad = [i for i in value if not 0 <= i < total]
         if bad:
@@ -247,7 +161,7 @@ def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool, ranks: 
             count = size
         elif count is False:
             count = 0
-        elif not _is_int(count) or count < 0:
+        elif not is_int(count) or count < 0:
             raise ValueError(f"{key}[{s}] = {count!r}: a per-stage count must be an int >= 0 or True/False")
         if count > size:
             raise ValueError(f"{key}[{s}] = {count} but stage {s} has only {size} layers; "
@@ -299,7 +213,7 @@ def _select_masks(value: Any, stages: Sequence[int], swap: bool, ranks: Optional
 
 
 def _prefetch(value: Any, where: str) -> int:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{where} backward_prefetch = {value!r}; it must be an int >= 0 "
                          "(how many units ahead of backward the tensors come back)")
     return value
@@ -308,7 +222,7 @@ def _prefetch(value: Any, where: str) -> int:
 def _swap_layers(value: Any, where: str, total: int) -> list[int]:
     if value is True:
         return list(range(total))
-    if not isinstance(value, (list, tuple)) or not all(_is_int(i) for i in value):
+    if not isinstance(value, (list, tuple)) or not all(is_int(i) for i in value):
         raise TypeError(f"{where} layers = {value!r}; give a list of layer indices or True for all layers")
     bad = [i for i in value if not 0 <= i < total]
     if bad:
@@ -350,7 +264,7 @@ def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Se
             with the value seen and the fix.
     """
     stages = list(stages)
-    if not stages or any(not _is_int(s) or s < 0 for s in stages):
+    if not stages or any(not is_int(s) or s < 0 for s in stages):
         raise ValueError(f"stages must list the layers of each stage (ints >= 0), got {stages!r}")
     total = sum(stages)
     names = list(names) if names is not None else [str(i) for i in range(total)]
@@ -382,13 +296,13 @@ def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Se
         raise TypeError(f"swap_config.swap must be True or False, got {swap!r}")
     default_prefetch = _prefetch(swap_section.get("default_prefetch", 1), "swap_config.default_prefetch")
     min_bytes = swap_section.get("min_bytes", 1024)
-    if not _is_int(min_bytes) or min_bytes < 0:
+    if not is_int(min_bytes) or min_bytes < 0:
         raise ValueError(f"swap_config.min_bytes = {min_bytes!r}; it must be an int >= 0")
     if not swap and any(swap_section.get(k) for k in ("layer_swap", "op_swap", "checkpoint_swap")):
         warnings.warn("swap_config has layer_swap/op_swap/checkpoint_swap but swap is False: nothing is "
                       "offloaded; set swap: True to enable them", stacklevel=3)
 
-    if ranks is not None and (not _is_int(ranks) or ranks < 1 or len(stages) % ranks):
+    if ranks is not None and (not is_int(ranks) or ranks < 1 or len(stages) % ranks):
         raise ValueError(f"ranks = {ranks!r} must be a positive int dividing the {len(stages)} stages")
     full = _layer_mask(recompute_section.get("recompute", False), "recompute", stages, swap, ranks)
     select = _select_masks(recompute_section.get("select_recompute", False), stages, swap, ranks)
@@ -468,135 +382,3 @@ def parse_config(config: ConfigSource, stages: Sequence[int], names: Optional[Se
             op_swap_prefetch=max((p for _, p in ops), default=None), dropped=tuple(dropped)))
     return RecomputeStrategy(stages=stages, layers=layers, swap=swap, default_prefetch=default_prefetch,
                              min_bytes=min_bytes, checkpoint_swap=checkpoint_swap, canonical=canonical)
-
-
-# -- applying ------------------------------------------------------------------------------
-
-
-def _layers_of(model: Any) -> tuple[list[nn.Module], list[str], Optional[list[int]]]:
-    if isinstance(model, nn.Sequential):
-        return list(model), list(model._modules.keys()), None
-    if isinstance(model, (list, tuple)) and model and all(isinstance(p, nn.Sequential) for p in model):
-        layers, names = [], []
-        for partition in model:
-            layers += list(partition)
-            names += list(partition._modules.keys())
-        return layers, names, [len(p) for p in model]
-    if isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
-        return list(model), [str(i) for i in range(len(model))], None
-    raise TypeError("apply_recompute_config takes an nn.Sequential, a list of layers or a list of "
-                    f"nn.Sequential partitions, got {type(model).__name__}")
-
-
-def apply_recompute_config(model: Any, config: ConfigSource, stages: Optional[Sequence[int]] = None
-                           ) -> RecomputeStrategy:
-    """Puts the policies of a recompute/swap config on the layers of a model; returns the strategy.
-
-    Usage::
-
-        strategy = apply_recompute_config(model, "examples/recompute.yaml", stages=[4, 4])
-        loss = model(x).sum(); loss.backward()     # same gradients, less memory
-
-    Previous marks on the layers are replaced. The normalised strategy is
-    logged at INFO.
-
-    Args:
-        model: an ``nn.Sequential`` (its children are the layers), a list of
-            layers, or a list of ``nn.Sequential`` partitions (one per stage).
-        config: see :func:`parse_config`.
-        stages: layers per stage; default: the partitions' lengths, or one
-            stage holding every layer.
-
-    Raises:
-        ValueError / TypeError: a bad config, or ``stages`` not summing to the
-            number of layers.
-    """
-    layers, names, inferred = _layers_of(model)
-    if stages is None:
-        stages = inferred if inferred is not None else [len(layers)]
-    stages = list(stages)
-    if sum(stages) != len(layers) or any(not _is_int(s) for s in stages):
-        raise ValueError(f"stages {stages} cover {sum(stages)} layers but the model has {len(layers)}; "
-                         "give the number of layers of each stage (Pipe's balance)")
-    strategy = parse_config(config, stages, names)
-    apply_strategy(strategy, dict(enumerate(layers)))
-    strategy.log()
-    return strategy
-
-
-def apply_strategy(strategy: RecomputeStrategy, layers: Mapping[int, nn.Module],
-                   offloader: Optional[Callable[[int, int], Offloader]] = None) -> None:
-    """Puts a parsed strategy's policies on the layers given, by layer index; the others are left alone.
-
-    The stage-agnostic half of :func:`apply_recompute_config`, which both
-    front ends call: ``Pipe`` gives every layer, a ``DistributedPipe`` rank
-    the layers of its own stages. The stages of the layers given get their
-    offloaders (``strategy.offloaders``, ``strategy.checkpoint_offloaders``).
-
-    Args:
-        strategy: from :func:`parse_config`.
-        layers: the layers to mark, by their index in the model.
-        offloader: ``offloader(backward_prefetch, min_bytes)`` makes a stage's
-            offloader (default :class:`Offloader`; ``DistributedPipe`` gives
-            one that prefetches from its schedule).
-    """
-    make = offloader if offloader is not None else _offloader
-    n = len(strategy.stages)
-    strategy.offloaders = [None] * n
-    strategy.checkpoint_offloaders = [None] * n
-    mine = [strategy.layers[i] for i in sorted(layers)]
-    usage = Usage({p: sum(p in l.select for l in mine) for l in mine for p in l.select})
-    for layer_strategy in mine:
-        layer = layers[layer_strategy.index]
-        s = layer_strategy.stage
-        label = f"layer {layer_strategy.index} ({layer_strategy.name})"
-        if layer_strategy.recompute:
-            mark(layer, FullRecompute())
-        elif layer_strategy.select:
-            mark(layer, SelectiveRecompute(layer, names=layer_strategy.select, label=label, usage=usage))
-        elif layer_strategy.swap is not None or layer_strategy.op_swap:
-            stage_offloader = strategy.offloaders[s]
-            if stage_offloader is None:
-                stage_offloader = strategy.offloaders[s] = make(strategy.default_prefetch, strategy.min_bytes)
-            prefetch = layer_strategy.swap if layer_strategy.swap is not None else layer_strategy.op_swap_prefetch
-            mark(layer, OffloadLayer(layer, stage_offloader, prefetch, layer_strategy.op_swap, label))
-        else:
-            mark(layer, None)
-    if strategy.checkpoint_swap is not None:
-        # Stage 0's checkpoints are slices of the caller's input: offloading them frees nothing.
-        for s in sorted({l.stage for l in mine} - {0}):
-            strategy.checkpoint_offloaders[s] = make(strategy.checkpoint_swap, strategy.min_bytes)
-
-
-def _offloader(backward_prefetch: int, min_bytes: int) -> Offloader:
-    return Offloader(backward_prefetch, min_bytes=min_bytes)
-
-
-def attach_to_pipeline(partitions: Sequence[nn.Sequential], config: ConfigSource, checkpoint: str,
-                       pipeline: Any) -> RecomputeStrategy:
-    """Applies a config to ``Pipe``'s partitions (stage = partition) and wires boundary offload.
-
-    Used by ``Pipe(..., recompute=config)``; ``pipeline`` gets one offload
-    hook factory per partition in ``checkpoint_offload``.
-    """
-    strategy = apply_recompute_config(list(partitions), config)
-    warn_checkpoint_interplay(strategy, checkpoint, "Pipe", stacklevel=4)
-    pipeline.checkpoint_offload = [strategy.checkpoint_offload(j) for j in range(len(partitions))]
-    return strategy
-
-
-def warn_checkpoint_interplay(strategy: RecomputeStrategy, checkpoint: str, front: str, stacklevel: int = 3
-                              ) -> None:
-    """What a front end's checkpoint mode leaves of a per-layer config: a warning or an INFO line."""
-    has_layer_policy = any(l.recompute or l.select or l.swap is not None or l.op_swap for l in strategy.layers)
-    if has_layer_policy and checkpoint == "always":
-        warnings.warn(f"{front}(checkpoint='always') recomputes every partition in backward, so the per-layer "
-                      "recompute/swap config has no effect; use checkpoint='never' with a per-layer config",
-                      stacklevel=stacklevel)
-    elif has_layer_policy and checkpoint == "except_last":
-        logger.info("%s(checkpoint='except_last'): the per-layer config applies to the last micro-batch "
-                    "only (the others recompute whole partitions); checkpoint='never' applies it to all", front)
-    if strategy.checkpoint_swap is not None and checkpoint == "never":
-        warnings.warn(f"swap_config.checkpoint_swap offloads the inputs {front} keeps for checkpointed "
-                      "micro-batches, and checkpoint='never' keeps none; use checkpoint='except_last' or "
-                      "'always'", stacklevel=stacklevel)

@@ -18,7 +18,7 @@ from torch import nn
 from pipe.core.schedule import Phase, Schedule
 from pipe.distributed import DistributedPipe
 from pipe.recompute import ActivationMemory, parse_config, policy_of
-from pipe.recompute.config import apply_strategy
+from pipe.recompute.attach import apply_strategy
 from spawn_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recompute"))

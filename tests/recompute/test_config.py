@@ -107,7 +107,7 @@ def test_normalised_config_reads_back(config: dict[str, Any]) -> None:
 
 
 def test_strategy_is_logged_per_layer(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="pipe.recompute.config"):
+    with caplog.at_level(logging.INFO, logger="pipe.recompute"):
         strategy = apply_recompute_config(blocks(), {"recompute": [1, 1], "select_recompute": [r"mlp\.act"]},
                                           stages=[2, 2])
     messages = [r.getMessage() for r in caplog.records]
