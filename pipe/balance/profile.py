@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from pipe.core.inplace import own
 from pipe.core.microbatch import Batch, scatter
 from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -58,10 +59,11 @@ def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Mo
 
 
 def _detach(batch: Batch) -> Batch:
-    return batch.with_tensors([
+    # Owned, as a pipeline's cell input is: an in-place layer may modify it (pipe.core.inplace).
+    return own(batch.with_tensors([
         t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
         for t in batch.tensors
-    ])
+    ]))
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from pipe import trace
 from pipe.core.checkpoint import Function, cell
+from pipe.core.inplace import InputGuard, describe_partition
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
@@ -164,6 +165,8 @@ class Runtime:
         self.skips = skips
         self.averager = averager
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
+        self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0)
+                             for s, partition in stages.items()}
         self.last = schedule.stages - 1
 
     # -- one step ----------------------------------------------------------------------------
@@ -261,7 +264,8 @@ class Runtime:
             value = (main, arriving)
             input_parts += [_count_tensors(v) for v in arriving]
         batch = Batch(value)
-        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s))
+        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s),
+                                    guard=self.input_guards[s])
         with trace.span("forward", (i, s)):
             output = compute()
         finalize(output)
