@@ -34,6 +34,7 @@ from pipe.core.inplace import InputGuard, own
 from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
 from pipe.core.rng import RNGState, restore_rng_state, save_rng_state
+from pipe.core.threadstate import ThreadState
 
 __all__ = ["Checkpointing", "cell", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
 
@@ -120,6 +121,7 @@ class Checkpointing:
         self.requires_grad = [t.requires_grad for t in batch.tensors]  # kept copies do not
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
+        self.state: Optional[ThreadState] = None  # the first forward's autocast, replayed
         # Filled by Recompute.backward, consumed by Checkpoint.backward.
         self.recomputed: deque[tuple[list[Tensor], list[Tensor]]] = deque(maxlen=1)
         self._output: Optional[Batch] = None
@@ -127,6 +129,7 @@ class Checkpointing:
     def checkpoint(self) -> Batch:
         """Runs the forward under no_grad; the output still requires grad."""
         phony = get_phony(self.device, requires_grad=True)
+        self.state = ThreadState.capture()
         tensors = Checkpoint.apply(phony, self, *self.batch.tensors)
         template, self._output = self._output, None
         assert template is not None  # set by Checkpoint.forward
@@ -139,8 +142,9 @@ class Checkpointing:
             ``(outputs, inputs)`` of the recomputed graph, for Checkpoint's backward.
         """
         inputs = [x.detach().requires_grad_(needs) for x, needs in zip(saved, self.requires_grad)]
-        assert self.rng_state is not None  # set by Checkpoint.forward
-        with restore_rng_state(self.device, self.rng_state), torch.enable_grad(), enable_recomputing(), \
+        assert self.rng_state is not None and self.state is not None  # set by checkpoint()
+        # Grad on, and the first forward's autocast, on whatever thread replays (pipe.core.threadstate).
+        with restore_rng_state(self.device, self.rng_state), self.state.replay(), enable_recomputing(), \
                 trace.span("recompute", self.tag):
             # Owned inputs: an in-place layer at the partition's start works on them (pipe.core.inplace).
             output = self.function(self.guard.replay(self.batch.with_tensors(inputs)))

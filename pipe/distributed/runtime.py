@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from pipe import trace
 from pipe.core.checkpoint import Function, cell
 from pipe.core.inplace import InputGuard, describe_partition
+from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
@@ -304,7 +305,9 @@ class Runtime:
             pairs = [(t, g) for t, g in zip(state.output.tensors, received) if g is not None and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if roots:
-            torch.autograd.backward(roots, grads)
+            # Backward outside autocast, as the plain model's; a replay restores its forward's (pipe.core.threadstate).
+            with without_autocast():
+                torch.autograd.backward(roots, grads)
         if s == 0:
             return
         input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
