@@ -329,9 +329,11 @@ def _loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
     loss = loss_fn(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         described = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        hint = (" (a loss returning (sum, count) needs loss_reduction='count')"
+                if isinstance(loss, (tuple, list)) else "")
         raise TypeError(
             f"loss_fn returned {described} for micro-batch {microbatch}; it must return a scalar tensor "
-            "(reduce the loss, e.g. with reduction='mean')"
+            f"(reduce the loss, e.g. with reduction='mean'){hint}"
         )
     return loss.reshape(())
 
