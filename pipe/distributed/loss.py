@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from pipe.core.microbatch import Batch, flatten
 
 __all__ = ["LOSS_REDUCTIONS", "IGNORE_INDEX", "verify_loss_reduction", "sample_weights", "warn_if_ignored_targets",
-           "CountedLoss", "StepGradients", "global_count"]
+           "CountedLoss", "StepGradients", "global_count", "divide_by_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -198,3 +198,29 @@ class StepGradients:
         for parameter, earlier in self.held:
             parameter.grad = earlier
         self.held = []
+
+
+def divide_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step_grads: StepGradients, *,
+                    is_last: bool, data_parallel_group: Optional[dist.ProcessGroup], replicas: int,
+                    broadcast: Callable[[Optional[Tensor]], Tensor], device: torch.device) -> Optional[Tensor]:
+    """Ends a ``"count"`` step: divides its gradients and this replica's loss by the global count.
+
+    Every rank of the pipeline calls it (see :func:`global_count` for the
+    arguments). Replicas' gradients and losses are averaged afterwards, so
+    each divides by its share of the global count, ``count / replicas``.
+
+    Returns:
+        The loss divided (on the rank of the last stage; None elsewhere).
+
+    Raises:
+        ValueError: the global count is 0; this step's gradients are dropped.
+    """
+    local = counted.total(device) if counted is not None else torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        count = global_count(local, is_last, data_parallel_group, replicas, broadcast)
+    except ValueError:
+        step_grads.abandon()
+        raise
+    scale = replicas / count
+    step_grads.finish(scale)
+    return loss * scale if loss is not None else None

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
-from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, global_count, sample_weights,
+from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
@@ -234,18 +234,10 @@ class DistributedPipe(nn.Module):
                 return value
             return broadcast_from(value, source, self._pipeline_group, self.device)
 
-        local = counted.total(self.device) if counted is not None else torch.zeros((), dtype=torch.float64,
-                                                                                   device=self.device)
-        try:
-            count = global_count(local, self.is_last, self.topology.data_parallel_group, self.topology.data_parallel,
-                                 broadcast)
-        except ValueError as error:
-            step_grads.abandon()
-            raise failure_from(self.topology.rank, "step()", error) from None
-        # Replicas' gradients are averaged, so each divides by its share of the global count.
-        scale = self.topology.data_parallel / count
-        step_grads.finish(scale)
-        return loss * scale if loss is not None else None
+        # Every rank learns the same count, so a count of 0 raises the same ValueError everywhere.
+        return divide_by_count(counted, loss, step_grads, is_last=self.is_last,
+                               data_parallel_group=self.topology.data_parallel_group,
+                               replicas=self.topology.data_parallel, broadcast=broadcast, device=self.device)
 
     def forward(self, *inputs: Any) -> Any:
         """Runs forwards only (no graph is kept): the output on the last stage's rank, None elsewhere.

@@ -89,6 +89,18 @@ def _token_losses(rank: int, world: int) -> list[str]:
     expected_losses, grads = oracle(model, [(tokens, labels)])
     _check(pipe, [loss], expected_losses, grads, "data parallel")
     checked.append("data parallel")
+    # A step whose every target is ignored: ValueError on every rank, gradients as they were, the pipeline usable.
+    pipe = DistributedPipe(copy.deepcopy(model), chunks=2, loss_fn=token_sum, loss_reduction="count")
+    pipe.step(tokens, labels)
+    before = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    with pytest.raises(ValueError, match="counted 0 items"):
+        pipe.step(tokens, torch.full_like(labels, -100))
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, before[name])
+    pipe.zero_grad()
+    loss = pipe.step(tokens, labels, broadcast_loss=True)
+    _check(pipe, [loss], *oracle(model, [(tokens, labels)]), "after a count of 0")
+    checked.append("count of 0")
     # "mean" on the same batch: not the token mean, and it says so.
     pipe = DistributedPipe(copy.deepcopy(model), chunks=4, loss_fn=token_mean, loss_reduction="mean")
     with warnings.catch_warnings(record=True) as caught:
@@ -105,7 +117,7 @@ def _token_losses(rank: int, world: int) -> list[str]:
 
 def test_token_mean_over_padded_batch_matches_plain_module() -> None:
     results = run_ranks(_token_losses, 2, deadline=120.0)
-    assert results[0] == results[1] and len(results[0]) == 8
+    assert results[0] == results[1] and len(results[0]) == 9
 
 
 def test_counted_loss_checks_what_loss_fn_returns() -> None:
