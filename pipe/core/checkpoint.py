@@ -30,7 +30,7 @@ from torch import Tensor
 
 from pipe import trace
 from pipe.core.dependency import fork, join
-from pipe.core.inplace import InputGuard, own
+from pipe.core.inplace import InputGuard, own, verify_unmodified, versions_of
 from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
 from pipe.core.rng import RNGState, restore_rng_state, save_rng_state
@@ -119,6 +119,7 @@ class Checkpointing:
         self.offload = offload
         self.guard = guard if guard is not None else InputGuard(f"the cell {tag}")
         self.requires_grad = [t.requires_grad for t in batch.tensors]  # kept copies do not
+        self.kept_versions: list[Optional[int]] = []  # of the kept input after the first forward
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
         self.state: Optional[ThreadState] = None  # the first forward's autocast, replayed
@@ -157,6 +158,8 @@ class Checkpointing:
         partition's gradient (see :mod:`pipe.threads.worker_backward`).
         """
         if self.offload is None and not self.recomputed:  # offloaded inputs: Recompute unpacks them
+            # Autograd checks the versions of what Recompute saved; these are read directly.
+            verify_unmodified(self.batch.tensors, self.kept_versions, f"the cell {self.tag}")
             self.recomputed.append(self.replay(self.batch.tensors))
 
     def recompute(self, output: Batch) -> None:
@@ -225,6 +228,7 @@ class Checkpoint(torch.autograd.Function):
         with torch.no_grad(), enable_checkpointing():
             # The replay's input as it was, whatever the partition does to it in place (pipe.core.inplace).
             output, chk.batch = chk.guard.checkpoint(chk.function, chk.batch)
+        chk.kept_versions = versions_of(chk.batch.tensors)
         chk._output = output
         tensors = output.tensors
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point() and not t.is_complex()])

@@ -51,14 +51,14 @@ therefore leaves the caller's input tensor unmodified.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from pipe.core.microbatch import Batch
 
-__all__ = ["own", "InputGuard", "describe_partition"]
+__all__ = ["own", "unalias", "InputGuard", "describe_partition", "versions_of", "verify_unmodified"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,32 @@ def own(batch: Batch) -> Batch:
     for k, tensor in zip(index, owned):
         tensors[k] = tensor
     return batch.with_tensors(tensors)
+
+
+def _storage(tensor: Tensor) -> Optional[int]:
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        return None
+    return tensor.untyped_storage().data_ptr()
+
+
+def unalias(output: Batch, inputs: Sequence[Tensor]) -> Batch:
+    """``output`` with each tensor that shares memory with one of ``inputs`` replaced by a copy.
+
+    A partition that returns its input or a view of it (``nn.Identity``,
+    ``nn.Flatten``) would let the next partition's in-place layer modify that
+    input: a checkpoint's replay input, or a slice of the caller's tensor. The
+    copy is made only for such outputs (grad mode as the caller's).
+    """
+    storages = {_storage(t) for t in inputs} - {None, 0}
+    if not storages:
+        return output
+    tensors = output.tensors
+    aliased = [k for k, t in enumerate(tensors) if _storage(t) in storages]
+    if not aliased:
+        return output
+    for k in aliased:
+        tensors[k] = tensors[k].clone()
+    return output.with_tensors(tensors)
 
 
 def _version(tensor: Tensor) -> Optional[int]:
@@ -153,7 +179,8 @@ class InputGuard:
         before = [_version(t) for t in tensors]
         output = function(own(batch))
         self._observe(tensors, before)
-        return output
+        # An output sharing a slice's memory would let the next partition modify the caller's tensor.
+        return unalias(output, tensors) if self.shared else output
 
     def checkpoint(self, function: Callable[[Batch], Batch], batch: Batch) -> tuple[Batch, Batch]:
         """``function`` on ``batch`` in a checkpointed cell's first forward (no grad), and the input to replay.
@@ -184,10 +211,32 @@ class InputGuard:
                 "partition now keeps copies of those inputs), or make the layer not modify its input "
                 "(e.g. inplace=False)"
             )
-        return output, kept
+        # An output sharing the kept input's memory would let the next partition modify the replay's input.
+        return unalias(output, kept.tensors), kept
 
     def replay(self, batch: Batch) -> Batch:
         """The input of a replay in backward: owned; on the shared partition, copies of what it modifies."""
         if self.shared and self.modified:
             batch = self._copy(batch, self.modified)
         return own(batch)
+
+
+def versions_of(tensors: Sequence[Tensor]) -> list[Optional[int]]:
+    """The version counters of ``tensors`` (None for inference tensors)."""
+    return [_version(t) for t in tensors]
+
+
+def verify_unmodified(tensors: Sequence[Tensor], versions: Sequence[Optional[int]], where: str) -> None:
+    """Raises if a replay's input was modified in place since it was kept.
+
+    Raises:
+        RuntimeError: naming ``where`` and the fix.
+    """
+    changed = [k for k, (t, v) in enumerate(zip(tensors, versions)) if v is not None and _version(t) != v]
+    if changed:
+        raise RuntimeError(
+            f"the input tensor(s) {changed} kept to recompute {where} in backward were modified in place after "
+            "its forward (by a later layer, through a tensor sharing their memory, e.g. a skip connection), so "
+            "the recomputation would start from wrong values. Make that later layer not modify its input "
+            "(inplace=False), or pass it a copy (.clone()), or do not checkpoint this partition"
+        )

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from pipe import Pipe
 from pipe.balance import balance_by_size, balance_by_time
-from pipe.core.inplace import InputGuard, own
+from pipe.core.inplace import InputGuard, own, unalias, verify_unmodified, versions_of
 from pipe.core.microbatch import Batch
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -96,6 +96,18 @@ def test_first_layer_inplace(partitions: int) -> None:
         for chunks in (1, 4):
             for kind in ("no_grad", "non_leaf"):
                 _check(model, balance, checkpoint, chunks, kind)
+
+
+@pytest.mark.parametrize("passthrough", [nn.Identity, nn.Flatten])
+def test_partition_returning_its_input_before_an_inplace_layer(passthrough: Callable[[], nn.Module]) -> None:
+    """A partition whose output is its input (or a view of it): the next one's in-place layer must not reach
+    the caller's tensor or the kept replay input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(passthrough(), nn.LeakyReLU(0.1, inplace=True), nn.Linear(5, 6),
+                          passthrough(), nn.ELU(inplace=True), nn.Linear(6, 2))
+    for checkpoint in CHECKPOINTS:
+        for worker_backward in (True, False):
+            _check_linear(model, [1, 2, 1, 2], checkpoint, 4, worker_backward)
 
 
 class AddInPlace(nn.Module):
@@ -225,3 +237,21 @@ def test_balancers_profile_inplace_layers(balancer: str) -> None:
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
     _check(model, balance, "except_last", 2, "leaf")
+
+
+def test_unalias_copies_only_outputs_sharing_memory_with_the_input() -> None:
+    x = torch.randn(4, 3)
+    other = torch.randn(4)
+    output = unalias(Batch((x.view(-1), other)), [x])
+    flat, same = output.value
+    assert same is other and flat.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(flat, x.view(-1))
+
+
+def test_a_modified_replay_input_is_refused() -> None:
+    kept = [torch.randn(3)]
+    versions = versions_of(kept)
+    verify_unmodified(kept, versions, "the cell (0, 1)")
+    kept[0].add_(1)
+    with pytest.raises(RuntimeError, match=r"recompute the cell \(0, 1\) in backward were modified in place"):
+        verify_unmodified(kept, versions, "the cell (0, 1)")
