@@ -47,6 +47,14 @@ cell, which runs on a copy while the guard learns), and is checked by version
 counter, so that one that starts modifying its input later fails loudly
 instead of replaying wrong values. Unlike the plain model, a pipeline
 therefore leaves the caller's input tensor unmodified.
+
+5. **Outputs that are the input.** A partition returning its input or a view
+   of it (``nn.Identity``, ``nn.Flatten`` on a flat tensor) would let the next
+   partition's in-place layer reach a kept replay input or a slice of the
+   caller's tensor. :func:`unalias` copies just those outputs. What still
+   reaches a kept input (a skip connection popped and modified in place) is
+   caught by :func:`verify_unmodified` before a replay, or by autograd's own
+   version check of what ``Recompute`` saved.
 """
 from __future__ import annotations
 
