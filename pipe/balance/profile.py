@@ -76,7 +76,8 @@ def _sandbox(device: torch.device) -> Iterator[_DetachingTracker]:
 
 def _input(sample: Any, device: torch.device) -> Batch:
     batch = Batch(sample)
-    return _detach(batch.with_tensors([t.to(device) for t in batch.tensors]))
+    # A copy: a first layer that works in place must not modify the caller's sample round after round.
+    return _detach(batch.with_tensors([t.to(device, copy=True) for t in batch.tensors]))
 
 
 def _backward(batch: Batch) -> None:

@@ -226,9 +226,10 @@ def test_guard_keeps_the_replay_input_and_copies_only_what_is_modified() -> None
 @pytest.mark.parametrize("balancer", ["time", "size"])
 def test_balancers_profile_inplace_layers(balancer: str) -> None:
     """The balancers' profiling runs each layer on an owned input, so in-place layers profile too."""
-    model = vgg()
+    model = nn.Sequential(nn.LeakyReLU(0.1, inplace=True), *vgg())  # the first layer modifies the sample
     before = copy.deepcopy(model.state_dict())
     sample = torch.randn(4, 3, 4, 4)
+    original = sample.clone()
     if balancer == "time":
         balance = balance_by_time(2, model, sample, timeout=0.05)
     else:
@@ -236,7 +237,8 @@ def test_balancers_profile_inplace_layers(balancer: str) -> None:
     assert sum(balance) == len(model) and len(balance) == 2
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
-    _check(model, balance, "except_last", 2, "leaf")
+    torch.testing.assert_close(sample, original)
+    _check(model, balance, "except_last", 2, "non_leaf")
 
 
 def test_unalias_copies_only_outputs_sharing_memory_with_the_input() -> None:
