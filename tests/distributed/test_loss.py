@@ -80,6 +80,12 @@ def _token_losses(rank: int, world: int) -> list[str]:
             expected_losses, grads = oracle(model, batches)
             _check(pipe, losses, expected_losses, grads, f"{schedule}/{checkpoint}")
             checked.append(f"{schedule}/{checkpoint}")
+    # Interleaved: the last stage is the second rank's second virtual stage.
+    pipe = DistributedPipe(copy.deepcopy(model), chunks=4, schedule="interleaved", virtual_stages=2,
+                           balance=[2, 1, 2, 1], loss_fn=token_sum, loss_reduction="count")
+    losses = [pipe.step(tokens, labels, broadcast_loss=True) for tokens, labels in batches]
+    _check(pipe, losses, *oracle(model, batches), "interleaved")
+    checked.append("interleaved")
     # Two replicas of a one-stage pipeline, each with part of the global batch: the global batch's token mean.
     tokens, labels = batches[0]
     pipe = DistributedPipe(copy.deepcopy(model), chunks=2, data_parallel=2, loss_fn=token_sum,
@@ -117,7 +123,7 @@ def _token_losses(rank: int, world: int) -> list[str]:
 
 def test_token_mean_over_padded_batch_matches_plain_module() -> None:
     results = run_ranks(_token_losses, 2, deadline=120.0)
-    assert results[0] == results[1] and len(results[0]) == 9
+    assert results[0] == results[1] and len(results[0]) == 10
 
 
 def test_counted_loss_checks_what_loss_fn_returns() -> None:
