@@ -147,17 +147,37 @@ class InputGuard:
     One per partition (or ``DistributedPipe`` stage), used by every cell of
     it, from one thread at a time.
 
+    What a partition modifies is learned per training mode of its layers
+    (``nn.Dropout(inplace=True)`` modifies its input in training only), so an
+    evaluation pass does not vouch for training.
+
     Args:
         where: the partition, for messages (:func:`describe_partition`).
         shared: the partition's micro-batches are slices of one tensor (the
             first partition's are slices of the caller's input).
+        partition: the partition, whose layers' training flags select what was learned.
     """
 
-    def __init__(self, where: str, shared: bool = False) -> None:
+    def __init__(self, where: str, shared: bool = False, partition: Optional[nn.Module] = None) -> None:
         self.where = where
         self.shared = shared
-        # Positions of the input tensors the partition modifies in place; None until it first ran.
-        self.modified: Optional[frozenset[int]] = None
+        self.partition = partition
+        # Per training mode: positions of the input tensors the partition modifies in place; absent until it ran.
+        self._learned: dict[tuple[bool, ...], frozenset[int]] = {}
+
+    def _mode(self) -> tuple[bool, ...]:
+        if self.partition is None:
+            return ()
+        return tuple(layer.training for layer in self.partition.children()) or (self.partition.training,)
+
+    @property
+    def modified(self) -> Optional[frozenset[int]]:
+        """What the partition modifies in its layers' current mode; None until known."""
+        return self._learned.get(self._mode())
+
+    @modified.setter
+    def modified(self, value: frozenset[int]) -> None:
+        self._learned[self._mode()] = value
 
     def _observe(self, tensors: list[Tensor], before: list[Optional[int]]) -> frozenset[int]:
         changed = frozenset(k for k, (t, v) in enumerate(zip(tensors, before)) if v is not None and _version(t) != v)

@@ -84,7 +84,8 @@ class Pipeline:
                         self._sends_skips[prev_j] = self._receives_skips[j] = True
         self.guards = [RandomnessGuard(device) for device in self.devices]
         # Checkpointed partitions that modify their input in place (pipe.core.inplace).
-        self.input_guards = [InputGuard(describe_partition(j, p), shared=j == 0) for j, p in enumerate(self.partitions)]
+        self.input_guards = [InputGuard(describe_partition(j, p), shared=j == 0, partition=p)
+                             for j, p in enumerate(self.partitions)]
         self.training = True
         # Autograd would run the backward of CPU partitions one after another on
         # the caller's thread; their workers run it side by side (pipe.threads.worker_backward).

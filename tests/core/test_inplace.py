@@ -186,6 +186,29 @@ def test_a_partition_that_starts_modifying_its_input_fails_loudly() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_an_evaluation_pass_does_not_vouch_for_training() -> None:
+    """In-place dropout modifies its input in training only: what eval learned does not refuse training."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Dropout(0.5, inplace=True), nn.Linear(6, 2))
+    piped_model = copy.deepcopy(model)
+    piped = Pipe(piped_model, chunks=1, checkpoint="always", balance=[1, 2], devices=["cpu", "cpu"])
+    x = torch.randn(4, 5)
+    piped.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(piped(x), model.eval()(x))
+    piped.train()
+    model.train()
+    torch.manual_seed(1)
+    output = piped(x)
+    output.sum().backward()
+    torch.manual_seed(1)
+    expected = model(x)
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected)
+    for p, q in zip(piped_model.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_own_shares_memory_and_passes_the_gradient() -> None:
     leaf = torch.randn(3, 4, requires_grad=True)
     mask = torch.ones(3, dtype=torch.bool)
