@@ -109,7 +109,8 @@ class CountedLoss:
     def __call__(self, output: Any, target: Any) -> Tensor:
         result = self.loss_fn(output, target)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
-            got = type(result).__name__ if not isinstance(result, Tensor) else f"a tensor of shape {tuple(result.shape)}"
+            got = (f"a tensor of shape {tuple(result.shape)}" if isinstance(result, Tensor)
+                   else type(result).__name__)
             raise TypeError(
                 f"with loss_reduction='count', loss_fn must return (sum, count), got {got}; e.g. "
                 f"(F.cross_entropy(logits, labels, reduction='sum'), (labels != {IGNORE_INDEX}).sum()), "

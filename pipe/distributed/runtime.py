@@ -166,8 +166,8 @@ class Runtime:
         self.skips = skips
         self.averager = averager
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
-        self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0, partition=partition)
-                             for s, partition in stages.items()}
+        self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
+                                           partition=partition) for s, partition in stages.items()}
         self.last = schedule.stages - 1
 
     # -- one step ----------------------------------------------------------------------------
