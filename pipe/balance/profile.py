@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from pipe.core.inplace import own
 from pipe.core.microbatch import Batch, scatter
 from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -58,10 +59,11 @@ def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Mo
 
 
 def _detach(batch: Batch) -> Batch:
-    return batch.with_tensors([
+    # Owned, as a pipeline's cell input is: an in-place layer may modify it (pipe.core.inplace).
+    return own(batch.with_tensors([
         t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
         for t in batch.tensors
-    ])
+    ]))
 
 
 @contextmanager
@@ -74,7 +76,8 @@ def _sandbox(device: torch.device) -> Iterator[_DetachingTracker]:
 
 def _input(sample: Any, device: torch.device) -> Batch:
     batch = Batch(sample)
-    return _detach(batch.with_tensors([t.to(device) for t in batch.tensors]))
+    # A copy: a first layer that works in place must not modify the caller's sample round after round.
+    return _detach(batch.with_tensors([t.to(device, copy=True) for t in batch.tensors]))
 
 
 def _backward(batch: Batch) -> None:

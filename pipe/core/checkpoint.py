@@ -30,9 +30,11 @@ from torch import Tensor
 
 from pipe import trace
 from pipe.core.dependency import fork, join
+from pipe.core.inplace import InputGuard, own, verify_unmodified, versions_of
 from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
 from pipe.core.rng import RNGState, restore_rng_state, save_rng_state
+from pipe.core.threadstate import ThreadState
 
 __all__ = ["Checkpointing", "cell", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
 
@@ -102,16 +104,25 @@ class Checkpointing:
         offload: optional factory of a saved-tensor hooks context
             (:meth:`pipe.recompute.Offloader.hooks`): the input kept for
             recomputation then waits in host memory (checkpoint swap).
+        guard: the partition's :class:`pipe.core.inplace.InputGuard`, shared by
+            its cells, so that a partition modifying its input in place leaves
+            the replay's input intact; default: one of the cell's own (which
+            copies the input, not knowing the partition).
     """
 
     def __init__(self, function: Function, batch: Batch, tag: Optional[tuple[int, int]] = None,
-                 offload: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
+                 offload: Optional[Callable[[], ContextManager[Any]]] = None,
+                 guard: Optional[InputGuard] = None) -> None:
         self.function = function
         self.batch = batch
         self.tag = tag
         self.offload = offload
+        self.guard = guard if guard is not None else InputGuard(f"the cell {tag}")
+        self.requires_grad = [t.requires_grad for t in batch.tensors]  # kept copies do not
+        self.kept_versions: list[Optional[int]] = []  # of the kept input after the first forward
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
+        self.state: Optional[ThreadState] = None  # the first forward's autocast, replayed
         # Filled by Recompute.backward, consumed by Checkpoint.backward.
         self.recomputed: deque[tuple[list[Tensor], list[Tensor]]] = deque(maxlen=1)
         self._output: Optional[Batch] = None
@@ -119,6 +130,7 @@ class Checkpointing:
     def checkpoint(self) -> Batch:
         """Runs the forward under no_grad; the output still requires grad."""
         phony = get_phony(self.device, requires_grad=True)
+        self.state = ThreadState.capture()
         tensors = Checkpoint.apply(phony, self, *self.batch.tensors)
         template, self._output = self._output, None
         assert template is not None  # set by Checkpoint.forward
@@ -130,11 +142,13 @@ class Checkpointing:
         Returns:
             ``(outputs, inputs)`` of the recomputed graph, for Checkpoint's backward.
         """
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in saved]
-        assert self.rng_state is not None  # set by Checkpoint.forward
-        with restore_rng_state(self.device, self.rng_state), torch.enable_grad(), enable_recomputing(), \
+        inputs = [x.detach().requires_grad_(needs) for x, needs in zip(saved, self.requires_grad)]
+        assert self.rng_state is not None and self.state is not None  # set by checkpoint()
+        # Grad on, and the first forward's autocast, on whatever thread replays (pipe.core.threadstate).
+        with restore_rng_state(self.device, self.rng_state), self.state.replay(), enable_recomputing(), \
                 trace.span("recompute", self.tag):
-            output = self.function(self.batch.with_tensors(inputs))
+            # Owned inputs: an in-place layer at the partition's start works on them (pipe.core.inplace).
+            output = self.function(self.guard.replay(self.batch.with_tensors(inputs)))
         return output.tensors, inputs
 
     def recompute_ahead(self) -> None:
@@ -144,6 +158,8 @@ class Checkpointing:
         partition's gradient (see :mod:`pipe.threads.worker_backward`).
         """
         if self.offload is None and not self.recomputed:  # offloaded inputs: Recompute unpacks them
+            # Autograd checks the versions of what Recompute saved; these are read directly.
+            verify_unmodified(self.batch.tensors, self.kept_versions, f"the cell {self.tag}")
             self.recomputed.append(self.replay(self.batch.tensors))
 
     def recompute(self, output: Batch) -> None:
@@ -163,7 +179,7 @@ class Checkpointing:
 
 def cell(
     function: Function, batch: Batch, checkpoint: bool, tag: tuple[int, int],
-    offload: Optional[Callable[[], ContextManager[Any]]] = None,
+    offload: Optional[Callable[[], ContextManager[Any]]] = None, guard: Optional[InputGuard] = None,
 ) -> tuple[Callable[[], Batch], Callable[[Batch], None], Optional[Checkpointing]]:
     """How to run one (micro-batch, partition) cell, checkpointed or not.
 
@@ -182,17 +198,21 @@ def cell(
         tag: (micro-batch, stage), for traces.
         offload: for a checkpointed cell, where its kept input waits
             (see :class:`Checkpointing`); None keeps it on the device.
+        guard: the partition's :class:`pipe.core.inplace.InputGuard` (see :class:`Checkpointing`).
+
+    The partition runs on inputs it owns (:func:`pipe.core.inplace.own`), so
+    an in-place layer at its start works as in the plain model.
 
     Returns:
         ``(compute, finalize, record)``; ``record`` is the cell's
         :class:`Checkpointing` when it is checkpointed, else None.
     """
     if checkpoint:
-        chk = Checkpointing(function, batch, tag=tag, offload=offload)
+        chk = Checkpointing(function, batch, tag=tag, offload=offload, guard=guard)
         return chk.checkpoint, chk.recompute, chk
 
     def compute() -> Batch:
-        return function(batch)
+        return guard.call(function, batch) if guard is not None else function(own(batch))
 
     def finalize(output: Batch) -> None:
         trace.watch_backward(batch.tensors, output.tensors, tag)  # pipe.trace: times the backward
@@ -206,7 +226,9 @@ class Checkpoint(torch.autograd.Function):
         ctx.chk = chk
         chk.rng_state = save_rng_state(chk.device)
         with torch.no_grad(), enable_checkpointing():
-            output = chk.function(chk.batch)
+            # The replay's input as it was, whatever the partition does to it in place (pipe.core.inplace).
+            output, chk.batch = chk.guard.checkpoint(chk.function, chk.batch)
+        chk.kept_versions = versions_of(chk.batch.tensors)
         chk._output = output
         tensors = output.tensors
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point() and not t.is_complex()])
@@ -228,13 +250,14 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *input: Tensor) -> Tensor:
         ctx.chk = chk
+        ctx.inputs = len(input)
         ctx.save_for_backward(*input)
         return phony.detach()
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[None, ...]:
         chk: Checkpointing = ctx.chk
-        saved = ctx.saved_tensors
+        # Unpacked only when needed: a replay ahead may have modified them in place (pipe.core.inplace).
         if not chk.recomputed:  # unless recompute_ahead() did it already
-            chk.recomputed.append(chk.replay(saved))
-        return (None, None) + (None,) * len(saved)
+            chk.recomputed.append(chk.replay(ctx.saved_tensors))
+        return (None, None) + (None,) * ctx.inputs

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
+from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
+                                   verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute import attach_to_ranks
@@ -34,8 +36,6 @@ from pipe.skip.skippable import verify_skippables
 __all__ = ["DistributedPipe", "LOSS_REDUCTIONS"]
 
 logger = logging.getLogger(__name__)
-
-LOSS_REDUCTIONS = ("mean", "sum")
 
 
 class DistributedPipe(nn.Module):
@@ -71,7 +71,10 @@ class DistributedPipe(nn.Module):
         loss_reduction: ``"mean"`` (default) if ``loss_fn`` averages over the
             samples: micro-batch losses are weighted by their share of the
             batch, so the step's loss and gradients are those of the whole
-            batch; ``"sum"`` if it sums.
+            batch; ``"sum"`` if it sums; ``"count"`` if it returns ``(sum,
+            count)``, e.g. for a mean over tokens that are not padding: the
+            step divides by the whole (global) batch's count
+            (:mod:`pipe.distributed.loss`).
         device: where this rank's layers and tensors live; default ``cuda``
             (current device) under NCCL, else the CPU.
         deferred_batch_norm: update BatchNorm running statistics once per
@@ -109,9 +112,8 @@ class DistributedPipe(nn.Module):
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         positive_int("data_parallel", data_parallel, "replicas of the pipeline")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.loss_reduction = loss_reduction
+        self.loss_reduction = verify_loss_reduction(loss_reduction)
+        self._warned_ignored_targets = False
         self.loss_fn = loss_fn
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
@@ -196,7 +198,8 @@ class DistributedPipe(nn.Module):
             inputs: what the first layer takes (a tensor, or a tuple for several);
                 used on the rank of the first stage, ignored elsewhere.
             target: the loss function's second argument; used on the rank of the last stage.
-            loss_fn: ``loss_fn(output, target) -> scalar tensor``; default the constructor's.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``(sum, count)``
+                with ``loss_reduction="count"``); default the constructor's.
             broadcast_loss: return the loss on every rank (one broadcast), not only the last stage's.
 
         Returns:
@@ -216,16 +219,26 @@ class DistributedPipe(nn.Module):
                 if loss_fn is None:
                     raise ValueError("the rank of the last stage needs loss_fn, in step() or in the constructor")
                 targets = self._scatter(target, "target")
-                sizes = [_batch_size(t) for t in targets]
-                total = sum(sizes)
-                weights = [size / total for size in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
+                weights = sample_weights(self.loss_reduction, targets)
+                if not self._warned_ignored_targets:
+                    self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
         except (TypeError, ValueError) as error:
             raise failure_from(self.topology.rank, "step()", error) from None
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         for bn in self._deferred_batch_norms:
             bn.discard()  # what a failed step left behind
-        with torch.enable_grad():
-            loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)
+        # "count": each micro-batch back-propagates its sum; the step divides by the count at the end.
+        counted = CountedLoss(loss_fn) if self.loss_reduction == "count" and loss_fn is not None else None
+        step_grads = StepGradients(self) if self.loss_reduction == "count" else None
+        try:
+            with torch.enable_grad():
+                loss, _ = self._runtime.run(batches, targets, counted or loss_fn, stop, weights, training=True)
+        except BaseException:
+            if step_grads is not None:
+                step_grads.abandon()
+            raise
+        if step_grads is not None:
+            loss = self._divide_by_count(counted, loss, step_grads)
         for bn in self._deferred_batch_norms:
             bn.commit()  # running statistics once per mini-batch
         if self.is_last and self.topology.data_parallel > 1:
@@ -237,6 +250,22 @@ class DistributedPipe(nn.Module):
             source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
             loss = broadcast_from(loss, source, self._pipeline_group, self.device)
         return loss
+
+    def _divide_by_count(self, counted: Optional[CountedLoss], loss: Optional[Tensor],
+                         step_grads: StepGradients) -> Optional[Tensor]:
+        """Divides this step's gradients and loss by the global count (``loss_reduction="count"``)."""
+        source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
+
+        def broadcast(value: Optional[Tensor]) -> Tensor:
+            if self.topology.ranks == 1:
+                assert value is not None
+                return value
+            return broadcast_from(value, source, self._pipeline_group, self.device)
+
+        # Every rank learns the same count, so a count of 0 raises the same ValueError everywhere.
+        return divide_by_count(counted, loss, step_grads, is_last=self.is_last,
+                               data_parallel_group=self.topology.data_parallel_group,
+                               replicas=self.topology.data_parallel, broadcast=broadcast, device=self.device)
 
     def forward(self, *inputs: Any) -> Any:
         """Runs forwards only (no graph is kept): the output on the last stage's rank, None elsewhere.
@@ -288,6 +317,3 @@ class DistributedPipe(nn.Module):
             )
         return batches
 
-
-def _batch_size(batch: Batch) -> int:
-    return batch.tensors[0].size(0)

@@ -40,6 +40,8 @@ from torch import Tensor, nn
 
 from pipe import trace
 from pipe.core.checkpoint import Function, cell
+from pipe.core.inplace import InputGuard, describe_partition
+from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
@@ -171,6 +173,8 @@ class Runtime:
         self.skips = skips
         self.averager = averager
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
+        self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
+                                           partition=partition) for s, partition in stages.items()}
         self.last = schedule.stages - 1
         # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute).
         self.swap: Optional[RankSwap] = None
@@ -275,7 +279,8 @@ class Runtime:
         offload = self.swap.checkpoint_hooks(s) if self.swap and checkpoint and training else None
         if offload is not None:
             batch, kept = self.swap.tap(batch)  # type: ignore[union-attr]
-        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s), offload)
+        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s), offload,
+                                    guard=self.input_guards[s])
         del batch  # the offloaded input must not stay referenced here
         with trace.span("forward", (i, s)):
             output = compute()
@@ -315,7 +320,9 @@ class Runtime:
             pairs = [(t, g) for t, g in zip(state.output.tensors, received) if g is not None and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if roots:
-            torch.autograd.backward(roots, grads)
+            # Backward outside autocast, as the plain model's; a replay restores its forward's (pipe.core.threadstate).
+            with without_autocast():
+                torch.autograd.backward(roots, grads)
         if s == 0:
             return
         input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
@@ -337,9 +344,11 @@ def _loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
     loss = loss_fn(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         described = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        hint = (" (a loss returning (sum, count) needs loss_reduction='count')"
+                if isinstance(loss, (tuple, list)) else "")
         raise TypeError(
             f"loss_fn returned {described} for micro-batch {microbatch}; it must return a scalar tensor "
-            "(reduce the loss, e.g. with reduction='mean')"
+            f"(reduce the loss, e.g. with reduction='mean'){hint}"
         )
     return loss.reshape(())
 

@@ -26,6 +26,7 @@ from pipe.threads.worker_backward import BackwardPass, CellBackward
 from pipe.core.checkpoint import Checkpointing, cell
 from pipe.core.copy import Copy, Wait
 from pipe.core.dependency import fork, join
+from pipe.core.inplace import InputGuard, describe_partition
 from pipe.core.microbatch import Batch
 from pipe.core.rng import RandomnessGuard, cell_seed, draw_base_seed
 from pipe.core.schedule import Schedule
@@ -82,6 +83,9 @@ class Pipeline:
                     if self.devices[prev_j] != self.devices[j]:
                         self._sends_skips[prev_j] = self._receives_skips[j] = True
         self.guards = [RandomnessGuard(device) for device in self.devices]
+        # Checkpointed partitions that modify their input in place (pipe.core.inplace).
+        self.input_guards = [InputGuard(describe_partition(j, p), shared=j == 0, partition=p)
+                             for j, p in enumerate(self.partitions)]
         self.training = True
         # Autograd would run the backward of CPU partitions one after another on
         # the caller's thread; their workers run it side by side (pipe.threads.worker_backward).
@@ -203,7 +207,7 @@ class Pipeline:
         training = self.training
         # The recipe of a cell is shared with the process runner (pipe.core.checkpoint.cell).
         compute_cell, finalize, record = cell(partition_function(partition, skip_tracker), batch, checkpoint, (i, j),
-                                      offload=self.checkpoint_offload[j])
+                                      offload=self.checkpoint_offload[j], guard=self.input_guards[j])
 
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a

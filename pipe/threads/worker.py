@@ -6,8 +6,9 @@ first use, live as long as the :class:`Workers` object and end when it is
 closed or collected; they hold no reference to it, so dropping the owning
 ``Pipe`` is enough to end them.
 
-Grad mode is thread-local in PyTorch, so a task captures the caller's grad mode
-and the worker runs it under the same mode.
+Grad mode, inference mode and autocast are thread-local in PyTorch, so a task
+captures the caller's state and the worker runs it under the same
+(:mod:`pipe.core.threadstate`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from pipe.core.microbatch import Batch
 from pipe.core.stream import AbstractStream, use_device, use_stream
+from pipe.core.threadstate import ThreadState
 
 __all__ = ["Task", "Workers"]
 
@@ -54,16 +56,16 @@ class Task:
         self._compute = compute
         self._finalize = finalize
         self.tag = tag
-        self._grad_enabled = torch.is_grad_enabled()
+        self._state = ThreadState.capture()  # the caller's grad mode, inference mode, autocast
 
     def compute(self) -> Batch:
-        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+        with use_stream(self.stream), self._state.restore():
             return self._compute()
 
     def finalize(self, batch: Batch) -> None:
         if self._finalize is None:
             return
-        with use_stream(self.stream), torch.set_grad_enabled(self._grad_enabled):
+        with use_stream(self.stream), self._state.restore():
             self._finalize(batch)
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
+from pipe.core.threadstate import ThreadState
 
 __all__ = ["BackwardPass", "Boundary", "CellBackward"]
 
@@ -231,7 +232,13 @@ class Boundary(torch.autograd.Function):
         done = _Ready()
         like = [x if needs else None for x, needs in zip(cell.inner_input.tensors, ctx.input_needs_grad)]
         placeholders = backward_pass.placeholders(like, done)
-        backward_pass.submit(cell.j, lambda: cell.run(grads, readies, placeholders, done))
+        state = ThreadState.capture()  # what autograd's thread runs under, for the worker (pipe.core.threadstate)
+
+        def job() -> None:
+            with state.restore():
+                cell.run(grads, readies, placeholders, done)
+
+        backward_pass.submit(cell.j, job)
         if cell.sync:
             try:
                 done.wait()
