@@ -193,7 +193,12 @@ def scatter(value: Any, chunks: int) -> list[Batch]:
 def gather(batches: Sequence[Batch]) -> Any:
     """Concatenates micro-batch outputs on dim 0, keeping their structure.
 
-    Non-tensor leaves are taken from the first micro-batch.
+    A non-tensor leaf must be the same in every micro-batch (a flag, a
+    constant passed through): the whole batch's output then holds that value,
+    as the plain module's would. One that differs has no whole-batch value.
+
+    Raises:
+        ValueError: a non-tensor output differs between micro-batches.
     """
     first_leaves, spec = flatten(batches[0].value)
     if len(batches) == 1:
@@ -201,8 +206,27 @@ def gather(batches: Sequence[Batch]) -> Any:
     all_leaves = [flatten(batch.value)[0] for batch in batches]
     out = []
     for position, leaf in enumerate(first_leaves):
+        column = [leaves[position] for leaves in all_leaves]
         if isinstance(leaf, Tensor):
-            out.append(torch.cat([leaves[position] for leaves in all_leaves], dim=0))
+            out.append(torch.cat(column, dim=0))
         else:
+            for k, other in enumerate(column[1:], start=1):
+                if not _same(leaf, other):
+                    raise ValueError(
+                        f"the output holds a non-tensor value that differs between micro-batches "
+                        f"({leaf!r} in micro-batch 0, {other!r} in micro-batch {k}, at position {position} of "
+                        f"({_describe(batches[0].value)})), so the whole batch has no single value for it; "
+                        f"return it as a tensor with a batch dimension (split and concatenated on dim 0), "
+                        f"or use chunks=1"
+                    )
             out.append(leaf)
     return unflatten(out, spec)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a truth value (an array, say): only identity counts
+        return False

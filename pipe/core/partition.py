@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from pipe.sequential import sequential_like
 
 __all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
 
@@ -102,7 +103,8 @@ def split_module(
 
     Returns:
         ``(partitions, balance, devices)``; partitions hold the original layers
-        under their original names.
+        under their original names, in a container with ``module``'s calling
+        convention (:func:`pipe.sequential.sequential_like`).
 
     Raises:
         TypeError, ValueError, IndexError: see the messages.
@@ -133,7 +135,8 @@ def split_module(
     partitions = []
     start = 0
     for size, device in zip(balance, placed):
-        partition = nn.Sequential(OrderedDict(zip(names[start:start + size], layers[start:start + size])))
+        # A PipeSequential's partitions are PipeSequentials: the calling convention crosses the cut.
+        partition = sequential_like(module, zip(names[start:start + size], layers[start:start + size]))
         partition.to(device)
         partitions.append(partition)
         start += size
