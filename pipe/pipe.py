@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
-from pipe.core.microbatch import flatten, gather, pack_inputs, scatter
+from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter
 from pipe.core.partition import Device, split_module
 from pipe.sequential import sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
@@ -101,7 +101,7 @@ class Pipe(nn.Module):
 
         partitions, balance, devices = split_module(module, balance, devices)
         verify_skippables(module)
-        self._deferred_batch_norms = deferred_batch_norms(module)
+        self._deferred_batch_norms = deferred_batch_norms(module, self.chunks)
         self.skip_layout = inspect_skip_layout(partitions)
         # The layers are this module's children under their original names, so
         # state_dict() keys are those of the wrapped nn.Sequential.
@@ -180,8 +180,9 @@ class Pipe(nn.Module):
             inputs: what the first layer takes. With several, the first layer
                 of an ``nn.Sequential`` receives them as one tuple, the first
                 layer of a :class:`pipe.PipeSequential` as its arguments.
-                Tensors are split on dim 0 into micro-batches; other values
-                reach every micro-batch unchanged.
+                Tensors are split on dim 0 into micro-batches; other values,
+                and tensors wrapped in :class:`pipe.NoChunk`, reach every
+                micro-batch unchanged.
 
         Returns:
             The last layer's output, micro-batches concatenated on dim 0, on
@@ -206,6 +207,7 @@ class Pipe(nn.Module):
     def _verify_input_device(self, value: Any) -> None:
         first = self.devices[0]
         for leaf in flatten(value)[0]:
+            leaf = leaf.tensor if isinstance(leaf, NoChunk) else leaf
             if isinstance(leaf, torch.Tensor) and leaf.device != first:
                 raise ValueError(
                     f"input is on {leaf.device} but the first partition is on {first}; "

@@ -47,11 +47,12 @@ class PipeSequential(nn.Sequential):
         return value
 
 
-def sequential_like(model: nn.Module, layers: Iterable[tuple[str, nn.Module]]) -> nn.Sequential:
+def sequential_like(model: object, layers: Iterable[tuple[str, nn.Module]]) -> nn.Sequential:
     """A slice of ``model``: ``layers`` (name, layer) in a container with ``model``'s calling convention.
 
-    A ``PipeSequential`` gives a ``PipeSequential``; anything else an
-    ``nn.Sequential`` (one value from layer to layer).
+    A ``PipeSequential`` gives a ``PipeSequential``; anything else (an
+    ``nn.Sequential``, a layer factory) an ``nn.Sequential``: one value from
+    layer to layer.
 
     Usage::
 
