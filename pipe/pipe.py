@@ -191,6 +191,8 @@ class Pipe(nn.Module):
         if not inputs:
             raise TypeError("Pipe.forward() needs at least one input")
         value = pack_inputs(inputs)
+        if not self.partitions:
+            return value  # no layers: the input, as an empty nn.Sequential returns it
         self._verify_input_device(value)
         batches = scatter(value, self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(batches))

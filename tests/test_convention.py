@@ -6,6 +6,8 @@ one value, a Python float reaches every micro-batch; a plain ``nn.Sequential``
 still passes one value.
 """
 import copy
+import gc
+from typing import Iterator
 
 import pytest
 import torch
@@ -19,6 +21,12 @@ CHECKPOINTS = ["always", "except_last", "never"]
 # encoder(): Embed | Attention | Pack | Unpack | Attention | Pool.
 # [1, 5]: a (x, mask) tuple crosses; [3, 3]: the [x, mask] list crosses; [2, 2, 2]: two tuples cross.
 BALANCES = [[6], [1, 5], [3, 3], [2, 2, 2]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_pipes() -> Iterator[None]:
+    yield
+    gc.collect()  # these tests' Pipes end their worker threads now, not in the middle of a later module
 
 
 def _oracle(model: nn.Module, args: tuple, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -4,7 +4,11 @@ One test per claim of the page that no other test file checks; the page
 names the test files of the others.
 """
 import copy
+import gc
+import re
 import warnings
+from collections import OrderedDict
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -14,6 +18,12 @@ from torch import Tensor, nn
 import pipe
 from pipe import NoChunk, Pipe, PipeSequential
 from pipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_pipes() -> Iterator[None]:
+    yield
+    gc.collect()  # these tests' Pipes end their worker threads now, not in the middle of a later module
 
 
 def linear_model(seed: int = 0) -> nn.Sequential:
@@ -235,3 +245,66 @@ def test_a_batch_smaller_than_chunks_warns_and_runs() -> None:
         output = Pipe(linear_model(), chunks=4)(torch.randn(2, 4))
     assert output.shape == (2, 2)
     assert any("smaller than chunks=4" in str(w.message) for w in caught)
+
+
+# -- the module Pipe is ----------------------------------------------------------------------
+
+
+def test_an_empty_model_returns_its_input() -> None:
+    x = torch.randn(3, 2)
+    assert Pipe(nn.Sequential())(x) is x
+    assert Pipe(nn.Sequential(), balance=[])(x) is x
+
+
+def test_layers_are_children_under_their_names_and_partition_hooks_run() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    piped = Pipe(nn.Sequential(OrderedDict([("a", a), ("b", b)])), chunks=2, balance=[1, 1], devices=["cpu"] * 2)
+    assert piped.a is a and {"a", "b"} <= {name for name, _ in piped.named_modules()}
+    seen = []
+    piped.partitions[1].register_forward_hook(lambda module, args, output: seen.append(output.shape[0]))
+    piped(torch.randn(4, 2))
+    assert seen == [2, 2]
+
+
+def test_wrapping_in_pipe_sequential_keeps_the_state_dict_keys() -> None:
+    model = nn.Sequential(OrderedDict([("embed", nn.Linear(2, 3)), ("head", nn.Linear(3, 1))]))
+    wrapped = PipeSequential(OrderedDict(model.named_children()))
+    assert list(wrapped.state_dict()) == list(model.state_dict()) == ["embed.weight", "embed.bias", "head.weight",
+                                                                       "head.bias"]
+
+
+def _peer_layout(model: nn.Sequential, balance: list[int], flatten: bool) -> nn.ModuleDict:
+    """A module whose state_dict keys are laid out as a peer's ``partitions`` ModuleList laid them out."""
+    layers = list(model.named_children())
+    partitions, start = [], 0
+    for size in balance:
+        chunk = layers[start:start + size]
+        start += size
+        if flatten:  # torch's Pipe: nested nn.Sequential flattened, names renumbered per partition
+            flat = [m for _, layer in chunk for m in (layer.children() if isinstance(layer, nn.Sequential) else [layer])]
+            partitions.append(nn.Sequential(*flat))
+        else:  # torchgpipe, fairscale: original names
+            partitions.append(nn.Sequential(OrderedDict(chunk)))
+    return nn.ModuleDict({"partitions": nn.ModuleList(partitions)})
+
+
+@pytest.mark.parametrize("peer", ["torchgpipe", "torch"])
+def test_the_state_dict_recipes_load_a_peers_checkpoint(peer: str) -> None:
+    torch.manual_seed(1)
+    saved = nn.Sequential(OrderedDict([("stem", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))),
+                                       ("mid", nn.Linear(4, 4)), ("head", nn.Linear(4, 2))]))
+    old_state = _peer_layout(saved, [1, 2], flatten=peer == "torch").state_dict()
+    assert all(key.startswith("partitions.") for key in old_state)
+    torch.manual_seed(2)
+    fresh = nn.Sequential(OrderedDict([("stem", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))),
+                                       ("mid", nn.Linear(4, 4)), ("head", nn.Linear(4, 2))]))
+    piped = Pipe(fresh, chunks=2)
+    if peer == "torchgpipe":
+        state = {re.sub(r"^partitions\.\d+\.", "", key): value for key, value in old_state.items()}
+    else:
+        new_keys = list(piped.state_dict())
+        assert len(new_keys) == len(old_state)
+        state = dict(zip(new_keys, old_state.values()))
+    piped.load_state_dict(state)
+    for (name, p), q in zip(saved.state_dict().items(), piped.state_dict().values()):
+        assert torch.equal(p, q), name

@@ -64,6 +64,8 @@ def verify_balance(balance: Sequence[int], layers: int) -> list[int]:
     if isinstance(balance, (int, str)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
         raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}")
     balance = list(balance)
+    if not balance and layers == 0:
+        return balance  # an empty model has no partitions (and Pipe returns its input, as nn.Sequential() does)
     if not balance:
         raise ValueError(f"balance is empty; give at least one partition, e.g. balance=[{layers}]")
     if sum(balance) != layers:
