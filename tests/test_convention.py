@@ -15,6 +15,7 @@ from torch import nn
 
 from convention_models import AddResidual, StashResidual, encoder, inputs, loss_fn, skip_encoder, targets
 from pipe import Pipe, PipeSequential
+from pipe.recompute import recompute, select_recompute
 from pipe.sequential import sequential_like
 
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -150,3 +151,16 @@ def test_a_skippable_layer_takes_several_arguments_outside_pipe() -> None:
     out, out_mask = model(x, mask)  # stash and pop meet in the thread's default tracker
     torch.testing.assert_close(out, 2 * x)
     assert out_mask is mask
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_policies_on_layers_with_several_arguments(policy: str) -> None:
+    model = encoder()
+    for index in (1, 4):  # the Attention blocks: forward(self, x, mask) -> (x, mask)
+        if policy == "full":
+            recompute(model[index])
+        else:
+            select_recompute(model[index], ops=["softmax", "layer_norm"])
+    piped = Pipe(copy.deepcopy(model), chunks=4, checkpoint="never", balance=[3, 3], devices=["cpu", "cpu"])
+    _check(piped, model, inputs(8, seed=2), targets(8, seed=2))
+    piped.close()
