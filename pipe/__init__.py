@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on first use
     from pipe import balance, skip
     from pipe.core.checkpoint import is_checkpointing, is_recomputing
+    from pipe.core.microbatch import NoChunk
     from pipe.pipe import Pipe
     from pipe.sequential import PipeSequential
 
-__all__ = ["Pipe", "PipeSequential", "is_checkpointing", "is_recomputing", "balance", "skip"]
+__all__ = ["Pipe", "PipeSequential", "NoChunk", "is_checkpointing", "is_recomputing", "balance", "skip"]
 __version__ = "0.1.0"
 
 _NAMES = {
     "Pipe": ("pipe.pipe", "Pipe"),
     "PipeSequential": ("pipe.sequential", "PipeSequential"),
+    "NoChunk": ("pipe.core.microbatch", "NoChunk"),
     "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),
     "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
 }

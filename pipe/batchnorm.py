@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipe.core.checkpoint import is_recomputing
+from pipe.core.options import verify_chunks
 
 __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "convert_deferred_model", "deferred_batch_norms"]
 
@@ -37,13 +38,29 @@ class DeferredBatchNorm(_BatchNorm):
     Made by :func:`convert_deferred_batch_norm` from an ``nn.BatchNorm1d/2d/3d``;
     it keeps that layer's parameters and buffers (so ``state_dict()`` keys and
     values are unchanged) and normalises exactly as it would.
+
+    Inside a ``Pipe`` the pipeline commits once the mini-batch has gone
+    through. Used on its own, nothing commits unless ``chunks`` is given: then
+    the layer commits after every ``chunks`` micro-batches it has seen
+    (torchgpipe's behaviour), or call :meth:`commit` yourself.
+
+    Args:
+        chunks: commit by itself after this many micro-batches; None (default)
+            to leave committing to the ``Pipe`` or the caller. Inside a
+            ``Pipe`` it must equal the pipe's ``chunks``.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 affine: bool = True) -> None:
+                 affine: bool = True, chunks: Optional[int] = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.chunks = None if chunks is None else verify_chunks(chunks)
         # (elements per channel, mean, biased variance) of each micro-batch seen.
         self._pending: list[tuple[int, Tensor, Tensor]] = []
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: M, chunks: Optional[int] = None) -> M:
+        """torchgpipe's spelling of :func:`convert_deferred_batch_norm`."""
+        return convert_deferred_batch_norm(module, chunks)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -56,6 +73,8 @@ class DeferredBatchNorm(_BatchNorm):
                                 False, 0.0, self.eps)
         if not is_recomputing():
             self._record(input)
+            if self.chunks is not None and len(self._pending) >= self.chunks:
+                self.commit()
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     def _record(self, input: Tensor) -> None:
@@ -96,7 +115,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._pending = []
 
 
-def convert_deferred_batch_norm(module: M) -> M:
+def convert_deferred_batch_norm(module: M, chunks: Optional[int] = None) -> M:
     """Replaces every BatchNorm with running statistics in ``module`` by a :class:`DeferredBatchNorm`.
 
     The new layers share the old ones' parameters and buffers. Layers are
@@ -107,12 +126,16 @@ def convert_deferred_batch_norm(module: M) -> M:
 
         model = convert_deferred_batch_norm(model)   # Pipe(deferred_batch_norm=True) does this
 
+    Args:
+        chunks: for use without a ``Pipe``: the layers commit by themselves
+            after every ``chunks`` micro-batches (see :class:`DeferredBatchNorm`).
+
     Returns:
         ``module``, or the replacement when ``module`` is itself a BatchNorm.
     """
     if isinstance(module, _BatchNorm) and not isinstance(module, (DeferredBatchNorm, nn.SyncBatchNorm)) \
             and module.track_running_stats:
-        converted = DeferredBatchNorm(module.num_features, module.eps, module.momentum, module.affine)
+        converted = DeferredBatchNorm(module.num_features, module.eps, module.momentum, module.affine, chunks)
         if module.affine:
             converted.register_parameter("weight", module.weight)
             converted.register_parameter("bias", module.bias)
@@ -122,7 +145,7 @@ def convert_deferred_batch_norm(module: M) -> M:
         converted.train(module.training)
         return converted  # type: ignore[return-value]
     for name, child in module.named_children():
-        converted_child = convert_deferred_batch_norm(child)
+        converted_child = convert_deferred_batch_norm(child, chunks)
         if converted_child is not child:
             setattr(module, name, converted_child)
     return module
@@ -144,6 +167,18 @@ def convert_deferred_model(model: Any) -> Any:
     return factory
 
 
-def deferred_batch_norms(module: nn.Module) -> list[DeferredBatchNorm]:
-    """The :class:`DeferredBatchNorm` layers in ``module``."""
-    return [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+def deferred_batch_norms(module: nn.Module, chunks: Optional[int] = None) -> list[DeferredBatchNorm]:
+    """The :class:`DeferredBatchNorm` layers in ``module``.
+
+    Raises:
+        ValueError: with ``chunks`` (a ``Pipe``'s), a layer that commits by itself after another count.
+    """
+    layers = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+    for layer in layers:
+        if chunks is not None and layer.chunks is not None and layer.chunks != chunks:
+            raise ValueError(
+                f"a DeferredBatchNorm commits by itself after chunks={layer.chunks} micro-batches but the Pipe runs "
+                f"chunks={chunks}, so it would update its statistics more than once per mini-batch; build it "
+                f"without chunks (the Pipe commits once per mini-batch) or with chunks={chunks}"
+            )
+    return layers

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
-from pipe.core.microbatch import flatten, gather, pack_inputs, scatter
+from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter
 from pipe.core.partition import Device, split_module
+from pipe.sequential import sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.threads.pipeline import Pipeline
 from pipe.recompute.attach import attach_to_pipeline
@@ -49,7 +50,9 @@ class Pipe(nn.Module):
 
     Args:
         module: the model, an ``nn.Sequential`` whose layers each take the
-            previous layer's output.
+            previous layer's output, or a :class:`pipe.PipeSequential`, whose
+            layers take a tuple returned by the previous one as arguments
+            (torch's ``Pipe`` convention; kept across partition boundaries).
         chunks: number of micro-batches each mini-batch is split into (dim 0).
         checkpoint: which micro-batches drop their activations in forward and
             recompute them in backward: ``"always"``, ``"except_last"`` (all but
@@ -100,7 +103,7 @@ class Pipe(nn.Module):
 
         partitions, balance, devices = split_module(module, balance, devices)
         verify_skippables(module)
-        self._deferred_batch_norms = deferred_batch_norms(module)
+        self._deferred_batch_norms = deferred_batch_norms(module, self.chunks)
         self.skip_layout = inspect_skip_layout(partitions)
         # The layers are this module's children under their original names, so
         # state_dict() keys are those of the wrapped nn.Sequential.
@@ -144,16 +147,19 @@ class Pipe(nn.Module):
         return iter([layer for layer in self._modules.values() if layer is not None])
 
     def __getitem__(self, index: Union[int, slice]) -> Any:
-        layers = [layer for layer in self._modules.values() if layer is not None]
+        layers = [(name, layer) for name, layer in self._modules.items() if layer is not None]
         if isinstance(index, slice):
-            return nn.Sequential(*layers[index])
-        return layers[index]
+            return sequential_like(self.partitions[0], layers[index])
+        return layers[index][1]
 
     # -- placement belongs to Pipe ------------------------------------------------------
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":
-        device, _, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        # Decided from the arguments alone, before PyTorch parses a device: to(0) on a
+        # machine without CUDA must give this error, not "Cannot access accelerator".
+        moving = kwargs.get("device") is not None or "tensor" in kwargs or (
+            bool(args) and isinstance(args[0], (torch.device, int, str, torch.Tensor)))
+        if moving:
             raise TypeError(_MOVING_DENIED)
         return super().to(*args, **kwargs)
 
@@ -174,8 +180,11 @@ class Pipe(nn.Module):
 
         Args:
             inputs: what the first layer takes. With several, the first layer
-                receives them as one tuple. Tensors are split on dim 0 into
-                micro-batches; other values reach every micro-batch unchanged.
+                of an ``nn.Sequential`` receives them as one tuple, the first
+                layer of a :class:`pipe.PipeSequential` as its arguments.
+                Tensors are split on dim 0 into micro-batches; other values,
+                and tensors wrapped in :class:`pipe.NoChunk`, reach every
+                micro-batch unchanged.
 
         Returns:
             The last layer's output, micro-batches concatenated on dim 0, on
@@ -184,6 +193,8 @@ class Pipe(nn.Module):
         if not inputs:
             raise TypeError("Pipe.forward() needs at least one input")
         value = pack_inputs(inputs)
+        if not self.partitions:
+            return value  # no layers: the input, as an empty nn.Sequential returns it
         self._verify_input_device(value)
         batches = scatter(value, self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(batches))
@@ -200,6 +211,7 @@ class Pipe(nn.Module):
     def _verify_input_device(self, value: Any) -> None:
         first = self.devices[0]
         for leaf in flatten(value)[0]:
+            leaf = leaf.tensor if isinstance(leaf, NoChunk) else leaf
             if isinstance(leaf, torch.Tensor) and leaf.device != first:
                 raise ValueError(
                     f"input is on {leaf.device} but the first partition is on {first}; "

@@ -7,14 +7,21 @@ returned a tuple, unpacked it into the next layer's arguments. A plain
 the plain module with the first rule, so it is its own oracle: what
 ``Pipe(PipeSequential(...))`` computes must equal what ``PipeSequential(...)``
 computes. A list (or any non-tuple) stays one value.
+
+The convention is carried by the container's type and nothing else: ``Pipe``,
+``DistributedPipe`` and the balancers cut the model into containers made by
+:func:`sequential_like`, so a partition (or a stage, or a profiled layer) of a
+``PipeSequential`` is a ``PipeSequential`` and a value crossing a partition
+boundary is handed over exactly as between two layers of the whole model.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Iterable
 
 from torch import nn
 
-__all__ = ["PipeSequential", "call_layer"]
+__all__ = ["PipeSequential", "call_layer", "sequential_like"]
 
 
 def call_layer(layer: nn.Module, value: Any, unpack: bool) -> Any:
@@ -38,3 +45,18 @@ class PipeSequential(nn.Sequential):
         for layer in self:
             value = call_layer(layer, value, unpack=True)
         return value
+
+
+def sequential_like(model: object, layers: Iterable[tuple[str, nn.Module]]) -> nn.Sequential:
+    """A slice of ``model``: ``layers`` (name, layer) in a container with ``model``'s calling convention.
+
+    A ``PipeSequential`` gives a ``PipeSequential``; anything else (an
+    ``nn.Sequential``, a layer factory) an ``nn.Sequential``: one value from
+    layer to layer.
+
+    Usage::
+
+        first_half = sequential_like(model, list(model.named_children())[:2])
+    """
+    container = PipeSequential if isinstance(model, PipeSequential) else nn.Sequential
+    return container(OrderedDict(layers))

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from pipe.core.inplace import own
 from pipe.core.microbatch import Batch, scatter
+from pipe.sequential import sequential_like
 from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
 from pipe.core.stream import use_device
@@ -50,12 +51,13 @@ class _DetachingTracker(SkipTracker):
 
 
 def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
-    for layer in module:
+    """A copy of each layer, alone in a container with ``module``'s calling convention."""
+    for name, layer in module.named_children():
         layer = copy.deepcopy(layer).to(device)
         layer.train()
         for param in layer.parameters():
             param.grad = None
-        yield layer
+        yield sequential_like(module, [(name, layer)])
 
 
 def _detach(batch: Batch) -> Batch:

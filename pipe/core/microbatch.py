@@ -2,9 +2,10 @@
 
 A value flowing through the pipeline may be a tensor, or a tuple/list/dict of
 tensors and other things (masks, flags, ``None``). Every tensor is split on
-dim 0 into ``chunks`` micro-batches; every non-tensor reaches each micro-batch
-unchanged. :class:`Batch` keeps the structure and exposes the flat list of
-tensors that autograd functions, copies and sends work on.
+dim 0 into ``chunks`` micro-batches; every non-tensor, and every tensor
+wrapped in :class:`NoChunk`, reaches each micro-batch unchanged. :class:`Batch`
+keeps the structure and exposes the flat list of tensors that autograd
+functions, copies and sends work on.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "flatten", "unflatten", "scatter", "gather", "pack_inputs"]
+__all__ = ["Batch", "NoChunk", "flatten", "unflatten", "scatter", "gather", "pack_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,34 @@ def _build(leaves: Iterator[Any], spec: Spec) -> Any:
         return {key: _build(leaves, sub) for key, sub in zip(spec[1], spec[2])}
     items = [_build(leaves, sub) for sub in spec[1]]
     return tuple(items) if kind == "tuple" else items
+
+
+class NoChunk:
+    """An input tensor that every micro-batch receives whole instead of a slice of dim 0.
+
+    For a tensor with no batch dimension (a lookup table, an attention bias
+    shared by all samples). Inside the pipeline it is an ordinary tensor: it
+    moves between devices, and its gradient is the sum over the micro-batches,
+    as the plain module computes it on the whole batch.
+
+    Usage::
+
+        output = pipe(x, NoChunk(bias))     # each micro-batch: (slice of x, bias)
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"NoChunk wraps a tensor, got {type(tensor).__name__}; "
+                            "other values reach every micro-batch unchanged without it")
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"NoChunk(Tensor{tuple(self.tensor.shape)})"
 
 
 class Batch:
@@ -157,7 +186,8 @@ def scatter(value: Any, chunks: int) -> list[Batch]:
     tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     if not tensor_index:
         raise TypeError(
-            f"Pipe input contains no tensor ({_describe(value)}); pass at least one tensor to split into micro-batches"
+            f"Pipe input contains no tensor to split ({_describe(value)}); pass at least one tensor to split "
+            "into micro-batches"
         )
     sizes = []
     for i in tensor_index:
@@ -181,9 +211,10 @@ def scatter(value: Any, chunks: int) -> list[Batch]:
         )
     pieces = min(size, chunks)
     split = {i: leaves[i].tensor_split(pieces, dim=0) for i in tensor_index}
+    whole = [leaf.tensor if isinstance(leaf, NoChunk) else leaf for leaf in leaves]
     batches = []
     for k in range(pieces):
-        micro = list(leaves)
+        micro = list(whole)
         for i in tensor_index:
             micro[i] = split[i][k]
         batches.append(Batch(unflatten(micro, spec)))
@@ -193,7 +224,12 @@ def scatter(value: Any, chunks: int) -> list[Batch]:
 def gather(batches: Sequence[Batch]) -> Any:
     """Concatenates micro-batch outputs on dim 0, keeping their structure.
 
-    Non-tensor leaves are taken from the first micro-batch.
+    A non-tensor leaf must be the same in every micro-batch (a flag, a
+    constant passed through): the whole batch's output then holds that value,
+    as the plain module's would. One that differs has no whole-batch value.
+
+    Raises:
+        ValueError: a non-tensor output differs between micro-batches.
     """
     first_leaves, spec = flatten(batches[0].value)
     if len(batches) == 1:
@@ -201,8 +237,27 @@ def gather(batches: Sequence[Batch]) -> Any:
     all_leaves = [flatten(batch.value)[0] for batch in batches]
     out = []
     for position, leaf in enumerate(first_leaves):
+        column = [leaves[position] for leaves in all_leaves]
         if isinstance(leaf, Tensor):
-            out.append(torch.cat([leaves[position] for leaves in all_leaves], dim=0))
+            out.append(torch.cat(column, dim=0))
         else:
+            for k, other in enumerate(column[1:], start=1):
+                if not _same(leaf, other):
+                    raise ValueError(
+                        f"the output holds a non-tensor value that differs between micro-batches "
+                        f"({leaf!r} in micro-batch 0, {other!r} in micro-batch {k}, at position {position} of "
+                        f"({_describe(batches[0].value)})), so the whole batch has no single value for it; "
+                        f"return it as a tensor with a batch dimension (split and concatenated on dim 0), "
+                        f"or use chunks=1"
+                    )
             out.append(leaf)
     return unflatten(out, spec)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a truth value (an array, say): only identity counts
+        return False

@@ -2,11 +2,12 @@
 
 Each check names the argument, the value it got and how to fix it, so that
 the same mistake reads the same from every entry point. Only front ends and
-tools (``pipe.balance``) import this module; the runners below them take
+tools (``pipe.balance``, ``pipe.batchnorm``) import this module; the runners below them take
 checked values.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 __all__ = [
@@ -39,8 +40,26 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
 
 
 def verify_chunks(chunks: Any) -> int:
+    """``chunks`` as an int: an int, an integer-valued float (``8.0``) or any integer type (``numpy.int64``).
+
+    torchgpipe, fairscale and torch's ``Pipe`` took ``int(chunks)``; a float
+    with a fraction would then lose it without a word, so it is refused here.
+    """
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
+    elif not is_int(chunks) and not isinstance(chunks, bool) and hasattr(chunks, "__index__"):
+        try:
+            chunks = operator.index(chunks)
+        except TypeError:
+            pass  # refused below, with the value
     if not is_int(chunks):
-        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
+        hint = ""
+        if isinstance(chunks, float):
+            hint = f"; pass int(chunks) if {int(chunks)} micro-batches is what you meant"
+        elif isinstance(chunks, (list, tuple)):
+            hint = (f"; a list in this place was torchgpipe's and fairscale's balance, "
+                    f"which is keyword-only here: pass balance={list(chunks)!r}")
+        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}{hint}")
     if chunks <= 0:
         raise ValueError(f"chunks must be a positive int, got {chunks}; use chunks=1 for no micro-batching")
     return int(chunks)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from pipe.sequential import sequential_like
 
 __all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
 
@@ -63,6 +64,8 @@ def verify_balance(balance: Sequence[int], layers: int) -> list[int]:
     if isinstance(balance, (int, str)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
         raise TypeError(f"balance must be a list of ints (layers per partition), got {balance!r}")
     balance = list(balance)
+    if not balance and layers == 0:
+        return balance  # an empty model has no partitions (and Pipe returns its input, as nn.Sequential() does)
     if not balance:
         raise ValueError(f"balance is empty; give at least one partition, e.g. balance=[{layers}]")
     if sum(balance) != layers:
@@ -98,7 +101,8 @@ def split_module(
 
     Returns:
         ``(partitions, balance, devices)``; partitions hold the original layers
-        under their original names.
+        under their original names, in a container with ``module``'s calling
+        convention (:func:`pipe.sequential.sequential_like`).
 
     Raises:
         TypeError, ValueError, IndexError: see the messages.
@@ -129,7 +133,8 @@ def split_module(
     partitions = []
     start = 0
     for size, device in zip(balance, placed):
-        partition = nn.Sequential(OrderedDict(zip(names[start:start + size], layers[start:start + size])))
+        # A PipeSequential's partitions are PipeSequentials: the calling convention crosses the cut.
+        partition = sequential_like(module, zip(names[start:start + size], layers[start:start + size]))
         partition.to(device)
         partitions.append(partition)
         start += size

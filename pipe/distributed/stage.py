@@ -11,7 +11,6 @@ keys are the original model's on every rank.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 from pipe.core.partition import _verify_no_sharing, verify_balance, verify_module
 from pipe.core.schedule import Schedule
+from pipe.sequential import sequential_like
 
 __all__ = ["LayerFactory", "ModelSpec", "even_balance", "build_stages", "layer_names"]
 
@@ -115,7 +115,8 @@ def build_stages(
 
     Returns:
         ``(owned, skeleton)``: ``owned[stage]`` is an ``nn.Sequential`` of the
-        stage's layers under their original names; ``skeleton`` holds every
+        stage's layers under their original names (a ``PipeSequential`` when
+        ``model`` is one; a factory's stages are ``nn.Sequential``); ``skeleton`` holds every
         stage, with layers of other ranks left where they were (a factory
         builds them on ``meta``), to read skip declarations from.
 
@@ -145,7 +146,7 @@ def build_stages(
                 with torch.device("meta"):
                     layer = _build_layer(model, index)
             entries.append((names[index], layer))
-        partition = nn.Sequential(OrderedDict(entries))
+        partition = sequential_like(model, entries)  # a PipeSequential's stages keep its calling convention
         skeleton.append(partition)
         if stage in mine:
             owned[stage] = partition

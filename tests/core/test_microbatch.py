@@ -68,3 +68,17 @@ def test_scatter_errors():
         scatter(torch.tensor(1.0), 2)
     with pytest.raises(ValueError, match="batch size 0"):
         scatter(torch.zeros(0, 3), 2)
+
+
+def test_gather_keeps_a_non_tensor_that_every_microbatch_agrees_on():
+    batches = [Batch((torch.full((2,), float(i)), 0.5, None, [1, "a"])) for i in range(3)]
+    out = gather(batches)
+    assert out[1:] == (0.5, None, [1, "a"])
+
+
+def test_gather_rejects_a_non_tensor_that_differs_between_microbatches():
+    # The plain module would return one value for the whole batch; no micro-batch's value is it.
+    batches = [Batch((torch.zeros(2), i)) for i in range(3)]
+    with pytest.raises(ValueError, match=r"\(0 in micro-batch 0, 1 in micro-batch 1, at position 1 of .*"
+                                         r"return it as a tensor with a batch dimension"):
+        gather(batches)
