@@ -48,11 +48,10 @@ from pipe.distributed.group import Topology
 from pipe.distributed.recompute import RankSwap
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch, flatten
-from pipe.threads.pipeline import partition_function
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
-from pipe.skip.tracker import SkipTracker, use_skip_tracker
+from pipe.skip.tracker import SkipTracker, partition_function, use_skip_tracker
 
 __all__ = ["Runtime", "StageSkips", "MAIN"]
 
@@ -109,7 +108,7 @@ class _CrossStageTracker(SkipTracker):
 def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
     """The function a cell of this stage runs (and a checkpoint replays).
 
-    Without skips crossing the stage it is :func:`pipe.threads.pipeline.partition_function`.
+    Without skips crossing the stage it is :func:`pipe.skip.tracker.partition_function`.
     Otherwise the input value is ``(value, arriving skips)`` and the output
     ``(value, leaving skips)``, so skips are ordinary inputs and outputs of the cell.
     """

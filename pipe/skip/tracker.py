@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipe.core.checkpoint import is_checkpointing
 from pipe.core.dependency import fork, join
@@ -28,7 +28,8 @@ from pipe.core.stream import AbstractStream
 if TYPE_CHECKING:
     from pipe.skip.layout import SkipLayout
 
-__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "use_skip_tracker", "current_skip_tracker"]
+__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "use_skip_tracker", "current_skip_tracker",
+           "partition_function"]
 
 
 def _describe(ns: NamespaceOrNone, name: str) -> str:
@@ -129,3 +130,21 @@ def current_skip_tracker() -> SkipTracker:
     if tracker is None:
         tracker = _local.tracker = SkipTracker()
     return tracker
+
+
+def partition_function(partition: nn.Module, skip_tracker: Optional[SkipTracker] = None) -> Callable[[Batch], Batch]:
+    """The function a checkpoint replays: the partition applied to a batch (both runners use it).
+
+    With a skip tracker, the partition's skippable layers stash into and pop
+    from it, in the first forward and in the recomputation alike.
+    """
+    if skip_tracker is None:
+        def function(batch: Batch) -> Batch:
+            return batch.call(partition)
+        return function
+
+    def function_with_skips(batch: Batch) -> Batch:
+        with use_skip_tracker(skip_tracker):
+            return batch.call(partition)
+
+    return function_with_skips

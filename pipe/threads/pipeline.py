@@ -31,7 +31,7 @@ from pipe.core.microbatch import Batch
 from pipe.core.rng import RandomnessGuard, cell_seed, draw_base_seed
 from pipe.core.schedule import Schedule
 from pipe.skip.layout import SkipLayout
-from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
+from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, partition_function
 from pipe.core.stream import AbstractStream, current_stream, new_stream, use_device
 from pipe.threads.worker import ExcInfo, Task, Workers
 
@@ -236,22 +236,4 @@ def _forward_clock_cycles(partitions: int, chunks: int) -> list[list[tuple[int, 
     """The (micro-batch, partition) cells of each GPipe clock cycle, cached per shape."""
     schedule = Schedule("gpipe", ranks=partitions, microbatches=chunks)
     return [[(a.microbatch, a.stage) for a in cycle] for cycle in schedule.forward_clock_cycles()]
-
-
-def partition_function(partition: nn.Module, skip_tracker: Optional[SkipTracker] = None) -> Callable[[Batch], Batch]:
-    """The function a checkpoint replays: the partition applied to a batch.
-
-    With a skip tracker, the partition's skippable layers stash into and pop
-    from it, in the first forward and in the recomputation alike.
-    """
-    if skip_tracker is None:
-        def function(batch: Batch) -> Batch:
-            return batch.call(partition)
-        return function
-
-    def function_with_skips(batch: Batch) -> Batch:
-        with use_skip_tracker(skip_tracker):
-            return batch.call(partition)
-
-    return function_with_skips
 
