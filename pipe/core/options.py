@@ -1,9 +1,10 @@
 """Argument checks shared by the front ends (``Pipe``, ``DistributedPipe``) and ``pipe-viz``.
 
 Each check names the argument, the value it got and how to fix it, so that
-the same mistake reads the same from every entry point. Only front ends and
-tools (``pipe.balance``, ``pipe.batchnorm``) import this module; the runners below them take
-checked values.
+the same mistake reads the same from every entry point. Only the entry points
+that take a user's values import this module: the two front ends,
+``pipe-viz``, ``pipe.balance``, ``pipe.batchnorm`` and the recompute config
+reader; the runners below them take checked values.
 """
 from __future__ import annotations
 
