@@ -155,10 +155,12 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             peak = max(peak, held + sent + posted + memory.forward_peak)
             kept[key] = memory.kept
             held += memory.kept
+            if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
+                sent += HEADER_BYTES
         else:
             peak = max(peak, held + sent + posted + memory.backward_peak)
             held -= kept.pop(key)
             if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
-                sent += (HEADER_BYTES + sizes[last - 1] if action.stage < last_stage else 0) + (
+                sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
     return peak
