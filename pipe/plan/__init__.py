@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pipe.plan.cost import Costs, StageMemory, StageTime, profile_costs
 from pipe.plan.explain import Explanation, Idle, explain, explain_prediction
-from pipe.plan.predict import Candidate, Prediction, predict
+from pipe.plan.predict import Candidate, Prediction, calibrate, predict
 from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search
 
 __all__ = ["Candidate", "Costs", "Explanation", "Idle", "Plan", "PlanError", "Prediction", "StageMemory",
-           "StageTime", "explain", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
+           "StageTime", "calibrate", "explain", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
            "profile_costs", "search"]

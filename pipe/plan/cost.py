@@ -86,13 +86,17 @@ class Costs:
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
         bandwidth: bytes per second between stages (None: transfers are free).
         latency: seconds per transfer (with ``bandwidth``).
+        action_overhead: seconds a runner spends per forward or backward
+            beyond the layers' own time (posting receives, sending, Python);
+            0 until :func:`pipe.plan.predict.calibrate` fits it to a measured step.
     """
 
     def __init__(self, batch: int, forward: dict[int, list[float]], backward: dict[int, list[float]],
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
                  output_bytes: Optional[dict[int, list[int]]] = None, bandwidth: Optional[float] = None,
-                 latency: float = 0.0) -> None:
+                 latency: float = 0.0, action_overhead: float = 0.0) -> None:
         self.batch = batch
+        self.action_overhead = action_overhead
         self.forward = forward
         self.backward = backward
         self._memory = memory
@@ -128,9 +132,9 @@ class Costs:
         """Seconds of one micro-batch on layers ``first:stop``; a stage before the last pays
         the transfer of its output in forward, one after the first that of its input gradient."""
         rows = self.rows(chunks)
-        forward = math.fsum(self.forward[rows][first:stop])
-        backward = math.fsum(self.backward[rows][first:stop])
-        recompute = forward
+        recompute = math.fsum(self.forward[rows][first:stop])
+        forward = recompute + self.action_overhead
+        backward = math.fsum(self.backward[rows][first:stop]) + self.action_overhead
         if self.bandwidth is not None:
             if stop < self.layers:
                 forward += self.latency + self.output_bytes[rows][stop - 1] / self.bandwidth
@@ -206,7 +210,7 @@ class Costs:
 
 
 def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
-                  rounds: int = 3, device: Optional[torch.device] = None, bandwidth: Optional[float] = None,
+                  rounds: int = 5, device: Optional[torch.device] = None, bandwidth: Optional[float] = None,
                   latency: float = 0.0, loss_fn: Optional[Callable[[Any, Any], Tensor]] = None,
                   target: Any = None) -> Costs:
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
@@ -232,14 +236,10 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                          f"pass chunk counts that divide it, such as 1, 2 or {batch}")
     micro = {batch // c: scatter(sample, c)[0].value for c in usable}
     targets = {batch // c: scatter(target, c)[0].value for c in usable} if loss_fn is not None else {}
-    forward: dict[int, list[float]] = {}
-    backward: dict[int, list[float]] = {}
-    output_bytes: dict[int, list[int]] = {}
     begun = time.perf_counter()
     with _sandbox(device):
         layers = list(_layer_copies(module, device))
-        for rows, value in micro.items():
-            forward[rows], backward[rows], output_bytes[rows] = _time_layers(layers, value, device, rounds)
+        forward, backward, output_bytes = _time_layers(layers, micro, device, rounds)
         # Inputs of every layer for every size, computed once without a graph, for the memory counts.
         inputs: dict[int, list[Batch]] = {}
         with torch.no_grad():
@@ -261,33 +261,53 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                                 loss)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
-    return Costs(batch, forward, backward, memory, param_bytes, param_scale=param_scale,
+    return Costs(batch, _monotone(forward), _monotone(backward), memory, param_bytes, param_scale=param_scale,
                  output_bytes=output_bytes, bandwidth=bandwidth, latency=latency)
 
 
-def _time_layers(layers: list[nn.Module], value: Any, device: torch.device,
-                 rounds: int) -> tuple[list[float], list[float], list[int]]:
-    """Per layer: fastest forward, fastest backward (after one warm-up round), output bytes."""
-    forwards: list[list[float]] = [[] for _ in layers]
-    backwards: list[list[float]] = [[] for _ in layers]
-    sizes = [0] * len(layers)
+Table = dict[int, list[float]]
+
+
+def _time_layers(layers: list[nn.Module], micro: dict[int, Any], device: torch.device,
+                 rounds: int) -> tuple[Table, Table, dict[int, list[int]]]:
+    """Per micro-batch size and layer: fastest forward, fastest backward, output bytes.
+
+    One warm-up round, then ``rounds`` timed ones; each round visits every size,
+    so that a pause of this process (another one got the core) spoils one
+    round of each size, not every round of one size.
+    """
+    forwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
+    backwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
+    sizes = {rows: [0] * len(layers) for rows in micro}
     for round_ in range(rounds + 1):
-        batch = _input(value, device)
-        for k, layer in enumerate(layers):
-            batch = _detach(batch)
-            _synchronize(device)
-            tick = time.perf_counter()
-            batch = batch.call(layer)
-            _synchronize(device)
-            tock = time.perf_counter()
-            _backward(batch)
-            _synchronize(device)
-            if round_ > 0:
-                forwards[k].append(tock - tick)
-                backwards[k].append(time.perf_counter() - tock)
-            sizes[k] = sum(t.numel() * t.element_size() for t in batch.tensors)
+        for rows, value in micro.items():
+            batch = _input(value, device)
+            for k, layer in enumerate(layers):
+                batch = _detach(batch)
+                _synchronize(device)
+                tick = time.perf_counter()
+                batch = batch.call(layer)
+                _synchronize(device)
+                tock = time.perf_counter()
+                _backward(batch)
+                _synchronize(device)
+                if round_ > 0:
+                    forwards[rows][k].append(tock - tick)
+                    backwards[rows][k].append(time.perf_counter() - tock)
+                sizes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
     # The fastest round: time lost to other processes is not the layer's cost.
-    return [min(f) for f in forwards], [min(b) for b in backwards], sizes
+    return ({rows: [min(f) for f in per] for rows, per in forwards.items()},
+            {rows: [min(b) for b in per] for rows, per in backwards.items()}, sizes)
+
+
+def _monotone(times: Table) -> Table:
+    """A layer takes no longer on fewer rows: a slow measurement at a small size (preempted
+    in every round) is replaced by the time measured on more rows."""
+    sizes = sorted(times, reverse=True)
+    result = {sizes[0]: list(times[sizes[0]])}
+    for larger, rows in zip(sizes, sizes[1:]):
+        result[rows] = [min(t, bound) for t, bound in zip(times[rows], result[larger])]
+    return result
 
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,

@@ -17,6 +17,10 @@ after, the last stage's backward its own forward):
 * **overhead**: the awaited action had already ended (or there was none):
   runtime work between actions that no span covers.
 
+A receive of the process runner (``recv`` span) blocks until the sender's
+action ends: that part of it is waiting for that action (bubble or wait),
+the rest is transfer.
+
 The busy time and the idle intervals tile the step window exactly, so the
 attributed share of every row is 100% by construction::
 
@@ -26,7 +30,7 @@ attributed share of every row is 100% by construction::
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule
@@ -204,31 +208,57 @@ def explain_timeline(timeline: Timeline, schedule: str = "gpipe", bubble_only: b
     rows = list(timeline.rows)
     explanation = Explanation(rows, timeline.unit, start, end, [0.0] * len(rows), [0.0] * len(rows))
     for row in range(len(rows)):
-        mine = [c for c in cells if c.row == row]
+        mine, consumers = _split_receives([c for c in cells if c.row == row], ended, rule)
         explanation.compute[row] = _union([(c.start, c.end) for c in mine if c.kind in COMPUTE])
         explanation.transfer[row] = _union([(c.start, c.end) for c in mine if c.kind not in COMPUTE])
         cursor = start
         for c in mine:
             if c.start > cursor:
-                explanation.idle += _attribute(row, cursor, c, ended, expected, stage_rows, rows, rule, bubble_only)
+                explanation.idle += _attribute(row, cursor, c.start, consumers.get(c, c), ended, expected,
+                                               stage_rows, rows, rule, bubble_only)
             cursor = max(cursor, c.end)
         if end > cursor:
             explanation.idle.append(Idle(row, cursor, end, "bubble"))
     return explanation
 
 
-def _attribute(row: int, start: float, cell: Cell, ended: dict[Action, float], expected: dict[Action, float],
-               stage_rows: dict[int, int], rows: list[str], rule: Schedule, bubble_only: bool) -> list[Idle]:
-    """The causes of the idle interval from ``start`` to ``cell.start``."""
+def _split_receives(cells: list[Cell], ended: dict[Action, float],
+                    rule: Schedule) -> tuple[list[Cell], dict[Cell, Cell]]:
+    """A receive (process runner) blocks until the sender has produced the message: the part of a
+    ``recv`` span before the awaited action ended is waiting, not transfer. Returns the row's cells
+    with each receive cut to its transfer part, and for each cut receive the action that consumes it."""
+    kept: list[Cell] = []
+    consumers: dict[Cell, Cell] = {}
+    for k, c in enumerate(cells):
+        consumer = None
+        if c.kind == "recv" and c.microbatch is not None:
+            consumer = next((d for d in cells[k + 1:] if d.kind in _PHASE and d.microbatch == c.microbatch
+                             and d.stage == c.stage and d.segment == 0), None)
+        if consumer is None:
+            kept.append(c)
+            continue
+        dependency = rule._dependency(Action(_PHASE[consumer.kind], consumer.microbatch or 0, consumer.stage or 0))
+        arrived = min(max(ended.get(dependency, c.start) if dependency else c.start, c.start), c.end)
+        if arrived < c.end:
+            rest = replace(c, start=arrived)
+            kept.append(rest)
+            consumers[rest] = consumer
+    return kept, consumers
+
+
+def _attribute(row: int, start: float, until: float, cell: Cell, ended: dict[Action, float],
+               expected: dict[Action, float], stage_rows: dict[int, int], rows: list[str], rule: Schedule,
+               bubble_only: bool) -> list[Idle]:
+    """The causes of the idle interval from ``start`` to ``until``, before ``cell`` (or the receive for it)."""
     label = cell.label + (f"@{cell.stage}" if cell.stage is not None else "")
     if cell.kind not in _PHASE or cell.microbatch is None or cell.stage is None or cell.segment > 0:
-        return [Idle(row, start, cell.start, "overhead", label)]
+        return [Idle(row, start, until, "overhead", label)]
     action = Action(_PHASE[cell.kind], cell.microbatch, cell.stage)
     dependency = rule._dependency(action)
     if dependency is None or dependency not in ended or dependency.stage not in stage_rows:
-        return [Idle(row, start, cell.start, "overhead", label)]
+        return [Idle(row, start, until, "overhead", label)]
     awaited, on = str(dependency), rows[stage_rows[dependency.stage]]
-    ready = min(max(ended[dependency], start), cell.start)
+    ready = min(max(ended[dependency], start), until)
     parts: list[Idle] = []
     if ready > start:
         own = (ready - start) if bubble_only else min(ready - start, expected.get(action, 0.0))
@@ -236,8 +266,8 @@ def _attribute(row: int, start: float, cell: Cell, ended: dict[Action, float], e
             parts.append(Idle(row, start, start + own, "bubble", label, awaited, on))
         if start + own < ready:
             parts.append(Idle(row, start + own, ready, "wait", label, awaited, on))
-    if cell.start > ready:
-        parts.append(Idle(row, ready, cell.start, "overhead", label, awaited, on))
+    if until > ready:
+        parts.append(Idle(row, ready, until, "overhead", label, awaited, on))
     return parts
 
 

@@ -19,7 +19,7 @@ from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.distributed.transport import HEADER_BYTES
 from pipe.plan.cost import Costs
 
-__all__ = ["Candidate", "Prediction", "predict"]
+__all__ = ["Candidate", "Prediction", "calibrate", "predict"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +164,31 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
     return peak
+
+
+def calibrate(costs: Costs, candidate: Candidate, measured_step_time: float, *, runner: str = "threads") -> float:
+    """Fits ``costs.action_overhead`` so that ``candidate``'s predicted step time is the measured one.
+
+    The layers' times are measured in isolation; a runner adds a cost per
+    action (receives, sends, bookkeeping) that one measured step of one plan
+    reveals. Other plans are then predicted with it. Returns the overhead (s).
+
+    Raises:
+        ValueError: the measured step is faster than the layers alone (then
+            the layer times were measured under load: profile again).
+    """
+    costs.action_overhead = 0.0
+    base = predict(costs, candidate, runner=runner, timeline=False).step_time
+    if measured_step_time < base:
+        raise ValueError(
+            f"measured step time {measured_step_time * 1e3:.3f} ms is below the {base * 1e3:.3f} ms the layers "
+            f"alone take in {candidate.describe()}; profile the layers again on an idle machine")
+    low, high = 0.0, measured_step_time
+    for _ in range(60):
+        costs.action_overhead = (low + high) / 2
+        if predict(costs, candidate, runner=runner, timeline=False).step_time < measured_step_time:
+            low = costs.action_overhead
+        else:
+            high = costs.action_overhead
+    costs.action_overhead = (low + high) / 2
+    return costs.action_overhead

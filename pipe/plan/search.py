@@ -171,8 +171,9 @@ def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
 
 
 def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: Optional[Sequence[str]] = None,
-               checkpoints: Sequence[str] = ("never", "except_last", "always"), max_balances: int = 64) -> list[Candidate]:
-    """The plans :func:`search` compares."""
+               checkpoints: Sequence[str] = ("never", "except_last", "always"), max_balances: int = 64,
+               balances: Optional[Sequence[Sequence[int]]] = None) -> list[Candidate]:
+    """The plans :func:`search` compares (``balances``: only these, for the schedules with as many stages)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
                          f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
@@ -192,7 +193,11 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         virtual = 2 if kind == "interleaved" else 1
         if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1):
             continue
-        for balance in _balances(costs, ranks * virtual, max_balances):
+        if balances is not None:
+            options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
+        else:
+            options = _balances(costs, ranks * virtual, max_balances)
+        for balance in options:
             for chunks in costs.chunk_options():
                 if kind == "interleaved" and chunks % ranks:
                     continue
@@ -206,7 +211,8 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
 
 def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "threads",
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
-           max_balances: int = 64, runners_up: int = 4) -> Plan:
+           max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
+           runners_up: int = 4) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
 
     Args:
@@ -217,14 +223,18 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         schedules, checkpoints: restrict the candidates.
         max_balances: enumerate every balance up to this many, else a neighbourhood
             of the even, time- and memory-balanced ones.
+        balances: consider only these balances (one entry per stage).
 
     Raises:
         PlanError: nothing fits; the message names the smallest peak and its plan.
     """
     budget = _budget(memory_budget, ranks)
     options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
-                         max_balances=max_balances)
-    predictions = sorted((predict(costs, c, timeline=False) for c in options),
+                         max_balances=max_balances, balances=balances)
+    if not options:
+        raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
+                         f"into {ranks} stages (or 2 x {ranks} for interleaved)")
+    predictions = sorted((predict(costs, c, runner=runner, timeline=False) for c in options),
                          key=lambda p: (p.step_time, p.peak))
     fits = [p for p in predictions if all(peak <= b for peak, b in zip(p.peaks, budget))]
     if not fits:
@@ -238,7 +248,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     best = fits[0]
     faster = predictions[:predictions.index(best)]
     rejected = [(p, _why(p, budget)) for p in faster]
-    chosen = Plan(predict(costs, best.candidate), fits[1:1 + runners_up], rejected, budget, runner,
+    chosen = Plan(predict(costs, best.candidate, runner=runner), fits[1:1 + runners_up], rejected, budget, runner,
                   len(predictions), costs)
     logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates)", best.candidate.describe(),
                 best.step_time * 1e3, [format_bytes(b) for b in best.peaks], len(predictions))
@@ -262,7 +272,7 @@ def _budget(memory_budget: Budget, ranks: int) -> list[int]:
 def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: int, runner: str = "threads",
          chunks: Sequence[int] = (1, 2, 4, 8, 16, 32), schedules: Optional[Sequence[str]] = None,
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
-         device: Optional[torch.device] = None, rounds: int = 3, max_balances: int = 64,
+         device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          bandwidth: Optional[float] = None, latency: float = 0.0) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 

@@ -74,3 +74,21 @@ def test_a_recorded_pipe_step_is_fully_attributed() -> None:
 def test_an_empty_timeline_is_refused() -> None:
     with pytest.raises(ValueError, match="no spans"):
         explain({"traceEvents": []})
+
+
+def test_a_receive_is_waiting_until_the_sender_finished_then_transfer() -> None:
+    # Rank 1 posts the receive for F0@1 at 0 ms; F0@0 ends at 2 ms on rank 0; the message lands at 2.5 ms.
+    spans = [("forward", 0, 0, 0, 0.0, 2.0), ("recv", 0, 1, 1, 0.0, 2.5), ("forward", 0, 1, 1, 2.5, 3.5),
+             ("backward", 0, 1, 1, 3.5, 5.5), ("recv", 0, 0, 0, 2.0, 5.8), ("backward", 0, 0, 0, 5.8, 7.0)]
+    events = [complete_event(kind, i, s, start * 1000, (end - start) * 1000, pid)
+              for kind, i, s, pid, start, end in spans]
+    explanation = explain({"traceEvents": events, "otherData": {"config": {"schedule": "1f1b"}}})
+    assert explanation.rows == ["rank 0", "rank 1"]
+    assert explanation.transfer == [pytest.approx(0.3), pytest.approx(0.5)]
+    waits: dict[tuple[int, str], float] = {}
+    for i in explanation.idle:
+        if i.waiting_for and i.category != "overhead":
+            waits[(i.row, i.waiting_for)] = waits.get((i.row, i.waiting_for), 0.0) + i.duration
+    assert waits[(1, "F0@0")] == pytest.approx(2.0) and waits[(0, "B0@1")] == pytest.approx(3.5)
+    for row in range(2):
+        assert explanation.attributed(row) == pytest.approx(1.0)

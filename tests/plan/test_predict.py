@@ -71,3 +71,17 @@ def test_a_balance_that_does_not_cover_the_layers_is_refused() -> None:
         predict(uniform(), Candidate("gpipe", 2, (1, 2), "never"))
     with pytest.raises(ValueError, match="chunks=3"):
         predict(uniform(), Candidate("gpipe", 3, (2, 2), "never"))
+
+
+def test_calibration_fits_the_runner_overhead_to_a_measured_step() -> None:
+    from pipe.plan import calibrate
+
+    costs = uniform()
+    reference = Candidate("gpipe", 4, (2, 2), "never")
+    bare = predict(costs, reference).step_time
+    # A runner that spends 1 ms per action: 4 + 2 - 1 = 5 forward and 5 backward slots on the critical path.
+    overhead = calibrate(costs, reference, bare + 10 * 1e-3)
+    assert overhead == pytest.approx(1e-3)
+    assert predict(costs, reference).step_time == pytest.approx(bare + 10e-3)
+    with pytest.raises(ValueError, match="profile the layers again"):
+        calibrate(costs, reference, bare / 2)
