@@ -70,6 +70,11 @@ class DistributedPipe(nn.Module):
             batch; ``"sum"`` if it sums.
         device: where this rank's layers and tensors live; default ``cuda``
             (current device) under NCCL, else the CPU.
+        memory_budget: bytes per rank (``"2GiB"`` or a number): rank 0 measures
+            ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and
+            ``target``) and every rank uses the fastest chunks, balance,
+            checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
+        sample, target: one mini-batch and its targets, with ``memory_budget``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -91,8 +96,19 @@ class DistributedPipe(nn.Module):
         loss_fn: Optional[LossFn] = None,
         loss_reduction: str = "mean",
         device: Optional[torch.device] = None,
+        memory_budget: Optional[Any] = None,
+        sample: Any = None,
+        target: Any = None,
     ) -> None:
         super().__init__()
+        if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
+            from pipe.plan.apply import plan_for_ranks
+
+            require_initialized()
+            planned = plan_for_ranks(model, sample, memory_budget, balance, dist.get_world_size() // data_parallel,
+                                     loss_fn, target)
+            chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
+            balance, virtual_stages = planned["balance"], planned["virtual_stages"]
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         positive_int("data_parallel", data_parallel, "replicas of the pipeline")

@@ -20,7 +20,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -273,7 +273,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          chunks: Sequence[int] = (1, 2, 4, 8, 16, 32), schedules: Optional[Sequence[str]] = None,
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
-         bandwidth: Optional[float] = None, latency: float = 0.0) -> Plan:
+         bandwidth: Optional[float] = None, latency: float = 0.0,
+         loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -294,6 +295,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         device: where to profile (default: the CPU).
         rounds: timed rounds per layer (the fastest is kept).
         bandwidth, latency: bytes/s and seconds per transfer between stages (default: free).
+        loss_fn, target: the loss and the mini-batch's targets, so the last
+            stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
 
     Raises:
         PlanError: nothing fits (the message names the smallest budget that does).
@@ -301,6 +304,6 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     """
     verify_module(model)
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          bandwidth=bandwidth, latency=latency)
+                          bandwidth=bandwidth, latency=latency, loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                   max_balances=max_balances)
