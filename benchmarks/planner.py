@@ -109,12 +109,16 @@ def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Cand
 
     build, data, loss_fn = MODELS[name]
     x, y = data(size)
-    measured = []
-    for c in grid:
-        model = DistributedPipe(build(size), chunks=c.chunks, balance=list(c.balance), checkpoint=c.checkpoint,
-                                schedule=c.schedule, virtual_stages=c.virtual_stages)
-        m = measure_step(model, x, y, loss_fn, repeat=5)
-        measured.append((m.activation_peak, m.step_time))
+    measured: list[tuple[int, float]] = []
+    for sweep in range(2):  # two sweeps over the grid, minutes apart: the faster time of each plan counts
+        for k, c in enumerate(grid):
+            model = DistributedPipe(build(size), chunks=c.chunks, balance=list(c.balance), checkpoint=c.checkpoint,
+                                    schedule=c.schedule, virtual_stages=c.virtual_stages)
+            m = measure_step(model, x, y, loss_fn, repeat=3)
+            if sweep == 0:
+                measured.append((m.activation_peak, m.step_time))
+            else:
+                measured[k] = (measured[k][0], min(measured[k][1], m.step_time))
     model = DistributedPipe(build(size), chunks=record.chunks, balance=list(record.balance),
                             checkpoint=record.checkpoint, schedule=record.schedule,
                             virtual_stages=record.virtual_stages)
@@ -155,6 +159,7 @@ def validate(name: str, size: dict[str, int], budgets_count: int) -> dict[str, A
     build, data, loss_fn = MODELS[name]
     model = build(size)
     x, y = data(size)
+    torch.set_num_threads(1)  # as each rank runs (one intra-op thread per rank)
     begun = time.perf_counter()
     costs = planner.profile_costs(model, x, (1, 2, 4, 8), loss_fn=loss_fn, target=y)
     balances = balances_for(len(model))
@@ -175,7 +180,12 @@ def validate(name: str, size: dict[str, int], budgets_count: int) -> dict[str, A
     # Time: calibrate the runner's overhead per action on one plan, predict the others.
     reference = Candidate("gpipe", 2, tuple(balances[0]), "never")
     uncalibrated = {c: predicted[c].step_time for c in grid}
-    overhead = planner.calibrate(costs, reference, measured_time[reference], runner="processes")
+    try:
+        overhead = planner.calibrate(costs, reference, measured_time[reference], runner="processes")
+        calibration = "ok"
+    except ValueError as error:  # layer times inflated by other processes while profiling
+        print(f"[{name}] calibration failed: {error}", flush=True)
+        overhead, calibration = 0.0, f"failed: {error}"
     timed = {c: planner.predict(costs, c, runner="processes", timeline=False).step_time for c in grid}
     schedule_times = []
     for kind, virtual, balance in (("gpipe", 1, balances[0]), ("1f1b", 1, balances[0]),
@@ -223,6 +233,7 @@ def validate(name: str, size: dict[str, int], budgets_count: int) -> dict[str, A
     return {
         "size": size, "layers": len(model), "candidates": len(grid), "planning_s": planning_s,
         "calibrated_overhead_ms_per_action": overhead * 1e3, "calibration_plan": reference.describe(),
+        "calibration": calibration,
         "budgets": rows,
         "chosen_under_budget_share": sum(r["under_budget"] for r in rows) / len(rows),
         "peak_error_max_all_plans": max(abs(e) for e in memory_errors),

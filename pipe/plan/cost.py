@@ -235,7 +235,10 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
         raise ValueError(f"none of chunks={list(chunks)} divides the batch of {batch} samples; "
                          f"pass chunk counts that divide it, such as 1, 2 or {batch}")
     micro = {batch // c: scatter(sample, c)[0].value for c in usable}
-    targets = {batch // c: scatter(target, c)[0].value for c in usable} if loss_fn is not None else {}
+    if loss_fn is not None and target is None:
+        raise ValueError("profile_costs(loss_fn=...) needs target=, the mini-batch's targets, to compute the loss")
+    targets = {batch // c: _input(scatter(target, c)[0].value, device).value for c in usable} \
+        if loss_fn is not None else {}
     begun = time.perf_counter()
     with _sandbox(device):
         layers = list(_layer_copies(module, device))
