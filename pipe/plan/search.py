@@ -120,8 +120,8 @@ class Plan:
         return {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
                 "schedule": c.schedule, "virtual_stages": c.virtual_stages}
 
-    def table(self) -> str:
-        """The chosen plan, the runners-up and the faster rejected plans, one line each."""
+    def table(self, rejected: int = 8) -> str:
+        """The chosen plan, the runners-up and the ``rejected`` fastest plans over budget, one line each."""
         lines = [f"memory budget {', '.join(sorted({format_bytes(b) for b in self.budget}))} per rank; "
                  f"{self.considered} candidates ({self.runner})",
                  f"{'':2}{'plan':<60} {'step':>10} {'peak per rank':>40}"]
@@ -134,8 +134,10 @@ class Plan:
         lines.append(row("*", self.best, "chosen"))
         lines += [row("", p) for p in self.runners_up]
         if self.rejected:
-            lines.append("faster, but over budget:")
-            lines += [row("x", p, why) for p, why in self.rejected]
+            shown = self.rejected[:rejected]
+            lines.append(f"faster, but over budget ({len(self.rejected)}"
+                         + (f", the {len(shown)} fastest shown):" if len(shown) < len(self.rejected) else "):"))
+            lines += [row("x", p, why) for p, why in shown]
         return "\n".join(lines)
 
 
