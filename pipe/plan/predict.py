@@ -145,24 +145,31 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             return HEADER_BYTES + sizes[first - 1] if action.stage > 0 and sizes else 0
         return HEADER_BYTES + sizes[stop_ - 1] if action.stage < last_stage and sizes else 0
 
-    sent = 0
+    sent = lingering = 0
+    latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         if action.phase is Phase.FORWARD:
-            peak = max(peak, held + sent + posted + memory.forward_peak)
+            peak = max(peak, held + sent + posted + lingering + memory.forward_peak)
             kept[key] = memory.kept
             held += memory.kept
+            lingering, latest = 0, action
             if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
                 sent += HEADER_BYTES
         else:
-            peak = max(peak, held + sent + posted + memory.backward_peak)
+            peak = max(peak, held + sent + posted + lingering + memory.backward_peak)
             held -= kept.pop(key)
             if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
                 sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
+            if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
+                    latest.microbatch, latest.stage) == key:
+                # The runner's step loop still references the latest forward's output and loss until
+                # the next forward; measured: two output-sized tensors outlive the backward.
+                lingering = 2 * sizes[last - 1]
     return peak
 
 
