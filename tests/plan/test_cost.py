@@ -110,4 +110,4 @@ def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            assert predicted == pytest.approx(measured[rank][k], rel=0.05), (candidate, rank)
+            assert predicted == pytest.approx(measured[rank][k], rel=0.02), (candidate, rank)
