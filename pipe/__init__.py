@@ -40,7 +40,8 @@ _NAMES = {
     "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),
     "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
 }
-_SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads"}
+_SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads",
+               "plan"}
 
 
 def __getattr__(name: str) -> Any:

@@ -71,6 +71,11 @@ class Pipe(nn.Module):
             docs/recompute.md): full, selective and offload policies per
             layer, stage = partition; best with ``checkpoint="never"``.
             The normalised strategy is ``pipe.recompute_strategy``.
+        memory_budget: bytes per device (``"2GiB"``, a number, or one per
+            device): measure the model on ``sample`` and use the fastest
+            ``chunks``, ``balance`` and ``checkpoint`` predicted to fit
+            (:mod:`pipe.plan`; needs ``devices=``; the plan is ``pipe.plan``).
+        sample: one mini-batch, with ``memory_budget``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has
@@ -91,8 +96,17 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
         cpu_threads: Optional[int] = None,
         recompute: Optional[ConfigSource] = None,
+        memory_budget: Optional[Any] = None,
+        sample: Any = None,
     ) -> None:
         super().__init__()
+        self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
+        if memory_budget is not None:
+            from pipe.plan.apply import plan_for_pipe
+
+            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices)
+            chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
+                list(self.plan.candidate.balance)
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):

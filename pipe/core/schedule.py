@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
 
@@ -209,7 +210,7 @@ class Schedule:
 
     def simulate(
         self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
-        checkpoint_stop: int | None = None,
+        checkpoint_stop: int | None = None, durations: Callable[[Action], float] | None = None,
     ) -> list[TimedAction]:
         """Place every action on a timeline, given how long each phase takes.
 
@@ -222,6 +223,9 @@ class Schedule:
         Recompute are separate), but the backward waits for it.
         ``checkpoint_stop`` limits recomputation to micro-batches ``i <
         checkpoint_stop``, as ``Pipe``'s checkpoint modes do (None: all).
+        ``durations(action)``, when given, is the length of each action
+        instead (per stage and micro-batch, e.g. measured costs for
+        :mod:`pipe.plan`); a RECOMPUTE of length 0 is left out.
 
         Returns:
             The timed actions of all ranks, sorted by ``(start, rank)``.
@@ -231,7 +235,8 @@ class Schedule:
             RuntimeError: the programs deadlock; the message names the stuck actions.
         """
         _check_durations(forward, backward, recompute)
-        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
+        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.RECOMPUTE: recompute}
+        length = durations or (lambda action: duration[action.phase])
         programs = [self.actions(rank) for rank in range(self.ranks)]
         ends: dict[Action, float] = {}
         cursor = [0] * self.ranks
@@ -247,15 +252,15 @@ class Schedule:
                     if dependency is not None and dependency not in ends:
                         break
                     start = free[rank]
-                    if action.phase is Phase.BACKWARD and recompute > 0 and (
+                    redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
+                    if action.phase is Phase.BACKWARD and length(redo) > 0 and (
                         checkpoint_stop is None or action.microbatch < checkpoint_stop
                     ):
-                        redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
-                        timeline.append(TimedAction(redo, rank, start, start + recompute))
-                        start += recompute
+                        timeline.append(TimedAction(redo, rank, start, start + length(redo)))
+                        start += length(redo)
                     if dependency is not None:
                         start = max(start, ends[dependency])
-                    end = start + duration[action.phase]
+                    end = start + length(action)
                     timeline.append(TimedAction(action, rank, start, end))
                     ends[action] = free[rank] = end
                     cursor[rank] += 1

@@ -84,6 +84,11 @@ class DistributedPipe(nn.Module):
             ``Pipe``: stage = ``balance`` entry, each rank applies its part
             (:mod:`pipe.distributed.recompute`); the normalised strategy is
             ``recompute_strategy``.
+        memory_budget: bytes per rank (``"2GiB"`` or a number): rank 0 measures
+            ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and
+            ``target``) and every rank uses the fastest chunks, balance,
+            checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
+        sample, target: one mini-batch and its targets, with ``memory_budget``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -107,8 +112,19 @@ class DistributedPipe(nn.Module):
         device: Optional[torch.device] = None,
         deferred_batch_norm: bool = False,
         recompute: Optional[ConfigSource] = None,
+        memory_budget: Optional[Any] = None,
+        sample: Any = None,
+        target: Any = None,
     ) -> None:
         super().__init__()
+        if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
+            from pipe.plan.apply import plan_for_ranks
+
+            require_initialized()
+            planned = plan_for_ranks(model, sample, memory_budget, balance, dist.get_world_size() // data_parallel,
+                                     loss_fn, target)
+            chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
+            balance, virtual_stages = planned["balance"], planned["virtual_stages"]
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         positive_int("data_parallel", data_parallel, "replicas of the pipeline")

@@ -4,7 +4,7 @@ Usage::
 
     pipe-viz plan --schedule 1f1b --stages 4 --microbatches 8 [--virtual-stages 2]
                   [--checkpoint always] [-o out.svg]
-    pipe-viz trace run.json [more ranks' files ...] [--step N] [--plan] [-o out.html]
+    pipe-viz trace run.json [more ranks' files ...] [--step N] [--plan] [--explain] [-o out.html]
 
 The output format follows the extension of ``-o``: ``.svg``, ``.html``,
 ``.txt`` or ``.json`` (Chrome trace events, for https://ui.perfetto.dev);
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw only this training step (0-based, -1 for the last); default: the whole trace")
     t.add_argument("--plan", action="store_true",
                    help="also draw the plan of the same configuration with the mean measured durations")
+    t.add_argument("--explain", action="store_true",
+                   help="also print where each stage's idle time went (pipe.plan.explain)")
     t.add_argument("-o", "--output", type=_output, help=f"output file ({', '.join(FORMATS)}); default: text to stdout")
     t.set_defaults(subparser=t)
     return parser
@@ -144,6 +146,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TraceError as error:
         sub.error(str(error))
     _write(timelines, args.output, f"pipe-viz trace {' '.join(args.traces)}", trace)
+    if args.explain:
+        from pipe.plan.explain import explain_timeline
+
+        kind = str(trace.get("otherData", {}).get("config", {}).get("schedule", "gpipe"))
+        sys.stdout.write(explain_timeline(measured, kind).table() + "\n")
     return 0
 
 

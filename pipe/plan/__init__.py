@@ -1,0 +1,28 @@
+"""Planning: choose the fastest plan under a memory budget, and say where idle time went.
+
+Usage::
+
+    import pipe.plan
+    plan = pipe.plan.plan(model, sample, memory_budget="2GiB", stages=4)
+    print(plan.table())
+    model = Pipe(model, **plan.pipe_kwargs())
+
+    report = pipe.plan.explain(pipe.trace.load("run.json"))   # a measured step
+    print(report.table())
+
+* :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
+* :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
+  those durations) and each rank's peak memory (its program, walked);
+* :mod:`pipe.plan.search`: the candidates, and the fastest one that fits;
+* :mod:`pipe.plan.explain`: every idle interval of a trace or a plan, with its cause.
+"""
+from __future__ import annotations
+
+from pipe.plan.cost import Costs, StageMemory, StageTime, profile_costs
+from pipe.plan.explain import Explanation, Idle, explain, explain_prediction
+from pipe.plan.predict import Candidate, Prediction, calibrate, predict
+from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search
+
+__all__ = ["Candidate", "Costs", "Explanation", "Idle", "Plan", "PlanError", "Prediction", "StageMemory",
+           "StageTime", "calibrate", "explain", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
+           "profile_costs", "search"]

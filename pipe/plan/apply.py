@@ -1,0 +1,75 @@
+"""Applying a plan: what ``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)`` do.
+
+The front ends take a budget and a sample mini-batch, plan
+(:func:`pipe.plan.search.plan`) and use the plan's chunks, balance and
+checkpoint mode (and, for processes, schedule and virtual stages) instead of
+their own arguments. Processes must agree on one plan, so the first rank plans
+and broadcasts it: profiles measured on several ranks differ a little.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipe.plan.search import Budget, Plan, plan
+
+__all__ = ["plan_for_pipe", "plan_for_ranks"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str) -> None:
+    if sample is None:
+        raise ValueError(f"{front}(..., memory_budget=...) needs sample=, one mini-batch as the pipeline will get "
+                         f"it, to measure the model on")
+    if balance is not None:
+        raise ValueError(f"{front}(..., memory_budget=...) chooses the balance; leave balance= out (got {balance!r}), "
+                         f"or pass balance= without memory_budget=")
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"{front}(..., memory_budget=...) plans an nn.Sequential, got {type(module).__name__}; "
+                        f"build the model, or plan with pipe.plan.plan() and pass the arguments")
+
+
+def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
+                  devices: Optional[Sequence[Any]]) -> Plan:
+    """The plan ``Pipe`` applies: GPipe over ``devices`` (one stage each).
+
+    Raises:
+        ValueError: no ``sample`` or no ``devices``, or ``balance`` given too;
+            :class:`pipe.plan.PlanError` when nothing fits.
+    """
+    _check(module, sample, balance, "Pipe")
+    if not devices:
+        raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
+                         "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
+    first = torch.device(devices[0]) if not isinstance(devices[0], int) else torch.device("cuda", devices[0])
+    chosen = plan(module, sample, memory_budget=memory_budget, stages=len(devices), device=first)
+    logger.info("Pipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
+    return chosen
+
+
+def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
+                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any) -> dict[str, Any]:
+    """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective)."""
+    import torch.distributed as dist
+
+    _check(module, sample, balance, "DistributedPipe")
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
+                         "real device, not on torch.device('meta')")
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks, runner="processes",
+                          loss_fn=loss_fn, target=target)
+            logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
+            message = [chosen.distributed_kwargs()]
+        except (TypeError, ValueError) as error:
+            message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], BaseException):
+        raise message[0]
+    return dict(message[0])

@@ -1,0 +1,348 @@
+"""Costs: what one micro-batch costs on a stage, in seconds and in counted bytes.
+
+The planner compares plans it has not run, so it needs, for any stage (a
+contiguous range of layers) and micro-batch size, how long the forward, the
+backward and the recomputation take, and how many bytes the stage holds:
+
+* **time** is measured per layer (forward and backward timed separately, the
+  fastest of a few rounds, as :mod:`pipe.balance.profile` times layers) and
+  added up over the stage's layers;
+* **memory** is counted per stage, not estimated: the stage's layers run one
+  micro-batch through the very cell the runners use
+  (:func:`pipe.core.checkpoint.cell`, checkpointed or not) under
+  :class:`pipe.recompute.ActivationMemory`, on the thread that called, so the
+  bytes kept for backward and the high-water marks of forward and backward
+  are exact on any device. Ranges are measured when first asked for and cached.
+
+Parameter memory (weights, gradients and optimiser state) is static:
+``param_scale`` times the parameter bytes, 2 for SGD, 3 with momentum, 4 for Adam.
+
+:meth:`Costs.from_table` builds the same object from numbers, for tests and
+for what-if questions without a model.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipe.balance.profile import _backward, _detach, _input, _layer_copies, _sandbox, _synchronize
+from pipe.core.checkpoint import cell
+from pipe.core.inplace import InputGuard
+from pipe.core.microbatch import Batch, scatter
+from pipe.recompute.memory import ActivationMemory
+from pipe.skip.skippable import skippables_in
+from pipe.skip.tracker import partition_function
+
+__all__ = ["StageMemory", "StageTime", "Costs", "profile_costs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Counted bytes of one micro-batch on one stage (above what existed before it).
+
+    Attributes:
+        forward_peak: high-water mark during the forward (the received input included).
+        kept: live after the forward until its backward: what backward needs
+            (all activations, or only the input when checkpointed) and the output.
+        backward_peak: high-water mark during the backward above the bytes
+            live before it (``kept`` excluded): the received gradient, the
+            recomputed activations, gradient temporaries.
+    """
+
+    forward_peak: int
+    kept: int
+    backward_peak: int
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds of one micro-batch on one stage."""
+
+    forward: float
+    backward: float
+    recompute: float
+
+
+MemoryFn = Callable[[int, int, int, bool], StageMemory]
+
+
+class Costs:
+    """Per-layer times and per-stage counted memory at the micro-batch sizes planned for.
+
+    Args:
+        batch: samples per mini-batch.
+        forward, backward: ``{micro-batch rows: seconds per layer}``.
+        memory: ``memory(first, stop, rows, checkpointed)``: the :class:`StageMemory`
+            of layers ``first:stop`` for a micro-batch of ``rows`` samples.
+        param_bytes: bytes of each layer's parameters.
+        param_scale: copies of the parameters training keeps (weights, gradients,
+            optimiser state).
+        output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
+        bandwidth: bytes per second between stages (None: transfers are free).
+        latency: seconds per transfer (with ``bandwidth``).
+        action_overhead: seconds a runner spends per forward or backward
+            beyond the layers' own time (posting receives, sending, Python);
+            0 until :func:`pipe.plan.predict.calibrate` fits it to a measured step.
+    """
+
+    def __init__(self, batch: int, forward: dict[int, list[float]], backward: dict[int, list[float]],
+                 memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
+                 output_bytes: Optional[dict[int, list[int]]] = None, bandwidth: Optional[float] = None,
+                 latency: float = 0.0, action_overhead: float = 0.0) -> None:
+        self.batch = batch
+        self.action_overhead = action_overhead
+        self.forward = forward
+        self.backward = backward
+        self._memory = memory
+        self._memory_cache: dict[tuple[int, int, int, bool], StageMemory] = {}
+        self.param_bytes = list(param_bytes)
+        self.param_scale = param_scale
+        self.output_bytes = output_bytes or {}
+        self.bandwidth = bandwidth
+        self.latency = latency
+        for rows, times in [*forward.items(), *backward.items()]:
+            if len(times) != len(self.param_bytes):
+                raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
+                                 f"{len(self.param_bytes)}; give every table one entry per layer")
+
+    @property
+    def layers(self) -> int:
+        return len(self.param_bytes)
+
+    def chunk_options(self) -> list[int]:
+        """The micro-batch counts that costs were measured for."""
+        return sorted(self.batch // rows for rows in self.forward)
+
+    def rows(self, chunks: int) -> int:
+        rows = self.batch // chunks
+        if chunks < 1 or rows * chunks != self.batch or rows not in self.forward:
+            raise ValueError(
+                f"no costs for chunks={chunks} (batch {self.batch}); measured chunk counts are "
+                f"{self.chunk_options()}: profile with chunks={chunks} too"
+            )
+        return rows
+
+    def stage_time(self, first: int, stop: int, chunks: int) -> StageTime:
+        """Seconds of one micro-batch on layers ``first:stop``; a stage before the last pays
+        the transfer of its output in forward, one after the first that of its input gradient."""
+        rows = self.rows(chunks)
+        recompute = math.fsum(self.forward[rows][first:stop])
+        forward = recompute + self.action_overhead
+        backward = math.fsum(self.backward[rows][first:stop]) + self.action_overhead
+        if self.bandwidth is not None:
+            if stop < self.layers:
+                forward += self.latency + self.output_bytes[rows][stop - 1] / self.bandwidth
+            if first > 0:
+                backward += self.latency + self.output_bytes[rows][first - 1] / self.bandwidth
+        return StageTime(forward, backward, recompute)
+
+    def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool) -> StageMemory:
+        """Counted bytes of one micro-batch on layers ``first:stop``.
+
+        Counted at the smallest and the largest micro-batch (once, then cached)
+        and interpolated in between: activations grow linearly with the rows.
+        """
+        rows = self.rows(chunks)
+        low, high = min(self.forward), max(self.forward)
+        if rows in (low, high):
+            return self._counted(first, stop, rows, checkpointed)
+        a, b = (self._counted(first, stop, r, checkpointed) for r in (low, high))
+        share = (rows - low) / (high - low)
+        return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
+            (a.forward_peak, a.kept, a.backward_peak), (b.forward_peak, b.kept, b.backward_peak))))
+
+    def _counted(self, first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
+        key = (first, stop, rows, checkpointed)
+        if key not in self._memory_cache:
+            self._memory_cache[key] = self._memory(*key)
+        return self._memory_cache[key]
+
+    def static_bytes(self, first: int, stop: int) -> int:
+        """Parameters, gradients and optimiser state of layers ``first:stop``."""
+        return int(self.param_scale * sum(self.param_bytes[first:stop]))
+
+    @classmethod
+    def from_table(cls, batch: int, forward: Sequence[float], backward: Sequence[float],
+                   activation: Sequence[int], output: Sequence[int], *, param_bytes: Optional[Sequence[int]] = None,
+                   chunks: Sequence[int] = (1, 2, 4, 8), overhead: float = 0.0, param_scale: float = 2.0) -> "Costs":
+        """Costs from numbers per layer and per sample (no model is run).
+
+        Args:
+            batch: samples per mini-batch.
+            forward, backward: seconds per sample of each layer.
+            activation: bytes per sample each layer keeps for backward (its output included).
+            output: bytes per sample of each layer's output.
+            param_bytes: bytes of each layer's parameters (default 0).
+            chunks: the micro-batch counts to plan for.
+            overhead: seconds per layer and micro-batch, whatever its size
+                (what makes many small micro-batches slower).
+
+        A checkpointed stage keeps its input and output; its backward peak is
+        the recomputed activations plus one output-sized gradient.
+        """
+        n = len(forward)
+        tables = {"backward": backward, "activation": activation, "output": output}
+        for name, table in tables.items():
+            if len(table) != n:
+                raise ValueError(f"{name} has {len(table)} layers but forward has {n}; give one entry per layer")
+        rows_of = {batch // c: c for c in chunks if batch % c == 0}
+
+        def memory(first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
+            received = output[first - 1] * rows if first > 0 else 0
+            full = sum(activation[first:stop]) * rows
+            out = output[stop - 1] * rows
+            kept = received + (out if checkpointed else full)
+            grad = out
+            return StageMemory(forward_peak=received + full, kept=kept,
+                               backward_peak=grad + (full - out if checkpointed else 0))
+
+        return cls(batch,
+                   {rows: [overhead + t * rows for t in forward] for rows in rows_of},
+                   {rows: [overhead + t * rows for t in backward] for rows in rows_of},
+                   memory, param_bytes or [0] * n, param_scale=param_scale,
+                   output_bytes={rows: [o * rows for o in output] for rows in rows_of})
+
+
+def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
+                  rounds: int = 5, device: Optional[torch.device] = None, bandwidth: Optional[float] = None,
+                  latency: float = 0.0, loss_fn: Optional[Callable[[Any, Any], Tensor]] = None,
+                  target: Any = None) -> Costs:
+    """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
+
+    Layers are copied (the module is left as it was, random state included), as
+    :mod:`pipe.balance.profile` does. Only ``chunks`` that divide the batch are kept.
+    With ``loss_fn`` and ``target`` (the mini-batch's), the last stage's bytes
+    include the loss, as ``DistributedPipe.step`` computes it; else its backward
+    starts from a gradient of ones.
+
+    Raises:
+        ValueError: no chunk count divides the batch; the model has skip connections
+            (``@skippable`` layers), which the planner does not model yet.
+    """
+    device = device or torch.device("cpu")
+    if any(True for _ in skippables_in(module)):
+        raise ValueError("pipe.plan does not model skip connections (@skippable layers) yet; "
+                         "choose balance, chunks and checkpoint by hand for this model")
+    batch = scatter(sample, 1)[0].tensors[0].size(0)
+    usable = sorted({c for c in chunks if c >= 1 and batch % c == 0})
+    if not usable:
+        raise ValueError(f"none of chunks={list(chunks)} divides the batch of {batch} samples; "
+                         f"pass chunk counts that divide it, such as 1, 2 or {batch}")
+    micro = {batch // c: scatter(sample, c)[0].value for c in usable}
+    if loss_fn is not None and target is None:
+        raise ValueError("profile_costs(loss_fn=...) needs target=, the mini-batch's targets, to compute the loss")
+    targets = {batch // c: _input(scatter(target, c)[0].value, device).value for c in usable} \
+        if loss_fn is not None else {}
+    begun = time.perf_counter()
+    with _sandbox(device):
+        layers = list(_layer_copies(module, device))
+        forward, backward, output_bytes = _time_layers(layers, micro, device, rounds)
+        # Inputs of every layer for every size, computed once without a graph, for the memory counts.
+        inputs: dict[int, list[Batch]] = {}
+        with torch.no_grad():
+            for rows, value in micro.items():
+                batch_ = _input(value, device)
+                inputs[rows] = []
+                for layer in layers:
+                    inputs[rows].append(batch_)
+                    batch_ = batch_.call(layer)
+    for layer in layers:  # gradients exist before counting: they are static, not activations
+        for param in layer.parameters():
+            param.grad = torch.zeros_like(param)
+    logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
+
+    def memory(first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
+        with _sandbox(device):
+            loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
+            return _count_stage(nn.Sequential(*layers[first:stop]), inputs[rows][first], first == 0, checkpointed,
+                                loss)
+
+    param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
+    return Costs(batch, _monotone(forward), _monotone(backward), memory, param_bytes, param_scale=param_scale,
+                 output_bytes=output_bytes, bandwidth=bandwidth, latency=latency)
+
+
+Table = dict[int, list[float]]
+
+
+def _time_layers(layers: list[nn.Module], micro: dict[int, Any], device: torch.device,
+                 rounds: int) -> tuple[Table, Table, dict[int, list[int]]]:
+    """Per micro-batch size and layer: fastest forward, fastest backward, output bytes.
+
+    One warm-up round, then ``rounds`` timed ones; each round visits every size,
+    so that a pause of this process (another one got the core) spoils one
+    round of each size, not every round of one size.
+    """
+    forwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
+    backwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
+    sizes = {rows: [0] * len(layers) for rows in micro}
+    for round_ in range(rounds + 1):
+        for rows, value in micro.items():
+            batch = _input(value, device)
+            for k, layer in enumerate(layers):
+                batch = _detach(batch)
+                _synchronize(device)
+                tick = time.perf_counter()
+                batch = batch.call(layer)
+                _synchronize(device)
+                tock = time.perf_counter()
+                _backward(batch)
+                _synchronize(device)
+                if round_ > 0:
+                    forwards[rows][k].append(tock - tick)
+                    backwards[rows][k].append(time.perf_counter() - tock)
+                sizes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
+    # The fastest round: time lost to other processes is not the layer's cost.
+    return ({rows: [min(f) for f in per] for rows, per in forwards.items()},
+            {rows: [min(b) for b in per] for rows, per in backwards.items()}, sizes)
+
+
+def _monotone(times: Table) -> Table:
+    """A layer takes no longer on fewer rows: a slow measurement at a small size (preempted
+    in every round) is replaced by the time measured on more rows."""
+    sizes = sorted(times, reverse=True)
+    result = {sizes[0]: list(times[sizes[0]])}
+    for larger, rows in zip(sizes, sizes[1:]):
+        result[rows] = [min(t, bound) for t, bound in zip(times[rows], result[larger])]
+    return result
+
+
+def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
+                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None) -> StageMemory:
+    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes."""
+
+    function = partition_function(stage)
+    # As in the runners' steady state: the stage's guard already knows what it modifies in place
+    # (until it knows, a checkpointed cell keeps copies of all its inputs).
+    guard = InputGuard("the profiled stage", shared=first, partition=stage)
+    with torch.no_grad():
+        guard.call(function, _detach(given.with_tensors([t.clone() for t in given.tensors])))
+    with ActivationMemory() as counter:
+        # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
+        tensors = [t if first else t.clone() for t in given.tensors]
+        batch = _detach(given.with_tensors(tensors))
+        compute, finalize, _ = cell(function, batch, checkpointed, (0, 0), guard=guard)
+        output = compute()
+        finalize(output)
+        value = loss[0](output.value, loss[1]) if loss is not None else None
+        forward_peak, kept = counter.peak_bytes, counter.live_bytes
+        counter.reset_peak()
+        if value is not None:
+            value.backward()
+        else:
+            roots = [t for t in output.tensors if t.requires_grad]
+            grads: list[Tensor] = [torch.ones_like(t) for t in roots]  # the gradient that arrives
+            if roots:
+                torch.autograd.backward(roots, grads)
+            del roots, grads
+        backward_peak = counter.peak_bytes - kept
+        del output, value, batch, tensors
+    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak)

@@ -1,0 +1,73 @@
+"""``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)``: planned, fitting, same gradients."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipe import Pipe
+from pipe.plan.measure import measure_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
+from spawn_ranks import run_ranks  # noqa: E402
+
+WIDTH = 32
+BUDGET = 200_000  # bytes per rank: between the all-checkpointed and the never-checkpointed peaks below
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
+                           for _ in range(4)])
+
+
+def test_pipe_applies_the_plan_and_keeps_the_gradients() -> None:
+    model, reference = mlp(), mlp()
+    x = torch.randn(16, WIDTH)
+    piped = Pipe(model, memory_budget="64MiB", sample=x, devices=["cpu", "cpu"])
+    assert piped.plan is not None
+    assert (piped.chunks, piped.balance, piped.checkpoint) == (
+        piped.plan.candidate.chunks, list(piped.plan.candidate.balance), piped.plan.candidate.checkpoint)
+    piped(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    piped.close()
+    for a, b in zip(piped.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_pipe_memory_budget_needs_a_sample_and_devices_and_no_balance() -> None:
+    x = torch.randn(16, WIDTH)
+    with pytest.raises(ValueError, match="needs sample="):
+        Pipe(mlp(), memory_budget="1GiB", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs devices="):
+        Pipe(mlp(), memory_budget="1GiB", sample=x)
+    with pytest.raises(ValueError, match="chooses the balance"):
+        Pipe(mlp(), memory_budget="1GiB", sample=x, balance=[2, 2], devices=["cpu", "cpu"])
+
+
+def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    from pipe.distributed import DistributedPipe
+
+    model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
+    static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
+    reference = mlp()
+    nn.functional.mse_loss(reference(x), y).backward()
+    mine = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        if name in mine:  # two steps since the gradients were zeroed
+            assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
+    return {"peak": static + measured.activation_peak,
+            "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
+
+
+def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    results = run_ranks(_planned_rank, 2, x, y, deadline=120)
+    assert results[0]["plan"] == results[1]["plan"]
+    assert all(r["peak"] <= BUDGET for r in results), results

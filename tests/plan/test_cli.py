@@ -1,0 +1,69 @@
+"""``pipe-plan`` and ``pipe-viz trace --explain``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipe import Pipe, trace
+from pipe.plan.cli import main as plan_main
+from pipe.viz.cli import main as viz_main
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4)])
+'''
+
+
+@pytest.fixture
+def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "cli_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    return "cli_models:build"
+
+
+def test_pipe_plan_prints_the_table_and_the_arguments(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = plan_main(["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
+                        "--chunks", "1", "2", "4", "--explain"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "chosen" in out and "Pipe(model, chunks=" in out and "idle time explained" in out
+
+
+def test_pipe_plan_names_the_smallest_budget(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = plan_main(["--model", factory, "--input-shape", "16,16", "--budget", "1KiB", "--stages", "2",
+                        "--chunks", "1", "2", "--runner", "processes"])
+    assert status == 1
+    assert "raise memory_budget to at least" in capsys.readouterr().err
+
+
+def test_pipe_plan_refuses_bad_arguments(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in ((["--budget", "lots"], "cannot read memory budget"),
+                          (["--budget", "1GiB", "--input-shape", "16,x"], "sizes separated by commas")):
+        base = ["--model", factory, "--input-shape", "16,16", "--stages", "2"]
+        with pytest.raises(SystemExit) as exit_:
+            plan_main(base + argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--model", "no_such_module:build", "--input-shape", "4,16", "--budget", "1GiB", "--stages", "2"])
+    assert "cannot import" in capsys.readouterr().err
+
+
+def test_pipe_viz_trace_explains_a_recorded_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    piped = Pipe(model, chunks=4, balance=[2, 1], devices=["cpu", "cpu"])
+    with trace.record(tmp_path / "run.json", schedule="gpipe", checkpoint="except_last"):
+        piped(torch.randn(8, 8)).sum().backward()
+    piped.close()
+    assert viz_main(["trace", str(tmp_path / "run.json"), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "idle time explained (ms)" in out and "stage 1" in out
+    assert json.loads((tmp_path / "run.json").read_text())["traceEvents"]

@@ -1,0 +1,113 @@
+"""Costs: measured per layer and counted per stage; predictions checked against a measured run."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipe import Pipe
+from pipe.plan import Candidate, PlanError, plan, predict, profile_costs
+from pipe.plan.measure import measure_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
+from spawn_ranks import run_ranks  # noqa: E402
+
+WIDTH = 32
+
+
+def mlp(layers: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
+                           for _ in range(layers)])
+
+
+def test_a_checkpointed_stage_keeps_its_input_and_output_only() -> None:
+    costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 2, 4))
+    rows = 16 // 4
+    activation = rows * WIDTH * 4  # float32 bytes of one boundary tensor
+    kept = costs.stage_memory(1, 3, 4, checkpointed=True).kept
+    assert kept == 2 * activation  # received input + output
+    assert costs.stage_memory(1, 3, 4, checkpointed=False).kept > kept
+    # The first stage's input is a view of the mini-batch: not its memory.
+    assert costs.stage_memory(0, 2, 4, checkpointed=True).kept == activation
+
+
+def test_bytes_between_the_measured_sizes_are_interpolated_exactly_for_linear_layers() -> None:
+    costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 2, 8))
+    for checkpointed in (False, True):
+        interpolated = costs.stage_memory(1, 4, 2, checkpointed)
+        counted = costs._memory(1, 4, 8, checkpointed)
+        assert interpolated == counted
+
+
+def test_profiling_leaves_the_model_as_it_was() -> None:
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(16, WIDTH)
+    state = torch.get_rng_state()
+    profile_costs(model, x, (1, 2))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_costs_need_chunk_counts_that_divide_the_batch() -> None:
+    with pytest.raises(ValueError, match="divides the batch of 6"):
+        profile_costs(mlp(), torch.randn(6, WIDTH), (4, 5))
+
+
+def test_planned_pipe_matches_the_plain_model() -> None:
+    model = mlp(layers=4)
+    x = torch.randn(16, WIDTH)
+    chosen = plan(model, x, memory_budget="64MiB", stages=2, chunks=(1, 2, 4))
+    reference = copy.deepcopy(model)
+    piped = Pipe(model, **chosen.pipe_kwargs(), devices=["cpu", "cpu"])
+    piped(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    piped.close()
+    for a, b in zip(piped.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_a_budget_below_every_plan_fails_with_the_smallest_that_fits() -> None:
+    with pytest.raises(PlanError, match="raise memory_budget to at least"):
+        plan(mlp(), torch.randn(16, WIDTH), memory_budget=1024, stages=2, chunks=(1, 2))
+
+
+CANDIDATES = [Candidate("gpipe", 4, (2, 2), "never"), Candidate("1f1b", 8, (1, 3), "except_last"),
+              Candidate("interleaved", 4, (1, 1, 1, 1), "always", 2)]
+
+
+def _measure_plans(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
+    from pipe.distributed import DistributedPipe
+
+    results = []
+    for candidate in CANDIDATES:
+        model = DistributedPipe(mlp(), chunks=candidate.chunks, balance=list(candidate.balance),
+                                checkpoint=candidate.checkpoint, schedule=candidate.schedule,
+                                virtual_stages=candidate.virtual_stages)
+        results.append(measure_step(model, x, y, nn.functional.mse_loss, repeat=1).activation_peak)
+        # Gradients of the planned pipeline are those of the plain model (2 steps since zeroing: 2x).
+        reference = mlp()
+        nn.functional.mse_loss(reference(x), y).backward()
+        mine = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            if name in mine:
+                assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
+    return results
+
+
+def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    measured = run_ranks(_measure_plans, 2, x, y, deadline=120)
+    costs = profile_costs(mlp(), x, (1, 2, 4, 8), loss_fn=nn.functional.mse_loss, target=y)
+    for k, candidate in enumerate(CANDIDATES):
+        prediction = predict(costs, candidate, runner="processes")
+        for rank in range(2):
+            predicted = prediction.peaks[rank] - prediction.static[rank]
+            assert predicted == pytest.approx(measured[rank][k], rel=0.02), (candidate, rank)

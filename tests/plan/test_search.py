@@ -1,0 +1,93 @@
+"""The search: the fastest plan that fits, on cost tables whose best plan is known."""
+from __future__ import annotations
+
+import pytest
+
+from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
+from pipe.plan.search import candidates
+
+
+def table(forward: list[float], overhead: float = 0.0, batch: int = 8) -> Costs:
+    n = len(forward)
+    return Costs.from_table(batch, forward, [2 * f for f in forward], [1000] * n, [40] * n,
+                            param_bytes=[100] * n, overhead=overhead)
+
+
+def test_without_a_memory_limit_the_most_micro_batches_without_recompute_win() -> None:
+    # No per-micro-batch overhead: the bubble (S - 1) / (M + S - 1) shrinks with M, recomputing only costs.
+    plan = search(table([1e-3] * 4), 2, "1GiB")
+    assert plan.candidate == Candidate("gpipe", 8, (2, 2), "never")
+
+
+def test_a_heavy_layer_gets_a_stage_of_its_own() -> None:
+    plan = search(table([1e-3, 1e-3, 1e-3, 6e-3]), 2, "1GiB")
+    assert plan.candidate.balance == (3, 1)
+
+
+def test_per_micro_batch_overhead_favours_fewer_micro_batches() -> None:
+    # 5 ms per layer and micro-batch whatever its size dwarfs the work (1 us per sample).
+    plan = search(table([1e-6] * 4, overhead=5e-3), 2, "1GiB")
+    assert plan.candidate.chunks == 1
+
+
+def test_a_tight_budget_chooses_1f1b_over_gpipe_at_the_same_speed() -> None:
+    costs = table([1e-3] * 4)
+    gpipe = predict(costs, Candidate("gpipe", 8, (2, 2), "never"), runner="processes")
+    one = predict(costs, Candidate("1f1b", 8, (2, 2), "never"), runner="processes")
+    assert one.step_time == pytest.approx(gpipe.step_time) and one.peak < gpipe.peak
+    plan = search(costs, 2, one.peak, runner="processes", schedules=["gpipe", "1f1b"])
+    assert plan.candidate == Candidate("1f1b", 8, (2, 2), "never")
+    assert all(p.peak <= one.peak for p in plan.runners_up)
+
+
+def test_faster_plans_are_rejected_with_the_rank_that_overflows() -> None:
+    costs = table([1e-3] * 4)
+    never = predict(costs, Candidate("gpipe", 8, (2, 2), "never"))
+    plan = search(costs, 2, never.peak - 1)
+    assert plan.best.step_time >= never.step_time
+    assert plan.rejected and all(p.step_time <= plan.best.step_time for p, _ in plan.rejected)
+    for p, why in plan.rejected:
+        assert p.peak > never.peak - 1 and "rank" in why and "needs" in why
+    assert all(p.peak <= never.peak - 1 and p.step_time >= plan.best.step_time for p in plan.runners_up)
+    assert "chosen" in plan.table() and "over budget" in plan.table()
+
+
+def test_an_impossible_budget_names_the_smallest_that_fits() -> None:
+    costs = table([1e-3] * 4)
+    smallest = min(predict(costs, c).peak for c in candidates(costs, 2))
+    with pytest.raises(PlanError, match=f"at least .*{smallest} bytes|{smallest} bytes"):
+        search(costs, 2, 10)
+    assert search(costs, 2, smallest).best.peak == smallest
+
+
+def test_budgets_are_read_in_units() -> None:
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("two gigs", "-1", 0, "1 parsec", True):
+        with pytest.raises(ValueError, match="memory budget"):
+            parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_plans_become_front_end_arguments() -> None:
+    costs = table([1e-3] * 4)
+    plan = search(costs, 2, "1GiB", runner="processes")
+    kwargs = plan.distributed_kwargs()
+    assert set(kwargs) == {"chunks", "balance", "checkpoint", "schedule", "virtual_stages"}
+    threads = search(costs, 2, "1GiB")
+    assert threads.pipe_kwargs() == {"chunks": 8, "balance": [2, 2], "checkpoint": "never"}
+    if plan.candidate.schedule != "gpipe":
+        with pytest.raises(ValueError, match="DistributedPipe"):
+            plan.pipe_kwargs()
+
+
+def test_bad_search_arguments_are_named() -> None:
+    costs = table([1e-3] * 4)
+    with pytest.raises(ValueError, match="runner"):
+        search(costs, 2, "1GiB", runner="gpu")
+    with pytest.raises(ValueError, match="cannot run with runner='threads'"):
+        search(costs, 2, "1GiB", schedules=["1f1b"])
+    with pytest.raises(ValueError, match="between 1 and 4"):
+        search(costs, 5, "1GiB")
+    with pytest.raises(ValueError, match="2 entries for 3 ranks"):
+        search(costs, 3, ["1GiB", "1GiB"])
