@@ -71,6 +71,8 @@ KINDS: dict[str, str] = {
     "forward": "F",
     "backward": "B",
     "recompute": "R",
+    "input": "I",  # the input-gradient half of a split backward (zero-bubble schedules)
+    "weight": "W",  # its weight-gradient half
     "copy": "C",
     "send": "send ",
     "recv": "recv ",

@@ -11,6 +11,9 @@ a stream copy there, a point-to-point message here. A rank walks its program
             output -> message to s+1, or loss_fn(output, target) on the last stage
     B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
             torch.autograd.backward(output, grad); input.grad -> message to s-1
+    I i@s   as B, but only the input gradient; the graph stays for W (zero-bubble
+            schedules, :mod:`pipe.core.split_backward`; a checkpointed cell recomputes here, once)
+    W i@s   the weight gradients of the cell, from the graph I kept; then it is freed
 
 While action k computes, the receives of action k+1's messages are already
 posted (the header, and on gloo the tensors of the layout it had last step),
@@ -33,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe import trace
-from pipe.core.checkpoint import Function, cell
+from pipe.core.checkpoint import Checkpointing, Function, cell
+from pipe.core.split_backward import SplitBackward, split_cell
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology
@@ -141,6 +145,8 @@ class _Cell:
     input_parts: list[int]  # tensors per input part: main value, then each arriving skip
     output_parts: list[int]  # tensors per output part: main value, then each leaving skip
     loss: Optional[Tensor] = None
+    record: Optional[Checkpointing] = None  # a checkpointed cell, when the schedule splits backwards
+    split: Optional[SplitBackward] = None  # between its I and its W
 
 
 class Runtime:
@@ -208,8 +214,16 @@ class Runtime:
                             loss = scaled if loss is None else loss + scaled
                         else:
                             outputs[i] = output
+                elif action.phase is Phase.INPUT:
+                    self._backward(action, messages, cells[(i, s)], weights)
                 else:
-                    self._backward(action, messages, cells.pop((i, s)), weights)
+                    state = cells.pop((i, s))
+                    if action.phase is Phase.WEIGHT:
+                        assert state.split is not None  # the schedule runs I before W (validated)
+                        with trace.span("weight", (i, s)):
+                            state.split.backward_weight()
+                    else:
+                        self._backward(action, messages, state, weights)
                     backwards_left[s] -= 1
                     if backwards_left[s] == 0 and self.averager is not None:
                         self.averager.start(s)  # overlaps with the backward of this rank's other stages
@@ -235,7 +249,7 @@ class Runtime:
                 posted[MAIN] = transport.receive(topology.incoming(s, s - 1, "act", MAIN), i, where)
             for src, _, name in self.skips[s].arriving:
                 posted[name] = transport.receive(topology.incoming(s, src, "act", name), i, where)
-        else:
+        elif action.phase is not Phase.WEIGHT:
             if s < self.last:
                 posted[MAIN] = transport.receive(topology.incoming(s, s + 1, "grad", MAIN), i, where)
             for dst, _, name in self.skips[s].leaving:
@@ -261,10 +275,11 @@ class Runtime:
             value = (main, arriving)
             input_parts += [_count_tensors(v) for v in arriving]
         batch = Batch(value)
-        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s))
+        compute, finalize, record = cell(self.functions[s], batch, checkpoint and training, (i, s))
         with trace.span("forward", (i, s)):
             output = compute()
-        finalize(output)
+        if not self.schedule.splits_backward:  # split: I replays a checkpointed cell itself
+            finalize(output)
 
         main_out = output.value
         output_parts = [_count_tensors(main_out)]
@@ -276,7 +291,7 @@ class Runtime:
         if s < self.last:
             self.transport.send(main_out, self.topology.outgoing(s, s + 1, "act", MAIN), i, (i, s))
         if training:
-            cells[(i, s)] = _Cell(batch, output, input_parts, output_parts)
+            cells[(i, s)] = _Cell(batch, output, input_parts, output_parts, record=record)
         return Batch(main_out) if skips.leaving else output
 
     # -- backward ---------------------------------------------------------------------------
@@ -299,15 +314,35 @@ class Runtime:
                 )
             pairs = [(t, g) for t, g in zip(state.output.tensors, received) if g is not None and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        if roots:
+        if action.phase is Phase.INPUT:
+            input_grads = self._input_gradients(action, state, roots, grads)
+        elif roots:
             torch.autograd.backward(roots, grads)
         if s == 0:
             return
-        input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
+        if action.phase is not Phase.INPUT:
+            input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
         parts = _split(input_grads, state.input_parts)
         self.transport.send(parts[0], self.topology.outgoing(s, s - 1, "grad", MAIN), i, (i, s))
         for (src, _, name), part in zip(skips.arriving, parts[1:]):
             self.transport.send(part, self.topology.outgoing(s, src, "grad", name), i, (i, s))
+
+
+    def _input_gradients(self, action: Action, state: _Cell, roots: list[Tensor],
+                         grads: Optional[list[Tensor]]) -> list[Optional[Tensor]]:
+        """I: the input gradients of the cell; the graph (recomputed once if checkpointed) waits for W."""
+        i, s = action.microbatch, action.stage
+        outputs = state.output.tensors
+        aligned: list[Optional[Tensor]] = [None] * len(outputs)
+        if grads is not None:
+            by_id = {id(t): g for t, g in zip(roots, grads)}
+            aligned = [by_id.get(id(t)) for t in outputs]
+        loss = roots[0] if s == self.last else None
+        state.split, _ = split_cell(outputs, aligned, state.input.tensors, list(self.stages[s].parameters()),
+                                    state.record, loss)
+        state.record = None
+        with trace.span("input", (i, s)):
+            return state.split.backward_input()
 
 
 def _split(items: list[Any], sizes: list[int]) -> list[list[Any]]:
