@@ -102,3 +102,29 @@ def _skips(rank: int, world: int) -> int:
 
 def test_skips_under_zbv() -> None:
     assert run_ranks(_skips, 2) == [6, 6]
+
+
+def _recompute_policy(rank: int, world: int, schedule: str) -> list[int]:
+    """pipe.recompute's per-layer marks sit on torch.utils.checkpoint, which recomputes on every walk of
+    its graph: once for I and once more for W. Gradients stay those of the plain module."""
+    model = counted_model()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    marked = copy.deepcopy(model)
+    for block in marked:
+        if isinstance(block, CountedBlock):
+            pipe.recompute.recompute(block)
+    dist_pipe = DistributedPipe(marked, chunks=4, checkpoint="never", schedule=schedule)
+    inputs, target = batch(10, 4)
+    loss = dist_pipe.step(inputs, target, F.mse_loss)
+    check_against_oracle(dist_pipe, model, inputs, target, loss, f"recompute policy {schedule}")
+    return sorted({m.calls["recompute"] for m in dist_pipe.modules() if isinstance(m, CountedBlock)})
+
+
+def test_recompute_policies_give_plain_gradients_and_recompute_per_graph_walk() -> None:
+    # Recomputations per marked block in one step of 4 micro-batches: 1F1B walks each graph once.
+    assert run_ranks(_recompute_policy, 2, "1f1b") == [[4], [4]]
+    # ZB-V walks it for I and again for W: twice, except on stage 0 (rank 0), whose input needs
+    # no gradient, so that its I is empty and W is the one walk.
+    assert run_ranks(_recompute_policy, 2, "zbv") == [[4, 8], [8]]
