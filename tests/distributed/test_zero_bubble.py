@@ -3,6 +3,7 @@ every checkpoint mode, each checkpointed cell recomputed exactly once (counted).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,9 +12,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import pipe
-from dist_models import WIDTH, Block, Head, batch, check_against_oracle, skip_model
+from dist_models import WIDTH, Block, Head, batch, blocks, check_against_oracle, skip_model
+from pipe import trace
 from pipe.core.options import checkpoint_stop
 from pipe.distributed import DistributedPipe
+from pipe.viz.cli import main as pipe_viz
+from pipe.viz.measured import from_trace
 from spawn_ranks import run_ranks
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -128,3 +132,50 @@ def test_recompute_policies_give_plain_gradients_and_recompute_per_graph_walk() 
     # ZB-V walks it for I and again for W: twice, except on stage 0 (rank 0), whose input needs
     # no gradient, so that its I is empty and W is the one walk.
     assert run_ranks(_recompute_policy, 2, "zbv") == [[4, 8], [8]]
+
+
+def _record(rank: int, world: int, directory: str) -> int:
+    dist_pipe = DistributedPipe(copy.deepcopy(counted_model()), chunks=4, checkpoint="always", schedule="zbv",
+                                loss_fn=F.mse_loss)
+    inputs, target = batch(8)
+    dist_pipe.step(inputs, target)  # warm-up, not recorded
+    with trace.record(Path(directory) / "run.{rank}.json", rank=rank, schedule="zbv", checkpoint="always"):
+        dist_pipe.step(inputs, target)
+    return rank
+
+
+def test_trace_records_input_and_weight_spans(tmp_path: Path) -> None:
+    assert run_ranks(_record, 2, str(tmp_path)) == [0, 1]
+    files = [tmp_path / f"run.{rank}.json" for rank in range(2)]
+    timeline = from_trace(trace.merge(files))
+    for row in range(2):  # two stages per rank, 4 micro-batches: 8 cells, each F, R (once), I, W
+        counts = {kind: timeline.count(row, kind) for kind in ("forward", "recompute", "input", "weight", "backward")}
+        assert counts == {"forward": 8, "recompute": 8, "input": 8, "weight": 8, "backward": 0}, (row, counts)
+    for row in range(2):  # each cell's recompute ends before its I starts, and its I before its W
+        cells = {(c.kind, c.microbatch, c.stage): c for c in timeline.cells if c.row == row}
+        for (kind, i, s), c in cells.items():
+            if kind == "input":
+                assert cells[("recompute", i, s)].end <= c.start <= c.end <= cells[("weight", i, s)].start
+    assert pipe_viz(["trace", *map(str, files), "--plan", "-o", str(tmp_path / "run.svg")]) == 0
+
+
+def _replicas(rank: int, world: int) -> list[str]:
+    checked = []
+    for schedule in ("zb-h1", "zbv"):  # 2 pipeline ranks x 2 replicas; W's gradients are averaged
+        model = blocks(8)
+        dist_pipe = DistributedPipe(copy.deepcopy(model), chunks=2, checkpoint="except_last", schedule=schedule,
+                                    data_parallel=2)
+        inputs, target = batch(24, seed=5)
+        rows = slice(dist_pipe.topology.replica * 12, (dist_pipe.topology.replica + 1) * 12)
+        mine = (inputs[0][rows], {"scale": inputs[1]["scale"], "ids": inputs[1]["ids"][rows]})
+        loss = dist_pipe.step(mine, target[rows], F.mse_loss, broadcast_loss=True)
+        check_against_oracle(dist_pipe, model, inputs, target, loss, f"{schedule} x 2 replicas")
+        checked.append(f"{schedule}:{dist_pipe.topology.replica}/{dist_pipe.stages}")
+    return checked
+
+
+def test_pipeline_x_data_parallel() -> None:
+    assert run_ranks(_replicas, 4, deadline=120.0) == [
+        ["zb-h1:0/[0]", "zbv:0/[0, 3]"], ["zb-h1:0/[1]", "zbv:0/[1, 2]"],
+        ["zb-h1:1/[0]", "zbv:1/[0, 3]"], ["zb-h1:1/[1]", "zbv:1/[1, 2]"],
+    ]
