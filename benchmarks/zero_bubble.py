@@ -11,6 +11,13 @@ block, to count how often each engine runs a block's forward: every block
 counts its calls, reported per micro-batch (1 = no recompute, 2 = recomputed
 once).
 
+It also times, in this process, the backward of one P5 stage (L/2 blocks, one
+micro-batch of B/M rows at the smallest M) three ways: fused (one
+``torch.autograd.backward``); split as ``pipe`` splits it (I, then W from
+the recorded branch-node gradients, :mod:`pipe.core.split_backward`); and
+split naively (I, then ``torch.autograd.backward(outputs,
+inputs=parameters)``, which walks the input path again).
+
 The script prints, per M and checkpoint mode, samples/s of each engine and
 schedule, the ratios against ``pipe`` 1F1B (and ``pipe`` against torch on the
 same schedule), the peak resident memory each rank gained, and the forward
@@ -20,6 +27,7 @@ benchmarks/results/zero_bubble.json.
 Run:
     python benchmarks/zero_bubble.py              # W=1024 L=8 B=4096, M=4 and 8, 2 repeats: ~20 minutes
     python benchmarks/zero_bubble.py --quick      # W=256 B=512, M=4, 1 repeat: about two minutes
+    python benchmarks/zero_bubble.py --split-only # only the cost of the split backward, seconds
 """
 from __future__ import annotations
 
@@ -155,6 +163,53 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     dist.destroy_process_group()
 
 
+def split_costs(args: argparse.Namespace, repeats: int = 7) -> dict[str, Any]:
+    """Fastest seconds of a fused backward, of I + grouped W (pipe), and of I + naive W, for one stage."""
+    from pipe.core.split_backward import SplitBackward
+
+    torch.set_num_threads(1)
+    stage = model(args.width, args.layers)[: args.layers // 2]
+    rows = args.batch // min(args.microbatches)
+    x = torch.randn(rows, args.width)
+    grad = torch.randn(rows, args.width)
+    params = list(stage.parameters())
+
+    def fused() -> dict[str, float]:
+        inp = x.clone().requires_grad_()
+        out = stage(inp)
+        start = time.perf_counter()
+        out.backward(grad)
+        return {"backward": time.perf_counter() - start}
+
+    def split(naive: bool) -> dict[str, float]:
+        inp = x.clone().requires_grad_()
+        out = stage(inp)
+        start = time.perf_counter()
+        if naive:
+            torch.autograd.grad(out, inp, grad, retain_graph=True)
+            middle = time.perf_counter()
+            torch.autograd.backward(out, grad, inputs=params)
+        else:
+            halves = SplitBackward([out], [grad], [inp], params)
+            halves.backward_input()
+            middle = time.perf_counter()
+            halves.backward_weight()
+        end = time.perf_counter()
+        return {"input": middle - start, "weight": end - middle, "backward": end - start}
+
+    timings: dict[str, list[dict[str, float]]] = {"fused": [], "pipe_split": [], "naive_split": []}
+    for _ in range(repeats):
+        for name, run in (("fused", fused), ("pipe_split", lambda: split(False)), ("naive_split", lambda: split(True))):
+            stage.zero_grad(set_to_none=True)
+            timings[name].append(run())
+    # The fastest run of each, one key at a time: on a shared machine the minimum is the least disturbed.
+    result = {name: {key: min(t[key] for t in runs) for key in runs[0]} for name, runs in timings.items()}
+    for name in ("pipe_split", "naive_split"):
+        result[name]["vs_fused"] = result[name]["backward"] / result["fused"]["backward"]
+    result["config"] = {"blocks": args.layers // 2, "rows": rows, "width": args.width, "repeats": repeats}
+    return result
+
+
 def worker(args: argparse.Namespace) -> None:
     """One engine and schedule on 2 ranks forked from this process; prints one JSON line."""
     with socket.socket() as sock:
@@ -182,6 +237,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, alternating")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--split-only", action="store_true", help="only time the split backward of one stage")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -191,6 +247,14 @@ def main() -> None:
     if args.engine:
         args.microbatches = args.microbatches[0]
         worker(args)
+        return
+    if args.split_only:
+        costs = split_costs(args)
+        _print_split(costs)
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"zero_bubble_split{'-quick' if args.quick else ''}.json"
+        path.write_text(json.dumps(costs, indent=2) + "\n")
+        print(f"  saved {path.relative_to(HERE.parent)}")
         return
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
@@ -238,6 +302,7 @@ def main() -> None:
                    "quick": args.quick, "torch_checkpoint": "torch.utils.checkpoint around every block",
                    "pipe_checkpoint": "checkpoint='always' (every stage cell)"},
         "table": table,
+        "split_backward": split_costs(args),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
     }
     print(f"zero bubble (W={args.width} L={args.layers} B={args.batch}, 2 ranks x 1 thread, "
@@ -250,10 +315,21 @@ def main() -> None:
                   + (f"  x{versus:.3f} of torch" if versus else "")
                   + f"  peak +{row['peak_memory_gain_mb'][0]:.0f}/{row['peak_memory_gain_mb'][1]:.0f} MB"
                   + f"  forwards/block/micro-batch {row['forwards_per_block_per_microbatch']:.2f}")
+    _print_split(result["split_backward"])
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"zero_bubble{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  saved {path.relative_to(HERE.parent)}")
+
+
+def _print_split(costs: dict[str, Any]) -> None:
+    c = costs["config"]
+    print(f"  backward of one stage ({c['blocks']} blocks, {c['rows']} rows, W={c['width']}), fastest of {c['repeats']}:")
+    print(f"    fused              {costs['fused']['backward'] * 1e3:7.1f} ms")
+    for name, label in (("pipe_split", "I + W (pipe)"), ("naive_split", "I + W (naive)")):
+        row = costs[name]
+        print(f"    {label:18s} {row['backward'] * 1e3:7.1f} ms = I {row['input'] * 1e3:.1f} + W {row['weight'] * 1e3:.1f}"
+              f"  ({row['vs_fused']:.2f}x fused)")
 
 
 if __name__ == "__main__":
