@@ -15,7 +15,7 @@ import pipe
 from dist_models import WIDTH, Block, Head, batch, blocks, check_against_oracle, skip_model
 from pipe import trace
 from pipe.core.options import checkpoint_stop
-from pipe.distributed import DistributedPipe
+from pipe.distributed import DistributedPipe, state
 from pipe.viz.cli import main as pipe_viz
 from pipe.viz.measured import from_trace
 from spawn_ranks import run_ranks
@@ -179,3 +179,24 @@ def test_pipeline_x_data_parallel() -> None:
         ["zb-h1:0/[0]", "zbv:0/[0, 3]"], ["zb-h1:0/[1]", "zbv:0/[1, 2]"],
         ["zb-h1:1/[0]", "zbv:1/[0, 3]"], ["zb-h1:1/[1]", "zbv:1/[1, 2]"],
     ]
+
+
+def _resume_in_a_v(rank: int, world: int, path: str) -> tuple[list[float], list[float]]:
+    from test_state import _model, _train
+
+    # Saved from ZB-H1 (stage r on rank r), resumed into ZB-V (rank 0: stages 0 and 3, rank 1: 1 and 2).
+    first = DistributedPipe(_model(0), chunks=2, checkpoint="always", schedule="zb-h1")
+    optimizer = torch.optim.Adam(first.parameters(), lr=0.01)
+    _train(first, optimizer, range(2))
+    state.save(path, first, optimizer, step=2)
+    reference = _train(first, optimizer, range(2, 4))
+    resumed = DistributedPipe(_model(1), chunks=2, checkpoint="always", schedule="zbv")
+    optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    assert state.load(path, resumed, optimizer) == {"step": 2}
+    return reference, _train(resumed, optimizer, range(2, 4))
+
+
+def test_stage_agnostic_checkpoint_resumes_in_a_v(tmp_path: Path) -> None:
+    (reference, resumed), again = run_ranks(_resume_in_a_v, 2, str(tmp_path / "checkpoint"))
+    assert again == (reference, resumed)
+    assert resumed == pytest.approx(reference, rel=1e-6)
