@@ -26,10 +26,12 @@ nothing arriving along the input path is counted twice. Parameters that hang
 off no input path (the first stage, whose input needs no gradient) are W's
 from the outputs.
 
-Measured on the P5-like blocks of ``benchmarks/zero_bubble.py``: the grouped W
-costs what the weight half of a fused backward costs, where a plain
-``torch.autograd.backward(outputs, inputs=parameters)`` for W would re-run
-every input gradient but the first (about 1.5 fused backwards for I + W).
+Measured with ``python benchmarks/zero_bubble.py --split-only`` (one P5 stage:
+4 blocks of ``Linear(1024, 1024) + ReLU``, 1024 rows, one thread): I + W as
+here costs 1.00-1.01x a fused backward (I 91 ms + W 91 ms against 182 ms).
+A plain ``torch.autograd.backward(outputs, inputs=parameters)`` for W costs
+1.38-1.47x: W walks the input path again and recomputes every input gradient
+but the first (W 159-167 ms instead of 91 ms).
 """
 from __future__ import annotations
 
