@@ -337,8 +337,8 @@ class Schedule:
         """The idle share of the simulated timeline: 1 - busy / (ranks * makespan).
 
         For GPipe and 1F1B this is (ranks - 1) / (microbatches + ranks - 1).
-        For ZB-H1 with F = I = W (backward = 2 * forward) each rank idles
-        ``(ranks - 1) * (F + I - W)``, a third of 1F1B's; see
+        For ZB-H1 with F = I = W (backward = 2 * forward) and microbatches >=
+        ranks, each rank idles ``(ranks - 1) * (F + I - W)``, a third of 1F1B's; see
         :mod:`pipe.core.zero_bubble`. Arguments as for ``simulate``.
         """
         timeline = self.simulate(forward, backward, recompute, input_grad=input_grad, weight_grad=weight_grad)

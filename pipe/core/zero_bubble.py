@@ -9,9 +9,10 @@ fills what would be bubble. A (micro-batch, stage) cell holds its activations
 ZB-H1 (one stage per rank) is 1F1B whose W's are deferred: rank r runs the
 1F1B warm-up (``ranks - r - 1`` forwards), then ``F I`` pairs, and from the
 ``r + 1``-th pair on each pair is followed by the oldest W. Every rank then
-holds at most ``ranks`` cells, 1F1B's peak (rank 0's), and with F = I = W each
-rank idles ``(ranks - 1) * (F + I - W)``, a third of 1F1B's
-``(ranks - 1) * (F + I + W)``. 4 ranks, 6 micro-batches::
+holds at most ``ranks`` cells, 1F1B's peak (rank 0's). With W no longer than
+F and I, and at least ``ranks`` micro-batches, each rank idles
+``(ranks - 1) * (F + I - W)`` (the paper's formula), against 1F1B's
+``(ranks - 1) * (F + I + W)``: a third when F = I = W. 4 ranks, 6 micro-batches::
 
     rank 0 | F0 F1 F2 F3 .  .  .  I0 W0 F4 I1 W1 F5 I2 W2 I3 W3 I4 W4 I5 W5
     rank 1 | .  F0 F1 F2 .  .  I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 I4 W3 I5 W4 W5
@@ -29,7 +30,9 @@ the paper's rule of thumb: a free rank runs
    cells (half a stage each: 1F1B's peak of ``p`` stages),
 3. else the oldest pending W,
 
-and otherwise waits. The resulting order is a fixed table: the runners execute
+and otherwise waits. With at least ``ranks`` micro-batches this idles
+``ranks - 1`` phase-lengths per rank on 2 to 4 ranks (half of ZB-H1's time),
+at most ``ranks + 1`` up to 8 ranks. The resulting order is a fixed table: the runners execute
 it whatever the real durations, and
 :meth:`pipe.core.schedule.Schedule.simulate` replays it with any durations.
 The module imports no torch.

@@ -161,3 +161,11 @@ def test_unknown_kind_and_docstrings() -> None:
     with pytest.raises(ValueError, match="'1f1b' is not a zero-bubble schedule"):
         zero_bubble_programs("1f1b", 2, 2)
     assert doctest.testmod(pipe.core.zero_bubble).failed == 0
+
+
+@pytest.mark.parametrize("ranks", [5, 6, 7, 8])
+def test_zbv_bubble_on_more_ranks_stays_below_zb_h1(ranks: int) -> None:
+    for microbatches in (ranks, 2 * ranks):
+        v = idle(Schedule("zbv", ranks, microbatches), 0.5, 0.5, 0.5)
+        h1 = idle(Schedule("zb-h1", ranks, microbatches), 1.0, 1.0, 1.0)
+        assert max(v) <= 0.5 * (ranks + 1) < max(h1)
