@@ -232,7 +232,9 @@ def split_cell(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inp
         for k, grad in zip(wanted, found):
             given[k] = grad
         grads = given
-    replayed, leaves = record.replay(record.batch.tensors)  # the cell's one recomputation
+    # The cell's one recomputation: done already if the runner called record.recompute_ahead()
+    # while the gradient was on its way, else now.
+    replayed, leaves = record.recomputed.pop() if record.recomputed else record.replay(record.batch.tensors)
     if len(replayed) != len(outputs):
         raise RuntimeError(f"the recomputed forward returned {len(replayed)} tensors but the first one "
                            f"{len(outputs)}; a checkpointed stage must be deterministic in its structure")

@@ -200,6 +200,10 @@ class Runtime:
         try:
             posted = self._post(program[0]) if program else {}
             for k, action in enumerate(program):
+                if action.phase is Phase.INPUT:  # recompute a checkpointed cell while its gradient travels
+                    record = cells[(action.microbatch, action.stage)].record
+                    if record is not None:
+                        record.recompute_ahead()
                 messages = {name: incoming.wait() for name, incoming in posted.items()}
                 posted = self._post(program[k + 1]) if k + 1 < len(program) else {}
                 i, s = action.microbatch, action.stage

@@ -129,8 +129,9 @@ class Recorded(nn.Module):
         return self.body(x)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("with_loss", [False, True])
-def test_checkpointed_cell_is_replayed_once_for_i_and_w(with_loss: bool) -> None:
+def test_checkpointed_cell_is_replayed_once_for_i_and_w(with_loss: bool, ahead: bool) -> None:
     # torch's split would replay a checkpointed block of 4 Linears once for I and once per W group.
     torch.manual_seed(3)
     model = Recorded()
@@ -147,6 +148,9 @@ def test_checkpointed_cell_is_replayed_once_for_i_and_w(with_loss: bool) -> None
     output = record.checkpoint()
     assert model.recomputes == 0
     loss = output.tensor.pow(2).sum() if with_loss else None
+    if ahead:  # the process runner replays before the gradient arrives; split_cell then reuses it
+        record.recompute_ahead()
+        assert model.recomputes == 1
     split, leaves = split_cell(output.tensors, [grad], [], list(model.parameters()), record, loss)
     assert model.recomputes == 1
     (input_grad,) = split.backward_input()
