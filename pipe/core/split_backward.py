@@ -101,6 +101,8 @@ class SplitBackward:
         finally:
             for handle in handles:
                 handle.remove()
+        if not any(from_outputs for _, _, from_outputs in self._groups):
+            self._outputs, self._grads = [], []  # W starts at the branch nodes: the output gradients can go
         found = iter(grads)
         return [next(found) if x.requires_grad else None for x in self._inputs]
 
