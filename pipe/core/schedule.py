@@ -23,9 +23,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
+
 __all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
 
-SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 
 
 class Phase(str, enum.Enum):
@@ -34,6 +36,8 @@ class Phase(str, enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
     RECOMPUTE = "R"  # only in simulated timelines, when checkpointing
+    INPUT = "I"  # the input-gradient half of a backward (zero-bubble schedules)
+    WEIGHT = "W"  # the weight-gradient half, run later on the same rank
 
 
 @dataclass(frozen=True)
@@ -98,11 +102,18 @@ class Schedule:
     Interleaved 1F1B (Megatron's virtual pipeline) gives each rank
     ``virtual_stages`` model chunks; stage s runs on rank ``s % ranks``.
 
+    The zero-bubble schedules ``"zb-h1"`` and ``"zbv"`` (Qi et al., ICLR 2024)
+    split each backward into I (input gradient, sent upstream) and W (weight
+    gradient, deferred into what would be bubble); ``"zbv"`` runs two stages
+    per rank in a V (rank r: stages r and ``2 * ranks - 1 - r``). Their
+    orderings are in :mod:`pipe.core.zero_bubble`.
+
     Args:
         kind: one of ``SCHEDULE_KINDS``.
         ranks: workers (threads or processes) that execute the stages.
         microbatches: micro-batches per mini-batch (M).
-        virtual_stages: stages per rank; 1 unless ``kind == "interleaved"``.
+        virtual_stages: stages per rank; 1 unless ``kind == "interleaved"``;
+            ``"zbv"`` always has 2 (1, the default, is read as 2).
 
     Raises:
         ValueError: a field is out of range; the message names the value and the fix.
@@ -123,7 +134,14 @@ class Schedule:
                 raise ValueError(
                     f"{name} must be a positive integer (got {value!r}); pass an int >= 1"
                 )
-        if self.kind != "interleaved" and self.virtual_stages != 1:
+        if self.kind == "zbv" and self.virtual_stages in (1, 2):
+            object.__setattr__(self, "virtual_stages", 2)  # the V: two stages per rank
+        elif self.kind == "zbv":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} does not fit kind='zbv', which runs two stages "
+                f"per rank in a V; use virtual_stages=2 (or leave it out), or kind='interleaved'"
+            )
+        elif self.kind != "interleaved" and self.virtual_stages != 1:
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} needs kind='interleaved'; "
                 f"{self.kind!r} runs one stage per rank (use virtual_stages=1)"
@@ -142,18 +160,28 @@ class Schedule:
         """Model stages in the pipeline: ``ranks * virtual_stages``."""
         return self.ranks * self.virtual_stages
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards run as I then W (zero-bubble kinds) rather than one B."""
+        return self.kind in ZERO_BUBBLE_KINDS
+
     def rank_of(self, stage: int) -> int:
-        """The rank that runs ``stage`` (loop placement: stage s on rank ``s % ranks``)."""
+        """The rank that runs ``stage``: stage s on rank ``s % ranks`` (loop placement),
+        or in a V for ``"zbv"`` (stages r and ``2 * ranks - 1 - r`` on rank r)."""
         if not 0 <= stage < self.stages:
             raise ValueError(
                 f"stage {stage} is out of range for a schedule with {self.stages} stages; "
                 f"expected 0 <= stage < {self.stages}"
             )
+        if self.kind == "zbv":
+            return v_rank_of(stage, self.ranks)
         return stage % self.ranks
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages that ``rank`` runs, in model order."""
         self._check_rank(rank)
+        if self.kind == "zbv":
+            return v_stages_of(rank, self.ranks)
         return [chunk * self.ranks + rank for chunk in range(self.virtual_stages)]
 
     def actions(self, rank: int) -> list[Action]:
@@ -165,6 +193,9 @@ class Schedule:
         """
         self._check_rank(rank)
         m = self.microbatches
+        if self.splits_backward:
+            return [Action(Phase(phase), i, s)
+                    for phase, i, s in zero_bubble_programs(self.kind, self.ranks, m)[rank]]
         if self.kind == "gpipe":
             # Fill, then drain; backward in reverse micro-batch order, as autograd runs it.
             return [Action(Phase.FORWARD, i, rank) for i in range(m)] + [
@@ -204,13 +235,16 @@ class Schedule:
         i, s = action.microbatch, action.stage
         if action.phase is Phase.FORWARD:
             return Action(Phase.FORWARD, i, s - 1) if s > 0 else None
+        if action.phase is Phase.WEIGHT:
+            return Action(Phase.INPUT, i, s)  # the graph that I kept
         if s == self.stages - 1:
             return Action(Phase.FORWARD, i, s)  # the loss turns the last forward around
-        return Action(Phase.BACKWARD, i, s + 1)
+        return Action(action.phase, i, s + 1)  # B after B, I after I
 
     def simulate(
         self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
-        checkpoint_stop: int | None = None, durations: Callable[[Action], float] | None = None,
+        checkpoint_stop: int | None = None, durations: Callable[[Action], float] | None = None, *,
+        input_grad: float | None = None, weight_grad: float | None = None,
     ) -> list[TimedAction]:
         """Place every action on a timeline, given how long each phase takes.
 
@@ -227,6 +261,12 @@ class Schedule:
         instead (per stage and micro-batch, e.g. measured costs for
         :mod:`pipe.plan`); a RECOMPUTE of length 0 is left out.
 
+        Zero-bubble schedules run I (``input_grad``, default ``backward / 2``)
+        and later W (``weight_grad``, default ``backward / 2``) instead of B; a
+        checkpointed cell recomputes once, before its I, and the recomputed
+        graph serves its W. An I waits for the I of the stage after; a W for
+        its own I.
+
         Returns:
             The timed actions of all ranks, sorted by ``(start, rank)``.
 
@@ -234,8 +274,11 @@ class Schedule:
             ValueError: a duration is not a finite number in range.
             RuntimeError: the programs deadlock; the message names the stuck actions.
         """
-        _check_durations(forward, backward, recompute)
-        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.RECOMPUTE: recompute}
+        input_grad = backward / 2 if input_grad is None else input_grad
+        weight_grad = backward / 2 if weight_grad is None else weight_grad
+        _check_durations(forward, backward, recompute, input_grad, weight_grad)
+        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.RECOMPUTE: recompute,
+                    Phase.INPUT: input_grad, Phase.WEIGHT: weight_grad}
         length = durations or (lambda action: duration[action.phase])
         programs = [self.actions(rank) for rank in range(self.ranks)]
         ends: dict[Action, float] = {}
@@ -253,7 +296,7 @@ class Schedule:
                         break
                     start = free[rank]
                     redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
-                    if action.phase is Phase.BACKWARD and length(redo) > 0 and (
+                    if action.phase in (Phase.BACKWARD, Phase.INPUT) and length(redo) > 0 and (
                         checkpoint_stop is None or action.microbatch < checkpoint_stop
                     ):
                         timeline.append(TimedAction(redo, rank, start, start + length(redo)))
@@ -294,14 +337,17 @@ class Schedule:
         ]
 
     def bubble_fraction(
-        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0
+        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0, *,
+        input_grad: float | None = None, weight_grad: float | None = None,
     ) -> float:
         """The idle share of the simulated timeline: 1 - busy / (ranks * makespan).
 
         For GPipe and 1F1B this is (ranks - 1) / (microbatches + ranks - 1).
-        Arguments as for ``simulate``.
+        For ZB-H1 with F = I = W (backward = 2 * forward) and microbatches >=
+        ranks, each rank idles ``(ranks - 1) * (F + I - W)``, a third of 1F1B's; see
+        :mod:`pipe.core.zero_bubble`. Arguments as for ``simulate``.
         """
-        timeline = self.simulate(forward, backward, recompute)
+        timeline = self.simulate(forward, backward, recompute, input_grad=input_grad, weight_grad=weight_grad)
         busy = math.fsum(t.duration for t in timeline)
         makespan = max(t.end for t in timeline)
         return 1.0 - busy / (self.ranks * makespan)
@@ -310,8 +356,10 @@ class Schedule:
         """Per rank, the most micro-batches holding activations at once.
 
         Counts (micro-batch, stage) pairs whose forward has run and whose
-        backward has not, in program order; with one stage per rank these are
-        micro-batches. 1F1B holds ``min(ranks - rank, microbatches)``, GPipe all.
+        backward (or, split, whose W) has not, in program order; with one stage
+        per rank these are micro-batches. 1F1B holds ``min(ranks - rank,
+        microbatches)``, GPipe all, ZB-H1 ``min(ranks, microbatches)`` on every
+        rank (1F1B's peak, which rank 0 has), ZB-V at most ``2 * ranks`` half stages.
         """
         peaks = []
         for rank in range(self.ranks):
@@ -322,27 +370,32 @@ class Schedule:
                 if action.phase is Phase.FORWARD:
                     held.add(key)
                     peak = max(peak, len(held))
-                else:
+                elif action.phase in (Phase.BACKWARD, Phase.WEIGHT):
                     held.discard(key)
             peaks.append(peak)
         return peaks
 
     def validate(self) -> None:
         """Check the tables: each (micro-batch, stage) has exactly one forward and
-        one backward, on the rank that owns the stage, forward first; 1F1B keeps
-        at most ``ranks - rank`` micro-batches in flight; the simulation finishes.
+        one backward (zero-bubble: one I and one W), on the rank that owns the
+        stage, forward first (then I, then W); 1F1B keeps at most ``ranks -
+        rank`` micro-batches in flight, ZB-H1 at most ``ranks``, ZB-V ``2 *
+        ranks`` half stages; the simulation finishes.
 
         Raises:
             ValueError: naming the first violation found.
         """
+        phases = (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT) if self.splits_backward \
+            else (Phase.FORWARD, Phase.BACKWARD)
         seen: dict[Action, int] = {}
         for rank in range(self.ranks):
             position: dict[Action, int] = {}
             for index, action in enumerate(self.actions(rank)):
-                if action.phase not in (Phase.FORWARD, Phase.BACKWARD):
+                if action.phase not in phases:
                     raise ValueError(
-                        f"{self}: rank {rank} has {action}; "
-                        f"programs hold only forwards and backwards"
+                        f"{self}: rank {rank} has {action}; programs hold only "
+                        + ("forwards, input and weight gradients" if self.splits_backward
+                           else "forwards and backwards")
                     )
                 if not 0 <= action.stage < self.stages or self.rank_of(action.stage) != rank:
                     raise ValueError(
@@ -354,24 +407,29 @@ class Schedule:
                 seen[action] = rank
                 position[action] = index
             for action, index in position.items():
-                if action.phase is Phase.BACKWARD:
-                    twin = Action(Phase.FORWARD, action.microbatch, action.stage)
+                if action.phase is not Phase.FORWARD:
+                    before = phases[phases.index(action.phase) - 1]
+                    twin = Action(before, action.microbatch, action.stage)
                     if position.get(twin, len(position)) > index:
                         raise ValueError(f"{self}: rank {rank} runs {action} before {twin}")
         for stage in range(self.stages):
             for i in range(self.microbatches):
-                for phase in (Phase.FORWARD, Phase.BACKWARD):
+                for phase in phases:
                     if Action(phase, i, stage) not in seen:
                         raise ValueError(f"{self}: {Action(phase, i, stage)} is missing")
-        if len(seen) != 2 * self.stages * self.microbatches:
+        if len(seen) != len(phases) * self.stages * self.microbatches:
             extra = sorted(str(a) for a in seen if a.microbatch not in range(self.microbatches))
             raise ValueError(f"{self}: actions for unknown micro-batches: {', '.join(extra)}")
-        if self.kind == "1f1b":
+        bounds = {"1f1b": ("1F1B", "ranks - rank", lambda r: self.ranks - r),
+                  "zb-h1": ("ZB-H1", "ranks", lambda r: self.ranks),
+                  "zbv": ("ZB-V", "2 * ranks", lambda r: 2 * self.ranks)}
+        if self.kind in bounds:
+            name, formula, bound = bounds[self.kind]
             for rank, peak in enumerate(self.peak_inflight()):
-                if peak > self.ranks - rank:
+                if peak > bound(rank):
                     raise ValueError(
                         f"{self}: rank {rank} holds {peak} micro-batches in flight; "
-                        f"1F1B allows at most ranks - rank = {self.ranks - rank}"
+                        f"{name} allows at most {formula} = {bound(rank)}"
                     )
         try:
             self.simulate()
@@ -384,11 +442,14 @@ class Schedule:
         return f"no rank (the schedule has {self.stages} stages)"
 
 
-def _check_durations(forward: float, backward: float, recompute: float) -> None:
+def _check_durations(forward: float, backward: float, recompute: float,
+                     input_grad: float = 1.0, weight_grad: float = 1.0) -> None:
     for name, value, least in (
         ("forward", forward, "> 0"),
         ("backward", backward, "> 0"),
         ("recompute", recompute, ">= 0"),
+        ("input_grad", input_grad, "> 0"),
+        ("weight_grad", weight_grad, "> 0"),
     ):
         positive = value > 0 if least == "> 0" else value >= 0
         if isinstance(value, bool) or not math.isfinite(value) or not positive:

@@ -58,11 +58,15 @@ class DistributedPipe(nn.Module):
             nn.Module`` called only for the layers this rank owns (with ``layers=``).
         chunks: micro-batches per mini-batch; every step runs exactly ``chunks``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (:mod:`pipe.core.schedule`).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
+            ``"zb-h1"`` and ``"zbv"`` (:mod:`pipe.core.schedule`): each backward split
+            into input and weight gradients (:mod:`pipe.core.split_backward`), a
+            checkpointed cell recomputed once for both.
         balance: layers per stage (``ranks x virtual_stages`` entries);
             default: as even as possible.
         virtual_stages: stages per rank (``schedule="interleaved"``); stage s
-            runs on pipeline rank ``s % ranks``.
+            runs on pipeline rank ``s % ranks``. ``"zbv"`` runs 2, in a V (rank r:
+            stages r and ``2 * ranks - 1 - r``).
         data_parallel: replicas of the pipeline; the world has
             ``pipeline ranks x data_parallel`` ranks and each stage's gradients
             are averaged over its replicas.

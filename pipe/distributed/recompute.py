@@ -174,6 +174,11 @@ def attach_to_ranks(
     strategy: Optional[RecomputeStrategy] = None
     try:
         strategy = parse_config(config, balance, names, ranks=schedule.ranks)
+        if schedule.splits_backward and strategy.checkpoint_swap is not None:
+            raise ValueError(
+                f"swap_config.checkpoint_swap is not supported with schedule={schedule.kind!r}: a split "
+                "backward replays a checkpointed cell in its input-gradient half, where the kept inputs are not "
+                "offloaded; drop checkpoint_swap, or use schedule='1f1b' or 'interleaved'")
         outcome: Any = strategy.to_config()
     except (TypeError, ValueError, OSError) as exc:
         error, outcome = exc, f"{type(exc).__name__}: {exc}"

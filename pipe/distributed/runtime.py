@@ -17,6 +17,9 @@ rank here, guards between worker threads there). A rank walks its program
             output -> message to s+1, or loss_fn(output, target) on the last stage
     B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
             torch.autograd.backward(output, grad); input.grad -> message to s-1
+    I i@s   as B, but only the input gradient; the graph stays for W (zero-bubble
+            schedules, :mod:`pipe.core.split_backward`; a checkpointed cell recomputes here, once)
+    W i@s   the weight gradients of the cell, from the graph I kept; then it is freed
 
 While action k computes, the receives of action k+1's messages are already
 posted (the header, and on gloo the tensors of the layout it had last step),
@@ -39,8 +42,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe import trace
-from pipe.core.checkpoint import Function, cell
+from pipe.core.checkpoint import Checkpointing, Function, cell
 from pipe.core.inplace import InputGuard, describe_partition
+from pipe.core.split_backward import SplitBackward, split_cell
 from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import failure_from
@@ -149,6 +153,8 @@ class _Cell:
     input_parts: list[int]  # tensors per input part: main value, then each arriving skip
     output_parts: list[int]  # tensors per output part: main value, then each leaving skip
     loss: Optional[Tensor] = None
+    record: Optional[Checkpointing] = None  # a checkpointed cell, when the schedule splits backwards
+    split: Optional[SplitBackward] = None  # between its I and its W
 
 
 class Runtime:
@@ -206,6 +212,10 @@ class Runtime:
         try:
             posted = self._post(program[0]) if program else {}
             for k, action in enumerate(program):
+                if action.phase is Phase.INPUT:  # recompute a checkpointed cell while its gradient travels
+                    record = cells[(action.microbatch, action.stage)].record
+                    if record is not None:
+                        record.recompute_ahead()
                 messages = {name: incoming.wait() for name, incoming in posted.items()}
                 posted = self._post(program[k + 1]) if k + 1 < len(program) else {}
                 if self.swap:
@@ -222,8 +232,17 @@ class Runtime:
                             loss = scaled if loss is None else loss + scaled
                         else:
                             outputs[i] = output
+                elif action.phase is Phase.INPUT:
+                    self._backward(action, messages, cells[(i, s)], weights)
                 else:
-                    self._backward(action, messages, cells.pop((i, s)), weights)
+                    state = cells.pop((i, s))
+                    if action.phase is Phase.WEIGHT:
+                        assert state.split is not None  # the schedule runs I before W (validated)
+                        with trace.span("weight", (i, s)):
+                            with without_autocast():
+                                state.split.backward_weight()
+                    else:
+                        self._backward(action, messages, state, weights)
                     backwards_left[s] -= 1
                     if backwards_left[s] == 0 and self.averager is not None:
                         self.averager.start(s)  # overlaps with the backward of this rank's other stages
@@ -249,7 +268,7 @@ class Runtime:
                 posted[MAIN] = transport.receive(topology.incoming(s, s - 1, "act", MAIN), i, where)
             for src, _, name in self.skips[s].arriving:
                 posted[name] = transport.receive(topology.incoming(s, src, "act", name), i, where)
-        else:
+        elif action.phase is not Phase.WEIGHT:
             if s < self.last:
                 posted[MAIN] = transport.receive(topology.incoming(s, s + 1, "grad", MAIN), i, where)
             for dst, _, name in self.skips[s].leaving:
@@ -275,15 +294,18 @@ class Runtime:
             value = (main, arriving)
             input_parts += [_count_tensors(v) for v in arriving]
         batch = kept = Batch(value)
+        # A split backward (zero bubble) replays a checkpointed cell in I itself, without the
+        # finalize that wires boundary offload; the front end refuses checkpoint_swap there.
         offload = self.swap.checkpoint_hooks(s) if self.swap and checkpoint and training else None
         if offload is not None:
             batch, kept = self.swap.tap(batch)  # type: ignore[union-attr]
-        compute, finalize, _ = cell(self.functions[s], batch, checkpoint and training, (i, s), offload,
-                                    guard=self.input_guards[s])
+        compute, finalize, record = cell(self.functions[s], batch, checkpoint and training, (i, s), offload,
+                                         guard=self.input_guards[s])
         del batch  # the offloaded input must not stay referenced here
         with trace.span("forward", (i, s)):
             output = compute()
-        finalize(output)
+        if not self.schedule.splits_backward:  # split: I replays a checkpointed cell itself
+            finalize(output)
 
         main_out = output.value
         output_parts = [_count_tensors(main_out)]
@@ -295,7 +317,7 @@ class Runtime:
         if s < self.last:
             self.transport.send(main_out, self.topology.outgoing(s, s + 1, "act", MAIN), i, (i, s))
         if training:
-            cells[(i, s)] = _Cell(kept, output, input_parts, output_parts)
+            cells[(i, s)] = _Cell(kept, output, input_parts, output_parts, record=record)
         return Batch(main_out) if skips.leaving else output
 
     # -- backward ---------------------------------------------------------------------------
@@ -318,17 +340,38 @@ class Runtime:
                 )
             pairs = [(t, g) for t, g in zip(state.output.tensors, received) if g is not None and t.requires_grad]
             roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        if roots:
-            # Backward outside autocast, as the plain model's; a replay restores its forward's (pipe.core.threadstate).
+        # Backward outside autocast, as the plain model's; a replay restores its forward's (pipe.core.threadstate).
+        if action.phase is Phase.INPUT:
+            with without_autocast():
+                input_grads = self._input_gradients(action, state, roots, grads)
+        elif roots:
             with without_autocast():
                 torch.autograd.backward(roots, grads)
         if s == 0:
             return
-        input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
+        if action.phase is not Phase.INPUT:
+            input_grads = [t.grad if t.requires_grad else None for t in state.input.tensors]
         parts = _split(input_grads, state.input_parts)
         self.transport.send(parts[0], self.topology.outgoing(s, s - 1, "grad", MAIN), i, (i, s))
         for (src, _, name), part in zip(skips.arriving, parts[1:]):
             self.transport.send(part, self.topology.outgoing(s, src, "grad", name), i, (i, s))
+
+
+    def _input_gradients(self, action: Action, state: _Cell, roots: list[Tensor],
+                         grads: Optional[list[Tensor]]) -> list[Optional[Tensor]]:
+        """I: the input gradients of the cell; the graph (recomputed once if checkpointed) waits for W."""
+        i, s = action.microbatch, action.stage
+        outputs = state.output.tensors
+        aligned: list[Optional[Tensor]] = [None] * len(outputs)
+        if grads is not None:
+            by_id = {id(t): g for t, g in zip(roots, grads)}
+            aligned = [by_id.get(id(t)) for t in outputs]
+        loss = roots[0] if s == self.last else None
+        state.split, _ = split_cell(outputs, aligned, state.input.tensors, list(self.stages[s].parameters()),
+                                    state.record, loss)
+        state.record = None
+        with trace.span("input", (i, s)):
+            return state.split.backward_input()
 
 
 def _split(items: list[Any], sizes: list[int]) -> list[list[Any]]:

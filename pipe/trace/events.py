@@ -19,6 +19,8 @@ KINDS: dict[str, str] = {
     "forward": "F",
     "backward": "B",
     "recompute": "R",
+    "input": "I",
+    "weight": "W",
     "copy": "C",
     "send": "send ",
     "recv": "recv ",

@@ -135,6 +135,10 @@ def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
     """
     config = trace.get("otherData", {}).get("config", {})
     forwards, backwards, recomputes = (measured.durations(k) for k in ("forward", "backward", "recompute"))
+    inputs, weights = measured.durations("input"), measured.durations("weight")
+    split = (statistics.fmean(inputs), statistics.fmean(weights)) if inputs and weights else None
+    if split is not None and not backwards:  # a zero-bubble schedule: backward = I + W
+        backwards = [split[0] + split[1]]
     if not forwards or not backwards:
         raise TraceError("--plan needs a trace with forward and backward spans (a training step, not eval)")
     microbatches = sorted({c.microbatch for c in measured.cells if c.kind == "forward" and c.microbatch is not None})
@@ -148,12 +152,13 @@ def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
     )
     forward, backward = statistics.fmean(forwards), statistics.fmean(backwards)
     recompute = statistics.fmean(recomputes) if recomputes else 0.0
-    timeline = plan_schedule(schedule, forward, backward, recompute, len(recomputed), unit="ms")
+    timeline = plan_schedule(schedule, forward, backward, recompute, len(recomputed), unit="ms", split=split)
     timeline.rows = list(measured.rows)
     timeline.title = (f"plan for the same configuration, mean measured durations · "
                       f"bubble {timeline.bubble():.1%}")
     timeline.notes = [
         f"mean forward {forward:.2f} ms, backward {backward:.2f} ms"
+        + (f" (I {split[0]:.2f} + W {split[1]:.2f})" if split is not None else "")
         + (f", recompute {recompute:.2f} ms" if recomputes else "") + "; transfers free"
     ]
     return timeline

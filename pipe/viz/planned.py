@@ -16,9 +16,10 @@ from pipe.viz.timeline import Cell, Timeline
 __all__ = ["plan", "plan_schedule", "SCHEDULE_NAMES"]
 
 #: How each schedule kind is named in titles.
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
 
-_KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+_KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
+         Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
 
 def plan(
@@ -35,10 +36,11 @@ def plan(
     """The planned timeline of a schedule, in time steps (a forward takes ``forward``).
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or
+            ``"zbv"`` (the last two split each backward in I and W, half each).
         stages: pipeline stages (devices, or ranks); one row each.
         microbatches: micro-batches per mini-batch.
-        virtual_stages: model chunks per stage (interleaved only).
+        virtual_stages: model chunks per stage (interleaved only; zbv has 2).
         checkpoint: ``Pipe``'s checkpoint mode; checkpointed micro-batches
             recompute their forward before their backward.
         forward, backward: durations of one forward and one backward of a
@@ -59,7 +61,7 @@ def plan(
     mode = verify_checkpoint(checkpoint)
     shape = Schedule(schedule, ranks=stages, microbatches=microbatches, virtual_stages=virtual_stages)
     stop = checkpoint_stop(mode, microbatches)
-    share = 1.0 / virtual_stages
+    share = 1.0 / shape.virtual_stages  # zbv has 2 whatever the argument
     redo = forward if recompute is None else recompute
     timeline = plan_schedule(shape, forward * share, backward * share, redo * share, stop)
     timeline.title = f"{_describe(shape)} · checkpoint={mode} · bubble {timeline.bubble():.1%}"
@@ -67,13 +69,18 @@ def plan(
 
 
 def plan_schedule(
-    schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step"
+    schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step",
+    split: Optional[tuple[float, float]] = None,
 ) -> Timeline:
     """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
 
-    The title is a plain description; :func:`plan` and the trace renderer add to it.
+    ``split`` gives the I and W durations of a zero-bubble schedule (default:
+    half the backward each). The title is a plain description; :func:`plan`
+    and the trace renderer add to it.
     """
-    timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop)
+    input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
+    timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
+                              input_grad=input_grad, weight_grad=weight_grad)
     cells = [
         Cell(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
              microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // schedule.ranks)
@@ -82,10 +89,16 @@ def plan_schedule(
     rows = [f"stage {r}" for r in range(schedule.ranks)]
     notes = [
         f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"
+        + (f" (I {input_grad:g} + W {weight_grad:g})" if schedule.splits_backward else "")
         + (f", recompute {recompute:g}" if stop > 0 else "") + f" ({'time steps' if unit == 'step' else unit});"
         " transfers are free",
     ]
-    if schedule.virtual_stages > 1:
+    if schedule.splits_backward:
+        notes.append("I: input gradient (sent upstream at once); W: weight gradient, deferred into the bubble; "
+                     "a checkpointed cell recomputes once, before its I")
+    if schedule.kind == "zbv":
+        notes.append("stage r runs the model chunks r and 2p-1-r (a V); the second is drawn lighter (lower case in text)")
+    elif schedule.virtual_stages > 1:
         chunks = ", ".join(f"r + {c * schedule.ranks}" if c else "r" for c in range(schedule.virtual_stages))
         notes.append(f"stage r runs the model chunks {chunks}; later chunks are drawn lighter (lower case in text)")
     return Timeline(

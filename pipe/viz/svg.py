@@ -20,6 +20,8 @@ __all__ = ["COLOURS", "render_svg"]
 COLOURS: dict[str, str] = {
     "forward": "#4e79a7",
     "backward": "#f28e2b",
+    "input": "#e15759",  # the input-gradient half of a split backward
+    "weight": "#edc948",  # the weight-gradient half, deferred into what would be bubble
     "recompute": "#59a14f",
     "copy": "#b07aa1",
     "send": "#9c755f",

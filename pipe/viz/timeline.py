@@ -19,14 +19,15 @@ from pipe.trace import complete_event
 __all__ = ["Cell", "Timeline", "COMPUTE", "KIND_ORDER", "LETTERS"]
 
 #: Kinds in legend order; anything else is drawn as "other".
-KIND_ORDER: tuple[str, ...] = ("forward", "backward", "recompute", "copy", "send", "recv")
+KIND_ORDER: tuple[str, ...] = ("forward", "backward", "input", "weight", "recompute", "copy", "send", "recv")
 
 #: Kinds that count as busy in utilisation and bubble: compute. Copies, sends and
 #: receives (which include waiting for the peer) are drawn but are not compute.
-COMPUTE: frozenset[str] = frozenset({"forward", "backward", "recompute"})
+COMPUTE: frozenset[str] = frozenset({"forward", "backward", "input", "weight", "recompute"})
 
 #: The letter of each kind in labels (``F3``) and text timelines.
-LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "recompute": "R", "copy": "C", "send": "S", "recv": "V"}
+LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "input": "I", "weight": "W", "recompute": "R",
+                           "copy": "C", "send": "S", "recv": "V"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class Cell:
 
     Attributes:
         row: index into :attr:`Timeline.rows`.
-        kind: "forward", "backward", "recompute", "copy", "send", "recv", ...
+        kind: "forward", "backward", "input" and "weight" (the two halves of a split
+            backward), "recompute", "copy", "send", "recv", ...
         start, end: in the timeline's unit, ``end >= start``.
         microbatch: the micro-batch, or None when unknown.
         stage: the model stage (virtual stage in interleaved schedules).
@@ -144,10 +146,10 @@ class Timeline:
         return [k for k in KIND_ORDER if k in present] + sorted(present - set(KIND_ORDER))
 
     def measured_inflight(self) -> list[int]:
-        """Per row, the most micro-batches whose forward has ended and whose backward has not.
+        """Per row, the most micro-batches whose forward has ended and whose backward (or W) has not.
 
         The measured counterpart of ``Schedule.peak_inflight`` (events in time order;
-        a backward in segments ends with its last one).
+        a backward in segments ends with its last one; a split one with its W).
         """
         peaks = []
         for row in range(len(self.rows)):
@@ -157,7 +159,7 @@ class Timeline:
             for c in sorted(self.cells, key=lambda c: c.start):
                 if c.row == row and c.kind == "forward":
                     moments.append((c.end, +1))
-                elif c.row == row and c.kind == "backward":
+                elif c.row == row and c.kind in ("backward", "weight"):
                     key = (c.microbatch, c.stage)
                     if c.segment == 0 or key not in open_cells:
                         open_cells[key] = len(backward_ends)

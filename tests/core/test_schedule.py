@@ -15,6 +15,7 @@ import pipe.core.schedule
 from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule, TimedAction
 
 F, B, R = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
+I, W = Phase.INPUT, Phase.WEIGHT
 
 
 def names(actions: list[Action]) -> list[str]:
@@ -55,7 +56,7 @@ def test_action_str_and_phase_values() -> None:
     assert str(Action(F, 3, 1)) == "F3@1"
     assert str(Action(B, 0, 2)) == "B0@2"
     assert str(Action(R, 5, 0)) == "R5@0"
-    assert [p.value for p in Phase] == ["F", "B", "R"]
+    assert [p.value for p in Phase] == ["F", "B", "R", "I", "W"]
     assert Phase("F") is F
 
 
@@ -159,15 +160,18 @@ def test_simulated_timeline_respects_order_and_dependencies(schedule: Schedule) 
     assert timeline == sorted(timeline, key=lambda t: (t.start, t.rank))
     end = {t.action: t.end for t in timeline}
     start = {t.action: t.start for t in timeline}
-    assert len(end) == len(timeline) == 2 * schedule.stages * schedule.microbatches
+    phases = 3 if schedule.splits_backward else 2
+    assert len(end) == len(timeline) == phases * schedule.stages * schedule.microbatches
     last = schedule.stages - 1
     for a in end:
         if a.phase is F and a.stage > 0:
             assert start[a] >= end[Action(F, a.microbatch, a.stage - 1)]
-        if a.phase is B:
+        if a.phase in (B, I):
             i, stage = a.microbatch, a.stage
-            before = Action(F, i, last) if stage == last else Action(B, i, stage + 1)
+            before = Action(F, i, last) if stage == last else Action(a.phase, i, stage + 1)
             assert start[a] >= end[before]
+        if a.phase is W:
+            assert start[a] >= end[Action(I, a.microbatch, a.stage)]
     for rank in range(schedule.ranks):
         mine = [t for t in timeline if t.rank == rank]
         assert [t.action for t in mine] == schedule.actions(rank)
@@ -195,7 +199,8 @@ def test_recompute_sits_right_before_its_backward_on_the_same_rank(schedule: Sch
         mine = [t for t in timeline if t.rank == rank]
         for redo, after in zip(mine, mine[1:]):
             if redo.action.phase is R:
-                assert after.action == Action(B, redo.action.microbatch, redo.action.stage)
+                backward = I if schedule.splits_backward else B  # split: recomputed once, before I
+                assert after.action == Action(backward, redo.action.microbatch, redo.action.stage)
                 assert redo.end <= after.start and redo.duration == 0.5
     assert Schedule("gpipe", 2, 4).simulate(recompute=0.0) == Schedule("gpipe", 2, 4).simulate()
 

@@ -506,3 +506,14 @@ def test_the_distributed_example_takes_the_recompute_yaml() -> None:
     saved = [line for line in out.splitlines() if line.startswith("memory: rank")]
     assert len(saved) == 2 and all("(saved -" not in line and "(saved 0," not in line for line in saved), saved
     assert "done: 2 steps" in out
+
+
+def _zero_bubble_refuses_checkpoint_swap(rank: int, world: int) -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    config = {"swap_config": {"swap": True, "checkpoint_swap": {"backward_prefetch": 1}}}
+    with pytest.raises(ValueError, match="checkpoint_swap is not supported with schedule='zb-h1'"):
+        DistributedPipe(model, chunks=2, checkpoint="always", schedule="zb-h1", recompute=config)
+
+
+def test_zero_bubble_refuses_checkpoint_swap_on_every_rank() -> None:
+    run_ranks(_zero_bubble_refuses_checkpoint_swap, 2)

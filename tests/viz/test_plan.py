@@ -57,6 +57,7 @@ def test_bubble_is_the_fill_drain_formula(kind: str, stages: int, microbatches: 
 def test_bubble_and_inflight_come_from_the_schedule(kind: str, virtual: int) -> None:
     timeline = plan(kind, 4, 8, virtual_stages=virtual, checkpoint="always")
     schedule = Schedule(kind, 4, 8, virtual)
+    virtual = schedule.virtual_stages  # zbv: always 2
     # Chunks take 1/virtual of a stage's time; recompute defaults to the forward time.
     share = 1 / virtual
     assert timeline.bubble() == pytest.approx(schedule.bubble_fraction(share, 2 * share, share))
@@ -94,3 +95,24 @@ def test_title_names_the_configuration() -> None:
 def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         plan(**kwargs)
+
+
+def test_zero_bubble_plans_draw_input_and_weight_cells() -> None:
+    # ZB-H1, 2 stages: stage 1 defers W0 by one pair; I and W take half the backward each.
+    assert table(plan("zb-h1", 2, 2)) == [
+        [("F0", 0, 1), ("F1", 1, 2), ("I0", 3, 4), ("W0", 4, 5), ("I1", 5, 6), ("W1", 6, 7)],
+        [("F0", 1, 2), ("I0", 2, 3), ("F1", 3, 4), ("I1", 4, 5), ("W0", 5, 6), ("W1", 6, 7)],
+    ]
+    timeline = plan("zbv", 2, 4, checkpoint="always")
+    assert {c.kind for c in timeline.cells} == {"forward", "input", "weight", "recompute"}
+    assert timeline.kinds() == ["forward", "input", "weight", "recompute"]
+    assert any("I: input gradient" in note for note in timeline.notes)
+    assert any("chunks r and 2p-1-r" in note for note in timeline.notes)
+    assert timeline.title.startswith("ZB-V · 2 stages × 2 virtual · 4 micro-batches")
+    # Recompute happens once per cell, before I; W reuses the recomputed graph.
+    assert timeline.count(0, "recompute") == timeline.count(0, "input") == timeline.count(0, "weight") == 8
+
+
+def test_zero_bubble_shrinks_the_bubble() -> None:
+    one_f_one_b, zb_h1, zbv = (plan(k, 4, 8).bubble() for k in ("1f1b", "zb-h1", "zbv"))
+    assert zbv < zb_h1 < one_f_one_b

@@ -36,6 +36,17 @@ def test_svg_is_well_formed_with_title_axis_legend_and_numbers() -> None:
     assert "forward of micro-batch 0 · model stage 0 · 0–1 steps" in tips
 
 
+def test_zero_bubble_svg_colours_input_and_weight_with_a_legend() -> None:
+    timeline = plan("zb-h1", 2, 3)
+    root = ElementTree.fromstring(render_svg([timeline]))
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert {"forward", "input", "weight"} <= set(texts) and "backward" not in texts
+    fills = [r.get("fill") for r in root.iter(f"{SVG}rect")]
+    assert len({COLOURS["input"], COLOURS["weight"], COLOURS["backward"], COLOURS["forward"]}) == 4
+    for kind in ("input", "weight"):
+        assert fills.count(COLOURS[kind]) == sum(c.kind == kind for c in timeline.cells) + 1
+
+
 def test_panels_share_one_time_scale() -> None:
     short, long = plan("gpipe", 2, 2), plan("gpipe", 2, 8)
     root = ElementTree.fromstring(render_svg([short, long], width=1000))

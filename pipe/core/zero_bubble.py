@@ -1,0 +1,151 @@
+"""Zero-bubble orderings: the programs of ZB-H1 and ZB-V, each backward split in I and W.
+
+Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024) splits a backward
+into the input gradient (I: the previous stage waits for it) and the weight
+gradient (W: nobody waits for it). Only I stays on the critical path, and W
+fills what would be bubble. A (micro-batch, stage) cell holds its activations
+(or the recomputed ones) from its F until its W.
+
+ZB-H1 (one stage per rank) is 1F1B whose W's are deferred: rank r runs the
+1F1B warm-up (``ranks - r - 1`` forwards), then ``F I`` pairs, and from the
+``r + 1``-th pair on each pair is followed by the oldest W. Every rank then
+holds at most ``ranks`` cells, 1F1B's peak (rank 0's). With W no longer than
+F and I, and at least ``ranks`` micro-batches, each rank idles
+``(ranks - 1) * (F + I - W)`` (the paper's formula), against 1F1B's
+``(ranks - 1) * (F + I + W)``: a third when F = I = W. 4 ranks, 6 micro-batches::
+
+    rank 0 | F0 F1 F2 F3 .  .  .  I0 W0 F4 I1 W1 F5 I2 W2 I3 W3 I4 W4 I5 W5
+    rank 1 | .  F0 F1 F2 .  .  I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 I4 W3 I5 W4 W5
+    rank 2 | .  .  F0 F1 .  I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 I5 W3 W4 W5
+    rank 3 | .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 W3 W4 W5
+
+ZB-V (two stages per rank in a V: rank r holds stages r and 2p-1-r, so the
+first and the last stage share rank 0 and the loss turns around in place) is
+played out on a unit-time clock (F = I = W = 1 per stage, transfers free) by
+the paper's rule of thumb: a free rank runs
+
+1. an I whose gradient has arrived (oldest micro-batch first, it unblocks
+   the previous stage),
+2. else an F whose input has arrived, if the rank holds fewer than ``2p``
+   cells (half a stage each: 1F1B's peak of ``p`` stages),
+3. else the oldest pending W,
+
+and otherwise waits. With at least ``ranks`` micro-batches this idles
+``ranks - 1`` phase-lengths per rank on 2 to 4 ranks (half of ZB-H1's time),
+at most ``ranks + 1`` up to 8 ranks. The resulting order is a fixed table: the runners execute
+it whatever the real durations, and
+:meth:`pipe.core.schedule.Schedule.simulate` replays it with any durations.
+The module imports no torch.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+__all__ = ["ZERO_BUBBLE_KINDS", "zero_bubble_programs", "v_rank_of", "v_stages_of"]
+
+#: Schedule kinds whose backward is split in I and W.
+ZERO_BUBBLE_KINDS: tuple[str, ...] = ("zb-h1", "zbv")
+
+#: An action as ``(phase letter, micro-batch, stage)``; :mod:`pipe.core.schedule` wraps them.
+Step = tuple[str, int, int]
+
+
+def v_rank_of(stage: int, ranks: int) -> int:
+    """V placement: stage s runs on rank s going down, then on rank ``2 * ranks - 1 - s`` coming back."""
+    return stage if stage < ranks else 2 * ranks - 1 - stage
+
+
+def v_stages_of(rank: int, ranks: int) -> list[int]:
+    """The two stages of ``rank`` in the V, in model order: ``rank`` and ``2 * ranks - 1 - rank``."""
+    return [rank, 2 * ranks - 1 - rank]
+
+
+@lru_cache(maxsize=256)
+def zero_bubble_programs(kind: str, ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
+    """The program of every rank for a zero-bubble ``kind``.
+
+    Args:
+        kind: ``"zb-h1"`` (stage r on rank r) or ``"zbv"`` (stages r and 2p-1-r on rank r).
+        ranks: pipeline ranks (p).
+        microbatches: micro-batches per step (M).
+
+    Returns:
+        One tuple of ``(phase, micro-batch, stage)`` per rank, phases
+        ``"F"``, ``"I"``, ``"W"``.
+
+    Raises:
+        ValueError: ``kind`` is not a zero-bubble kind.
+    """
+    if kind == "zb-h1":
+        return tuple(_zb_h1(rank, ranks, microbatches) for rank in range(ranks))
+    if kind == "zbv":
+        return _zb_v(ranks, microbatches)
+    raise ValueError(f"{kind!r} is not a zero-bubble schedule; expected one of {ZERO_BUBBLE_KINDS}")
+
+
+def _zb_h1(rank: int, ranks: int, microbatches: int) -> tuple[Step, ...]:
+    """1F1B with each rank's W's deferred by ``rank`` pairs (see the module docstring)."""
+    m = microbatches
+    warmup = min(ranks - rank - 1, m)
+    program: list[Step] = [("F", i, rank) for i in range(warmup)]
+    weights = 0
+    for k in range(m):
+        if warmup + k < m:
+            program.append(("F", warmup + k, rank))
+        program.append(("I", k, rank))
+        if k >= rank or warmup + k >= m:  # steady state past the deferral, or cool-down
+            program.append(("W", weights, rank))
+            weights += 1
+    program += [("W", i, rank) for i in range(weights, m)]
+    return tuple(program)
+
+
+def _zb_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
+    """ZB-V by the rule of thumb of the module docstring, on a unit-time clock."""
+    m, last = microbatches, 2 * ranks - 1
+    limit = 2 * ranks
+    owned = [v_stages_of(r, ranks) for r in range(ranks)]
+    ends: dict[Step, int] = {}  # what has run, and when it ended
+    programs: list[list[Step]] = [[] for _ in range(ranks)]
+    held = [0] * ranks
+    weights: list[list[Step]] = [[] for _ in range(ranks)]  # pending W's, oldest first
+    forwards = [dict.fromkeys(stages, 0) for stages in owned]  # per stage: the next micro-batch
+    inputs = [dict.fromkeys(stages, 0) for stages in owned]
+    total, now = 3 * 2 * ranks * m, 0  # F, I and W of every (micro-batch, stage)
+
+    def arrived(step: Step) -> bool:
+        return ends.get(step, now + 1) <= now
+
+    while len(ends) < total:
+        for rank in range(ranks):
+            if programs[rank] and ends[programs[rank][-1]] > now:
+                continue  # busy
+            choice: Step | None = None
+            ready = [(i, -s) for s, i in inputs[rank].items() if i < min(m, forwards[rank][s])
+                     and arrived(("F", i, last) if s == last else ("I", i, s + 1))]
+            if ready:
+                i, s = min(ready)
+                choice = ("I", i, -s)
+                weights[rank].append(("W", i, -s))
+            if choice is None and held[rank] < limit:
+                ready = [(i, -s) for s, i in forwards[rank].items() if i < m and (s == 0 or arrived(("F", i, s - 1)))]
+                if ready:
+                    i, s = min(ready)
+                    choice = ("F", i, -s)
+                    held[rank] += 1
+            if choice is None and weights[rank]:
+                choice = weights[rank].pop(0)
+                held[rank] -= 1
+            if choice is None:
+                continue
+            phase, i, s = choice
+            if phase == "F":
+                forwards[rank][s] += 1
+            elif phase == "I":
+                inputs[rank][s] += 1
+            programs[rank].append(choice)
+            ends[choice] = now + 1
+        now += 1
+        if now > 4 * total:  # every step of the clock runs something somewhere; cannot happen
+            raise RuntimeError(f"zbv with {ranks} ranks and {m} micro-batches does not finish")
+    return tuple(tuple(program) for program in programs)
