@@ -50,7 +50,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from pipe.core.checkpoint import Checkpointing
 from pipe.core.microbatch import Batch
@@ -248,6 +247,7 @@ class CellBackward:
         self.sync = sync
         self.record = record
         self.params: list[Tensor] = []
+        self.param_nodes: list[Any] = []
 
     def connect(self, outer_input: Batch, inner_output: Batch, params: Sequence[Tensor] = ()) -> Batch:
         """The output as the caller's graph sees it: hanging off ``outer_input`` through a Boundary.
@@ -257,9 +257,12 @@ class CellBackward:
         """
         self.inner_output = inner_output
         self.params = list(params)
+        # Through a view each, whose node the engine can be asked about (a leaf's cannot under grad()).
+        views = [p.view_as(p) for p in self.params]
+        self.param_nodes = [v.grad_fn for v in views]
         phony = get_phony(self.inner_input.device if self.inner_input.tensors else torch.device("cpu"),
                           requires_grad=True)
-        outer = Boundary.apply(phony, self, *outer_input.tensors, *self.params)
+        outer = Boundary.apply(phony, self, *outer_input.tensors, *views)
         return inner_output.with_tensors(list(outer))
 
     def release(self) -> None:
@@ -371,7 +374,7 @@ class Boundary(torch.autograd.Function):
             raise RuntimeError(_DOUBLE_BACKWARD)
         if not torch.autograd._is_checkpoint_valid():
             # torch.autograd.grad(...) or backward(inputs=...): only what it asks for, nothing into .grad.
-            wanted = [bool(torch._C._will_engine_execute_node(get_gradient_edge(p).node)) for p in cell.params]
+            wanted = [bool(torch._C._will_engine_execute_node(node)) for node in cell.param_nodes]
             return (None, None) + cell.grads_here(grads, ctx.input_needs_grad, wanted)
         backward_pass = cell.backward_pass
         try:
