@@ -442,3 +442,24 @@ def test_positional_balance_says_balance_is_keyword_only():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"balance is keyword-only, write balance=\[2, 3\]"):
         Pipe(model, [2, 3])
+
+
+@pytest.mark.timeout(60)
+def test_autograd_backward_path_refuses_create_graph_through_checkpoints_and_grad_fills_no_grad():
+    # With pipe.worker_backward = False, checkpointed cells back-propagate in
+    # Checkpoint.backward: it honours grad() and refuses a double backward it would get wrong.
+    torch.manual_seed(0)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    piped = cpu_pipe(model, chunks=4, checkpoint="always")
+    piped.worker_backward = False
+    x = torch.randn(8, 6, requires_grad=True)
+    (got,) = torch.autograd.grad(piped(x).sum(), x)
+    (expected,) = torch.autograd.grad(plain(x).sum(), x)
+    torch.testing.assert_close(got, expected)
+    assert all(p.grad is None for p in piped.parameters())
+    with pytest.raises(RuntimeError, match="create_graph=True .* checkpointed micro-batch; use checkpoint='never'"):
+        torch.autograd.grad(piped(x).sum(), x, create_graph=True)
+    with pytest.raises(ValueError, match="worker_backward=True needs several partitions, all on the CPU"):
+        Pipe(mlp(), chunks=2).worker_backward = True
+    piped.close()
