@@ -91,21 +91,23 @@ def test_interrupted_forward_leaves_nothing_for_the_next_call():
     # Cause: results of the interrupted call stayed in the workers' shared queues
     # and the next call took them. Now each call has its own queues and drains.
     out = run_script(_SLOW_MODEL + """
-interrupted = 0
+interrupted = 0  # interrupts that landed inside the forward
 for trial, delay in enumerate([0.01, 0.03, 0.06, 0.1]):
     x = torch.randn(16, 8)
+    returned = False
     try:
         interrupt_after(delay)
         with torch.set_grad_enabled(trial % 2 == 0):
             piped(x)
+        returned = True
         time.sleep(0.5)  # the signal came after the call: let it land here
     except KeyboardInterrupt:
-        interrupted += 1
+        interrupted += not returned
     for _ in range(3):
         y = torch.randn(16, 8)
         with torch.no_grad():
             assert torch.allclose(piped(y), plain(y)), "wrong output after an interrupted forward"
-assert interrupted >= 2, interrupted
+assert interrupted >= 1, interrupted
 print("interrupted", interrupted)
 """)
     assert "interrupted" in out
@@ -117,16 +119,18 @@ def test_interrupted_backward_stops_before_the_next_step():
     # into .grad after the next step had zeroed it. Now backward cancels the jobs
     # that have not started and waits for the running ones before it raises.
     out = run_script(_SLOW_MODEL + """
-interrupted = 0
-for delay in [0.05, 0.12, 0.2]:
+interrupted = 0  # interrupts that landed inside backward()
+for delay in [0.01, 0.04, 0.08]:
     x = torch.randn(16, 8)
+    output = piped(x)
+    returned = False
     try:
-        output = piped(x)
         interrupt_after(delay)
         output.sum().backward()
+        returned = True
         time.sleep(0.5)
     except KeyboardInterrupt:
-        interrupted += 1
+        interrupted += not returned
     piped.zero_grad()
     plain.zero_grad()
     y = torch.randn(16, 8)
@@ -134,7 +138,7 @@ for delay in [0.05, 0.12, 0.2]:
     plain(y).sum().backward()
     for p, q in zip(piped.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), "wrong gradient after an interrupted backward"
-assert interrupted >= 2, interrupted
+assert interrupted >= 1, interrupted
 print("interrupted", interrupted)
 """)
     assert "interrupted" in out
