@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from typing import Any, Callable, ContextManager, Optional, Sequence, cast
 
 import torch
@@ -100,8 +99,6 @@ class Pipeline:
         self.checkpoint_offload: list[Optional[Callable[[], ContextManager[Any]]]] = [None] * len(self.devices)
         # copy_streams[j][i]: the stream micro-batch i arrives on at partition j.
         self._copy_streams: list[list[AbstractStream]] = [[] for _ in self.devices]
-        # Backward passes whose jobs may still run (see BackwardPass.settle).
-        self._backward_passes: weakref.WeakSet[BackwardPass] = weakref.WeakSet()
 
     def copy_streams(self, chunks: int) -> list[list[AbstractStream]]:
         for j, device in enumerate(self.devices):
@@ -126,8 +123,6 @@ class Pipeline:
             that clock cycle and can run again.
             PipeClosedError: ``close()`` was called from another thread meanwhile.
         """
-        for earlier in list(self._backward_passes):
-            earlier.settle()  # a backward that an interrupt ended elsewhere in the graph
         call = self.workers.open_call()
         try:
             self._run(call, batches, checkpoint_stop)
@@ -147,7 +142,6 @@ class Pipeline:
             # Gradients for the inputs leave the pipeline: partition 0's jobs must then finish in backward.
             inputs_need_grad = any(t.requires_grad for batch in batches for t in batch.tensors)
             backward_pass = BackwardPass(self.workers.submit, sync_first=inputs_need_grad)
-            self._backward_passes.add(backward_pass)
         # With several micro-batches, cells run concurrently: each draws from its
         # own stream, seeded from one draw of the global generator (see pipe.core.rng).
         # One micro-batch runs cell after cell and draws as the plain module does.

@@ -37,9 +37,10 @@ What autograd's own backward guarantees holds here too:
   go of its ``Boundary`` (a saved token tells), so a second backward works.
 - ``create_graph=True`` (double backward, a gradient penalty) cannot cross the
   cut, and raises at once with the fix.
-- An interrupted backward (``KeyboardInterrupt``) cancels the jobs that have
-  not started and waits for those that run before it leaves ``backward()``,
-  so no job writes a gradient after it.
+- An interrupted backward (``KeyboardInterrupt``, or any exception in another
+  node of the caller's graph) cancels the jobs that have not started and waits
+  for those that run before it leaves ``backward()``, so no job writes a
+  gradient after it.
 """
 from __future__ import annotations
 
@@ -112,8 +113,6 @@ class BackwardPass:
         self._failure: Optional[BaseException] = None
         self._waiting = False
         self._cancelled = False
-        # The thread whose backward submitted the jobs (see settle()).
-        self._owner: Optional[int] = None
         # id(placeholder) -> (placeholder, its readiness); the tensor is kept so the id stays unique.
         self._placeholders: dict[int, tuple[Tensor, _Ready]] = {}
 
@@ -159,8 +158,7 @@ class BackwardPass:
                 # must not see gradients that are still being written.
                 self._waiting = True
                 self._cancelled = False
-                self._owner = threading.get_ident()
-                torch.autograd.Variable._execution_engine.queue_callback(self.wait)
+                torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(self))
 
         def run() -> None:
             failure: Optional[BaseException] = None
@@ -209,17 +207,30 @@ class BackwardPass:
             self._placeholders.clear()
             self._waiting = False
 
-    def settle(self) -> None:
-        """Cancels what a backward left running when it ended without reaching :meth:`wait`.
 
-        An exception raised elsewhere in the caller's graph (an interrupt in
-        another node) ends autograd's backward without running its callbacks;
-        its jobs would go on writing gradients. The next forward calls this
-        from the thread that ran that backward, outside any backward.
-        """
-        if (self._pending and self._owner == threading.get_ident()
-                and torch._C._current_graph_task_id() == -1):
-            self.cancel()
+class _EndOfBackward:
+    """The callback queued on autograd's engine: at the end of backward, waits for the pass's jobs.
+
+    An exception raised elsewhere in the caller's graph (an interrupt that
+    lands in another node, a failing hook) ends autograd's backward without
+    running its callbacks, and the jobs would go on writing gradients after
+    ``backward()`` raised. Autograd then drops this callback unrun, while the
+    exception propagates: that cancels the pass and waits for its running jobs.
+    """
+
+    def __init__(self, backward_pass: BackwardPass) -> None:
+        self.backward_pass = backward_pass
+        self.ran = [False]
+        weakref.finalize(self, _dropped, backward_pass, self.ran)
+
+    def __call__(self) -> None:
+        self.ran[0] = True
+        self.backward_pass.wait()
+
+
+def _dropped(backward_pass: BackwardPass, ran: list[bool]) -> None:
+    if not ran[0]:
+        backward_pass.cancel()
 
 
 class CellBackward:

@@ -144,6 +144,51 @@ print("interrupted", interrupted)
     assert "interrupted" in out
 
 
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.03)
+        return grad
+
+
+class FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("failed in backward")
+
+
+@pytest.mark.timeout(60)
+def test_backward_failing_elsewhere_in_the_graph_stops_the_jobs_first():
+    # Cause: an exception in another node of the caller's graph ended autograd's
+    # backward without its end-of-backward callback, and the workers' jobs went on
+    # writing .grad after backward() had raised (and after zero_grad()).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Lambda(SlowBackward.apply), nn.Linear(8, 8), Lambda(SlowBackward.apply))
+    plain = copy.deepcopy(model)
+    piped = cpu_pipe(model, chunks=4)
+    x = torch.randn(16, 8)
+    # Created before the pipeline's nodes, so autograd reaches it after every Boundary.
+    side = FailInBackward.apply(torch.ones(1, requires_grad=True)).sum()
+    loss = side + piped(x).sum()
+    with pytest.raises(RuntimeError, match="failed in backward"):
+        loss.backward()
+    piped.zero_grad()
+    time.sleep(1.5)  # a job left running would write now
+    assert all(p.grad is None for p in piped.parameters())
+    piped(x).sum().backward()
+    plain(x).sum().backward()
+    assert_same_grads(piped, plain)
+    piped.close()
+
+
 # -- 2. two threads ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
