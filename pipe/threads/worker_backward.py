@@ -388,19 +388,16 @@ class Boundary(torch.autograd.Function):
             wanted = [bool(torch._C._will_engine_execute_node(node)) for node in cell.param_nodes]
             return (None, None) + cell.grads_here(grads, ctx.input_needs_grad, wanted)
         backward_pass = cell.backward_pass
-        try:
-            readies = [backward_pass.readiness(g) for g in grads]
-            done = _Ready()
-            like = [x if needs else None for x, needs in zip(cell.inner_input.tensors, ctx.input_needs_grad)]
-            placeholders = backward_pass.placeholders(like, done)
-            backward_pass.submit(cell.j, cell.job(grads, readies, placeholders, done))
-            if cell.sync:
-                try:
-                    done.wait()
-                except _UpstreamFailed:
-                    pass  # the failure itself is raised by BackwardPass.wait at the end
-        except BaseException:
-            backward_pass.cancel()  # interrupted: no job may go on writing gradients after backward() raised
-            raise
+        readies = [backward_pass.readiness(g) for g in grads]
+        done = _Ready()
+        like = [x if needs else None for x, needs in zip(cell.inner_input.tensors, ctx.input_needs_grad)]
+        placeholders = backward_pass.placeholders(like, done)
+        # Interrupted from here on, autograd drops the pass's callback unrun, which cancels the pass (_EndOfBackward).
+        backward_pass.submit(cell.j, cell.job(grads, readies, placeholders, done))
+        if cell.sync:
+            try:
+                done.wait()
+            except _UpstreamFailed:
+                pass  # the failure itself is raised by BackwardPass.wait at the end
         # The parameters' gradients are accumulated by the workers themselves.
         return (None, None) + tuple(placeholders) + (None,) * len(cell.params)
