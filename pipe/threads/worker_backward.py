@@ -319,8 +319,14 @@ class CellBackward:
             placeholders: Sequence[Optional[Tensor]], done: _Ready) -> Callable[[], None]:
         """The job for the worker, holding the cell's graph: release() may drop the cell's own reference
         as soon as the Boundary's backward returns."""
-        inner_output, prepare = self.inner_output, self.prepare
-        return lambda: self.run(grads, readies, placeholders, done, inner_output, prepare)
+        held = [(self.inner_output, self.prepare)]
+
+        def job() -> None:
+            # Taken out, so that the graph goes with this frame, before the pass counts the job done.
+            inner_output, prepare = held.pop()
+            self.run(grads, readies, placeholders, done, inner_output, prepare)
+
+        return job
 
     def run(self, grads: Sequence[Optional[Tensor]], readies: Sequence[Optional[_Ready]],
             placeholders: Sequence[Optional[Tensor]], done: _Ready, inner_output: Optional[Batch],
