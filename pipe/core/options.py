@@ -39,12 +39,6 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
 
 
 def verify_chunks(chunks: Any) -> int:
-    if isinstance(chunks, (list, tuple)) and chunks and all(is_int(b) for b in chunks):
-        raise TypeError(
-            f"chunks must be an int (the number of micro-batches), got {list(chunks)!r}, which looks like a "
-            f"balance: balance is keyword-only, write balance={list(chunks)!r} (torchgpipe's GPipe(model, "
-            f"{list(chunks)!r}) is Pipe(model, balance={list(chunks)!r}))"
-        )
     if not is_int(chunks):
         raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
     if chunks <= 0:

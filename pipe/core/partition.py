@@ -30,8 +30,6 @@ def verify_module(module: nn.Module) -> None:
             f"Pipe takes an nn.Sequential, got {type(module).__name__}; "
             "wrap your layers in nn.Sequential(...) in the order they run"
         )
-    if len(module) == 0:
-        raise ValueError("the nn.Sequential is empty; a Pipe needs at least one layer to run")
     seen: dict[int, str] = {}
     for name, layer in module._modules.items():
         if layer is None:
