@@ -233,6 +233,10 @@ def _dropped(backward_pass: BackwardPass, ran: list[bool]) -> None:
         backward_pass.cancel()
 
 
+def _keep(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 class CellBackward:
     """One cell cut out of the caller's graph: its detached input and its output.
 
@@ -273,7 +277,10 @@ class CellBackward:
         self.param_nodes = [v.grad_fn for v in views]
         phony = get_phony(self.inner_input.device if self.inner_input.tensors else torch.device("cpu"),
                           requires_grad=True)
-        outer = Boundary.apply(phony, self, *outer_input.tensors, *views)
+        # The Boundary saves only its token, which the caller's saved-tensor hooks (save_on_cpu, ...) must
+        # neither see nor copy (autograd packs saved tensors when apply() returns, so the hooks go around it).
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            outer = Boundary.apply(phony, self, *outer_input.tensors, *views)
         return inner_output.with_tensors(list(outer))
 
     def release(self) -> None:
@@ -376,7 +383,7 @@ class Boundary(torch.autograd.Function):
         # A token only the caller's graph holds: when autograd frees it (after a
         # backward without retain_graph=True, or with the graph), the cell lets go of its own.
         token = torch.empty(0)
-        ctx.save_for_backward(token)
+        ctx.save_for_backward(token)  # past the caller's saved-tensor hooks: see CellBackward.connect
         weakref.finalize(token, cell.release)
         assert cell.inner_output is not None  # set by connect()
         tensors = cell.inner_output.tensors

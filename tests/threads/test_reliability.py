@@ -501,3 +501,29 @@ def test_autograd_backward_path_refuses_create_graph_through_checkpoints_and_gra
     with pytest.raises(ValueError, match="worker_backward=True needs several partitions, all on the CPU"):
         Pipe(mlp(), chunks=2).worker_backward = True
     piped.close()
+
+
+@pytest.mark.timeout(60)
+def test_retain_graph_under_copying_saved_tensor_hooks():
+    # The token that tells when autograd lets go of a cell must not be packed by the caller's hooks:
+    # a hook that copies (as offloading does) would free it at once and drop the cell's graph.
+    torch.manual_seed(0)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    piped = cpu_pipe(model, chunks=2, checkpoint="never")
+    packed = []
+
+    def pack(tensor):
+        packed.append(1)
+        return tensor.clone()
+
+    x = torch.randn(8, 6)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = piped(x).sum()
+        loss_plain = plain(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    loss_plain.backward(retain_graph=True)
+    loss_plain.backward()
+    assert_same_grads(piped, plain)
+    piped.close()
