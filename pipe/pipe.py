@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
-from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter
+from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
 from pipe.core.partition import Device, split_module
 from pipe.sequential import sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
@@ -25,6 +25,7 @@ from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
+from pipe.threads.call import CallLock
 from pipe.threads.worker import Workers
 
 __all__ = ["Pipe"]
@@ -145,6 +146,8 @@ class Pipe(nn.Module):
         self.cpu_threads = cpu_threads
         self._workers = Workers(self.devices, cpu_threads)
         self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
+        # Calls from several threads run one at a time (pipe.threads.call; docs/reliability.md).
+        self._call_lock = CallLock()
         self.recompute_strategy: Optional[RecomputeStrategy] = None
         if recompute is not None:
             self.recompute_strategy = attach_to_pipeline(self.partitions, recompute, self.checkpoint,
@@ -184,13 +187,39 @@ class Pipe(nn.Module):
         raise TypeError(_MOVING_DENIED)
 
     def close(self) -> None:
-        """Ends the worker threads now (they also end when the Pipe is collected)."""
+        """Ends the worker threads now (they also end when the Pipe is collected).
+
+        A forward running meanwhile in another thread fails at once with
+        ``pipe.threads.call.PipeClosedError``; a later call starts new threads.
+        """
         self._workers.close()
+
+    @property
+    def worker_backward(self) -> bool:
+        """Whether CPU partitions back-propagate side by side on their workers (pipe.threads.worker_backward).
+
+        On by default when every partition is on the CPU (and there are no
+        skip connections). Set it to False for autograd's own backward on the
+        caller's thread, e.g. for ``create_graph=True`` (with ``checkpoint="never"``).
+        """
+        return self._pipeline.worker_backward
+
+    @worker_backward.setter
+    def worker_backward(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"worker_backward must be True or False, got {enabled!r}")
+        if enabled and not (len(self.devices) > 1 and all(d.type == "cpu" for d in self.devices)
+                            and self.skip_layout is None):
+            raise ValueError("worker_backward=True needs several partitions, all on the CPU, and no skip "
+                             f"connections; this Pipe has devices {[str(d) for d in self.devices]}")
+        self._pipeline.worker_backward = enabled
 
     # -- forward ------------------------------------------------------------------------
 
     def forward(self, *inputs: Any) -> Any:
         """Runs the pipeline.
+
+        Calls from several threads are serialised: one runs at a time.
 
         Args:
             inputs: what the first layer takes. With several, the first layer
@@ -203,7 +232,15 @@ class Pipe(nn.Module):
         Returns:
             The last layer's output, micro-batches concatenated on dim 0, on
             ``devices[-1]``.
+
+        Raises:
+            ValueError: with several micro-batches, the last layer's output
+                mixes samples (a 0-dim tensor, or dim 0 not following the batch).
         """
+        with self._call_lock:
+            return self._forward(*inputs)
+
+    def _forward(self, *inputs: Any) -> Any:
         if not inputs:
             raise TypeError("Pipe.forward() needs at least one input")
         value = pack_inputs(inputs)
@@ -217,7 +254,11 @@ class Pipe(nn.Module):
         self._pipeline.training = self.training
         for bn in self._deferred_batch_norms:
             bn.discard()  # what a failed step left behind
+        sizes = [batch.tensors[0].size(0) for batch in batches]
         self._pipeline.run(batches, stop)
+        last = self.partitions[-1]
+        verify_gatherable(sizes, batches, f"the last layer {list(last._modules)[-1]!r} "
+                                          f"(partition {len(self.partitions) - 1})")
         for bn in self._deferred_batch_norms:
             bn.commit()  # running statistics once per mini-batch
         return gather(batches)

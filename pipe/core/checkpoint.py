@@ -237,8 +237,20 @@ class Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[Optional[Tensor], ...]:
         chk: Checkpointing = ctx.chk
+        if torch.is_grad_enabled():
+            # The gradient computed below carries no graph: a double backward would miss terms.
+            raise RuntimeError(
+                "create_graph=True (double backward, e.g. a gradient penalty) is not supported through a "
+                "checkpointed micro-batch; use checkpoint='never' (or model.eval()) for such a step"
+            )
         outputs, inputs = chk.recomputed.pop()
         pairs = [(o, g) for o, g in zip(outputs, grad_output) if o.requires_grad and g is not None]
+        if pairs and not torch.autograd._is_checkpoint_valid():
+            # torch.autograd.grad(...) / backward(inputs=...): the inputs' gradients only, nothing into .grad.
+            wanted = [x for x in inputs if x.requires_grad]
+            found = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                             allow_unused=True)) if wanted else []
+            return (None, None) + tuple(found.pop(0) if x.requires_grad else None for x in inputs)
         if pairs:
             with trace.span("backward", chk.tag):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

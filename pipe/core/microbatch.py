@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "NoChunk", "flatten", "unflatten", "scatter", "gather", "pack_inputs"]
+__all__ = ["Batch", "NoChunk", "flatten", "unflatten", "scatter", "gather", "verify_gatherable", "pack_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -261,3 +261,44 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # a value whose == is not a truth value (an array, say): only identity counts
         return False
+
+
+def verify_gatherable(sizes: Sequence[int], batches: Sequence[Batch], producer: str) -> None:
+    """Refuses micro-batch outputs that concatenation on dim 0 cannot turn into the mini-batch's output.
+
+    Gathering is right for layers that treat samples independently: each
+    output tensor then has ``k`` rows per input sample, the same ``k`` for
+    every micro-batch (``k = 1`` mostly; ``k = seq_len`` for flattened tokens).
+    A 0-dim output (a loss) or one whose dim 0 does not follow the micro-batch
+    sizes (``x.mean(0)``, ``x.sum(0, keepdim=True)``) mixed the samples of
+    its micro-batch, and the plain module would return something else.
+    A reduction whose output happens to have ``k`` rows per sample cannot be
+    told from a per-sample output by shapes, and is not caught.
+
+    Args:
+        sizes: the samples in each input micro-batch.
+        batches: the output of each micro-batch.
+        producer: what made the outputs, for the message (the last layer).
+
+    Raises:
+        ValueError: an output cannot be gathered; the message names the fix.
+    """
+    if len(batches) < 2:
+        return  # one micro-batch: its output is the output
+    fix = ("Pipe concatenates the micro-batches' outputs on dim 0, which cannot reproduce an output that mixes "
+           "the samples of a batch (a reduction over dim 0 such as x.mean(0), or a scalar loss); use chunks=1, or "
+           "return per-sample outputs and reduce them after the Pipe (in the loss)")
+    all_leaves = [flatten(batch.value)[0] for batch in batches]
+    for position, leaf in enumerate(all_leaves[0]):
+        if not isinstance(leaf, Tensor):
+            continue
+        tensors = [leaves[position] for leaves in all_leaves]
+        if any(t.dim() == 0 for t in tensors):
+            raise ValueError(f"{producer} returned a 0-dim tensor for each micro-batch; {fix}")
+        rows = [t.size(0) for t in tensors]
+        per_sample = {row / size for row, size in zip(rows, sizes)}
+        if len(per_sample) != 1 or any(row % size for row, size in zip(rows, sizes)):
+            raise ValueError(
+                f"{producer} returned tensors of {rows} rows (dim 0) for micro-batches of {list(sizes)} samples, "
+                f"so its output does not follow the batch; {fix}"
+            )

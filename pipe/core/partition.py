@@ -129,6 +129,7 @@ def split_module(
                 "were given; pass one device per partition (the CPU may repeat: devices=['cpu', 'cpu'])"
             )
         placed = placed[: len(balance)]
+        _verify_devices(placed)
 
     partitions = []
     start = 0
@@ -140,6 +141,24 @@ def split_module(
         start += size
     _verify_no_sharing(partitions)
     return partitions, list(balance), list(placed)
+
+
+def _verify_devices(devices: Sequence[torch.device]) -> None:
+    """Checks that every CUDA device exists, before anything is moved there."""
+    for device in devices:
+        if device.type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device} was given but CUDA is not available here (torch.cuda.is_available() is False, "
+                f"torch {torch.__version__}); pass devices=['cpu', ...] (one per partition), or install a CUDA "
+                "build of PyTorch"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device} was given but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                "pass devices among " + str([f"cuda:{k}" for k in range(torch.cuda.device_count())])
+            )
 
 
 def _balance_from_placement(layers: list[nn.Module]) -> tuple[list[int], list[torch.device]]:

@@ -14,10 +14,17 @@ watched; partitions that drew random numbers keep taking the lock, those that
 did not run freely from then on. Under the lock, each cell draws from its own
 stream, seeded from one draw of the global generator per forward, so that
 which partition takes the lock first changes nothing.
+
+The locks are scoped by :class:`GeneratorLocks`: top-level calls share the
+process's locks; a call made inside a cell that holds one (a ``Pipe`` used as a
+layer of another ``Pipe``) gets fresh locks for the generators its caller
+holds, so its cells do not wait for their own caller. A process forked from
+one whose threads held locks starts with free ones.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -25,21 +32,72 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RNGState", "save_rng_state", "restore_rng_state", "RandomnessGuard", "cell_seed", "draw_base_seed"]
+__all__ = ["RNGState", "save_rng_state", "restore_rng_state", "RandomnessGuard", "GeneratorLocks", "cell_seed",
+           "draw_base_seed"]
 
 RNGState = tuple[Tensor, Optional[Tensor]]
 
-_locks: dict[str, threading.Lock] = {}
-_locks_guard = threading.Lock()
+
+def _generator_key(device: torch.device) -> str:
+    return str(device) if device.type == "cuda" else "cpu"
 
 
-def _generator_lock(device: torch.device) -> threading.Lock:
-    key = str(device) if device.type == "cuda" else "cpu"
-    with _locks_guard:
-        lock = _locks.get(key)
-        if lock is None:
-            lock = _locks[key] = threading.Lock()
-    return lock
+class GeneratorLocks:
+    """One lock per random generator (the CPU's, each CUDA device's), for the cells of a call.
+
+    Args:
+        parent: where the locks not made here come from (None: the process's own).
+        fresh: generators that get a lock of their own here.
+    """
+
+    def __init__(self, parent: Optional["GeneratorLocks"] = None, fresh: frozenset[str] = frozenset()) -> None:
+        self._parent = parent
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {key: threading.Lock() for key in fresh}
+
+    def lock(self, device: torch.device) -> threading.Lock:
+        """The lock of ``device``'s generator."""
+        key = _generator_key(device)
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is not None or self._parent is None:
+                if lock is None:
+                    lock = self._locks[key] = threading.Lock()
+                return lock
+        return self._parent.lock(device)
+
+    @staticmethod
+    def for_call() -> "GeneratorLocks":
+        """The locks for a new call made on this thread.
+
+        At top level, the process's. Inside a cell that holds locks (a nested
+        pipeline), a child with fresh locks for those generators: the caller
+        keeps every other cell away from them while its inner cells run.
+        """
+        held: list[tuple[GeneratorLocks, str]] = getattr(_held, "stack", [])
+        if not held:
+            return _process_locks()
+        return GeneratorLocks(held[-1][0], frozenset(key for _, key in held))
+
+
+class _Held(threading.local):
+    """The locks this thread holds, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[GeneratorLocks, str]] = []
+
+
+_held = _Held()
+_root = GeneratorLocks()
+_root_pid = os.getpid()
+
+
+def _process_locks() -> GeneratorLocks:
+    global _root, _root_pid, _held
+    if _root_pid != os.getpid():
+        # Forked: threads that held locks in the parent do not exist here.
+        _root, _root_pid, _held = GeneratorLocks(), os.getpid(), _Held()
+    return _root
 
 
 def save_rng_state(device: torch.device) -> RNGState:
@@ -75,7 +133,6 @@ class RandomnessGuard:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._lock = _generator_lock(device)
         # training flag -> whether the partition draws random numbers
         self._draws: dict[bool, bool] = {}
 
@@ -84,20 +141,26 @@ class RandomnessGuard:
         return self._draws.get(training)
 
     @contextmanager
-    def forward(self, training: bool, seed: Optional[int] = None) -> Iterator[None]:
+    def forward(self, training: bool, seed: Optional[int] = None,
+                locks: Optional[GeneratorLocks] = None) -> Iterator[None]:
         """Runs the body of one forward of the partition.
 
         Args:
             training: the mode, which decides whether the partition draws (dropout).
             seed: the cell's seed; None draws from the global generator as it
                 stands (when no other cell can run concurrently).
+            locks: the locks of the call the cell belongs to
+                (:meth:`GeneratorLocks.for_call`, taken on the caller's thread);
+                default: the process's.
         """
         known = self._draws.get(training)
         if known is False:
             yield
             return
+        scope = locks if locks is not None else _process_locks()
         devices = [self.device] if self.device.type == "cuda" and seed is not None else []
-        with self._lock, (torch.random.fork_rng(devices) if seed is not None else contextlib.nullcontext()):
+        with scope.lock(self.device), _holding(scope, self.device), \
+                (torch.random.fork_rng(devices) if seed is not None else contextlib.nullcontext()):
             if seed is not None:
                 torch.default_generator.manual_seed(seed)
                 if self.device.type == "cuda":
@@ -109,6 +172,16 @@ class RandomnessGuard:
                 self._draws[training] = not _same(before, after)
             else:
                 yield
+
+
+@contextmanager
+def _holding(scope: GeneratorLocks, device: torch.device) -> Iterator[None]:
+    """Records that this thread holds ``scope``'s lock of ``device``'s generator."""
+    _held.stack.append((scope, _generator_key(device)))
+    try:
+        yield
+    finally:
+        _held.stack.pop()
 
 
 def cell_seed(base: int, microbatch: int, partition: int) -> int:

@@ -11,6 +11,10 @@ it first *fences* the cells (fork/join edges so that backward visits
 micro-batches in order, and stream copies between devices), then *computes*
 them: each cell goes to its partition's worker thread, the caller collects
 the outputs and finalises them (wiring recomputation for checkpointed cells).
+
+Each run is one call (:mod:`pipe.threads.call`): its tasks report to it alone,
+and it cancels and waits for them before it returns or raises, so an
+interrupted or failed run leaves nothing behind for the next one.
 """
 from __future__ import annotations
 
@@ -28,11 +32,12 @@ from pipe.core.copy import Copy, Wait
 from pipe.core.dependency import fork, join
 from pipe.core.inplace import InputGuard, describe_partition
 from pipe.core.microbatch import Batch
-from pipe.core.rng import RandomnessGuard, cell_seed, draw_base_seed
+from pipe.core.rng import GeneratorLocks, RandomnessGuard, cell_seed, draw_base_seed
 from pipe.core.schedule import Schedule
 from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTracker, SkipTrackerThroughPortals, partition_function
 from pipe.core.stream import AbstractStream, current_stream, new_stream, use_device
+from pipe.threads.call import Call
 from pipe.threads.worker import ExcInfo, Task, Workers
 
 __all__ = ["Pipeline", "depend", "copy", "wait"]
@@ -120,7 +125,16 @@ class Pipeline:
         Raises:
             The first exception a layer raised; the pipeline stops at the end of
             that clock cycle and can run again.
+            PipeClosedError: ``close()`` was called from another thread meanwhile.
         """
+        call = self.workers.open_call()
+        try:
+            self._run(call, batches, checkpoint_stop)
+        finally:
+            # Normally, by an exception or by an interrupt: nothing of this call runs after it.
+            self.workers.end_call(call)
+
+    def _run(self, call: Call, batches: list[Batch], checkpoint_stop: int) -> None:
         cycles = _forward_clock_cycles(len(self.partitions), len(batches))
         copy_streams = self.copy_streams(len(batches))
         compute_streams = [current_stream(device) for device in self.devices]
@@ -136,10 +150,12 @@ class Pipeline:
         # own stream, seeded from one draw of the global generator (see pipe.core.rng).
         # One micro-batch runs cell after cell and draws as the plain module does.
         base_seed = draw_base_seed() if len(batches) > 1 else None
+        # A run inside a cell of another pipeline gets its own random-number locks (see pipe.core.rng).
+        locks = GeneratorLocks.for_call()
         for cells in cycles:
             self._fence(batches, cells, copy_streams, skip_trackers)
             self._compute(batches, cells, copy_streams, compute_streams, checkpoint_stop, base_seed, skip_trackers,
-                          backward_pass)
+                          backward_pass, call=call, locks=locks)
 
     def _fence(self, batches: list[Batch], cells: list[tuple[int, int]],
                copy_streams: list[list[AbstractStream]],
@@ -161,7 +177,8 @@ class Pipeline:
                  copy_streams: list[list[AbstractStream]], compute_streams: list[AbstractStream],
                  checkpoint_stop: int, base_seed: Optional[int],
                  skip_trackers: Optional[list[SkipTrackerThroughPortals]] = None,
-                 backward_pass: Optional[BackwardPass] = None) -> None:
+                 backward_pass: Optional[BackwardPass] = None, *, call: Call,
+                 locks: GeneratorLocks) -> None:
         n = len(self.partitions)
         # Cells cut out of the caller's graph: (their input there, their backward job).
         cut: dict[tuple[int, int], tuple[Batch, CellBackward]] = {}
@@ -176,14 +193,14 @@ class Pipeline:
                 batch = batch.with_tensors([t.detach().requires_grad_(t.requires_grad) for t in batch.tensors])
             seed = None if base_seed is None else cell_seed(base_seed, i, j)
             task, recomputable = self._task(i, j, batch, partition, compute_streams[j], i < checkpoint_stop,
-                                             seed, skip_tracker)
+                                             seed, skip_tracker, call=call, locks=locks)
             if backward_pass is not None:
-                cut[(i, j)] = outer, self._cell_backward(backward_pass, i, j, batch, recomputable, seed)
+                cut[(i, j)] = outer, self._cell_backward(backward_pass, i, j, batch, recomputable, seed, locks)
             self.workers.put(j, task)
 
         failure: Optional[BaseException] = None
         for i, j in cells:
-            ok, payload = self.workers.get(j)
+            ok, payload = call.get(j)
             if not ok:
                 if failure is None:
                     failure = cast(ExcInfo, payload)[1]
@@ -195,14 +212,16 @@ class Pipeline:
                 task.finalize(batch)
             if (i, j) in cut:
                 outer, cell_backward = cut[(i, j)]
-                batch = cell_backward.connect(outer, batch)
+                params = [p for p in self.partitions[j].parameters() if p.requires_grad]
+                batch = cell_backward.connect(outer, batch, params)
             batches[i] = batch
         if failure is not None:
             raise failure
 
     def _task(self, i: int, j: int, batch: Batch, partition: nn.Sequential, stream: AbstractStream,
               checkpoint: bool, seed: Optional[int],
-              skip_tracker: Optional[SkipTracker] = None) -> tuple[Task, Optional[Checkpointing]]:
+              skip_tracker: Optional[SkipTracker] = None, *, call: Call,
+              locks: GeneratorLocks) -> tuple[Task, Optional[Checkpointing]]:
         guard = self.guards[j]
         training = self.training
         # The recipe of a cell is shared with the process runner (pipe.core.checkpoint.cell).
@@ -212,23 +231,25 @@ class Pipeline:
         def compute() -> Batch:
             # Draws of random numbers must not interleave with those of a
             # checkpointed cell on another thread (see pipe.core.rng).
-            with guard.forward(training, seed), trace.span("forward", (i, j)):
+            with guard.forward(training, seed, locks), trace.span("forward", (i, j)):
                 return compute_cell()
 
-        return Task(stream, compute=compute, finalize=finalize, tag=(i, j)), record
+        return Task(stream, compute=compute, finalize=finalize, call=call, tag=(i, j)), record
 
     def _cell_backward(self, backward_pass: BackwardPass, i: int, j: int, inner_input: Batch,
-                       record: Optional[Checkpointing], seed: Optional[int]) -> CellBackward:
+                       record: Optional[Checkpointing], seed: Optional[int],
+                       locks: GeneratorLocks) -> CellBackward:
         """The backward job of cell (i, j) for its worker (see pipe.threads.worker_backward)."""
         guard = self.guards[j]
         training = self.training
         def recompute_ahead(record: Checkpointing) -> None:
             # Replays random state, so it must not interleave with other partitions' draws.
-            with guard.forward(training, seed):
+            with guard.forward(training, seed, locks):
                 record.recompute_ahead()
 
         prepare = None if record is None else functools.partial(recompute_ahead, record)
-        return CellBackward(backward_pass, j, inner_input, prepare=prepare, sync=j == 0 and backward_pass.sync_first)
+        return CellBackward(backward_pass, j, inner_input, prepare=prepare, sync=j == 0 and backward_pass.sync_first,
+                            record=record)
 
 
 @functools.lru_cache(maxsize=64)

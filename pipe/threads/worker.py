@@ -9,10 +9,15 @@ closed or collected; they hold no reference to it, so dropping the owning
 Grad mode, inference mode and autocast are thread-local in PyTorch, so a task
 captures the caller's state and the worker runs it under the same
 (:mod:`pipe.core.threadstate`).
+
+A task belongs to a call (:mod:`pipe.threads.call`) and reports to that call's
+queues; a task of a call that was cancelled is skipped. Threads do not survive
+``fork``: in a child process the workers start anew on first use.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
@@ -25,13 +30,13 @@ import torch
 from pipe.core.microbatch import Batch
 from pipe.core.stream import AbstractStream, use_device, use_stream
 from pipe.core.threadstate import ThreadState
+from pipe.threads.call import Call, PipeClosedError
 
 __all__ = ["Task", "Workers"]
 
 logger = logging.getLogger(__name__)
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
-Result = Union[tuple[bool, tuple["Task", Batch]], tuple[bool, ExcInfo]]
 
 
 class Task:
@@ -41,6 +46,7 @@ class Task:
         stream: the stream to compute on.
         compute: produces the output batch.
         finalize: optional, run by the caller on the output (e.g. wiring recomputation).
+        call: the call the task belongs to; its result goes to the call's queues.
         tag: what the task is, for error messages and traces.
     """
 
@@ -50,9 +56,11 @@ class Task:
         *,
         compute: Callable[[], Batch],
         finalize: Optional[Callable[[Batch], None]] = None,
+        call: Call,
         tag: tuple[int, int] = (0, 0),
     ) -> None:
         self.stream = stream
+        self.call = call
         self._compute = compute
         self._finalize = finalize
         self.tag = tag
@@ -69,7 +77,7 @@ class Task:
             self._finalize(batch)
 
 
-def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Result]", device: torch.device,
+def _worker(j: int, in_queue: "queue.Queue[Optional[Task]]", device: torch.device,
             cpu_threads: Optional[int]) -> None:
     if device.type == "cpu" and cpu_threads is not None:
         # Intra-op parallelism is per thread (OpenMP), so this bounds this worker only.
@@ -79,24 +87,28 @@ def _worker(in_queue: "queue.Queue[Optional[Task]]", out_queue: "queue.Queue[Res
             item = in_queue.get()
             if item is None:
                 break
-            _run(item, out_queue)
+            _run(j, item)
             # Nothing of a finished task may stay on this thread's stack while it
             # waits: a task can hold its pipeline's Workers, whose collection is
             # what ends this thread.
             del item
 
 
-def _run(item: Union[Task, Callable[[], None]], out_queue: "queue.Queue[Result]") -> None:
+def _run(j: int, item: Union[Task, Callable[[], None]]) -> None:
     if not isinstance(item, Task):
         item()  # a job that reports by itself (pipe.threads.worker_backward)
+        return
+    call = item.call
+    if call.cancelled:  # its call ended (an error, an interrupt, close()): nobody waits for it
+        call.done(j, None)
         return
     try:
         batch = item.compute()
     except BaseException:
         exc_info: Any = sys.exc_info()
-        out_queue.put((False, exc_info))
+        call.done(j, (False, exc_info))
         return
-    out_queue.put((True, (item, batch)))
+    call.done(j, (True, (item, batch)))
 
 
 def _stop(in_queues: list["queue.Queue[Optional[Task]]"], threads: list[threading.Thread]) -> None:
@@ -121,20 +133,41 @@ class Workers:
         self.devices = devices
         self.cpu_threads = cpu_threads
         self.in_queues: list[queue.Queue[Optional[Task]]] = []
-        self.out_queues: list[queue.Queue[Result]] = []
         self.threads: list[threading.Thread] = []
         self._finalizer: Optional[weakref.finalize] = None
+        # Calls under way, aborted by close(); the pid that started the threads.
+        self._calls: set[Call] = set()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """In a child process: the threads, queues and locks of the parent are gone or unusable."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._finalizer = None
+        self.threads = []
+        self.in_queues = []
+        self._calls = set()
+        logger.debug("pipeline workers restart in forked process %d", self._pid)
 
     def start(self) -> None:
-        """Starts the threads if they are not running."""
+        """Starts the threads if they are not running (also in a process forked after they started)."""
+        self._forked()
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         if self.threads:
             return
         self.in_queues = [queue.Queue() for _ in self.devices]
-        self.out_queues = [queue.Queue() for _ in self.devices]
         for j, device in enumerate(self.devices):
             thread = threading.Thread(
                 target=_worker,
-                args=(self.in_queues[j], self.out_queues[j], device, self.cpu_threads),
+                args=(j, self.in_queues[j], device, self.cpu_threads),
                 name=f"pipe-worker-{j}-{device}",
                 daemon=True,
             )
@@ -143,23 +176,55 @@ class Workers:
         self._finalizer = weakref.finalize(self, _stop, self.in_queues, list(self.threads))
         logger.debug("started %d pipeline workers on %s", len(self.threads), self.devices)
 
+    def open_call(self) -> Call:
+        """A new call; :meth:`close` aborts it until :meth:`end_call`."""
+        self._forked()
+        call = Call(len(self.devices))
+        with self._lock:
+            self._calls.add(call)
+        return call
+
+    def end_call(self, call: Call) -> None:
+        """Ends ``call``: cancels its tasks that have not started and waits for those that run."""
+        try:
+            call.finish()
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
     def put(self, j: int, task: Task) -> None:
-        self.start()
-        self.in_queues[j].put(task)
+        """Hands ``task`` to worker j; its result goes to ``task.call``."""
+        self._forked()
+        with self._lock:
+            self._start()
+            task.call.handed()
+            self.in_queues[j].put(task)
 
     def submit(self, j: int, job: Callable[[], None]) -> None:
         """Runs ``job`` on worker j; it reports its result by itself and must not raise."""
-        self.start()
-        self.in_queues[j].put(job)  # type: ignore[arg-type]
-
-    def get(self, j: int) -> Result:
-        return self.out_queues[j].get()
+        self._forked()
+        with self._lock:
+            self._start()
+            self.in_queues[j].put(job)  # type: ignore[arg-type]
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Ends the threads and waits for them."""
-        if self._finalizer is not None:
-            self._finalizer()
-        for thread in self.threads:
-            thread.join(timeout)
-        self.threads = []
-        self._finalizer = None
+        """Ends the threads and waits for them.
+
+        A call under way (a forward in another thread) fails at once with
+        :class:`~pipe.threads.call.PipeClosedError`; a later call starts new threads.
+        """
+        self._forked()
+        with self._lock:
+            calls, self._calls = self._calls, set()
+            finalizer, self._finalizer = self._finalizer, None
+            threads, self.threads = self.threads, []
+        for call in calls:
+            call.abort(PipeClosedError(
+                "Pipe.close() was called while this forward ran (from another thread); the forward was "
+                "cancelled. Close a Pipe only when no thread is using it"))
+        # Tasks queued before the stop marker still reach a worker: those of an aborted call are skipped.
+        if finalizer is not None:
+            finalizer()
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)

@@ -3,7 +3,7 @@ import threading
 
 import torch
 
-from pipe.core.rng import RandomnessGuard, restore_rng_state, save_rng_state
+from pipe.core.rng import GeneratorLocks, RandomnessGuard, restore_rng_state, save_rng_state
 
 CPU = torch.device("cpu")
 
@@ -66,3 +66,21 @@ def test_seeded_forward_draws_from_its_own_stream_and_restores_the_global_one():
     assert torch.equal(first, again)
     torch.manual_seed(123)
     assert torch.equal(torch.rand(3), first)
+
+
+def test_a_call_inside_a_guarded_cell_gets_its_own_lock():
+    # A Pipe used as a layer of another: its cells must not wait for the lock their caller holds.
+    outer = RandomnessGuard(CPU)
+    top = GeneratorLocks.for_call()
+    assert GeneratorLocks.for_call() is top  # top-level calls share the process's locks
+    with outer.forward(True, seed=1, locks=top):
+        torch.rand(1)
+        inner = GeneratorLocks.for_call()
+        assert inner is not top and inner.lock(CPU) is not top.lock(CPU)
+        got = []
+        thread = threading.Thread(target=lambda: got.append(inner.lock(CPU).acquire(timeout=5)))
+        thread.start()
+        thread.join()
+        assert got == [True]
+        inner.lock(CPU).release()
+    assert GeneratorLocks.for_call() is top

@@ -1,0 +1,75 @@
+"""Calls: a forward's tasks report to it alone, and it cancels and waits for them before it ends."""
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from pipe.core.microbatch import Batch
+from pipe.core.stream import CPUStream
+from pipe.threads.call import Call, CallLock, PipeClosedError
+from pipe.threads.worker import Task, Workers
+
+CPU = torch.device("cpu")
+
+
+def task(call: Call, compute) -> Task:
+    return Task(CPUStream, compute=compute, call=call, tag=(0, 0))
+
+
+@pytest.mark.timeout(30)
+def test_results_go_to_their_own_call():
+    workers = Workers([CPU])
+    first, second = workers.open_call(), workers.open_call()
+    workers.put(0, task(first, lambda: Batch(torch.ones(1))))
+    workers.put(0, task(second, lambda: Batch(torch.zeros(1))))
+    ok, (_, batch) = second.get(0)
+    assert ok and torch.equal(batch.value, torch.zeros(1))
+    ok, (_, batch) = first.get(0)
+    assert ok and torch.equal(batch.value, torch.ones(1))
+    workers.end_call(first)
+    workers.end_call(second)
+    workers.close()
+
+
+@pytest.mark.timeout(30)
+def test_ending_a_call_skips_what_has_not_started_and_waits_for_what_runs():
+    workers = Workers([CPU])
+    call = workers.open_call()
+    started, ran = threading.Event(), []
+
+    def slow() -> Batch:
+        started.set()
+        time.sleep(0.2)
+        ran.append("slow")
+        return Batch(torch.ones(1))
+
+    workers.put(0, task(call, slow))
+    workers.put(0, task(call, lambda: ran.append("queued") or Batch(torch.ones(1))))
+    started.wait(5)
+    workers.end_call(call)  # as a forward does when an exception or an interrupt ends it
+    assert ran == ["slow"]  # waited for the running task, skipped the queued one
+    workers.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_aborts_a_call_under_way():
+    workers = Workers([CPU])
+    call = workers.open_call()
+    workers.put(0, task(call, lambda: time.sleep(0.2) or Batch(torch.ones(1))))
+    threading.Timer(0.05, workers.close).start()
+    with pytest.raises(PipeClosedError, match="Pipe.close\\(\\) was called while this forward ran"):
+        call.get(0)
+    with pytest.raises(PipeClosedError):
+        call.get(0)  # every later get too
+    workers.end_call(call)
+
+
+def test_call_lock_is_fresh_in_a_forked_process_and_in_copies():
+    lock = CallLock()
+    lock.__enter__()  # held, as by a thread of the parent at fork time
+    lock._pid = -1  # what a forked child sees: another process id
+    with lock:  # a fresh lock: does not wait for a holder that does not exist here
+        pass
+    assert copy.deepcopy(lock)._lock is not lock._lock
