@@ -17,9 +17,11 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
 
@@ -64,9 +66,14 @@ class TimedAction:
         return self.end - self.start
 
 
-def _one_forward_one_backward(
-    forwards: list[Action], backwards: list[Action], warmup: int
-) -> list[Action]:
+_Step = TypeVar("_Step")
+
+# Phase codes of the integer programs (Schedule._program, Schedule.timed): F, B, R.
+_F, _B, _R = 0, 1, 2
+_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)
+
+
+def _one_forward_one_backward(forwards: list[_Step], backwards: list[_Step], warmup: int) -> list[_Step]:
     """Warm-up forwards, then one forward / one backward pairs, then cool-down backwards."""
     program = forwards[:warmup]
     for k in range(len(forwards) - warmup):
@@ -162,33 +169,35 @@ class Schedule:
             ['F0@1', 'F1@1', 'F2@1', 'B2@1', 'B1@1', 'B0@1']
         """
         self._check_rank(rank)
+        return [Action(_PHASES[phase], i, stage) for phase, i, stage in self._program(rank)]
+
+    def _program(self, rank: int) -> list[tuple[int, int, int]]:
+        """``actions(rank)`` as ``(phase code, micro-batch, stage)`` tuples (codes: ``_F``, ``_B``)."""
         m = self.microbatches
         if self.kind == "gpipe":
             # Fill, then drain; backward in reverse micro-batch order, as autograd runs it.
-            return [Action(Phase.FORWARD, i, rank) for i in range(m)] + [
-                Action(Phase.BACKWARD, i, rank) for i in reversed(range(m))
-            ]
+            return [(_F, i, rank) for i in range(m)] + [(_B, i, rank) for i in reversed(range(m))]
         if self.kind == "1f1b":
-            forwards = [Action(Phase.FORWARD, i, rank) for i in range(m)]
-            backwards = [Action(Phase.BACKWARD, i, rank) for i in range(m)]
+            forwards = [(_F, i, rank) for i in range(m)]
+            backwards = [(_B, i, rank) for i in range(m)]
             return _one_forward_one_backward(forwards, backwards, min(self.ranks - rank - 1, m))
         # Interleaved, after Megatron-LM: micro-batches go in groups of `ranks`
         # through chunk 0, then the same group through chunk 1, ...; backward
         # visits the chunks in reverse. Warm-up fills every chunk of the ranks below.
         total = m * self.virtual_stages
         warmup = (self.ranks - rank - 1) * 2 + (self.virtual_stages - 1) * self.ranks
-        forwards = [self._interleaved(Phase.FORWARD, k, rank) for k in range(total)]
-        backwards = [self._interleaved(Phase.BACKWARD, k, rank) for k in range(total)]
+        forwards = [self._interleaved(_F, k, rank) for k in range(total)]
+        backwards = [self._interleaved(_B, k, rank) for k in range(total)]
         return _one_forward_one_backward(forwards, backwards, min(warmup, total))
 
-    def _interleaved(self, phase: Phase, k: int, rank: int) -> Action:
+    def _interleaved(self, phase: int, k: int, rank: int) -> tuple[int, int, int]:
         """The k-th forward or backward of ``rank`` in the interleaved schedule."""
         group, position = divmod(k, self.ranks * self.virtual_stages)
         chunk = position // self.ranks
-        if phase is Phase.BACKWARD:
+        if phase == _B:
             chunk = self.virtual_stages - 1 - chunk
         microbatch = group * self.ranks + position % self.ranks
-        return Action(phase, microbatch, chunk * self.ranks + rank)
+        return (phase, microbatch, chunk * self.ranks + rank)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.ranks:
@@ -229,45 +238,74 @@ class Schedule:
             ValueError: a duration is not a finite number in range.
             RuntimeError: the programs deadlock; the message names the stuck actions.
         """
+        return [TimedAction(Action(_PHASES[phase], i, stage), rank, start, end)
+                for start, rank, end, phase, i, stage in self.timed(forward, backward, recompute, checkpoint_stop)]
+
+    def timed(
+        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
+        checkpoint_stop: int | None = None,
+    ) -> list[tuple[float, int, float, int, int, int]]:
+        """:meth:`simulate` as plain tuples ``(start, rank, end, phase code, micro-batch, stage)``.
+
+        Phase codes index ``(Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)``.
+        This is the simulation itself; it runs in time linear in the number of
+        actions (event-driven: a rank runs until an action waits for another
+        rank's, and is woken when that one ends), so that plans of thousands of
+        stages and micro-batches take seconds (``pipe-viz plan``).
+        """
         _check_durations(forward, backward, recompute)
-        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
-        programs = [self.actions(rank) for rank in range(self.ranks)]
-        ends: dict[Action, float] = {}
+        duration = (forward, backward)
+        m, stages, last = self.microbatches, self.stages, self.stages - 1
+        programs = [self._program(rank) for rank in range(self.ranks)]
+        # The end of each forward and backward, by key phase * stages * m + stage * m + microbatch.
+        ends: list[float | None] = [None] * (2 * stages * m)
         cursor = [0] * self.ranks
         free = [0.0] * self.ranks
-        timeline: list[TimedAction] = []
-        progress = True
-        while progress:
-            progress = False
-            for rank, program in enumerate(programs):
-                while cursor[rank] < len(program):
-                    action = program[cursor[rank]]
-                    dependency = self._dependency(action)
-                    if dependency is not None and dependency not in ends:
-                        break
-                    start = free[rank]
-                    if action.phase is Phase.BACKWARD and recompute > 0 and (
-                        checkpoint_stop is None or action.microbatch < checkpoint_stop
-                    ):
-                        redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
-                        timeline.append(TimedAction(redo, rank, start, start + recompute))
-                        start += recompute
-                    if dependency is not None:
-                        start = max(start, ends[dependency])
-                    end = start + duration[action.phase]
-                    timeline.append(TimedAction(action, rank, start, end))
-                    ends[action] = free[rank] = end
-                    cursor[rank] += 1
-                    progress = True
+        timeline: list[tuple[float, int, float, int, int, int]] = []
+        waiting: dict[int, int] = {}  # key of an action -> the rank whose next action waits for it
+        ready = collections.deque(range(self.ranks))
+        backward_base = stages * m
+        while ready:
+            rank = ready.popleft()
+            program = programs[rank]
+            position, start_free = cursor[rank], free[rank]
+            while position < len(program):
+                phase, i, s = program[position]
+                if phase == _F:
+                    dependency = (s - 1) * m + i if s > 0 else -1
+                elif s == last:
+                    dependency = s * m + i  # the loss turns the last forward around
+                else:
+                    dependency = backward_base + (s + 1) * m + i
+                ready_at = ends[dependency] if dependency >= 0 else 0.0
+                if ready_at is None:
+                    waiting[dependency] = rank
+                    break
+                start = start_free
+                if phase == _B and recompute > 0 and (checkpoint_stop is None or i < checkpoint_stop):
+                    timeline.append((start, rank, start + recompute, _R, i, s))
+                    start += recompute
+                if start < ready_at:
+                    start = ready_at
+                end = start + duration[phase]
+                timeline.append((start, rank, end, phase, i, s))
+                key = phase * backward_base + s * m + i
+                ends[key] = start_free = end
+                position += 1
+                woken = waiting.pop(key, None)
+                if woken is not None:
+                    ready.append(woken)
+            cursor[rank], free[rank] = position, start_free
         stuck = [
-            f"rank {rank} at {program[cursor[rank]]} (waits for "
-            f"{self._dependency(program[cursor[rank]])})"
+            f"rank {rank} at {self.actions(rank)[cursor[rank]]} (waits for "
+            f"{self._dependency(self.actions(rank)[cursor[rank]])})"
             for rank, program in enumerate(programs)
             if cursor[rank] < len(program)
         ]
         if stuck:
             raise RuntimeError(f"{self} deadlocks: " + "; ".join(stuck))
-        return sorted(timeline, key=lambda t: (t.start, t.rank, t.end))
+        timeline.sort(key=lambda t: (t[0], t[1], t[2]))
+        return timeline
 
     def forward_clock_cycles(self) -> list[list[Action]]:
         """The forwards grouped into clock cycles, for the thread runner.
@@ -311,9 +349,9 @@ class Schedule:
         for rank in range(self.ranks):
             held: set[tuple[int, int]] = set()
             peak = 0
-            for action in self.actions(rank):
-                key = (action.microbatch, action.stage)
-                if action.phase is Phase.FORWARD:
+            for phase, i, stage in self._program(rank):
+                key = (i, stage)
+                if phase == _F:
                     held.add(key)
                     peak = max(peak, len(held))
                 else:

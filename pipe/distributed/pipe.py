@@ -22,8 +22,7 @@ from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcas
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
-from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
-from pipe.core.schedule import Schedule
+from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -109,8 +108,7 @@ class DistributedPipe(nn.Module):
             "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
         })
         self.topology = Topology(data_parallel)
-        self.schedule = Schedule(schedule, ranks=self.topology.ranks, microbatches=self.chunks,
-                                 virtual_stages=virtual_stages)
+        self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \

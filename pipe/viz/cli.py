@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Unwritable(Exception):
+    """The output file cannot be written (reported like a bad argument: exit status 2)."""
+
+
 def _write(timelines: Sequence[Timeline], output: Optional[Path], title: str,
            trace: Optional[dict[str, Any]] = None) -> None:
     if output is None:
@@ -115,8 +119,13 @@ def _write(timelines: Sequence[Timeline], output: Optional[Path], title: str,
     else:
         # A recording is written back as recorded (merged); a plan as trace events.
         content = json.dumps(trace if trace is not None else timelines[0].to_trace(), indent=None)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(content)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(content)
+    except OSError as error:
+        raise _Unwritable(
+            f"cannot write {str(output)!r}: {error.strerror or error}; pass -o a path in a writable folder"
+        ) from error
     sys.stderr.write(f"pipe-viz: wrote {output}\n")
 
 
@@ -135,7 +144,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             recompute=args.recompute)
         except ValueError as error:
             sub.error(f"{error} (ranks are --stages)" if "ranks" in str(error) else str(error))
-        _write([timeline], args.output, "pipe-viz plan")
+        try:
+            _write([timeline], args.output, "pipe-viz plan")
+        except _Unwritable as error:
+            sub.error(str(error))
         return 0
     try:
         trace = load(args.traces[0]) if len(args.traces) == 1 else merge(args.traces)
@@ -143,7 +155,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timelines = [measured] + ([plan_like(measured, trace)] if args.plan else [])
     except TraceError as error:
         sub.error(str(error))
-    _write(timelines, args.output, f"pipe-viz trace {' '.join(args.traces)}", trace)
+    try:
+        _write(timelines, args.output, f"pipe-viz trace {' '.join(args.traces)}", trace)
+    except _Unwritable as error:
+        sub.error(str(error))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Planned timelines: a schedule from :mod:`pipe.core.schedule`, simulated and laid out for drawing.
 
 The picture must show what the engines execute, so nothing here decides an
-order: the cells are ``Schedule.simulate()``'s timed actions and the peak
+order: the cells are ``Schedule.simulate()``'s timed actions (``Schedule.timed``) and the peak
 in-flight counts are ``Schedule.peak_inflight()``. This module only names the
 rows, picks durations and writes the title.
 """
@@ -73,12 +73,10 @@ def plan_schedule(
 
     The title is a plain description; :func:`plan` and the trace renderer add to it.
     """
-    timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop)
-    cells = [
-        Cell(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
-             microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // schedule.ranks)
-        for t in timed
-    ]
+    timed = schedule.timed(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop)
+    kinds = [_KIND[phase] for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE)]  # by phase code
+    ranks = schedule.ranks
+    cells = [Cell(rank, kinds[phase], start, end, i, s, s // ranks) for start, rank, end, phase, i, s in timed]
     rows = [f"stage {r}" for r in range(schedule.ranks)]
     notes = [
         f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"

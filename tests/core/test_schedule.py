@@ -364,8 +364,10 @@ def parse(text: str) -> list[Action]:
 
 def patch_tables(monkeypatch: pytest.MonkeyPatch, tables: str) -> None:
     """Make every Schedule run the programs in ``tables``, one rank per ``|``-separated part."""
-    programs = [parse(part) for part in tables.split("|")]
-    monkeypatch.setattr(Schedule, "actions", lambda self, rank: list(programs[rank]))
+    programs = [[("FBR".index(a.phase.value), a.microbatch, a.stage) for a in parse(part)]
+                for part in tables.split("|")]
+    # The tables behind actions() and simulate(): Schedule._program, as (phase code, micro-batch, stage).
+    monkeypatch.setattr(Schedule, "_program", lambda self, rank: list(programs[rank]))
 
 
 @pytest.mark.parametrize(

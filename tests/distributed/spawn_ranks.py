@@ -7,7 +7,6 @@ model itself and returns plain Python values (tensors are not sent back).
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import queue
@@ -36,7 +35,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
     try:
-        init_from_env("gloo", timeout=datetime.timedelta(seconds=timeout))
+        init_from_env("gloo", timeout=timeout)  # seconds
         result = fn(rank, world, *args)
         if barrier:
             dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done

@@ -1,0 +1,62 @@
+"""How ``pipe-viz plan`` scales: seconds per planned cell as stages x micro-batches grows.
+
+``pipe-viz plan`` simulates the schedule (``Schedule.timed``), lays the timed
+actions out as cells and draws them. Each size runs the whole command (text
+to a discarded stream, as without ``-o``) in this process; the figure that
+matters is the time per cell (2 x stages x micro-batches of them), which stays
+flat when the work is linear. Everything is measured in this run, printed and
+saved to benchmarks/results/viz_plan_scaling.json.
+
+Run:
+    python benchmarks/viz_plan_scaling.py                 # 100 .. 800, then 2000 x 2000
+    python benchmarks/viz_plan_scaling.py --sizes 100 200 400
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from pipe.viz.cli import main as pipe_viz
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run(size: int, schedule: str) -> float:
+    """Seconds of ``pipe-viz plan --schedule S --stages N --microbatches N`` (text output)."""
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        pipe_viz(["plan", "--schedule", schedule, "--stages", str(size), "--microbatches", str(size)])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 200, 400, 800, 2000])
+    parser.add_argument("--schedule", default="1f1b")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    for size in args.sizes:
+        seconds = run(size, args.schedule)
+        cells = 2 * size * size
+        rows.append({"stages": size, "microbatches": size, "cells": cells, "seconds": seconds,
+                     "us_per_cell": seconds / cells * 1e6})
+        print(f"{size:5d} x {size:<5d} {cells:>9d} cells  {seconds:8.2f} s  {seconds / cells * 1e6:6.2f} us/cell",
+              flush=True)
+    first, last = rows[0], rows[-1]
+    growth = (last["seconds"] / first["seconds"]) / (last["cells"] / first["cells"])
+    print(f"time grew {last['seconds'] / first['seconds']:.1f}x for {last['cells'] / first['cells']:.0f}x the cells "
+          f"(1.0 = linear: {growth:.2f})")
+    RESULTS.mkdir(exist_ok=True)
+    result = {"schedule": args.schedule, "rows": rows, "time_growth_over_cell_growth": growth,
+              "machine": platform.machine(), "python": platform.python_version()}
+    (RESULTS / "viz_plan_scaling.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
