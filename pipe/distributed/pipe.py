@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe.distributed.data_parallel import GradientAverager
-from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
@@ -194,7 +193,8 @@ class DistributedPipe(nn.Module):
                 total = sum(sizes)
                 weights = [size / total for size in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         except (TypeError, ValueError) as error:
-            raise failure_from(self.topology.rank, "step()", error) from None
+            self._runtime.failures.begin_step()  # the step the other ranks run
+            raise self._runtime.failures.failure_from("step()", error) from None
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         with torch.enable_grad():
             loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from pipe import trace
 from pipe.core.checkpoint import Function, cell
 from pipe.distributed.data_parallel import GradientAverager
-from pipe.distributed.failure import failure_from
+from pipe.distributed.failure import Failures
 from pipe.distributed.group import Topology
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch, flatten
@@ -165,6 +165,7 @@ class Runtime:
         self.averager = averager
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
         self.last = schedule.stages - 1
+        self.failures = Failures(topology.rank, topology.world, topology.timeout.total_seconds())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -184,6 +185,7 @@ class Runtime:
             ``(loss, outputs)``: the step's loss on the last stage's rank when
             training, and the last stage's output micro-batches (forwards only).
         """
+        self.failures.begin_step()
         program = [a for a in self.schedule.actions(self.topology.pipeline_rank)
                    if training or a.phase is Phase.FORWARD]
         cells: dict[tuple[int, int], _Cell] = {}
@@ -219,7 +221,7 @@ class Runtime:
                 self.averager.finish()
         except BaseException as error:
             where = str(action) if action is not None else "the end of the step"
-            raise failure_from(self.topology.rank, where, error) from None
+            raise self.failures.failure_from(where, error) from None
         return loss, [outputs[i] for i in sorted(outputs)]
 
     # -- receives ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,13 +45,15 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
-              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True) -> list[Any]:
+              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True,
+              expect_missing: Collection[int] = ()) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
 
     Args:
         timeout: the process-group timeout of each rank.
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
+        expect_missing: ranks meant to die without returning (their result is None).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
@@ -80,6 +82,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                     break
                 continue
             collected[rank] = (ok, payload)
+            if len(collected) + len(expect_missing) == world and all(r in collected for r in range(world)
+                                                                     if r not in expect_missing):
+                break
     finally:
         for process in processes:
             process.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
@@ -87,8 +92,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 process.kill()  # only the processes this harness started, by their own handle
                 process.join()
     failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
-    missing = [rank for rank in range(world) if rank not in collected]
+    missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
     if failures or missing:
         raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
                                                      if missing else ""))
-    return [collected[rank][1] for rank in range(world)]
+    return [collected[rank][1] if rank in collected else None for rank in range(world)]
