@@ -406,7 +406,7 @@ class Schedule:
                         f"1F1B allows at most ranks - rank = {self.ranks - rank}"
                     )
         try:
-            self.simulate()
+            self.timed()
         except RuntimeError as error:
             raise ValueError(str(error)) from error
 
