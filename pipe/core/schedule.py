@@ -304,7 +304,7 @@ class Schedule:
         ]
         if stuck:
             raise RuntimeError(f"{self} deadlocks: " + "; ".join(stuck))
-        timeline.sort(key=lambda t: (t[0], t[1], t[2]))
+        timeline.sort()  # by (start, rank, end): a rank's actions never tie on start
         return timeline
 
     def forward_clock_cycles(self) -> list[list[Action]]:

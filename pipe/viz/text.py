@@ -38,7 +38,8 @@ def render_text(timelines: Sequence[Timeline], width: int = 100) -> str:
 
 
 def _render(timeline: Timeline, width: int) -> str:
-    origin, span = timeline.origin, timeline.makespan
+    origin = timeline.origin
+    span = timeline.end - origin  # timeline.makespan, without a third pass over the cells
     # A plan whose times are multiples of its shortest cell gets three characters per such quantum.
     quantum = min((c.duration for c in timeline.cells if c.duration > 0), default=1.0)
     grid = timeline.unit == "step" and span / quantum * 3 <= max(width, 240) and all(
@@ -71,7 +72,7 @@ def _render(timeline: Timeline, width: int) -> str:
                 text = label[:size]
             line[a:b] = list(text)
         lines.append(f"{name:<{name_width}} | " + "".join(line).rstrip())
-    lines.append(_axis(timeline, name_width, per_unit, columns))
+    lines.append(_axis(timeline, name_width, per_unit, columns, span))
     lines.append("")
     usage = timeline.utilisation()
     bubble = 1.0 - sum(usage) / len(usage) if usage else 0.0  # Timeline.bubble(), without a second pass
@@ -94,10 +95,9 @@ def _render(timeline: Timeline, width: int) -> str:
     return "\n".join(lines)
 
 
-def _axis(timeline: Timeline, name_width: int, per_unit: float, columns: int) -> str:
-    """Tick labels under the rows, in steps or milliseconds."""
+def _axis(timeline: Timeline, name_width: int, per_unit: float, columns: int, span: float) -> str:
+    """Tick labels under the rows (``span``: the makespan), in steps or milliseconds."""
     unit = "steps" if timeline.unit == "step" else "ms"
-    span = timeline.makespan
     tick = nice_step(span, max(1, columns // 10))
     axis = [" "] * (columns + 8)
     value = 0.0

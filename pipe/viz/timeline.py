@@ -11,6 +11,7 @@ same way.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ COMPUTE: frozenset[str] = frozenset({"forward", "backward", "recompute"})
 LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "recompute": "R", "copy": "C", "send": "S", "recv": "V"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: plans of millions of cells (pipe-viz plan) in less memory
 class Cell:
     """One span of work on one row.
 
@@ -63,6 +64,9 @@ class Cell:
         return LETTERS.get(self.kind, "?") + ("" if self.microbatch is None else str(self.microbatch))
 
 
+_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+
+
 @dataclass
 class Timeline:
     """Rows of cells over time, with what is needed to title and explain them.
@@ -87,11 +91,11 @@ class Timeline:
 
     @property
     def origin(self) -> float:
-        return min((c.start for c in self.cells), default=0.0)
+        return min(map(_START, self.cells), default=0.0)
 
     @property
     def end(self) -> float:
-        return max((c.end for c in self.cells), default=0.0)
+        return max(map(_END, self.cells), default=0.0)
 
     @property
     def makespan(self) -> float:
