@@ -200,9 +200,7 @@ class Failures:
         return failure
 
     def _raised(self, where: str, error: BaseException) -> BaseException:
-        others = self._raised_by_others()
-        if others and _peer_of(error) is not None:
-            return PipelineFailure(f"rank {self.rank} stopped in {where} because {others[0]}")
+        """This rank's own error: published (a root-cause candidate) and returned with a note."""
         message = f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}"
         self._set(self._key(f"raised/{self.rank}"), message)
         self._agree(message)

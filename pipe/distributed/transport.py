@@ -78,6 +78,10 @@ class PeerError(RuntimeError):
         self.timed_out = "timed out" in message.lower() or "timeout" in message.lower()
 
 
+class OutOfStep(RuntimeError):
+    """The two ends of a channel disagree on what was sent (an earlier step failed half-way)."""
+
+
 @dataclass(frozen=True)
 class Channel:
     """Where a message goes: the peer's global rank, the process group and a tag base.
@@ -126,6 +130,8 @@ class Incoming:
             return self.transport._loopback.pop((channel.name, self.tag))
         try:
             return self._wait()
+        except OutOfStep:
+            raise  # not a lost peer: the two ranks disagree on what was sent
         except RuntimeError as error:
             raise self._failed(error) from error
 
@@ -144,7 +150,7 @@ class Incoming:
             spec, leaves, metas, guessed, hit = pickle.loads(payload)
             layout: Layout = tuple((dtype, shape) for dtype, shape, _ in metas)
             if guessed != (self._guess is not None) or (hit and layout != self._guess):
-                raise RuntimeError(
+                raise OutOfStep(
                     f"the sender {'expected' if guessed else 'did not expect'} this rank to guess the layout of "
                     "the message, and it did otherwise: the two ranks are out of step (an earlier step failed "
                     "half-way?); restart the job"
