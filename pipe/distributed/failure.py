@@ -106,6 +106,7 @@ class Failures:
         self.instance = next(_instances)
         self.step = 0
         self.broken: Optional[str] = None  # the headline of the failure that broke the pipeline
+        self._stopped_peer: Optional[int] = None  # pid of a stopped peer on this machine to end
         self._set(f"pipe/{self.instance}/process/{rank}", _process_identity())
 
     def begin_step(self) -> None:
@@ -188,6 +189,12 @@ class Failures:
             cause = (f"a collective operation failed and no rank reported why ({type(error).__name__}: "
                      f"{first_line})")
         headline = self._agree(cause)
+        if self._stopped_peer is not None and "was ended with SIGKILL" in headline:
+            try:
+                os.kill(self._stopped_peer, signal.SIGKILL)  # torchrun's SIGTERM cannot end a stopped process
+            except OSError:
+                pass
+            self._stopped_peer = None
         if headline.startswith(f"rank {self.rank} "):  # the others gave up on this rank (it stalled)
             text = f"rank {self.rank} stopped in {where}: the pipeline failed because {headline}"
         else:
@@ -275,10 +282,7 @@ class Failures:
             if host == socket.gethostname() and _stopped(int(pid)) and _start_time(int(pid)) == start:
                 stopped = (f"; its process (pid {pid} on this machine) is stopped (SIGSTOP?) and was ended "
                            "with SIGKILL so that the job ends now")
-                try:
-                    os.kill(int(pid), signal.SIGKILL)  # torchrun's SIGTERM cannot end a stopped process
-                except OSError:
-                    pass
+                self._stopped_peer = int(pid)  # ended once the verdict is agreed (see failure_from)
         return (f"rank {rank} stalled: it did not answer within the {self.timeout:g} s timeout "
                 f"(seen by {seen}){stopped}")
 
