@@ -14,10 +14,12 @@ status 2 and a message naming the value and the fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pipe.core.options import CHECKPOINT_MODES
 from pipe.core.schedule import SCHEDULE_KINDS
@@ -133,6 +135,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command; returns the exit status (argument errors exit with 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    with _without_gc():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _without_gc() -> Iterator[None]:
+    """No cyclic garbage collection while drawing: a plan of millions of cells creates no reference
+    cycles, and every collection would only scan them again (a fifth of the time of 2000 x 2000)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _run(args: argparse.Namespace) -> int:
     sub: argparse.ArgumentParser = args.subparser
     if args.command == "plan":
         if args.virtual_stages > 1 and args.schedule != "interleaved":

@@ -119,3 +119,12 @@ def test_unwritable_output_exits_2_naming_the_path(tmp_path: Path, pipe_trace: d
     error = run_error(argv, capsys)
     assert f"cannot write {str(output)!r}" in error and "pass -o a path in a writable folder" in error
     assert "Traceback" not in error
+
+
+def test_garbage_collection_is_back_on_after_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    assert gc.isenabled()
+    main(["plan", "--stages", "2", "--microbatches", "2"])
+    run_error(["plan", "--stages", "0"], capsys)
+    assert gc.isenabled()
