@@ -11,6 +11,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from pipe.core.schedule import Schedule
+
 __all__ = [
     "CHECKPOINT_MODES",
     "checkpoint_stop",
@@ -18,6 +20,7 @@ __all__ = [
     "verify_chunks",
     "is_int",
     "positive_int",
+    "pipeline_schedule",
 ]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -72,3 +75,27 @@ def verify_checkpoint(checkpoint: Any) -> str:
             f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, got {checkpoint!r}"
         )
     return str(checkpoint)
+
+
+def pipeline_schedule(kind: Any, ranks: int, chunks: int, virtual_stages: Any) -> Schedule:
+    """``Schedule(kind, ranks, chunks, virtual_stages)``, its errors worded in the front end's arguments.
+
+    ``pipe.core.schedule`` speaks of ``microbatches`` and ``ranks``; a user of
+    ``DistributedPipe`` passed ``chunks`` and runs a number of pipeline ranks.
+
+    Raises:
+        ValueError: naming ``schedule=``, ``chunks=`` or ``virtual_stages=`` and the fix.
+    """
+    if kind == "interleaved" and is_int(chunks) and is_int(ranks) and ranks > 0 and chunks % ranks != 0:
+        lower = chunks // ranks * ranks or ranks
+        raise ValueError(
+            f"schedule='interleaved' needs chunks divisible by the pipeline ranks (got chunks={chunks}, "
+            f"{ranks} pipeline ranks): each rank takes the micro-batches in groups of {ranks}; "
+            f"use chunks={lower} or chunks={lower + ranks}"
+        )
+    try:
+        return Schedule(kind, ranks=ranks, microbatches=chunks, virtual_stages=virtual_stages)
+    except ValueError as error:
+        message = str(error).replace("unknown schedule kind", "unknown schedule").replace(
+            "microbatches", "chunks").replace("kind='interleaved'", "schedule='interleaved'")
+        raise ValueError(message) from None

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedEnv", "init_from_env", "DEFAULT_TIMEOUT"]
+__all__ = ["DistributedEnv", "init_from_env", "DEFAULT_TIMEOUT", "as_timedelta"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class DistributedEnv:
 def init_from_env(
     backend: Optional[str] = None,
     *,
-    timeout: Optional[datetime.timedelta] = None,
+    timeout: Union[float, datetime.timedelta, None] = None,
     cpu_threads: Optional[int] = None,
 ) -> DistributedEnv:
     """Initialises ``torch.distributed`` from the torchrun environment variables.
@@ -53,7 +54,8 @@ def init_from_env(
     Args:
         backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
         timeout: how long a collective or point-to-point wait may block before
-            the job fails; default :data:`DEFAULT_TIMEOUT` (60 s).
+            the job fails, in seconds (a number) or a ``datetime.timedelta``;
+            default :data:`DEFAULT_TIMEOUT` (60 s).
         cpu_threads: intra-op threads of this process (e.g. 1 when several
             ranks share a machine's cores); default: leave PyTorch's setting.
 
@@ -63,7 +65,9 @@ def init_from_env(
 
     Raises:
         RuntimeError: a torchrun variable is missing; the message names it.
+        TypeError, ValueError: ``timeout`` is not a positive number of seconds or timedelta.
     """
+    wait = as_timedelta(timeout)
     missing = [name for name in _REQUIRED if name not in os.environ]
     if missing and not dist.is_initialized():
         raise RuntimeError(
@@ -81,7 +85,30 @@ def init_from_env(
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+        dist.init_process_group(backend, timeout=wait)
     env = DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
     logger.info("rank %d of %d (local rank %d) on %s with %s", env.rank, env.world_size, local_rank, device, env.backend)
     return env
+
+
+def as_timedelta(timeout: Union[float, datetime.timedelta, None]) -> datetime.timedelta:
+    """``timeout`` (seconds, a timedelta, or None for :data:`DEFAULT_TIMEOUT`) as a timedelta.
+
+    Raises:
+        TypeError: not a number or a timedelta.
+        ValueError: not positive and finite.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be a number of seconds or a datetime.timedelta, got {type(timeout).__name__} "
+            f"{timeout!r}; e.g. timeout=60 or timeout=datetime.timedelta(minutes=1)"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}; e.g. timeout=60")
+    return datetime.timedelta(seconds=seconds)

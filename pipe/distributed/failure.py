@@ -1,32 +1,65 @@
-"""Failures across ranks: the rank that failed says so, the others say who failed and why.
+"""Failures across ranks: every rank's headline names the root cause, agreed through the store.
 
 When a layer raises on one rank, its peers are blocked in receives that will
 never complete. Nothing can interrupt a blocked gloo or NCCL wait from the
 outside, but the wait ends when the failed process exits (its connections
-close) or when the process group's timeout expires. So the failing rank
-writes "rank R failed in F3@1: ValueError: ..." to the job's key-value store
-and re-raises; when its process ends (torchrun also stops the other workers),
-every peer's wait fails, and the peer raises :class:`PipelineFailure` that
-names the failed rank and its cause instead of a bare "connection closed".
-``init_from_env`` sets a short process-group timeout so that a rank that
-hangs instead of failing also ends the job in bounded time.
+close) or when the process group's timeout expires. A rank may also die
+without raising (killed, ``os._exit``) or stop (``SIGSTOP``, a hang). Each rank
+that fails leaves evidence in the job's key-value store (the
+``torch.distributed`` store, hosted by torchrun's agent), under a namespace of
+the pipeline and the step::
+
+    raised/<rank>    "rank 1 failed in F3@1: ValueError: ..."     a rank's own error
+    lost/<rank>      "<peer> closed|timeout <where>"               a rank lost contact with a peer
+    process/<rank>   "<host> <pid> <start time>"                   who each rank is (at construction)
+    root             the agreed headline (the first written wins)
+
+and works out the root cause from it: a rank's own error if one was raised
+(the first published), else the rank at the end of the chain of lost
+contacts — a rank that lost contact with rank P, while P itself published
+nothing, blames P: P died (its connections closed) or stalled (it did not
+answer within the timeout). A rank that lost contact only because its peer
+waited for a third rank follows the peer's record to that rank. The headline
+is written once with ``compare_set`` so that every rank raises the same one:
+``PipelineFailure: rank 2 stopped in F2@2 because rank 1 died ...``.
+
+A stalled peer on this machine whose process is stopped (state ``T``:
+``SIGSTOP``, a job-control stop) cannot end by itself and does not react to
+torchrun's ``SIGTERM``; it is ended with ``SIGKILL`` once the timeout has
+passed, so the job ends after about the timeout instead of the timeout plus
+torchrun's 30 s grace period. Under torchrun (``TORCHELASTIC_ERROR_FILE`` set)
+a rank that fails because of another rank's failure waits
+:data:`AGENT_GRACE` seconds before raising, so that the agent records the
+root-cause rank's exit first and its summary points at that rank.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import signal
+import socket
+import time
 from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["PipelineFailure", "report_failure", "reported_failures", "failure_from"]
+from pipe.distributed.transport import PeerError
+
+__all__ = ["PipelineFailure", "Failures", "AGENT_GRACE"]
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "pipe/failure/"
+AGENT_GRACE = 1.0
+"""Seconds a rank failing because of another rank waits under torchrun (its agent polls every 0.1 s)."""
+
+_SETTLE = 2.0  # seconds a rank that timed out waits for the peer it blames to say whom it waits for
+_POLL = 0.05
+_instances = itertools.count()  # pipelines are built in the same order on every rank: same numbers
 
 
 class PipelineFailure(RuntimeError):
-    """This rank stopped because another rank of the pipeline failed."""
+    """This rank stopped because another rank of the pipeline failed (the message names it and how)."""
 
 
 def _store() -> Optional[dist.Store]:
@@ -36,56 +69,231 @@ def _store() -> Optional[dist.Store]:
         return None
 
 
-def report_failure(rank: int, where: str, error: BaseException) -> str:
-    """Publishes that ``rank`` failed in ``where`` because of ``error``; returns the message."""
-    message = f"rank {rank} failed in {where}: {type(error).__name__}: {error}"
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"{_PREFIX}{rank}", message)
-        except Exception:  # the store itself may be gone; the local error is what matters
-            logger.debug("could not publish the failure of rank %d", rank, exc_info=True)
-    logger.error("%s", message)
-    return message
+def _process_identity() -> str:
+    """``host pid start-time``: enough to find this process again, and not another with its pid."""
+    return f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
 
 
-def reported_failures(world: int, exclude: int) -> list[str]:
-    """Failures published by other ranks, in rank order."""
-    store = _store()
-    if store is None:
-        return []
-    messages = []
-    for rank in range(world):
-        if rank == exclude:
-            continue
-        key = f"{_PREFIX}{rank}"
-        try:
-            if store.check([key]):
-                messages.append(store.get(key).decode())
-        except Exception:
-            break  # the store went away with the rank that hosted it
-    return messages
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
 
 
-def failure_from(rank: int, where: str, error: BaseException) -> BaseException:
-    """The exception this rank raises for ``error`` met in ``where``.
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
-    If another rank reported a failure first, ``error`` is a consequence of it
-    (a closed connection, a timeout), and the result is a
-    :class:`PipelineFailure` naming that rank and its cause. Otherwise this
-    rank is the one that failed: it reports and its own ``error`` is returned
-    with a note naming the rank and the action.
+
+class Failures:
+    """The failure evidence and verdicts of one pipeline (one per ``Runtime``), step by step.
+
+    Args:
+        rank: this rank's global rank.
+        world: the number of ranks.
+        timeout: the process group's timeout in seconds (named in verdicts about stalls).
     """
-    others = reported_failures(dist.get_world_size(), exclude=rank) if dist.is_initialized() else []
-    if others:
-        failure = PipelineFailure(
-            f"rank {rank} stopped in {where} because " + "; ".join(others)
-            + f" (here: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-        )
+
+    def __init__(self, rank: int, world: int, timeout: float) -> None:
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        self.instance = next(_instances)
+        self.step = 0
+        self.broken: Optional[str] = None  # the headline of the failure that broke the pipeline
+        self._stopped_peer: Optional[int] = None  # pid of a stopped peer on this machine to end
+        self._set(f"pipe/{self.instance}/process/{rank}", _process_identity())
+
+    def begin_step(self) -> None:
+        """Starts a new namespace for the evidence of the next step (called by every rank alike).
+
+        Raises:
+            PipelineFailure: an earlier step failed; the pipeline cannot run another.
+        """
+        if self.broken is not None:
+            raise PipelineFailure(
+                f"this DistributedPipe is broken: step {self.step} failed ({self.broken}). Its ranks are out of "
+                "step and messages of the failed step may still be in flight, so it runs no further step. "
+                "To go on, build a new DistributedPipe on every rank (its channels are new) and load the last "
+                "checkpoint into it (pipe.distributed.state.load), or restart the job"
+            )
+        self.step += 1
+
+    # -- the store ------------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return f"pipe/{self.instance}/{self.step}/{name}"
+
+    @staticmethod
+    def _set(key: str, value: str) -> None:
+        store = _store()
+        if store is None:
+            return
+        try:
+            store.set(key, value)
+        except Exception:  # the store may be gone with the rank that hosted it; local evidence remains
+            logger.debug("could not write %s to the store", key, exc_info=True)
+
+    @staticmethod
+    def _get(key: str) -> Optional[str]:
+        store = _store()
+        if store is None:
+            return None
+        try:
+            return store.get(key).decode() if store.check([key]) else None
+        except Exception:
+            return None
+
+    def _agree(self, verdict: str) -> str:
+        """The headline every rank uses: the first verdict written for this step, else ``verdict``."""
+        store = _store()
+        if store is None:
+            return verdict
+        try:
+            agreed = store.compare_set(self._key("root"), "", verdict)
+            return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        except Exception:
+            return verdict
+
+    # -- verdicts -------------------------------------------------------------------------------
+
+    def failure_from(self, where: str, error: BaseException) -> BaseException:
+        """The exception this rank raises for ``error`` met in ``where``.
+
+        If ``error`` is this rank's own (a layer, the loss, bad inputs), it is
+        published and returned with a note naming the rank and the action.
+        If it is a lost peer (a closed connection, a timeout), the root cause
+        is worked out from the store and a :class:`PipelineFailure` naming it
+        is returned; the first verdict of the step is every rank's headline.
+        """
+        result = self._verdict(where, error)
+        self.broken = str(result).splitlines()[0] if str(result) else type(result).__name__
+        return result
+
+    def _verdict(self, where: str, error: BaseException) -> BaseException:
+        peer = _peer_of(error)
+        if peer is None:
+            return self._raised(where, error)
+        peer_rank, timed_out = peer
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        self._set(self._key(f"lost/{self.rank}"), f"{peer_rank} {'timeout' if timed_out else 'closed'} {where}")
+        cause = self._root_cause(peer_rank, timed_out, where)
+        if cause is None and peer_rank is not None:  # no store to agree through: what this rank saw
+            cause = self._describe(peer_rank, timed_out, f"rank {self.rank} in {where}")
+        if cause is None:
+            cause = (f"a collective operation failed and no rank reported why ({type(error).__name__}: "
+                     f"{first_line})")
+        headline = self._agree(cause)
+        if self._stopped_peer is not None and "was ended with SIGKILL" in headline:
+            try:
+                os.kill(self._stopped_peer, signal.SIGKILL)  # torchrun's SIGTERM cannot end a stopped process
+            except OSError:
+                pass
+            self._stopped_peer = None
+        if headline.startswith(f"rank {self.rank} "):  # the others gave up on this rank (it stalled)
+            text = f"rank {self.rank} stopped in {where}: the pipeline failed because {headline}"
+        else:
+            text = f"rank {self.rank} stopped in {where} because {headline}"
+        failure = PipelineFailure(f"{text} (here: {type(error).__name__}: {first_line})")
         failure.__cause__ = error
         logger.error("%s", failure)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            time.sleep(AGENT_GRACE)  # let the agent see the root-cause rank's exit first
         return failure
-    message = report_failure(rank, where, error)
-    if hasattr(error, "add_note"):
-        error.add_note(f"pipe.distributed: {message.split(':')[0]}")
-    return error
+
+    def _raised(self, where: str, error: BaseException) -> BaseException:
+        """This rank's own error: published (a root-cause candidate) and returned with a note."""
+        message = f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}"
+        self._set(self._key(f"raised/{self.rank}"), message)
+        self._agree(message)
+        logger.error("%s", message)
+        if hasattr(error, "add_note"):
+            error.add_note(f"pipe.distributed: rank {self.rank} failed in {where}")
+        return error
+
+    def _raised_by_others(self) -> list[str]:
+        found = (self._get(self._key(f"raised/{rank}")) for rank in range(self.world) if rank != self.rank)
+        return [message for message in found if message is not None]
+
+    def _root_cause(self, peer: Optional[int], timed_out: bool, where: str) -> Optional[str]:
+        """The root cause as a phrase (``"rank 1 died ..."``), or None without evidence to go on."""
+        if _store() is None:
+            return None
+        deadline = time.monotonic() + (min(_SETTLE, self.timeout) if timed_out else 0.0)
+        while True:
+            raised = self._raised_by_others()
+            if raised:
+                return raised[0]
+            agreed = self._get(self._key("root"))
+            if agreed is not None:
+                return agreed
+            blamed = self._follow(peer)
+            if blamed is not None and (time.monotonic() >= deadline or not timed_out):
+                return self._describe(*blamed)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL)
+
+    def _follow(self, peer: Optional[int]) -> Optional[tuple[int, bool, str]]:
+        """From ``peer`` along the lost-contact records to the rank to blame: ``(rank, stalled, seen by)``.
+
+        The chain ends at a rank that published nothing (it died or stalled).
+        If it comes back to a rank already visited, the ranks lost each other:
+        a wait that timed out closes the connection, so the other end sees it
+        closed; the rank that one timed out on is the one to blame.
+        """
+        if peer is None:
+            return None
+        mine = self._get(self._key(f"lost/{self.rank}"))
+        if mine is None:
+            return None
+        edges: list[tuple[int, int, bool, str]] = []  # (rank, the peer it lost, timed out, where)
+        _, how, where = mine.split(" ", 2)
+        rank, timed_out = self.rank, how == "timeout"
+        visited = {self.rank}
+        while True:
+            edges.append((rank, peer, timed_out, where))
+            if peer in visited:
+                stalls = [(blamed, by, at) for by, blamed, out, at in edges if out]
+                if not stalls:
+                    return None
+                blamed, by, at = stalls[0]
+                return blamed, True, f"rank {by} in {at}"
+            visited.add(peer)
+            record = self._get(self._key(f"lost/{peer}"))
+            if record is None:
+                return peer, timed_out, f"rank {rank} in {where}"
+            next_peer, how, next_where = record.split(" ", 2)
+            rank, timed_out, where, peer = peer, how == "timeout", next_where, int(next_peer)
+
+    def _describe(self, rank: int, timed_out: bool, seen: str) -> str:
+        if not timed_out:
+            return (f"rank {rank} died: its process ended without raising an error (killed, or exited; "
+                    f"its connection closed, seen by {seen})")
+        identity = self._get(f"pipe/{self.instance}/process/{rank}")
+        stopped = ""
+        if identity is not None:
+            host, pid, start = identity.split(" ")
+            if host == socket.gethostname() and _stopped(int(pid)) and _start_time(int(pid)) == start:
+                stopped = (f"; its process (pid {pid} on this machine) is stopped (SIGSTOP?) and was ended "
+                           "with SIGKILL so that the job ends now")
+                self._stopped_peer = int(pid)  # ended once the verdict is agreed (see failure_from)
+        return (f"rank {rank} stalled: it did not answer within the {self.timeout:g} s timeout "
+                f"(seen by {seen}){stopped}")
+
+
+def _peer_of(error: BaseException) -> Optional[tuple[Optional[int], bool]]:
+    """``(peer, timed out)`` if ``error`` is a lost connection or a timeout, else None."""
+    if isinstance(error, PeerError):
+        return error.peer, error.timed_out
+    backend_error = getattr(dist, "DistBackendError", None)
+    text = str(error).lower()
+    if (backend_error is not None and isinstance(error, backend_error)) or (
+            isinstance(error, RuntimeError) and ("connection closed" in text or "timed out" in text)):
+        return None, "timed out" in text or "timeout" in text
+    return None

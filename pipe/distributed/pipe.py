@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipe.distributed.data_parallel import GradientAverager
-from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
@@ -28,8 +27,7 @@ from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
-from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
-from pipe.core.schedule import Schedule
+from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -149,8 +147,7 @@ class DistributedPipe(nn.Module):
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
         self.topology = Topology(data_parallel)
-        self.schedule = Schedule(schedule, ranks=self.topology.ranks, microbatches=self.chunks,
-                                 virtual_stages=virtual_stages)
+        self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
@@ -243,7 +240,8 @@ class DistributedPipe(nn.Module):
                 if not self._warned_ignored_targets:
                     self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
         except (TypeError, ValueError) as error:
-            raise failure_from(self.topology.rank, "step()", error) from None
+            self._runtime.failures.begin_step()  # the step the other ranks run
+            raise self._runtime.failures.failure_from("step()", error) from None
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         for bn in self._deferred_batch_norms:
             bn.discard()  # what a failed step left behind

@@ -47,7 +47,7 @@ from pipe.core.inplace import InputGuard, describe_partition
 from pipe.core.split_backward import SplitBackward, split_cell
 from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
-from pipe.distributed.failure import failure_from
+from pipe.distributed.failure import Failures
 from pipe.distributed.group import Topology
 from pipe.distributed.recompute import RankSwap
 from pipe.distributed.transport import Incoming, Transport
@@ -183,6 +183,7 @@ class Runtime:
         self.last = schedule.stages - 1
         # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute).
         self.swap: Optional[RankSwap] = None
+        self.failures = Failures(topology.rank, topology.world, topology.timeout.total_seconds())
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -202,6 +203,7 @@ class Runtime:
             ``(loss, outputs)``: the step's loss on the last stage's rank when
             training, and the last stage's output micro-batches (forwards only).
         """
+        self.failures.begin_step()
         program = [a for a in self.schedule.actions(self.topology.pipeline_rank)
                    if training or a.phase is Phase.FORWARD]
         cells: dict[tuple[int, int], _Cell] = {}
@@ -252,7 +254,7 @@ class Runtime:
                 self.averager.finish()
         except BaseException as error:
             where = str(action) if action is not None else "the end of the step"
-            raise failure_from(self.topology.rank, where, error) from None
+            raise self.failures.failure_from(where, error) from None
         return loss, [outputs[i] for i in sorted(outputs)]
 
     # -- receives ---------------------------------------------------------------------------

@@ -9,6 +9,12 @@ rank reads only its own keys), with more or fewer data-parallel replicas
 (replicas hold the same keys, DCP writes them once), or into the plain module
 in one process (:func:`load_module`).
 
+A save is atomic: every rank writes into ``<path>.saving``, and once all
+have finished (DCP writes the ``.metadata`` file last) that folder is renamed
+to ``<path>``, replacing an older checkpoint there. A rank that dies during
+a save therefore leaves the previous checkpoint at ``<path>`` intact and the
+partial files in ``<path>.saving``, which :func:`load` names in its error.
+
 DCP is PyTorch's own format for this (parallel writes from every rank, a
 metadata file, reads of any subset of keys); ``torch.distributed.checkpoint.format_utils``
 converts it to a single ``torch.save`` file if needed.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import warnings
 from typing import Any, Optional, Union
 
@@ -38,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 Path = Union[str, "os.PathLike[str]"]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+STAGING = ".saving"
+"""Suffix of the folder a save writes into before it is renamed to the checkpoint's path."""
 
 
 def _distributed() -> bool:
@@ -65,9 +74,19 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     """
     state = _state(module, optimizer)
     state["extra"] = dict(extra)
+    final = os.fspath(path)
+    staging = final + STAGING
+    coordinator = not _distributed() or dist.get_rank() == 0
+    if coordinator:
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+    _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=staging, no_dist=not _distributed())
+    _barrier()  # every rank's files and the metadata are written
+    if coordinator:
+        _replace(staging, final)
+    _barrier()
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
 
@@ -81,8 +100,11 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         The ``extra`` values given to :func:`save`.
 
     Raises:
+        FileNotFoundError: no complete checkpoint at ``path`` (the message says
+            whether a save into it was interrupted).
         RuntimeError: the checkpoint lacks a key this rank needs (DCP names it).
     """
+    _require_complete(os.fspath(path))
     state = _state(module, optimizer)
     # "extra" holds plain values whose keys the loader cannot know in advance: list them first.
     metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
@@ -108,3 +130,37 @@ def load_module(path: Path, module: nn.Module, optimizer: Optional[torch.optim.O
     if _distributed():
         logger.debug("load_module with an initialised process group: every rank loads the whole module")
     return load(path, module, optimizer)
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _replace(staging: str, final: str) -> None:
+    """Renames the finished ``staging`` folder to ``final``, replacing an older checkpoint there."""
+    old = final + ".replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _require_complete(path: str) -> None:
+    """Raises ``FileNotFoundError`` naming what is wrong unless ``path`` is a complete checkpoint."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return
+    if not os.path.exists(path) and os.path.isdir(path + STAGING):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: a save into it did not finish (a rank failed during state.save; "
+            f"its partial files are in {path + STAGING!r}); load an earlier checkpoint"
+        )
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: the folder does not exist; pass the path given to "
+                                "state.save")
+    raise FileNotFoundError(
+        f"{path!r} is not a complete checkpoint: it has no .metadata file (state.save writes it last, and "
+        "publishes a checkpoint only once it is complete); pass the folder given to state.save, or load an "
+        "earlier checkpoint"
+    )

@@ -49,7 +49,7 @@ from torch import Tensor
 from pipe import trace
 from pipe.core.microbatch import flatten, unflatten
 
-__all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming"]
+__all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming", "PeerError"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,23 @@ _MISSED = 2 + (_SLOTS - 2) // 2  # first tag of the tensors when the receiver gu
 _LENGTH_BYTES = 8
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # dtype and shape of each tensor of a message
+
+
+class PeerError(RuntimeError):
+    """A message to or from ``peer`` failed: its connection closed, or it did not answer in time.
+
+    The failure of this rank is then a consequence of the peer's (or of a rank
+    the peer waits for): :mod:`pipe.distributed.failure` works out which.
+    """
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.timed_out = "timed out" in message.lower() or "timeout" in message.lower()
+
+
+class OutOfStep(RuntimeError):
+    """The two ends of a channel disagree on what was sent (an earlier step failed half-way)."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +118,9 @@ class Incoming:
                 raise self._failed(error) from error
 
     def _failed(self, error: RuntimeError) -> RuntimeError:
-        return RuntimeError(
+        return PeerError(
             f"receiving {self.channel.name} of micro-batch {self.tag // _SLOTS} from rank {self.channel.peer} "
-            f"failed: {error}"
+            f"failed: {error}", self.channel.peer
         )
 
     def wait(self) -> Any:
@@ -113,6 +130,8 @@ class Incoming:
             return self.transport._loopback.pop((channel.name, self.tag))
         try:
             return self._wait()
+        except OutOfStep:
+            raise  # not a lost peer: the two ranks disagree on what was sent
         except RuntimeError as error:
             raise self._failed(error) from error
 
@@ -131,7 +150,7 @@ class Incoming:
             spec, leaves, metas, guessed, hit = pickle.loads(payload)
             layout: Layout = tuple((dtype, shape) for dtype, shape, _ in metas)
             if guessed != (self._guess is not None) or (hit and layout != self._guess):
-                raise RuntimeError(
+                raise OutOfStep(
                     f"the sender {'expected' if guessed else 'did not expect'} this rank to guess the layout of "
                     "the message, and it did otherwise: the two ranks are out of step (an earlier step failed "
                     "half-way?); restart the job"
@@ -243,9 +262,9 @@ class Transport:
                 try:
                     work = _work(dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag))
                 except RuntimeError as error:
-                    raise RuntimeError(
-                        f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}"
-                    ) from error
+                    raise PeerError(
+                        f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}",
+                        channel.peer) from error
                 self._pending.append((work, [tensor], channel))
         self._reap()
 
@@ -264,7 +283,8 @@ class Transport:
             try:
                 work.wait(self.timeout)
             except RuntimeError as error:
-                raise RuntimeError(f"sending {channel.name} to rank {channel.peer} failed: {error}") from error
+                raise PeerError(f"sending {channel.name} to rank {channel.peer} failed: {error}",
+                                channel.peer) from error
         if self._loopback:
             left = sorted(self._loopback)
             self._loopback.clear()

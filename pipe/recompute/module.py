@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipe.core.checkpoint import enable_recomputing, is_recomputing
+from pipe.recompute.stats import scratch_running_stats
 
 __all__ = ["Policy", "FullRecompute", "recompute", "mark", "unmark", "policy_of", "in_region"]
 
@@ -76,8 +77,14 @@ class Policy:
         """Called when the policy is taken off ``module`` (replaced or removed)."""
 
     @staticmethod
-    def regioned(forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` run inside a region; calls after the first are recomputations."""
+    def regioned(forward: Callable[..., Any], module: Optional[nn.Module] = None) -> Callable[..., Any]:
+        """``forward`` run inside a region; calls after the first are recomputations.
+
+        A recomputation of ``module`` updates no running statistics: its
+        train-mode batch norms run on scratch copies of their buffers
+        (:func:`pipe.recompute.stats.scratch_running_stats`), so they are
+        updated once per forward, as without the policy.
+        """
         calls = 0
 
         def function(*args: Any, **kwargs: Any) -> Any:
@@ -86,7 +93,7 @@ class Policy:
             if calls == 1:
                 with _region():
                     return forward(*args, **kwargs)
-            with _region(), enable_recomputing():
+            with _region(), enable_recomputing(), scratch_running_stats(module):
                 return forward(*args, **kwargs)
 
         return function
@@ -97,7 +104,8 @@ class FullRecompute(Policy):
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-        return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(self.regioned(forward, module), *args, use_reentrant=False, preserve_rng_state=True,
+                          **kwargs)
 
     def describe(self) -> str:
         return "recompute"

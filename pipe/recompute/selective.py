@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -49,11 +50,18 @@ def _signature(module: nn.Module, args: Any, kwargs: Any) -> Signature:
     )
 
 
+_warned: set[str] = set()  # sources already warned about in this process (one warning each, not one per layer)
+_warned_lock = threading.Lock()
+
+
 class Usage:
     """How many operations each regex/kind chose, over the layers that use it.
 
-    A pattern that chose nothing in any layer is most likely a typo: it gets
-    one warning once every layer using it has run, rather than one per layer.
+    A pattern or op kind that chose nothing in any layer is most likely a typo
+    or a model whose operations go by other names: it gets one warning (a
+    ``UserWarning``, once per process, however many layers use it) once every
+    layer using it has run, naming the operations and submodules the layer
+    has and what to pass instead.
 
     Args:
         layers: per pattern, how many layers use it (default: 1 each).
@@ -63,26 +71,55 @@ class Usage:
         self.layers = dict(layers or {})
         self._probed: dict[str, set[int]] = {}
         self._chosen: dict[str, int] = {}
-        self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def report(self, layer: int, chosen: dict[str, int], sources: list[str], names: list[str]) -> None:
+    def report(self, layer: int, chosen: dict[str, int], sources: list[str], names: list[str],
+               seen: Sequence[str] = ()) -> None:
+        """Counts what ``layer`` chose; warns about a source that chose nothing anywhere.
+
+        Args:
+            names: the layer's submodule names; ``seen``: the op names its forward ran.
+        """
         with self._lock:
+            idle = []
             for source in sources:
                 self._probed.setdefault(source, set()).add(layer)
                 self._chosen[source] = self._chosen.get(source, 0) + chosen.get(source, 0)
                 done = len(self._probed[source]) >= self.layers.get(source, 1)
-                if done and not self._chosen[source] and source not in self._warned:
-                    self._warned.add(source)
-                    logger.warning("select_recompute %r chose no operation in any of its layers; patterns fully "
-                                   "match submodule names such as %s, or '<submodule>.<op>' such as "
-                                   "'mlp.act.gelu'", source, sorted(names)[:8] or "(no submodules)")
+                if done and not self._chosen[source]:
+                    idle.append(source)
+        for source in idle:
+            with _warned_lock:
+                if source in _warned:
+                    continue
+                _warned.add(source)
+            warnings.warn(_nothing_chosen(source, names, seen), UserWarning, stacklevel=2)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"layers": self.layers}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["layers"])  # type: ignore[misc]
+
+
+def _nothing_chosen(source: str, names: list[str], seen: Sequence[str]) -> str:
+    """The warning for ``source`` choosing nothing: what the layer runs, and what to pass instead."""
+    ops = sorted(set(seen))
+    message = f"select_recompute {source!r} chose no operation in any of its layers, so it recomputes nothing. "
+    hints = []
+    if source == "op:gelu" and "tanh" in ops:
+        hints.append("GELU written as arithmetic (the tanh approximation, e.g. transformers' gelu_new / "
+                     "NewGELUActivation) runs as mul, pow, add and tanh, not as the gelu op: choose its submodule "
+                     "by name (names=[r'mlp\\.act']) or pass ops=['tanh']")
+    if source == "op:softmax" and "scaled_dot_product_attention" in ops:
+        hints.append("softmax runs inside scaled_dot_product_attention (one fused op): pass "
+                     "ops=['scaled_dot_product_attention'] to recompute the attention")
+    if not source.startswith("op:"):
+        hints.append(f"patterns fully match submodule names such as {sorted(names)[:8] or '(no submodules)'}, "
+                     "or '<submodule>.<op>' such as 'mlp.act.gelu'")
+    if hints:
+        message += "; ".join(hints) + ". "
+    return message + f"The layer's operations are: {', '.join(ops) or '(none recorded)'}."
 
 
 class SelectiveRecompute(Policy):
@@ -125,7 +162,7 @@ class SelectiveRecompute(Policy):
             if plan is not None and plan.stale:
                 plan = None
         if plan is None:
-            return self._probe(forward, args, kwargs, signature)
+            return self._probe(module, forward, args, kwargs, signature)
         if not plan.regions:
             return forward(*args, **kwargs)  # nothing to free here: a checkpoint would only cost time
         if plan.regions != [""]:
@@ -142,7 +179,7 @@ class SelectiveRecompute(Policy):
                 return forward_context, replay
             return forward_context, below(plan.replay_context(), replay)
 
-        return checkpoint(self.regioned(forward), *args, use_reentrant=False, preserve_rng_state=True,
+        return checkpoint(self.regioned(forward, module), *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=contexts, **kwargs)
 
     def _delegate(self, module: nn.Module, regions: list[str]) -> None:
@@ -165,14 +202,14 @@ class SelectiveRecompute(Policy):
                 mark(sub, None)
         self.delegates = []
 
-    def _probe(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               signature: Signature) -> Any:
+    def _probe(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], signature: Signature) -> Any:
         """Runs the layer plainly once, recording what autograd keeps, and plans from it."""
-        recorder = OpRecorder(self.scope, self.selection, self.prefix)
+        recorder = OpRecorder(self.scope, self.selection, self.prefix, module.buffers())
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder, \
                 self.scope.counting() as calls:
-            output = self.regioned(forward)(*args, **kwargs)
-        plan = make_plan(recorder.ops, recorder.saved, recorder.last_pack)
+            output = self.regioned(forward, module)(*args, **kwargs)
+        plan = make_plan(recorder.ops, recorder.saved, recorder.last_pack, frozenset(recorder.buffers))
         if self.prefix:  # regions are relative to the layer; this policy is already one
             plan.regions = [""] if plan.regions else []
         elif any(calls.get(region, 0) != 1 for region in plan.regions if region):
@@ -182,7 +219,8 @@ class SelectiveRecompute(Policy):
             while len(self._plans) > self._PLANS:
                 self._plans.popitem(last=False)
         if self.usage.layers or not self.prefix:
-            self.usage.report(id(self), plan.chosen, self.selection.sources(), self.scope.names)
+            self.usage.report(id(self), plan.chosen, self.selection.sources(), self.scope.names,
+                              [op.name for op in recorder.ops])
         logger.debug("%s: selective plan: %d of %d ops recomputed, frees %d bytes, keeps %d extra bytes; "
                      "chosen: %s", self.label,
                      sum(d == CheckpointPolicy.MUST_RECOMPUTE for d in plan.decisions), len(plan.decisions),

@@ -31,14 +31,15 @@ def _table(timeline: Timeline) -> str:
     head = "".join(f"<th>{escape(k)}</th>" for k in kinds)
     peak = timeline.peak_inflight is not None
     rows = []
+    per_row, busy_per_row = timeline.counts(), timeline.busy_per_row()
     for row, name in enumerate(timeline.rows):
-        counts = "".join(f"<td>{timeline.count(row, k)}</td>" for k in kinds)
-        busy = timeline.busy(row)
+        counts = "".join(f"<td>{per_row[row].get(k, 0)}</td>" for k in kinds)
+        busy = busy_per_row[row]
         extra = f"<td>{timeline.peak_inflight[row]}</td>" if peak else ""  # type: ignore[index]
         rows.append(f"<tr><td>{escape(name)}</td><td>{usage[row]:.1%}</td><td>{busy:.4g}</td>{counts}{extra}</tr>")
     peak_head = "<th>peak micro-batches in flight</th>" if peak else ""
     total = (f"<tr><td><b>all</b></td><td><b>{1 - timeline.bubble():.1%}</b></td>"
-             f"<td>{sum(timeline.busy(r) for r in range(len(timeline.rows))):.4g}</td>"
+             f"<td>{sum(busy_per_row):.4g}</td>"
              + "<td></td>" * (len(kinds) + peak) + "</tr>")
     return (
         f"<table><tr><th>row</th><th>utilisation</th><th>busy ({unit})</th>{head}{peak_head}</tr>"

@@ -38,7 +38,8 @@ def render_text(timelines: Sequence[Timeline], width: int = 100) -> str:
 
 
 def _render(timeline: Timeline, width: int) -> str:
-    origin, span = timeline.origin, timeline.makespan
+    origin = timeline.origin
+    span = timeline.end - origin  # timeline.makespan, without a third pass over the cells
     # A plan whose times are multiples of its shortest cell gets three characters per such quantum.
     quantum = min((c.duration for c in timeline.cells if c.duration > 0), default=1.0)
     grid = timeline.unit == "step" and span / quantum * 3 <= max(width, 240) and all(
@@ -48,14 +49,19 @@ def _render(timeline: Timeline, width: int) -> str:
     columns = max(1, math.ceil(span * per_unit - 1e-9))
     name_width = max(len(name) for name in timeline.rows)
     lines = [timeline.title, ""]
+    by_row = timeline.by_row()
     for row, name in enumerate(timeline.rows):
         line = [("." if k % 3 == 0 else " ") if grid else "." for k in range(columns)]
-        for cell in sorted((c for c in timeline.cells if c.row == row), key=lambda c: c.start):
+        for cell in sorted(by_row[row], key=lambda c: c.start):
             a = int(round((cell.start - origin) * per_unit))
-            b = max(a + 1, int(round((cell.end - origin) * per_unit)))
-            b = min(b, columns)
             if a >= columns:
                 continue
+            b = int(round((cell.end - origin) * per_unit))
+            if b <= a + 1 and not grid:  # one character (most cells of a large plan): the kind's letter
+                letter = LETTERS.get(cell.kind, "?")
+                line[a] = letter if cell.chunk == 0 else letter.lower()
+                continue
+            b = min(max(a + 1, b), columns)
             size = b - a
             label = cell.label if cell.chunk == 0 else cell.label.lower()
             if grid or size > len(label) + 2:
@@ -66,18 +72,20 @@ def _render(timeline: Timeline, width: int) -> str:
                 text = label[:size]
             line[a:b] = list(text)
         lines.append(f"{name:<{name_width}} | " + "".join(line).rstrip())
-    lines.append(_axis(timeline, name_width, per_unit, columns))
+    lines.append(_axis(timeline, name_width, per_unit, columns, span))
     lines.append("")
     usage = timeline.utilisation()
+    bubble = 1.0 - sum(usage) / len(usage) if usage else 0.0  # Timeline.bubble(), without a second pass
     peaks = timeline.peak_inflight or [None] * len(timeline.rows)  # type: ignore[list-item]
+    kinds, per_row = timeline.kinds(), timeline.counts()
     for row, name in enumerate(timeline.rows):
-        counts = "  ".join(f"{LETTERS.get(k, '?')} {timeline.count(row, k)}" for k in timeline.kinds())
+        counts = "  ".join(f"{LETTERS.get(k, '?')} {per_row[row].get(k, 0)}" for k in kinds)
         peak = "" if peaks[row] is None else f"  peak in flight {peaks[row]}"
         lines.append(f"{name:<{name_width}}   busy {usage[row]:6.1%}  {counts}{peak}")
     unit = "steps" if timeline.unit == "step" else "ms"
-    lines.append(f"bubble {timeline.bubble():.1%} of {len(timeline.rows)} rows × {span:g} {unit}"
+    lines.append(f"bubble {bubble:.1%} of {len(timeline.rows)} rows × {span:g} {unit}"
                  if timeline.unit == "step" else
-                 f"bubble {timeline.bubble():.1%} of {len(timeline.rows)} rows × {span:.2f} {unit}")
+                 f"bubble {bubble:.1%} of {len(timeline.rows)} rows × {span:.2f} {unit}")
     lines.extend(timeline.notes)
     legend = [f"{LETTERS.get(k, '?')} {k}" for k in timeline.kinds()] + [". idle", "numbers are micro-batches"]
     if timeline.chunks > 1:
@@ -87,13 +95,13 @@ def _render(timeline: Timeline, width: int) -> str:
     return "\n".join(lines)
 
 
-def _axis(timeline: Timeline, name_width: int, per_unit: float, columns: int) -> str:
-    """Tick labels under the rows, in steps or milliseconds."""
+def _axis(timeline: Timeline, name_width: int, per_unit: float, columns: int, span: float) -> str:
+    """Tick labels under the rows (``span``: the makespan), in steps or milliseconds."""
     unit = "steps" if timeline.unit == "step" else "ms"
-    tick = nice_step(timeline.makespan, max(1, columns // 10))
+    tick = nice_step(span, max(1, columns // 10))
     axis = [" "] * (columns + 8)
     value = 0.0
-    while value <= timeline.makespan + 1e-9:
+    while value <= span + 1e-9:
         label = f"{value:g}"
         position = int(round(value * per_unit))
         if position + len(label) <= len(axis) and all(c == " " for c in axis[max(0, position - 1):position + len(label)]):

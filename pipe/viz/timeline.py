@@ -11,6 +11,7 @@ same way.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "input": "I", "weigh
                            "copy": "C", "send": "S", "recv": "V"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: plans of millions of cells (pipe-viz plan) in less memory
 class Cell:
     """One span of work on one row.
 
@@ -65,6 +66,9 @@ class Cell:
         return LETTERS.get(self.kind, "?") + ("" if self.microbatch is None else str(self.microbatch))
 
 
+_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+
+
 @dataclass
 class Timeline:
     """Rows of cells over time, with what is needed to title and explain them.
@@ -89,33 +93,37 @@ class Timeline:
 
     @property
     def origin(self) -> float:
-        return min((c.start for c in self.cells), default=0.0)
+        return min(map(_START, self.cells), default=0.0)
 
     @property
     def end(self) -> float:
-        return max((c.end for c in self.cells), default=0.0)
+        return max(map(_END, self.cells), default=0.0)
 
     @property
     def makespan(self) -> float:
         """From the first start to the last end, over all rows."""
         return self.end - self.origin
 
+    def by_row(self) -> list[list[Cell]]:
+        """The cells of each row (one pass over the cells; statistics of every row use it)."""
+        rows: list[list[Cell]] = [[] for _ in self.rows]
+        for c in self.cells:
+            rows[c.row].append(c)
+        return rows
+
     def busy(self, row: int) -> float:
         """Time ``row`` spends computing: the union of its forward, backward and
         recompute cells (overlaps count once; transfers do not count)."""
-        intervals = sorted((c.start, c.end) for c in self.cells if c.row == row and c.kind in COMPUTE)
-        total, reach = 0.0, -math.inf
-        for start, end in intervals:
-            if end <= reach:
-                continue
-            total += end - max(start, reach)
-            reach = end
-        return total
+        return _busy([c for c in self.cells if c.row == row])
+
+    def busy_per_row(self) -> list[float]:
+        """:meth:`busy` of every row, in one pass over the cells."""
+        return [_busy(cells) for cells in self.by_row()]
 
     def utilisation(self) -> list[float]:
         """Per row, compute time over the makespan."""
         span = self.makespan
-        return [self.busy(row) / span if span > 0 else 0.0 for row in range(len(self.rows))]
+        return [busy / span if span > 0 else 0.0 for busy in self.busy_per_row()]
 
     def bubble(self) -> float:
         """The idle share of all rows over the makespan: ``1 - busy / (rows * makespan)``."""
@@ -125,6 +133,14 @@ class Timeline:
     def count(self, row: int, kind: str) -> int:
         """How many cells of ``kind`` ``row`` ran (a backward in segments counts once)."""
         return sum(1 for c in self.cells if c.row == row and c.kind == kind and c.segment == 0)
+
+    def counts(self) -> list[dict[str, int]]:
+        """:meth:`count` of every row and kind, in one pass."""
+        result: list[dict[str, int]] = [{} for _ in self.rows]
+        for c in self.cells:
+            if c.segment == 0:
+                result[c.row][c.kind] = result[c.row].get(c.kind, 0) + 1
+        return result
 
     def durations(self, kind: str) -> list[float]:
         """The time of each cell of ``kind``, the segments of a backward summed."""
@@ -193,3 +209,15 @@ class Timeline:
             events.append(event)
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"title": self.title, "unit": self.unit, "bubble": self.bubble()}}
+
+
+def _busy(cells: list[Cell]) -> float:
+    """The union of the compute cells' intervals among ``cells``."""
+    intervals = sorted((c.start, c.end) for c in cells if c.kind in COMPUTE)
+    total, reach = 0.0, -math.inf
+    for start, end in intervals:
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total

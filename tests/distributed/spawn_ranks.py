@@ -7,14 +7,13 @@ model itself and returns plain Python values (tensors are not sent back).
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
     try:
-        init_from_env("gloo", timeout=datetime.timedelta(seconds=timeout))
+        init_from_env("gloo", timeout=timeout)  # seconds
         result = fn(rank, world, *args)
         if barrier:
             dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done
@@ -46,13 +45,15 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
-              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True) -> list[Any]:
+              deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True,
+              expect_missing: Collection[int] = ()) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
 
     Args:
         timeout: the process-group timeout of each rank.
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
+        expect_missing: ranks meant to die without returning (their result is None).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
@@ -81,6 +82,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                     break
                 continue
             collected[rank] = (ok, payload)
+            if len(collected) + len(expect_missing) == world and all(r in collected for r in range(world)
+                                                                     if r not in expect_missing):
+                break
     finally:
         for process in processes:
             process.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
@@ -88,8 +92,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 process.kill()  # only the processes this harness started, by their own handle
                 process.join()
     failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
-    missing = [rank for rank in range(world) if rank not in collected]
+    missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
     if failures or missing:
         raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
                                                      if missing else ""))
-    return [collected[rank][1] for rank in range(world)]
+    return [collected[rank][1] if rank in collected else None for rank in range(world)]

@@ -1,7 +1,9 @@
 """init_from_env and the launch/ scripts: two torchrun "nodes" on 127.0.0.1 train the example."""
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipe.distributed import init_from_env
-from spawn_ranks import free_port
+from pipe.distributed.env import DEFAULT_TIMEOUT, as_timedelta
+from pipe.distributed.group import world_timeout
+from spawn_ranks import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +56,26 @@ def test_two_nodes_on_localhost_train_the_example(tmp_path: Path) -> None:
         assert code == 0, out[-3000:]
     assert any("done: 3 steps" in out for _, out in results), results[0][1][-3000:]
     assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_timeout_in_seconds_or_timedelta() -> None:
+    # The docs speak in seconds: init_from_env(timeout=5) means five seconds, as timedelta(seconds=5) does.
+    assert as_timedelta(5) == datetime.timedelta(seconds=5)
+    assert as_timedelta(2.5) == datetime.timedelta(seconds=2.5)
+    assert as_timedelta(datetime.timedelta(minutes=1)) == datetime.timedelta(seconds=60)
+    assert as_timedelta(None) == DEFAULT_TIMEOUT
+    for bad, error, message in ((0, ValueError, "positive, finite number of seconds, got 0"),
+                                (float("inf"), ValueError, "got inf"),
+                                (datetime.timedelta(0), ValueError, "got datetime.timedelta"),
+                                ("5", TypeError, "number of seconds or a datetime.timedelta, got str '5'"),
+                                (True, TypeError, "got bool True")):
+        with pytest.raises(error, match=re.escape(message)):
+            as_timedelta(bad)
+
+
+def test_init_from_env_with_a_timeout_in_seconds_sets_the_process_group_timeout() -> None:
+    # One rank (world 1): the process group gets 5 s, and so does every group the pipeline makes.
+    def rank(_rank: int, _world: int) -> float:
+        return world_timeout().total_seconds()
+
+    assert run_ranks(rank, 1, timeout=5) == [5.0]

@@ -49,6 +49,7 @@ def _fail(rank: int, world: int, hang: float) -> str:
                 # The first step also connects the ranks (slow on a loaded machine); from now on a
                 # wait gives up after 1 s, as if init_process_group(timeout=1 s) had been passed.
                 pipe._runtime.transport.timeout = datetime.timedelta(seconds=1)
+                pipe._runtime.failures.timeout = 1.0
     except PipelineFailure as failure:
         return f"PipelineFailure: {failure}"
     except ValueError as error:
@@ -68,10 +69,11 @@ def test_exception_on_one_rank_ends_every_rank_naming_it() -> None:
 
 
 def test_hanging_rank_ends_the_job_after_the_timeout() -> None:
-    # Rank 1 hangs longer than the timeout (1 s): rank 0 gives up, naming rank 1.
+    # Rank 1 hangs longer than the timeout (1 s): rank 0 gives up, naming rank 1 as the rank that stalled.
     peer, hung = run_ranks(_fail, 2, 2.5, barrier=False)
-    assert peer.startswith("RuntimeError: receiving"), peer
-    assert "from rank 1 failed" in peer, peer
-    # Rank 1 wakes up to find rank 0 gone (with the store it hosted here; under torchrun the
-    # agent hosts it and rank 1 would name rank 0's failure).
-    assert "rank 1 failed in" in hung and "rank 0 failed" in hung, hung
+    assert peer.startswith("PipelineFailure: rank 0 stopped in"), peer
+    assert "because rank 1 stalled: it did not answer within the 1 s timeout" in peer, peer
+    # Rank 1 wakes up to find rank 0 gone (with the store it hosted here; under torchrun the agent
+    # hosts it and rank 1 would read the agreed headline naming itself).
+    assert hung.startswith("PipelineFailure: rank 1 stopped in"), hung
+    assert "rank 0" in hung, hung

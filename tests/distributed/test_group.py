@@ -33,4 +33,7 @@ def test_mismatched_configuration_fails_on_every_rank_at_start() -> None:
         assert "ranks disagree on balance (rank 0: [4, 4], rank 1: [5, 3])" in balance
         assert "world size 2 is not divisible by data_parallel=3" in replicas
         assert "balance [3, 3, 2] has 3 stages but the schedule has 2" in stages
-        assert "microbatches divisible by ranks" in interleaved
+        # Worded in DistributedPipe's arguments (chunks), not pipe.core.schedule's (microbatches).
+        assert "schedule='interleaved' needs chunks divisible by the pipeline ranks (got chunks=3, 2 " \
+               "pipeline ranks)" in interleaved and "use chunks=2 or chunks=4" in interleaved, interleaved
+        assert "microbatches" not in interleaved, interleaved

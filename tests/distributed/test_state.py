@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,3 +64,57 @@ def test_resume_with_another_stage_count_and_into_the_plain_module(tmp_path: Pat
     optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
     assert state.load_module(path, plain, optimizer) == {"step": 2}
     torch.testing.assert_close(_train(plain, optimizer, range(2, 4)), reference)
+
+
+def _dies_during_second_save(rank: int, world: int, folder: str) -> str:
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    pipe = DistributedPipe(_model(0), chunks=2)
+    state.save(Path(folder) / "ckpt", pipe, step=1)
+    if rank == 1:
+        def die(*args: object, **kwargs: object) -> None:
+            os._exit(3)  # the process ends half-way through its part of the save
+
+        dcp.FileSystemWriter.write_data = die  # type: ignore[method-assign]
+    try:
+        state.save(Path(folder) / "fresh", pipe, step=2)
+    except Exception as error:  # rank 0: its peer vanished during the save
+        return f"{type(error).__name__}"
+    return "saved"
+
+
+def test_a_rank_dying_during_save_leaves_no_checkpoint_that_loads_half(tmp_path: Path) -> None:
+    results = run_ranks(_dies_during_second_save, 2, str(tmp_path), barrier=False, expect_missing=(1,))
+    assert results[1] is None and results[0] != "saved", results
+    plain = _model(1)
+    # The complete checkpoint loads; the interrupted one is not published, and load says why.
+    assert state.load_module(tmp_path / "ckpt", plain) == {"step": 1}
+    assert not (tmp_path / "fresh").exists() and (tmp_path / ("fresh" + state.STAGING)).is_dir()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*fresh': a save into it did not finish "
+                                                r"\(a rank failed during state.save; its partial files are in"):
+        state.load_module(tmp_path / "fresh", plain)
+
+
+def test_an_interrupted_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = _model(0)
+    state.save(tmp_path / "ckpt", model, step=1)
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", fails)
+    with pytest.raises(CheckpointException, match="disk full"):  # DCP gathers the ranks' errors into one
+        state.save(tmp_path / "ckpt", model, step=2)
+    monkeypatch.undo()
+    assert state.load_module(tmp_path / "ckpt", _model(1)) == {"step": 1}  # the previous one, whole
+    state.save(tmp_path / "ckpt", model, step=3)  # a later save replaces it and clears the leftovers
+    assert state.load_module(tmp_path / "ckpt", _model(1)) == {"step": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"'.*empty' is not a complete checkpoint: it has no .metadata"):
+        state.load_module(tmp_path / "empty", _model(1))

@@ -105,3 +105,26 @@ def test_console_script_and_module_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "pipe.viz", "plan", "--stages", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "expected a positive integer, got 0" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["plan"], ["trace", "TRACE"]])
+def test_unwritable_output_exits_2_naming_the_path(tmp_path: Path, pipe_trace: dict[str, Any], command: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # A folder that cannot be created (a file is in the way): as `-o /unwritable/x.svg` is for a user.
+    (tmp_path / "a-file").write_text("")
+    output = tmp_path / "a-file" / "x.svg"
+    recorded = tmp_path / "run.json"
+    recorded.write_text(json.dumps(pipe_trace))
+    argv = [str(recorded) if arg == "TRACE" else arg for arg in command] + ["-o", str(output)]
+    error = run_error(argv, capsys)
+    assert f"cannot write {str(output)!r}" in error and "pass -o a path in a writable folder" in error
+    assert "Traceback" not in error
+
+
+def test_garbage_collection_is_back_on_after_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    assert gc.isenabled()
+    main(["plan", "--stages", "2", "--microbatches", "2"])
+    run_error(["plan", "--stages", "0"], capsys)
+    assert gc.isenabled()

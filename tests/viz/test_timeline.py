@@ -62,3 +62,14 @@ def test_a_backward_in_segments_counts_once_and_sums() -> None:
     assert t.count(0, "backward") == 2 and t.count(0, "forward") == 2
     assert t.durations("backward") == [1.5, 0.5]
     assert t.measured_inflight() == [1]
+
+
+def test_one_pass_statistics_equal_the_per_row_ones() -> None:
+    # by_row/busy_per_row/counts serve large plans in one pass; they must say what busy/count say.
+    from pipe.viz.planned import plan
+
+    timeline = plan("interleaved", 3, 6, virtual_stages=2, checkpoint="except_last")
+    rows = range(len(timeline.rows))
+    assert timeline.busy_per_row() == [timeline.busy(row) for row in rows]
+    assert timeline.counts() == [{k: timeline.count(row, k) for k in timeline.kinds()} for row in rows]
+    assert [len(cells) for cells in timeline.by_row()] == [sum(c.row == row for c in timeline.cells) for row in rows]
