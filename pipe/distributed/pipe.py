@@ -20,10 +20,12 @@ from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
+from pipe.distributed.tied import TiedReplicas
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
 from pipe.core.schedule import Schedule
+from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -136,6 +138,8 @@ class DistributedPipe(nn.Module):
         for stage in sorted(self.partitions):
             for name, layer in self.partitions[stage].named_children():
                 self.add_module(name, layer)
+        keep_original_names(self)  # stages of pipe.split: the original model's keys
+        self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         averager = None
         if data_parallel > 1:
             averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
@@ -200,6 +204,7 @@ class DistributedPipe(nn.Module):
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         with torch.enable_grad():
             loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)
+        self._tied.reduce_gradients()
         if self.is_last and self.topology.data_parallel > 1:
             assert loss is not None
             loss = loss.detach().clone()
@@ -232,8 +237,9 @@ class DistributedPipe(nn.Module):
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         squares = torch.zeros((), device=self.device, dtype=torch.float64)
-        for grad in grads:
-            squares += grad.detach().double().pow(2).sum()
+        for p in self.parameters():
+            if p.grad is not None and self._tied.counts(p):  # a tied weight counts once
+                squares += p.grad.detach().double().pow(2).sum()
         if self._pipeline_group is not None:
             dist.all_reduce(squares, group=self._pipeline_group)
         total = squares.sqrt()
