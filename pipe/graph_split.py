@@ -35,6 +35,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
+from pipe.core.checkpoint import is_recomputing
 from pipe.sequential import PipeSequential
 
 __all__ = ["split", "SplitError", "SplitStage", "keep_original_names"]
@@ -131,14 +132,16 @@ def split(
     aliases: dict[int, list[str]] = {}
     for key, tensor in model_state.items():
         aliases.setdefault(id(tensor), []).append(key)
+    used = {id(t) for stage in stages for t in stage.state_dict(keep_vars=True).values()}
+    unused = [key for key, tensor in model_state.items() if id(tensor) not in used and aliases[id(tensor)][0] == key]
+    for key in unused:  # kept, in the first stage, so that checkpoints still hold every key
+        _attach(stages[0], key, model_state[key])
+    if unused:
+        logger.info("pipe.split: forward does not use %s; the first stage keeps them for the state dict", unused[:8])
     for stage in stages:
         _adopt_state(stage, model, aliases, tuple(model_state))
-    used = {key for stage in stages for keys in stage.original_keys.values() for key in keys}
-    unused = [key for key in model_state if key not in used]
-    if unused:
-        logger.info("pipe.split: %d state-dict entries are not used by forward and are left out: %s",
-                    len(unused), unused[:8])
     result = PipeSequential(*stages)
+    result.train(model.training)
     keep_original_names(result)
     logger.info("pipe.split: %s cut at %s into %d stages", type(model).__name__, list(points), len(stages))
     return result
@@ -350,6 +353,19 @@ def _retarget_devices(stage: fx.GraphModule) -> None:
 # -- state-dict names --------------------------------------------------------------------------------
 
 
+def _attach(stage: nn.Module, key: str, tensor: torch.Tensor) -> None:
+    owner = stage
+    *path, name = key.split(".")
+    for atom in path:
+        if not isinstance(getattr(owner, atom, None), nn.Module):
+            owner.add_module(atom, nn.Module())
+        owner = getattr(owner, atom)
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(name, tensor)
+    else:
+        owner.register_buffer(name, tensor)
+
+
 def _adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[str]],
                  model_keys: tuple[str, ...]) -> None:
     """Records the original keys of the stage's tensors; captured constants leave the state dict."""
@@ -365,6 +381,8 @@ def _adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[st
         owner = stage.get_submodule(owner_path)
         owner._non_persistent_buffers_set.add(attr)  # a constant torch.export lifted out of the code
     stage.register_forward_pre_hook(_check_mode)
+    stage.register_forward_pre_hook(_keep_buffers_on_recompute)
+    stage.register_forward_hook(_restore_buffers)
 
 
 def _check_mode(stage: nn.Module, args: Any) -> None:
@@ -376,6 +394,19 @@ def _check_mode(stage: nn.Module, args: Any) -> None:
             f"model.{'eval' if stage.training is False else 'train'}() again with pipe.split (the stages share "
             f"the model's parameters), see {DOCS}"
         )
+
+
+def _keep_buffers_on_recompute(stage: nn.Module, args: Any) -> None:
+    """A recomputation must not update running statistics a second time: note the buffers before it."""
+    if isinstance(stage, SplitStage) and stage.mode_dependent and stage.training and is_recomputing():
+        stage.__dict__["_buffers_before_recompute"] = [(b, b.detach().clone()) for b in stage.buffers()]
+
+
+def _restore_buffers(stage: nn.Module, args: Any, output: Any) -> None:
+    saved = stage.__dict__.pop("_buffers_before_recompute", None)
+    if saved is not None:
+        for buffer, value in saved:
+            buffer.data.copy_(value)  # through .data: backward may have saved the buffer, keep its version
 
 
 def _stage_children(container: nn.Module) -> dict[str, SplitStage]:
