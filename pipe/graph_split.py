@@ -65,12 +65,15 @@ class SplitStage(fx.GraphModule):
             for the same tensor (several for tied weights).
         model_keys: every state-dict key of the original model, in its order.
         captured_training: the model's ``training`` flag at capture.
+        mode_dependent: whether the graph has dropout or batch norm (fixed to the captured mode).
+        input_count: how many tensors the stage takes.
     """
 
     original_keys: dict[str, list[str]]
     model_keys: tuple[str, ...]
     captured_training: bool
     mode_dependent: bool
+    input_count: int
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":  # type: ignore[override]
         super()._apply(fn, recurse)
@@ -286,9 +289,10 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
     for k in range(count):
         last = k == count - 1
         graph = _stage_graph(body[k], live[k], None if last else live[k + 1], output if last else None, constants)
-        stage = SplitStage(graph_module, graph, class_name=f"Stage{k}")
-        stage.mode_dependent = any(_mode_dependent(n) for n in body[k])
-        stages.append(stage)
+        module = SplitStage(graph_module, graph, class_name=f"Stage{k}")
+        module.mode_dependent = any(_mode_dependent(n) for n in body[k])
+        module.input_count = len(live[k])
+        stages.append(module)
     return stages
 
 
@@ -381,6 +385,7 @@ def _adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[st
         owner = stage.get_submodule(owner_path)
         owner._non_persistent_buffers_set.add(attr)  # a constant torch.export lifted out of the code
     stage.register_forward_pre_hook(_check_mode)
+    stage.register_forward_pre_hook(_unpack_one_tuple)
     stage.register_forward_pre_hook(_keep_buffers_on_recompute)
     stage.register_forward_hook(_restore_buffers)
 
@@ -394,6 +399,18 @@ def _check_mode(stage: nn.Module, args: Any) -> None:
             f"model.{'eval' if stage.training is False else 'train'}() again with pipe.split (the stages share "
             f"the model's parameters), see {DOCS}"
         )
+
+
+def _unpack_one_tuple(stage: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    """A stage of several inputs called with one tuple of them takes the tuple as its arguments.
+
+    ``PipeSequential`` calls ``stage(*values)``; a runner that hands a layer
+    the previous layer's tuple as one value calls ``stage(values)``. Both mean
+    the same here: the inputs of a stage are tensors, never a tuple.
+    """
+    if len(args) == 1 and isinstance(args[0], tuple) and getattr(stage, "input_count", 1) != 1:
+        return args[0]
+    return None
 
 
 def _keep_buffers_on_recompute(stage: nn.Module, args: Any) -> None:

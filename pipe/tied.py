@@ -109,7 +109,7 @@ def tie_partitions(partitions: Sequence[nn.Module], devices: Sequence[torch.devi
             # (on the layer: Pipe lists the layers, not the partitions, as its children)
             for name in (name for k, _, _, name in tie.uses if k == j):
                 layer_name, _, key = name.partition(".")
-                owner = partitions[j]._modules[layer_name] if key else partitions[j]
+                owner = partitions[j].get_submodule(layer_name) if key else partitions[j]
                 _keep_in_state_dict(owner, key or name, tie.tensor)
         logger.info("partition %d holds %r; partitions %s use a copy of it on their devices",
                     home, tie.name(home), away)

@@ -132,26 +132,6 @@ def predicted_tokens(labels: Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
-class Unpack(nn.Module):
-    """TEST-ONLY adapter: calls the stage with a tuple as its arguments (PipeSequential's convention).
-
-    Today ``Pipe``/``DistributedPipe`` hand a tuple to the next layer as one
-    value; remove this once they follow ``PipeSequential``'s convention
-    (branch i10-convention) and pass ``pipe.split``'s result directly.
-    """
-
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, value: Any) -> Any:
-        return self.stage(*value) if isinstance(value, tuple) else self.stage(value)
-
-
-def unpacked(stages: nn.Sequential) -> nn.Sequential:
-    return nn.Sequential(*[Unpack(stage) for stage in stages])
-
-
 def named_grads(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None, f"{name} has no gradient"

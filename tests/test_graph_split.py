@@ -10,7 +10,7 @@ from torch import nn
 import pipe
 from pipe import Pipe, PipeSequential
 from pipe.graph_split import SplitError, SplitStage
-from split_models import TinyLM, assert_same_grads, assert_same_state, lm_batch, lm_loss, unpacked
+from split_models import TinyLM, assert_same_grads, assert_same_state, lm_batch, lm_loss
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_tied_lm_through_pipe_over_several_steps(checkpoint: str, chunks: int) -
     reference = copy.deepcopy(model)
     ids, mask, labels = lm_batch(8, 8)
     stages = pipe.split(model, (ids, mask), at=["blocks.2"])
-    piped = Pipe(unpacked(stages), chunks=chunks, checkpoint=checkpoint, balance=[1, 1], devices=["cpu", "cpu"])
+    piped = Pipe(stages, chunks=chunks, checkpoint=checkpoint, balance=[1, 1], devices=["cpu", "cpu"])
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     expected_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
     for step in range(3):

@@ -16,7 +16,7 @@ from torch import nn
 
 import pipe
 from pipe import Pipe
-from split_models import SmallResNet, assert_same_grads, assert_same_state, gpt2, lm_batch, lm_loss, llama, unpacked
+from split_models import SmallResNet, assert_same_grads, assert_same_state, gpt2, lm_batch, lm_loss, llama
 
 pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def test_language_model_with_padding_and_tied_embeddings(
     model.load_state_dict(initial)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
     reference = copy.deepcopy(model)
-    piped = Pipe(unpacked(stages), chunks=chunks, checkpoint=checkpoint, balance=[1, 1], devices=["cpu", "cpu"])
+    piped = Pipe(stages, chunks=chunks, checkpoint=checkpoint, balance=[1, 1], devices=["cpu", "cpu"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # Adam would magnify rounding on tiny grads
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):
@@ -62,6 +62,7 @@ def test_language_model_with_padding_and_tied_embeddings(
         expected_optimizer.step()
     assert_same_state(model, reference, atol=1e-5, rtol=1e-4)
     assert_same_state(stages, reference, atol=1e-5, rtol=1e-4)  # the split model's keys are the original's
+    assert_same_state(piped, reference, atol=1e-5, rtol=1e-4)  # and Pipe's
     piped.close()
 
 

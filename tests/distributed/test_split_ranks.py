@@ -20,7 +20,7 @@ from pipe.distributed import DistributedPipe
 from spawn_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from split_models import SmallResNet, gpt2, lm_batch, lm_loss, llama, predicted_tokens, unpacked  # noqa: E402
+from split_models import SmallResNet, gpt2, lm_batch, lm_loss, llama, predicted_tokens  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -28,9 +28,8 @@ MODELS = {"gpt2": (gpt2, "transformer.h.1"), "llama": (llama, "model.layers.1")}
 
 
 def _original(piped: DistributedPipe, stages: nn.Sequential, name: str) -> str:
-    """The original model's name of a stage parameter: ``"1.lm_head.weight"``, ``"1.stage.lm_head.weight"`` (adapted)."""
+    """The original model's name of a stage parameter: ``"1.lm_head.weight"`` -> ``"transformer.wte.weight"``."""
     index, _, local = name.partition(".")
-    local = local.removeprefix("stage.")
     return stages[int(index)].original_keys[local][0]
 
 
@@ -47,7 +46,7 @@ def _language_model(rank: int, world: int, which: str) -> float:
     reference = copy.deepcopy(model)
     ids, mask, _ = lm_batch(8, 8)
     stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=[cut])
-    piped = DistributedPipe(unpacked(stages), chunks=4, checkpoint="except_last", schedule="1f1b",
+    piped = DistributedPipe(stages, chunks=4, checkpoint="except_last", schedule="1f1b",
                             loss_reduction="sum")
     optimizer = torch.optim.SGD(piped.parameters(), lr=0.1, momentum=0.9)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -67,6 +66,10 @@ def _language_model(rank: int, world: int, which: str) -> float:
     for name, parameter in piped.named_parameters():
         expected = reference.get_parameter(_original(piped, stages, name))
         torch.testing.assert_close(parameter, expected, atol=1e-5, rtol=1e-4, msg=lambda m: f"{which} {name}: {m}")
+    state = piped.state_dict()  # this rank's part of the original model's state dict, under its keys
+    assert set(state) <= set(reference.state_dict())
+    embedding = "transformer.wte.weight" if which == "gpt2" else "model.embed_tokens.weight"
+    assert embedding in state and "lm_head.weight" in state  # both ranks hold the tied weight
     tied = model.get_input_embeddings().weight.detach().clone()  # a replica on each rank
     replicas = [torch.empty_like(tied) for _ in range(world)]
     dist.all_gather(replicas, tied)
