@@ -99,6 +99,7 @@ def main() -> None:
     else:
         size = {"layers": 6, "width": 256, "seq": 128, "batch": 32}
         warmup, repeat, grid = 2, 7, [2, 4, 8]
+    load_before = os.getloadavg()[0]
     data = batch(size)
     plain = build(size)
     model = build(size)
@@ -125,6 +126,9 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "processor": platform.processor() or platform.machine()},
         "quick": args.quick,
+        # Runnable threads on the machine (1-minute load average) before and after: above the core count,
+        # other processes took cores from the configurations that need two at once.
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
         "model": f"GPT2LMHeadModel(n_layer={size['layers']}, n_embd={size['width']}, n_head=4, vocab={VOCAB}), "
                  f"batch {size['batch']} x {size['seq']} tokens, padded, tied embeddings",
         "size": size,

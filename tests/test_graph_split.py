@@ -168,3 +168,14 @@ def test_data_dependent_control_flow_points_at_the_docs() -> None:
 
     with pytest.raises(SplitError, match=r"docs/split.md.*What cannot be split"):
         pipe.split(Branchy(), (torch.randn(4, 4),), at=["b"])
+
+
+def test_moving_a_stage_points_captured_device_arguments_at_its_device() -> None:
+    """torch.export bakes ``arange(device=cpu)`` into the graph; a stage moved elsewhere must create tensors there."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids, mask), at=["blocks.1"])
+    assert "device(type='cpu')" in stages[0].code
+    stages[0].to("meta")  # any other device: the graph's device arguments follow the parameters
+    assert "device(type='cpu')" not in stages[0].code and "device(type='meta')" in stages[0].code
