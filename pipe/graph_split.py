@@ -67,6 +67,8 @@ class SplitStage(fx.GraphModule):
         captured_training: the model's ``training`` flag at capture.
         mode_dependent: whether the graph has dropout or batch norm (fixed to the captured mode).
         input_count: how many tensors the stage takes.
+        captured_batch_norm: whether the graph has batch norm in training mode (``deferred_batch_norm``
+            cannot reach it).
     """
 
     original_keys: dict[str, list[str]]
@@ -74,6 +76,7 @@ class SplitStage(fx.GraphModule):
     captured_training: bool
     mode_dependent: bool
     input_count: int
+    captured_batch_norm: bool
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":  # type: ignore[override]
         super()._apply(fn, recurse)
@@ -292,6 +295,8 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
         module = SplitStage(graph_module, graph, class_name=f"Stage{k}")
         module.mode_dependent = any(_mode_dependent(n) for n in body[k])
         module.input_count = len(live[k])
+        module.captured_batch_norm = any(_mode_dependent(n) and "batch_norm" in str(n.target)
+                                         and len(n.args) > 5 and n.args[5] is True for n in body[k])
         stages.append(module)
     return stages
 

@@ -97,3 +97,13 @@ def test_cnn_with_inplace_relu_and_batchnorm(
     # Running statistics (updated once per forward in training, not again under recomputation) equal the plain model's.
     assert_same_state(piped, reference, atol=1e-6, rtol=1e-5)
     piped.close()
+
+
+def test_deferred_batch_norm_is_refused_for_captured_batch_norm(
+        split_cnn: tuple[nn.Module, nn.Sequential, dict[str, torch.Tensor]]) -> None:
+    model, stages, _ = split_cnn
+    if not model.training:  # running statistics are only read: nothing to defer
+        Pipe(stages, chunks=4, balance=[1, 1], devices=["cpu", "cpu"], deferred_batch_norm=True).close()
+        return
+    with pytest.raises(ValueError, match=r"deferred_batch_norm cannot reach the batch norm captured"):
+        Pipe(stages, chunks=4, balance=[1, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
