@@ -179,3 +179,21 @@ def test_moving_a_stage_points_captured_device_arguments_at_its_device() -> None
     assert "device(type='cpu')" in stages[0].code
     stages[0].to("meta")  # any other device: the graph's device arguments follow the parameters
     assert "device(type='cpu')" not in stages[0].code and "device(type='meta')" in stages[0].code
+
+
+def test_tied_split_model_on_two_devices_keeps_one_weight_and_the_original_keys() -> None:
+    """"cpu" and "cpu:0" are two devices to Pipe: the head's partition uses a per-forward copy of the embedding."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    ids, mask, labels = lm_batch(8, 8)
+    piped = Pipe(pipe.split(model, (ids, mask), at=["norm"]), chunks=4, balance=[1, 1], devices=["cpu", "cpu:0"])
+    assert list(piped.state_dict()) == list(reference.state_dict())
+    assert len(list(piped.parameters())) == len(list(reference.parameters()))
+    lm_loss(piped(ids, mask), labels).backward()
+    lm_loss(reference(ids, mask), labels).backward()
+    assert_same_grads(model, reference)
+    other = TinyLM()
+    piped.load_state_dict(other.state_dict())
+    assert_same_state(model, other, atol=0, rtol=0)
+    piped.close()
