@@ -20,11 +20,11 @@ from pipe.distributed.failure import failure_from
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count
-from pipe.distributed.tied import TiedReplicas
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, positive_int, verify_checkpoint, verify_chunks
 from pipe.core.schedule import Schedule
+from pipe.distributed.tied import TiedReplicas
 from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
@@ -204,12 +204,12 @@ class DistributedPipe(nn.Module):
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         with torch.enable_grad():
             loss, _ = self._runtime.run(batches, targets, loss_fn, stop, weights, training=True)
-        self._tied.reduce_gradients()
         if self.is_last and self.topology.data_parallel > 1:
             assert loss is not None
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.topology.data_parallel_group)
             loss /= self.topology.data_parallel
+        self._tied.reduce_gradients()  # tied weights: the replicas' gradients summed over their ranks
         if broadcast_loss and self.topology.ranks > 1:
             source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
             loss = broadcast_from(loss, source, self._pipeline_group, self.device)
