@@ -9,7 +9,8 @@ tensor. Cut into partitions, both partitions hold it:
   (its home); every other partition gets a differentiable copy of it on its
   own device at each forward (``weight.to(device)``), so the gradient flows
   back through the copy into the one parameter. There is one weight, one
-  gradient, one optimizer entry and one state-dict key, as in the plain model.
+  gradient and one optimizer entry, and the state dict has the plain model's
+  keys (each name of the tied weight once), as in the plain model.
 
 Between the processes of ``DistributedPipe`` a copy per forward would cost a
 transfer per micro-batch; there each holding rank keeps a replica instead and
