@@ -78,7 +78,7 @@ class SplitStage(fx.GraphModule):
     input_count: int
     captured_batch_norm: bool
 
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":  # type: ignore[override]
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":
         super()._apply(fn, recurse)
         _retarget_devices(self)
         return self
@@ -197,12 +197,12 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     shapes = ShapesCollection()
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
-            shapes[leaf] = (Dim.AUTO,) * leaf.dim()  # type: ignore[assignment]
+            shapes[leaf] = (Dim.AUTO,) * leaf.dim()
     try:
         for path in points:
             module = model.get_submodule(path)
             saved.append((module, module.__dict__.get("forward")))
-            module.forward = marked(path, module)  # type: ignore[method-assign]
+            module.forward = marked(path, module)
         try:
             program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
         except Exception as error:  # torch.export raises many types; all mean "cannot capture"
@@ -218,7 +218,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             if forward is None:
                 del module.forward
             else:
-                module.forward = forward  # type: ignore[method-assign]
+                module.forward = forward
     for path in points:
         count = calls.count(path)
         if count != 1:
