@@ -16,7 +16,7 @@ ratio is taken from this one run. Printed, and saved to
 benchmarks/results/real_models.json.
 
 Run:
-    python benchmarks/real_models.py            # ~3 minutes on 2 cores
+    python benchmarks/real_models.py            # ~1 minute on 2 quiet cores
     python benchmarks/real_models.py --quick    # tiny sizes, a smoke run
 """
 from __future__ import annotations
@@ -97,8 +97,8 @@ def main() -> None:
         size = {"layers": 2, "width": 64, "seq": 32, "batch": 8}
         warmup, repeat, grid = 1, 3, [2]
     else:
-        size = {"layers": 6, "width": 256, "seq": 128, "batch": 32}
-        warmup, repeat, grid = 2, 7, [2, 4, 8]
+        size = {"layers": 4, "width": 256, "seq": 64, "batch": 16}
+        warmup, repeat, grid = 2, 9, [2, 4, 8]
     load_before = os.getloadavg()[0]
     data = batch(size)
     plain = build(size)
