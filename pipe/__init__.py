@@ -29,14 +29,16 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.core.microbatch import NoChunk
     from pipe.pipe import Pipe
     from pipe.sequential import PipeSequential
+    from pipe.graph_split import split
 
-__all__ = ["Pipe", "PipeSequential", "NoChunk", "is_checkpointing", "is_recomputing", "balance", "skip"]
+__all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip"]
 __version__ = "0.1.0"
 
 _NAMES = {
     "Pipe": ("pipe.pipe", "Pipe"),
     "PipeSequential": ("pipe.sequential", "PipeSequential"),
     "NoChunk": ("pipe.core.microbatch", "NoChunk"),
+    "split": ("pipe.graph_split", "split"),
     "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),
     "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
 }

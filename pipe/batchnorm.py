@@ -132,7 +132,16 @@ def convert_deferred_batch_norm(module: M, chunks: Optional[int] = None) -> M:
 
     Returns:
         ``module``, or the replacement when ``module`` is itself a BatchNorm.
+
+    Raises:
+        ValueError: ``module`` holds batch norm captured as graph ops by ``pipe.split``.
     """
+    if getattr(module, "captured_batch_norm", False):
+        raise ValueError(
+            "deferred_batch_norm cannot reach the batch norm captured in the graph of a pipe.split stage; "
+            "use chunks=1 (each micro-batch is then the whole batch), or pipeline the BatchNorm layers as "
+            "nn.Sequential modules (see docs/split.md)"
+        )
     if isinstance(module, _BatchNorm) and not isinstance(module, (DeferredBatchNorm, nn.SyncBatchNorm)) \
             and module.track_running_stats:
         converted = DeferredBatchNorm(module.num_features, module.eps, module.momentum, module.affine, chunks)

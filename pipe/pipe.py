@@ -19,6 +19,7 @@ from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter,
 from pipe.core.partition import Device, split_module
 from pipe.sequential import sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
+from pipe.graph_split import keep_original_names
 from pipe.threads.pipeline import Pipeline
 from pipe.recompute.attach import attach_to_pipeline
 from pipe.recompute.config import ConfigSource
@@ -82,7 +83,8 @@ class Pipe(nn.Module):
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has
             the wrong type.
         ValueError: bad ``chunks``, ``checkpoint`` or ``balance``, a layer
-            listed twice, or parameters shared between partitions.
+            listed twice, or a buffer shared by partitions on different
+            devices (shared parameters are tied, see :mod:`pipe.tied`).
         IndexError: fewer devices than partitions.
     """
 
@@ -124,6 +126,7 @@ class Pipe(nn.Module):
         # state_dict() keys are those of the wrapped nn.Sequential.
         for name, layer in module._modules.items():
             self.add_module(name, layer)
+        keep_original_names(self)  # stages of pipe.split: the original model's keys
         self.partitions: list[nn.Sequential] = partitions
         self.balance: list[int] = balance
         self.devices: list[torch.device] = devices

@@ -70,3 +70,19 @@ def test_transformer_lm_checkpoint_modes(checkpoint: str) -> None:
     check(proc)
     assert f"balance [2, 3], chunks 2, checkpoint '{checkpoint}'" in proc.stdout
     assert "done: 2 steps, loss " in proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_huggingface_lm_tiny(arch: str) -> None:
+    pytest.importorskip("transformers")
+    proc = run_example(
+        "huggingface_lm.py",
+        *("--arch", arch, "--steps", "3", "--layers", "2", "--width", "32", "--seq-len", "16", "--batch-size", "8"),
+        timeout=120,
+    )
+    check(proc)
+    out = proc.stdout
+    assert f"{arch}: " in out and "into 2 partitions, chunks 4, checkpoint 'except_last'" in out
+    assert "checkpoint loads into" in out and ": yes," in out.splitlines()[-1]
+    assert out.splitlines()[-1].startswith("done: 3 steps, loss ")

@@ -213,13 +213,20 @@ def test_deferred_batch_norm_counting_other_chunks_than_the_pipe_is_refused() ->
 # -- parameters shared by partitions --------------------------------------------------------
 
 
-def test_parameters_shared_by_partitions_on_one_device_are_refused_with_the_fix() -> None:
-    # torch's Pipe and fairscale accepted this when both partitions were on one device.
+def test_parameters_shared_by_partitions_on_one_device_are_shared_as_in_the_plain_model() -> None:
+    # torch's Pipe and fairscale accepted this when both partitions were on one device; so does pipe.
+    torch.manual_seed(0)
     first, last = nn.Linear(4, 4), nn.Linear(4, 4)
     last.weight = first.weight
-    with pytest.raises(ValueError, match=r"partitions cannot share parameters .*change balance so both layers "
-                                         r"land in the same partition"):
-        Pipe(nn.Sequential(first, nn.Tanh(), last), chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    plain = nn.Sequential(first, nn.Tanh(), last)
+    piped = Pipe(copy.deepcopy(plain), chunks=2, balance=[2, 1], devices=["cpu", "cpu"])
+    x = torch.randn(6, 4)
+    plain(x).square().sum().backward()
+    piped(x).square().sum().backward()
+    assert piped[0].weight is piped[2].weight
+    for (name, a), (_, b) in zip(plain.named_parameters(), piped.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    piped.close()
 
 
 # -- names -----------------------------------------------------------------------------------

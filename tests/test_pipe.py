@@ -201,13 +201,6 @@ def test_rejects_duplicate_layer():
         Pipe(model)
 
 
-def test_rejects_parameters_shared_between_partitions():
-    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
-    second.weight = first.weight
-    with pytest.raises(ValueError, match=r"parameter '0.weight' of partition 0 is also '1.weight' in partition 1"):
-        Pipe(nn.Sequential(first, second), balance=[1, 1], devices=["cpu", "cpu"])
-
-
 def test_shared_parameters_within_one_partition_are_fine():
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
     second.weight = first.weight

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipe.sequential import sequential_like
+from pipe.tied import tie_partitions
 
 __all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
 
@@ -139,7 +140,7 @@ def split_module(
         partition.to(device)
         partitions.append(partition)
         start += size
-    _verify_no_sharing(partitions)
+    tie_partitions(partitions, placed)  # tied weights: shared on one device, copied across devices
     return partitions, list(balance), list(placed)
 
 
@@ -174,18 +175,3 @@ def _balance_from_placement(layers: list[nn.Module]) -> tuple[list[int], list[to
         balance.append(1)
         devices.append(device)
     return balance, devices
-
-
-def _verify_no_sharing(partitions: list[nn.Sequential]) -> None:
-    owner: dict[int, tuple[int, str]] = {}
-    for j, partition in enumerate(partitions):
-        for name, param in partition.named_parameters(remove_duplicate=False):
-            key = id(param)
-            if key in owner and owner[key][0] != j:
-                first, first_name = owner[key]
-                raise ValueError(
-                    f"parameter {first_name!r} of partition {first} is also {name!r} in partition {j}; "
-                    "partitions cannot share parameters (tied weights must sit in one partition: "
-                    "change balance so both layers land in the same partition)"
-                )
-            owner.setdefault(key, (j, name))

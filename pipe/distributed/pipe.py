@@ -28,6 +28,8 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
+from pipe.distributed.tied import TiedReplicas
+from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -173,6 +175,8 @@ class DistributedPipe(nn.Module):
         for stage in sorted(self.partitions):
             for name, layer in self.partitions[stage].named_children():
                 self.add_module(name, layer)
+        keep_original_names(self)  # stages of pipe.split: the original model's keys
+        self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         averager = None
         if data_parallel > 1:
             averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
@@ -264,6 +268,7 @@ class DistributedPipe(nn.Module):
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.topology.data_parallel_group)
             loss /= self.topology.data_parallel
+        self._tied.reduce_gradients()  # tied weights: the replicas' gradients summed over their ranks
         if broadcast_loss and self.topology.ranks > 1:
             source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
             loss = broadcast_from(loss, source, self._pipeline_group, self.device)
@@ -311,8 +316,9 @@ class DistributedPipe(nn.Module):
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         squares = torch.zeros((), device=self.device, dtype=torch.float64)
-        for grad in grads:
-            squares += grad.detach().double().pow(2).sum()
+        for p in self.parameters():
+            if p.grad is not None and self._tied.counts(p):  # a tied weight counts once
+                squares += p.grad.detach().double().pow(2).sum()
         if self._pipeline_group is not None:
             dist.all_reduce(squares, group=self._pipeline_group)
         total = squares.sqrt()

@@ -1,0 +1,95 @@
+"""Tied parameters across ranks: one replica per holding rank, gradients summed before the optimizer step.
+
+When stages on different ranks hold the same parameter (the embedding of the
+first stage is the LM head of the last), each of those ranks keeps a replica,
+as DeepSpeed's ``TiedLayerSpec`` and Megatron's embedding group do::
+
+    rank 0: stage 0 uses W (replica)          rank 1: stage 1 uses W (replica)
+            backward -> dW0                           backward -> dW1
+                      all_reduce(SUM) over the tie's ranks: both hold dW0 + dW1
+            optimizer.step() on each rank: the same update, the replicas stay equal
+
+The sum is the plain model's gradient of the one weight, so every rank's
+optimizer makes the plain model's update. Replicas start equal: the first
+holding rank broadcasts its value at construction. Each replica appears in its
+rank's state dict under the rank's names (the same values on every holder).
+Only the ranks holding a tie meet in its group (one group per tie and
+data-parallel replica, created collectively by every rank).
+
+Ties are found by object identity in the model every rank describes, so they
+need an ``nn.Sequential`` (such as :func:`pipe.split`'s result); a layer
+factory builds each layer apart and cannot tie. Buffers shared across ranks
+are refused: their in-place updates cannot be summed.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipe.core.schedule import Schedule
+from pipe.distributed.group import Topology
+from pipe.tied import find_ties
+
+__all__ = ["TiedReplicas"]
+
+logger = logging.getLogger(__name__)
+
+
+class TiedReplicas:
+    """The parameters this rank shares with stages of other ranks, and their process groups.
+
+    Args:
+        skeleton: every stage's layers (the same model on every rank).
+        schedule: says which rank runs each stage.
+        topology: this rank's place and the group factory.
+
+    Raises:
+        ValueError: a buffer is shared by stages of different ranks.
+    """
+
+    def __init__(self, skeleton: Sequence[nn.Module], schedule: Schedule, topology: Topology) -> None:
+        self._mine: list[tuple[str, Tensor, dist.ProcessGroup]] = []
+        self._not_first: set[int] = set()
+        sources: list[int] = []
+        for tie in find_ties(skeleton):  # the same ties, in the same order, on every rank
+            stages = tie.partitions
+            ranks = sorted({schedule.rank_of(s) for s in stages})
+            if len(ranks) < 2:
+                continue
+            name = tie.name(stages[0])
+            if tie.is_buffer:
+                raise ValueError(
+                    f"buffer {name!r} of stage {stages[0]} is shared with stage(s) {stages[1:]} on other ranks; a "
+                    "buffer cannot be tied across ranks (its in-place updates cannot be summed): give the layers "
+                    "separate buffers, or balance the stages holding it onto one rank"
+                )
+            for replica in range(topology.data_parallel):
+                group = topology.new_group([topology.global_rank(r, replica) for r in ranks])
+                if replica == topology.replica and topology.pipeline_rank in ranks:
+                    self._mine.append((name, tie.tensor, group))
+                    if topology.pipeline_rank != ranks[0]:
+                        self._not_first.add(id(tie.tensor))
+                    sources.append(topology.global_rank(ranks[0]))
+                    logger.info("tied %r over pipeline ranks %s (stages %s)", name, ranks, stages)
+        # After every group exists (new_group is collective over the world): replicas start equal.
+        with torch.no_grad():
+            for (_, tensor, group), source in zip(self._mine, sources):
+                dist.broadcast(tensor.data, source, group=group)
+
+    def __len__(self) -> int:
+        return len(self._mine)
+
+    def reduce_gradients(self) -> None:
+        """Sums each tied parameter's gradient over its holders (every holding rank must call it)."""
+        for _, tensor, group in self._mine:
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            dist.all_reduce(tensor.grad, op=dist.ReduceOp.SUM, group=group)
+
+    def counts(self, parameter: Tensor) -> bool:
+        """Whether ``parameter``'s gradient counts in a global norm on this rank (one holder counts a tie)."""
+        return id(parameter) not in self._not_first

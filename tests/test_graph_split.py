@@ -1,0 +1,199 @@
+"""pipe.split against the plain model: outputs, every gradient, state-dict keys both ways, and the errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipe
+from pipe import Pipe, PipeSequential
+from pipe.graph_split import SplitError, SplitStage
+from split_models import TinyLM, assert_same_grads, assert_same_state, lm_batch, lm_loss
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[TinyLM, nn.Sequential]:
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, mask, _ = lm_batch()
+    return model, pipe.split(model, (ids, mask), at=["blocks.1", "norm"])
+
+
+def test_split_returns_stages_that_compute_the_plain_model(tiny: tuple[TinyLM, nn.Sequential]) -> None:
+    model, stages = tiny
+    assert isinstance(stages, PipeSequential) and len(stages) == 3
+    assert all(isinstance(stage, SplitStage) for stage in stages)
+    reference = copy.deepcopy(model)
+    # Other batch sizes and lengths than the example's: both dimensions were captured as dynamic.
+    for size, length, seed in ((4, 8, 1), (3, 6, 2), (1, 5, 3)):
+        ids, mask, labels = lm_batch(size, length, seed)
+        model.zero_grad()
+        reference.zero_grad()
+        loss = lm_loss(stages(ids, mask), labels)
+        expected = lm_loss(reference(ids, mask), labels)
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+        loss.backward()
+        expected.backward()
+        assert_same_grads(model, reference, atol=0, rtol=0)
+
+
+def test_stages_are_the_models_parameters_under_their_original_keys(tiny: tuple[TinyLM, nn.Sequential]) -> None:
+    model, stages = tiny
+    # The tied weight: in the first stage (embedding) and the last (head), the same object.
+    first = dict(stages[0].named_parameters())
+    last = dict(stages[2].named_parameters())
+    assert any(p is model.embed.weight for p in first.values())
+    assert any(p is model.embed.weight for p in last.values())
+    assert list(stages.state_dict()) == list(model.state_dict())  # "embed.weight" and "head.weight", once each
+
+
+def test_checkpoints_move_between_split_and_original_model(tiny: tuple[TinyLM, nn.Sequential]) -> None:
+    model, stages = tiny
+    torch.manual_seed(5)
+    other = TinyLM()
+    stages.load_state_dict(other.state_dict())  # original -> split (strict)
+    assert_same_state(model, other, atol=0, rtol=0)
+    assert model.head.weight is model.embed.weight  # still tied
+    fresh = TinyLM()
+    fresh.load_state_dict(stages.state_dict())  # split -> original (strict)
+    assert_same_state(fresh, other, atol=0, rtol=0)
+    stages.load_state_dict(stages.state_dict())  # its own form
+
+
+def test_pipe_state_dict_has_the_original_keys() -> None:
+    """Stages that pass one tensor run in Pipe as they are; Pipe's state dict is the original model's."""
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.out = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.mid(torch.relu(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = Mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    piped = Pipe(pipe.split(model, (x,), at=["mid", "out"]), chunks=4, balance=[2, 1], devices=["cpu", "cpu"])
+    assert list(piped.state_dict()) == list(reference.state_dict())
+    piped.load_state_dict(reference.state_dict())
+    piped(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_same_grads(model, reference)
+    piped.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_tied_lm_through_pipe_over_several_steps(checkpoint: str, chunks: int) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    ids, mask, labels = lm_batch(8, 8)
+    stages = pipe.split(model, (ids, mask), at=["blocks.2"])
+    piped = Pipe(stages, chunks=chunks, checkpoint=checkpoint, balance=[1, 1], devices=["cpu", "cpu"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    expected_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for step in range(3):
+        ids, mask, labels = lm_batch(8, 8, seed=step)
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+        loss = lm_loss(piped(ids, mask), labels)
+        expected = lm_loss(reference(ids, mask), labels)
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        expected.backward()
+        assert_same_grads(model, reference)
+        optimizer.step()
+        expected_optimizer.step()
+    assert_same_state(model, reference, atol=1e-5, rtol=1e-4)
+    assert model.head.weight is model.embed.weight
+    piped.close()
+
+
+def test_train_eval_switch_after_capture_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    stages = pipe.split(model, (torch.randn(4, 4),), at=["2"])
+    stages.eval()
+    with pytest.raises(RuntimeError, match=r"captured in training mode.*split model.eval\(\) again"):
+        stages(torch.randn(4, 4))
+    evaluation = pipe.split(model.eval(), (torch.randn(4, 4),), at=["2"])  # the documented fix
+    torch.testing.assert_close(evaluation(torch.ones(2, 4)), model(torch.ones(2, 4)))
+
+
+def test_bad_cut_points_are_named() -> None:
+    model = TinyLM()
+    ids, mask, _ = lm_batch()
+    with pytest.raises(ValueError, match=r"has no such submodule.*named_modules"):
+        pipe.split(model, (ids, mask), at=["blocks.7"])
+    with pytest.raises(ValueError, match=r"at is empty"):
+        pipe.split(model, (ids, mask), at=[])
+    with pytest.raises(TypeError, match=r"list of module paths"):
+        pipe.split(model, (ids, mask), at="norm")
+    with pytest.raises(ValueError, match=r"lists a module twice"):
+        pipe.split(model, (ids, mask), at=["norm", "norm"])
+
+
+def test_a_cut_point_that_runs_twice_is_refused() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(self.b(x)))
+
+    with pytest.raises(ValueError, match=r"module 'b' ran 2 times"):
+        pipe.split(Twice(), (torch.randn(4, 4),), at=["b"])
+
+
+def test_data_dependent_control_flow_points_at_the_docs() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            if x.sum() > 0:  # depends on the values
+                x = -x
+            return self.b(x)
+
+    with pytest.raises(SplitError, match=r"docs/split.md.*What cannot be split"):
+        pipe.split(Branchy(), (torch.randn(4, 4),), at=["b"])
+
+
+def test_moving_a_stage_points_captured_device_arguments_at_its_device() -> None:
+    """torch.export bakes ``arange(device=cpu)`` into the graph; a stage moved elsewhere must create tensors there."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids, mask), at=["blocks.1"])
+    assert "device(type='cpu')" in stages[0].code
+    stages[0].to("meta")  # any other device: the graph's device arguments follow the parameters
+    assert "device(type='cpu')" not in stages[0].code and "device(type='meta')" in stages[0].code
+
+
+def test_tied_split_model_on_two_devices_keeps_one_weight_and_the_original_keys() -> None:
+    """"cpu" and "cpu:0" are two devices to Pipe: the head's partition uses a per-forward copy of the embedding."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    ids, mask, labels = lm_batch(8, 8)
+    piped = Pipe(pipe.split(model, (ids, mask), at=["norm"]), chunks=4, balance=[1, 1], devices=["cpu", "cpu:0"])
+    assert list(piped.state_dict()) == list(reference.state_dict())
+    assert len(list(piped.parameters())) == len(list(reference.parameters()))
+    lm_loss(piped(ids, mask), labels).backward()
+    lm_loss(reference(ids, mask), labels).backward()
+    assert_same_grads(model, reference)
+    other = TinyLM()
+    piped.load_state_dict(other.state_dict())
+    assert_same_state(model, other, atol=0, rtol=0)
+    piped.close()
