@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -99,18 +100,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
 
 def worker(args: argparse.Namespace) -> None:
     """One engine, 2 ranks forked from this process; prints one JSON line."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    results: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_rank, args=(rank, port, args, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    ranks = sorted((results.get(timeout=1800) for _ in processes), key=lambda r: r["rank"])
-    for process in processes:
-        process.join()
-    print(json.dumps(ranks))
+    print(json.dumps(run_forked_ranks(_rank, args)))
 
 
 def main() -> None:
