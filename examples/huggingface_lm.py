@@ -12,6 +12,7 @@ the loss ignores the padding.
 Run it (about 2 minutes on 2 busy CPU cores; the loss falls from ~4.6, a
 uniform guess over the characters, to ~2.5 in 300 steps)::
 
+    pip install transformers            # or: pip install -e ".[test]"
     python examples/huggingface_lm.py
     python examples/huggingface_lm.py --arch llama --chunks 8 --checkpoint always
     python examples/huggingface_lm.py --steps 3 --layers 2 --width 32   # smoke test
