@@ -282,38 +282,58 @@ class Schedule:
                     Phase.INPUT: input_grad, Phase.WEIGHT: weight_grad}
         length = durations or (lambda action: duration[action.phase])
         programs = [self.actions(rank) for rank in range(self.ranks)]
-        ends: dict[Action, float] = {}
+        # Keys are plain tuples (phase code, micro-batch, stage): hashing them costs no Python call,
+        # as hashing an Action or a Phase does. The dependencies are those of _dependency.
+        code = {id(phase): n for n, phase in enumerate(Phase)}  # by id: an Enum's own hash is a Python call
+        f_, i_, w_ = code[id(Phase.FORWARD)], code[id(Phase.INPUT)], code[id(Phase.WEIGHT)]
+        replayed = (code[id(Phase.BACKWARD)], i_)
+        last = self.stages - 1
+        fixed = None if durations is not None else [duration.get(phase, 0.0) for phase in Phase]
+        ends: dict[tuple[int, int, int], float] = {}
         cursor = [0] * self.ranks
         free = [0.0] * self.ranks
         timeline: list[TimedAction] = []
         # Event-driven, so linear in the number of actions: a rank runs until an action waits
         # for another rank's, and is woken when that one ends (plans of thousands of stages and
         # micro-batches take seconds in pipe-viz plan).
-        waiting: dict[Action, list[int]] = {}
+        waiting: dict[tuple[int, int, int], list[int]] = {}
         ready = collections.deque(range(self.ranks))
         while ready:
             rank = ready.popleft()
             program = programs[rank]
-            while cursor[rank] < len(program):
-                action = program[cursor[rank]]
-                dependency = self._dependency(action)
+            position, at = cursor[rank], free[rank]
+            while position < len(program):
+                action = program[position]
+                c, i, s = code[id(action.phase)], action.microbatch, action.stage
+                if c == f_:
+                    dependency = (f_, i, s - 1) if s > 0 else None
+                elif c == w_:
+                    dependency = (i_, i, s)  # the graph that I kept
+                elif s == last:
+                    dependency = (f_, i, s)  # the loss turns the last forward around
+                else:
+                    dependency = (c, i, s + 1)  # B after B, I after I
                 if dependency is not None and dependency not in ends:
                     waiting.setdefault(dependency, []).append(rank)
                     break
-                start = free[rank]
-                redo = Action(Phase.RECOMPUTE, action.microbatch, action.stage)
-                if action.phase in (Phase.BACKWARD, Phase.INPUT) and length(redo) > 0 and (
-                    checkpoint_stop is None or action.microbatch < checkpoint_stop
-                ):
-                    timeline.append(TimedAction(redo, rank, start, start + length(redo)))
-                    start += length(redo)
-                if dependency is not None:
-                    start = max(start, ends[dependency])
-                end = start + length(action)
+                start = at
+                if c in replayed and (checkpoint_stop is None or i < checkpoint_stop):
+                    redo = Action(Phase.RECOMPUTE, i, s)
+                    redo_length = length(redo) if fixed is None else recompute
+                    if redo_length > 0:
+                        timeline.append(TimedAction(redo, rank, start, start + redo_length))
+                        start += redo_length
+                if dependency is not None and ends[dependency] > start:
+                    start = ends[dependency]
+                end = start + (length(action) if fixed is None else fixed[c])
                 timeline.append(TimedAction(action, rank, start, end))
-                ends[action] = free[rank] = end
-                cursor[rank] += 1
-                ready.extend(waiting.pop(action, ()))
+                key = (c, i, s)
+                ends[key] = at = end
+                position += 1
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            cursor[rank], free[rank] = position, at
         stuck = [
             f"rank {rank} at {program[cursor[rank]]} (waits for "
             f"{self._dependency(program[cursor[rank]])})"
