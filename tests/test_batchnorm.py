@@ -140,3 +140,23 @@ def test_convert_keeps_parameters_buffers_and_skips_untracked() -> None:
 def test_deferred_batch_norm_type_checked() -> None:
     with pytest.raises(TypeError, match="deferred_batch_norm must be True or False"):
         Pipe(nn.Sequential(nn.Linear(1, 1)), deferred_batch_norm="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_plain_batch_norm_is_not_updated_again_by_recomputation(checkpoint: str, chunks: int) -> None:
+    # Without deferred_batch_norm the statistics move once per micro-batch, as the plain model
+    # run on each micro-batch in turn; a checkpointed micro-batch's replay must not move them again.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    plain = copy.deepcopy(model)
+    piped = Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=[3, 2], devices=["cpu", "cpu"])
+    x = torch.randn(8, 4)
+    for part in x.tensor_split(chunks):
+        plain(part)
+    piped(x).sum().backward()
+    for k in (1, 4):
+        assert int(piped[k].num_batches_tracked) == int(plain[k].num_batches_tracked) == chunks
+        torch.testing.assert_close(piped[k].running_mean, plain[k].running_mean)
+        torch.testing.assert_close(piped[k].running_var, plain[k].running_var)
+    piped.close()

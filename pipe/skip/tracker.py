@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from torch import Tensor, nn
 
-from pipe.core.checkpoint import is_checkpointing
+from pipe.core.checkpoint import is_checkpointing, is_recomputing
 from pipe.core.dependency import fork, join
 from pipe.core.microbatch import Batch
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
+from pipe.recompute.stats import scratch_running_stats
 from pipe.skip.portal import Portal
 from pipe.core.stream import AbstractStream
 
@@ -136,15 +137,16 @@ def partition_function(partition: nn.Module, skip_tracker: Optional[SkipTracker]
     """The function a checkpoint replays: the partition applied to a batch (both runners use it).
 
     With a skip tracker, the partition's skippable layers stash into and pop
-    from it, in the first forward and in the recomputation alike.
+    from it, in the first forward and in the recomputation alike. While
+    recomputing, train-mode batch norms update scratch copies of their running
+    statistics (:mod:`pipe.recompute.stats`), so a checkpointed micro-batch
+    moves them once, as the plain model does.
     """
-    if skip_tracker is None:
-        def function(batch: Batch) -> Batch:
-            return batch.call(partition)
-        return function
+    def function(batch: Batch) -> Batch:
+        with scratch_running_stats(partition if is_recomputing() else None):
+            if skip_tracker is None:
+                return batch.call(partition)
+            with use_skip_tracker(skip_tracker):
+                return batch.call(partition)
 
-    def function_with_skips(batch: Batch) -> Batch:
-        with use_skip_tracker(skip_tracker):
-            return batch.call(partition)
-
-    return function_with_skips
+    return function
