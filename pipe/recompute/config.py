@@ -77,6 +77,19 @@ def _sections(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return dict(config), {}
 
 
+def _count(count: Any, size: int, where: str, kind: str, limit: str) -> int:
+    """A layer count of a config list (``True``: all ``size`` layers, ``False``: none), checked."""
+    if count is True:
+        return size
+    if count is False:
+        return 0
+    if not is_int(count) or count < 0:
+        raise ValueError(f"{where} = {count!r}: a {kind} count must be an int >= 0 or True/False")
+    if count > size:
+        raise ValueError(f"{where} = {count} but {limit}; use at most {size} (or True for all of them)")
+    return int(count)
+
+
 def _per_rank_counts(value: Sequence[Any], key: str, stages: Sequence[int], ranks: int) -> list[Any]:
     """MindFormers' ``pipeline_stage`` counts with virtual stages: one count per rank, spread over its chunks.
 
@@ -91,16 +104,9 @@ def _per_rank_counts(value: Sequence[Any], key: str, stages: Sequence[int], rank
     for r, count in enumerate(value):
         mine = [c * ranks + r for c in range(chunks)]
         size = sum(stages[s] for s in mine)
-        if count is True:
-            count = size
-        elif count is False:
-            count = 0
-        elif not is_int(count) or count < 0:
-            raise ValueError(f"{key}[{r}] = {count!r}: a per-rank count must be an int >= 0 or True/False")
-        if count > size:
-            raise ValueError(f"{key}[{r}] = {count} but pipeline rank {r} has only {size} layers (stages {mine}, "
-                             f"layers per stage {[stages[s] for s in mine]}); use at most {size} (or True for "
-                             "all of them)")
+        count = _count(count, size, f"{key}[{r}]", "per-rank",
+                       f"pipeline rank {r} has only {size} layers (stages {mine}, "
+                       f"layers per stage {[stages[s] for s in mine]})")
         while count:
             for s in mine:
                 if count and counts[s] < stages[s]:
@@ -157,15 +163,7 @@ def _layer_mask(value: Any, key: str, stages: Sequence[int], swap: bool, ranks: 
         )
     mask: list[bool] = []
     for s, (count, size) in enumerate(zip(flat, stages)):
-        if count is True:
-            count = size
-        elif count is False:
-            count = 0
-        elif not is_int(count) or count < 0:
-            raise ValueError(f"{key}[{s}] = {count!r}: a per-stage count must be an int >= 0 or True/False")
-        if count > size:
-            raise ValueError(f"{key}[{s}] = {count} but stage {s} has only {size} layers; "
-                             f"use at most {size} (or True for all of them)")
+        count = _count(count, size, f"{key}[{s}]", "per-stage", f"stage {s} has only {size} layers")
         mask += [True] * count + [False] * (size - count)
     return mask
 
