@@ -11,6 +11,6 @@ See docs/distributed.md.
 """
 from pipe.distributed.env import DistributedEnv, init_from_env
 from pipe.distributed.failure import PipelineFailure
-from pipe.distributed.pipe import DistributedPipe
+from pipe.distributed.distributed_pipe import DistributedPipe
 
 __all__ = ["DistributedPipe", "DistributedEnv", "PipelineFailure", "init_from_env"]
