@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.core.checkpoint import is_checkpointing, is_recomputing
     from pipe.core.microbatch import NoChunk
     from pipe.pipe import Pipe
-    from pipe.sequential import PipeSequential
+    from pipe.core.sequential import PipeSequential
     from pipe.graph_split import split
 
 __all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip"]
@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 
 _NAMES = {
     "Pipe": ("pipe.pipe", "Pipe"),
-    "PipeSequential": ("pipe.sequential", "PipeSequential"),
+    "PipeSequential": ("pipe.core.sequential", "PipeSequential"),
     "NoChunk": ("pipe.core.microbatch", "NoChunk"),
     "split": ("pipe.graph_split", "split"),
     "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),

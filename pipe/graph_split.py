@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipe.core.checkpoint import is_recomputing
-from pipe.sequential import PipeSequential
+from pipe.core.sequential import PipeSequential
 
 __all__ = ["split", "SplitError", "SplitStage", "keep_original_names"]
 

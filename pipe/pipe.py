@@ -17,7 +17,7 @@ from torch import nn
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
 from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
 from pipe.core.partition import Device, split_module
-from pipe.sequential import sequential_like
+from pipe.core.sequential import sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.graph_split import keep_original_names
 from pipe.threads.pipeline import Pipeline
@@ -84,7 +84,7 @@ class Pipe(nn.Module):
             the wrong type.
         ValueError: bad ``chunks``, ``checkpoint`` or ``balance``, a layer
             listed twice, or a buffer shared by partitions on different
-            devices (shared parameters are tied, see :mod:`pipe.tied`).
+            devices (shared parameters are tied, see :mod:`pipe.core.tying`).
         IndexError: fewer devices than partitions.
     """
 

@@ -16,7 +16,7 @@ from torch import nn
 from convention_models import AddResidual, StashResidual, encoder, inputs, loss_fn, skip_encoder, targets
 from pipe import Pipe, PipeSequential
 from pipe.recompute import recompute, select_recompute
-from pipe.sequential import sequential_like
+from pipe.core.sequential import sequential_like
 
 CHECKPOINTS = ["always", "except_last", "never"]
 # encoder(): Embed | Attention | Pack | Unpack | Attention | Pool.

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe
-from pipe.tied import find_ties, tie_partitions
+from pipe.core.tying import find_ties, tie_partitions
 from split_models import VOCAB, assert_same_grads, assert_same_state, tied_model
 
 

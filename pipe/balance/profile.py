@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from pipe.core.inplace import own
 from pipe.core.microbatch import Batch, scatter
-from pipe.sequential import sequential_like
+from pipe.core.sequential import sequential_like
 from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
 from pipe.core.stream import use_device

@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.sequential import sequential_like
-from pipe.tied import tie_partitions
+from pipe.core.sequential import sequential_like
+from pipe.core.tying import tie_partitions
 
 __all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
 
@@ -103,7 +103,7 @@ def split_module(
     Returns:
         ``(partitions, balance, devices)``; partitions hold the original layers
         under their original names, in a container with ``module``'s calling
-        convention (:func:`pipe.sequential.sequential_like`).
+        convention (:func:`pipe.core.sequential.sequential_like`).
 
     Raises:
         TypeError, ValueError, IndexError: see the messages.

@@ -14,7 +14,7 @@ tensor. Cut into partitions, both partitions hold it:
 
 Between the processes of ``DistributedPipe`` a copy per forward would cost a
 transfer per micro-batch; there each holding rank keeps a replica instead and
-the replicas' gradients are summed (:mod:`pipe.distributed.tied`), the way
+the replicas' gradients are summed (:mod:`pipe.distributed.tied_replicas`), the way
 DeepSpeed's ``TiedLayerSpec`` and Megatron's embedding group do.
 
 Buffers shared between partitions on different devices are refused: an

@@ -28,7 +28,7 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
-from pipe.distributed.tied import TiedReplicas
+from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables

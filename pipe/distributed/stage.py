@@ -18,7 +18,7 @@ from torch import nn
 
 from pipe.core.partition import verify_balance, verify_module
 from pipe.core.schedule import Schedule
-from pipe.sequential import sequential_like
+from pipe.core.sequential import sequential_like
 
 __all__ = ["LayerFactory", "ModelSpec", "even_balance", "build_stages", "layer_names"]
 

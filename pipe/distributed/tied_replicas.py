@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from pipe.core.schedule import Schedule
 from pipe.distributed.group import Topology
-from pipe.tied import find_ties
+from pipe.core.tying import find_ties
 
 __all__ = ["TiedReplicas"]
 

@@ -47,14 +47,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipe import trace
+from pipe.core.message import HEADER_BYTES
 from pipe.core.microbatch import flatten, unflatten
 
 __all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming", "PeerError"]
 
 logger = logging.getLogger(__name__)
-
-HEADER_BYTES = 1024
-"""Size of the fixed header message; headers longer than this send the rest in a second message."""
 
 Cell = Optional[tuple[int, int]]  # (micro-batch, stage), for pipe.trace
 

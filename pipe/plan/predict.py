@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
-from pipe.distributed.transport import HEADER_BYTES
+from pipe.core.message import HEADER_BYTES
 from pipe.plan.cost import Costs
 
 __all__ = ["Candidate", "Prediction", "calibrate", "predict"]

@@ -1,0 +1,53 @@
+"""Deprecated names: old public names kept for one release, each warning once per use with its new name.
+
+Issue 23 gave each concept one name and each file a name of its own. Users may
+import the old names, so they keep working for one release: a module that
+moved leaves a module ``__getattr__`` behind (:func:`moved`), a function that
+was renamed an alias (:func:`renamed`). Each use warns with a
+``DeprecationWarning`` that names the replacement.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from typing import Any, Callable, Iterable, TypeVar
+
+__all__: list[str] = []
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def warn(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warns that ``old`` is deprecated in favour of ``new``."""
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved(old_module: str, new_module: str, names: Iterable[str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``old_module`` whose ``names`` now live in ``new_module``.
+
+    Usage (the whole body of the old module)::
+
+        __getattr__ = moved(__name__, "pipe.core.sequential", ["PipeSequential"])
+    """
+    known = frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if name not in known:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        warn(f"{old_module}.{name}", f"{new_module}.{name}")
+        return getattr(importlib.import_module(new_module), name)
+
+    return __getattr__
+
+
+def renamed(function: F, old: str, new: str) -> F:
+    """``function`` under its old name ``old``: warns that ``new`` replaces it, then calls it."""
+
+    @functools.wraps(function)
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        warn(old, new)
+        return function(*args, **kwargs)
+
+    return alias  # type: ignore[return-value]
