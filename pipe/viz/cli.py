@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plan", action="store_true",
                    help="also draw the plan of the same configuration with the mean measured durations")
     t.add_argument("--explain", action="store_true",
-                   help="also print where each stage's idle time went (pipe.plan.explain)")
+                   help="also print where each stage's idle time went (pipe.viz.idle)")
     t.add_argument("-o", "--output", type=_output, help=f"output file ({', '.join(FORMATS)}); default: text to stdout")
     t.set_defaults(subparser=t)
     return parser
@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     except _Unwritable as error:
         sub.error(str(error))
     if args.explain:
-        from pipe.plan.explain import explain_timeline
+        from pipe.viz.idle import explain_timeline
 
         kind = str(trace.get("otherData", {}).get("config", {}).get("schedule", "gpipe"))
         sys.stdout.write(explain_timeline(measured, kind).table() + "\n")
