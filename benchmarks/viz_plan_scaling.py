@@ -31,10 +31,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run(size: int, schedule: str) -> tuple[float, float]:
-    """Wall and CPU seconds of ``pipe-viz plan --schedule S --stages N --microbatches N`` (text output)."""
+    """Wall and CPU seconds of ``pipe-viz plan --schedule S --ranks N --microbatches N`` (text output)."""
     start, cpu = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(io.StringIO()):
-        pipe_viz(["plan", "--schedule", schedule, "--stages", str(size), "--microbatches", str(size)])
+        pipe_viz(["plan", "--schedule", schedule, "--ranks", str(size), "--microbatches", str(size)])
     return time.perf_counter() - start, time.process_time() - cpu
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar, Union
 
 __all__: list[str] = []
 
@@ -24,20 +24,23 @@ def warn(old: str, new: str, stacklevel: int = 3) -> None:
                   DeprecationWarning, stacklevel=stacklevel)
 
 
-def moved(old_module: str, new_module: str, names: Iterable[str]) -> Callable[[str], Any]:
+def moved(old_module: str, new_module: str, names: Union[Iterable[str], Mapping[str, str]]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``old_module`` whose ``names`` now live in ``new_module``.
+
+    ``names`` lists the names that kept their name, or maps old names to new ones.
 
     Usage (the whole body of the old module)::
 
         __getattr__ = moved(__name__, "pipe.core.sequential", ["PipeSequential"])
+        __getattr__ = moved(__name__, __name__, {"Cell": "Span"})   # a rename in place
     """
-    known = frozenset(names)
+    known = dict(names) if isinstance(names, Mapping) else {name: name for name in names}
 
     def __getattr__(name: str) -> Any:
         if name not in known:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
-        warn(f"{old_module}.{name}", f"{new_module}.{name}")
-        return getattr(importlib.import_module(new_module), name)
+        warn(f"{old_module}.{name}", f"{new_module}.{known[name]}")
+        return getattr(importlib.import_module(new_module), known[name])
 
     return __getattr__
 

@@ -47,14 +47,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipe import trace
+from pipe.trace.events import Cell
 from pipe.core.message import HEADER_BYTES
 from pipe.core.microbatch import flatten, unflatten
 
 __all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming", "PeerError"]
 
 logger = logging.getLogger(__name__)
-
-Cell = Optional[tuple[int, int]]  # (micro-batch, stage), for pipe.trace
 
 _SLOTS = 4096  # messages (header, rest, tensors) per micro-batch on one channel
 _MISSED = 2 + (_SLOTS - 2) // 2  # first tag of the tensors when the receiver guessed another layout

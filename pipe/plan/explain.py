@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 from pipe.core.schedule import Phase
 from pipe.viz.idle import CATEGORIES, Explanation, Idle, explain_timeline
-from pipe.viz.timeline import Cell, Timeline
+from pipe.viz.timeline import Span, Timeline
 
 __all__ = ["CATEGORIES", "Explanation", "Idle", "explain", "explain_prediction", "explain_timeline"]
 
@@ -58,7 +58,7 @@ def explain_prediction(prediction: Any) -> Explanation:
     """Explains a predicted plan (:class:`pipe.plan.Prediction`), in ms: all of its idle time is the schedule's."""
     names = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
     ranks = prediction.candidate.ranks
-    cells = [Cell(row=t.rank, kind=names[t.action.phase], start=t.start * 1e3, end=t.end * 1e3,
+    cells = [Span(row=t.rank, kind=names[t.action.phase], start=t.start * 1e3, end=t.end * 1e3,
                   microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // ranks)
              for t in prediction.timeline]
     timeline = Timeline(title=prediction.candidate.describe(), rows=[f"rank {r}" for r in range(ranks)],

@@ -5,12 +5,16 @@ measurements from :mod:`pipe.trace` recordings; both become a
 :class:`~pipe.viz.timeline.Timeline` drawn as text, SVG, HTML or Chrome
 trace-event JSON. The ``pipe-viz`` command (``python -m pipe.viz``) wraps it::
 
-    pipe-viz plan --schedule 1f1b --stages 4 --microbatches 8 -o 1f1b.svg
+    pipe-viz plan --schedule 1f1b --ranks 4 --microbatches 8 -o 1f1b.svg
     pipe-viz trace run.json --plan -o run.html
 """
+from pipe.core.deprecation import moved
 from pipe.trace import record
-from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.planned import plan
-from pipe.viz.timeline import Cell, Timeline
+from pipe.viz.measured import from_trace, schedule_like
+from pipe.viz.planned import plan, schedule_timeline
+from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["Cell", "Timeline", "from_trace", "plan", "plan_like", "record"]
+__all__ = ["Span", "Timeline", "from_trace", "schedule_like", "schedule_timeline", "record"]
+
+# Old names, one release (plan(stages=) is a deprecated function of its own, pipe.viz.planned.plan).
+__getattr__ = moved(__name__, __name__, {"Cell": "Span", "plan_like": "schedule_like"})

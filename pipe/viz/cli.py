@@ -2,7 +2,7 @@
 
 Usage::
 
-    pipe-viz plan --schedule 1f1b --stages 4 --microbatches 8 [--virtual-stages 2]
+    pipe-viz plan --schedule 1f1b --ranks 4 --microbatches 8 [--virtual-stages 2]
                   [--checkpoint always] [-o out.svg]
     pipe-viz trace run.json [more ranks' files ...] [--step N] [--plan] [--explain] [-o out.html]
 
@@ -25,8 +25,8 @@ from pipe.core.options import CHECKPOINT_MODES
 from pipe.core.schedule import SCHEDULE_KINDS
 from pipe.trace import TraceError, load, merge
 from pipe.viz.html import render_html
-from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.planned import plan
+from pipe.viz.measured import from_trace, schedule_like
+from pipe.viz.planned import schedule_timeline
 from pipe.viz.svg import render_svg
 from pipe.viz.text import render_text
 from pipe.viz.timeline import Timeline
@@ -76,10 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Draw the planned schedule (pipe.core.schedule.Schedule.simulate) of a "
                                         "configuration, with its bubble and micro-batches in flight.")
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
-    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (default: 4)")
+    p.add_argument("--ranks", type=_positive_int, default=4, help="pipeline ranks, one row each (default: 4)")
+    p.add_argument("--stages", type=_positive_int, dest="stages", default=None,
+                   help=argparse.SUPPRESS)  # the old name of --ranks, one release
     p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches (default: 8)")
     p.add_argument("--virtual-stages", type=_positive_int, default=1,
-                   help="model chunks per stage, for --schedule interleaved (default: 1)")
+                   help="model chunks (stages) per rank, for --schedule interleaved (default: 1)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never",
                    help="checkpoint mode: checkpointed micro-batches recompute before backward (default: never)")
     p.add_argument("--forward", type=_positive_float, default=1.0, help="forward time of a stage (default: 1)")
@@ -160,12 +162,16 @@ def _run(args: argparse.Namespace) -> int:
         if args.virtual_stages > 1 and args.schedule != "interleaved":
             sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved "
                       f"(got --schedule {args.schedule})")
+        if args.stages is not None:
+            sys.stderr.write("pipe-viz plan: --stages is deprecated and will be removed in the next release; "
+                             "use --ranks\n")
+            args.ranks = args.stages
         try:
-            timeline = plan(args.schedule, args.stages, args.microbatches, virtual_stages=args.virtual_stages,
-                            checkpoint=args.checkpoint, forward=args.forward, backward=args.backward,
-                            recompute=args.recompute)
+            timeline = schedule_timeline(args.schedule, args.ranks, args.microbatches,
+                                         virtual_stages=args.virtual_stages, checkpoint=args.checkpoint,
+                                         forward=args.forward, backward=args.backward, recompute=args.recompute)
         except ValueError as error:
-            sub.error(f"{error} (ranks are --stages)" if "ranks" in str(error) else str(error))
+            sub.error(str(error))
         try:
             _write([timeline], args.output, "pipe-viz plan")
         except _Unwritable as error:
@@ -174,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         trace = load(args.traces[0]) if len(args.traces) == 1 else merge(args.traces)
         measured = from_trace(trace, args.step, source=repr(args.traces[0]) if len(args.traces) == 1 else "trace")
-        timelines = [measured] + ([plan_like(measured, trace)] if args.plan else [])
+        timelines = [measured] + ([schedule_like(measured, trace)] if args.plan else [])
     except TraceError as error:
         sub.error(str(error))
     try:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule
-from pipe.viz.timeline import COMPUTE, Cell, Timeline
+from pipe.viz.timeline import COMPUTE, Span, Timeline
 
 __all__: list[str] = []
 
@@ -226,13 +226,13 @@ def explain_timeline(timeline: Timeline, schedule: str = "gpipe", bubble_only: b
     return explanation
 
 
-def _split_receives(cells: list[Cell], ended: dict[Action, float],
-                    rule: Schedule) -> tuple[list[Cell], dict[Cell, Cell]]:
+def _split_receives(cells: list[Span], ended: dict[Action, float],
+                    rule: Schedule) -> tuple[list[Span], dict[Span, Span]]:
     """A receive (process runner) blocks until the sender has produced the message: the part of a
     ``recv`` span before the awaited action ended is waiting, not transfer. Returns the row's cells
     with each receive cut to its transfer part, and for each cut receive the action that consumes it."""
-    kept: list[Cell] = []
-    consumers: dict[Cell, Cell] = {}
+    kept: list[Span] = []
+    consumers: dict[Span, Span] = {}
     for k, c in enumerate(cells):
         consumer = None
         if c.kind == "recv" and c.microbatch is not None:
@@ -250,7 +250,7 @@ def _split_receives(cells: list[Cell], ended: dict[Action, float],
     return kept, consumers
 
 
-def _attribute(row: int, start: float, until: float, cell: Cell, ended: dict[Action, float],
+def _attribute(row: int, start: float, until: float, cell: Span, ended: dict[Action, float],
                expected: dict[Action, float], stage_rows: dict[int, int], rows: list[str], rule: Schedule,
                bubble_only: bool) -> list[Idle]:
     """The causes of the idle interval from ``start`` to ``until``, before ``cell`` (or the receive for it)."""

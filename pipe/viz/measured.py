@@ -13,10 +13,11 @@ from typing import Any, Mapping, Optional
 
 from pipe.core.schedule import Schedule
 from pipe.trace import TraceError
-from pipe.viz.planned import SCHEDULE_NAMES, plan_schedule
-from pipe.viz.timeline import Cell, Timeline
+from pipe.core.deprecation import moved
+from pipe.viz.planned import SCHEDULE_NAMES, lay_out
+from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["from_trace", "plan_like", "step_starts"]
+__all__ = ["from_trace", "schedule_like", "step_starts"]
 
 
 def _spans(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -91,7 +92,7 @@ def from_trace(trace: Mapping[str, Any], step: Optional[int] = None, source: str
     for e in spans:
         args = e.get("args", {})
         chunk = sorted(stages_of[e["pid"]]).index(e["tid"]) if by_rank else 0
-        cells.append(Cell(
+        cells.append(Span(
             row=row_of[_row_key(e, by_rank)],
             kind=str(e.get("cat", args.get("phase", "other"))),
             start=e["ts"] / 1000.0,
@@ -124,7 +125,7 @@ def from_trace(trace: Mapping[str, Any], step: Optional[int] = None, source: str
     return timeline
 
 
-def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
+def schedule_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
     """The plan of the measured configuration, with the mean measured durations (ms).
 
     Shows what the same run would look like if every span took its mean time
@@ -152,7 +153,7 @@ def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
     )
     forward, backward = statistics.fmean(forwards), statistics.fmean(backwards)
     recompute = statistics.fmean(recomputes) if recomputes else 0.0
-    timeline = plan_schedule(schedule, forward, backward, recompute, len(recomputed), unit="ms", split=split)
+    timeline = lay_out(schedule, forward, backward, recompute, len(recomputed), unit="ms", split=split)
     timeline.rows = list(measured.rows)
     timeline.title = (f"plan for the same configuration, mean measured durations · "
                       f"bubble {timeline.bubble():.1%}")
@@ -162,3 +163,6 @@ def plan_like(measured: Timeline, trace: Mapping[str, Any]) -> Timeline:
         + (f", recompute {recompute:.2f} ms" if recomputes else "") + "; transfers free"
     ]
     return timeline
+
+
+__getattr__ = moved(__name__, __name__, {"plan_like": "schedule_like"})  # the old name, one release

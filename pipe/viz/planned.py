@@ -7,13 +7,14 @@ rows, picks durations and writes the title.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+from pipe.core.deprecation import warn
 from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.schedule import Phase, Schedule
-from pipe.viz.timeline import Cell, Timeline
+from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["plan", "plan_schedule", "SCHEDULE_NAMES"]
+__all__ = ["schedule_timeline", "lay_out", "SCHEDULE_NAMES"]
 
 #: How each schedule kind is named in titles.
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
@@ -22,9 +23,9 @@ _KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: 
          Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
 
-def plan(
+def schedule_timeline(
     schedule: str = "gpipe",
-    stages: int = 4,
+    ranks: int = 4,
     microbatches: int = 8,
     *,
     virtual_stages: int = 1,
@@ -38,7 +39,8 @@ def plan(
     Args:
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or
             ``"zbv"`` (the last two split each backward in I and W, half each).
-        stages: pipeline stages (devices, or ranks); one row each.
+        ranks: pipeline ranks (devices, or processes); one row each. Each
+            runs ``virtual_stages`` stages.
         microbatches: micro-batches per mini-batch.
         virtual_stages: model chunks per stage (interleaved only; zbv has 2).
         checkpoint: ``Pipe``'s checkpoint mode; checkpointed micro-batches
@@ -55,34 +57,34 @@ def plan(
         ValueError: a bad schedule, count, mode or duration (the message names it).
 
     Example:
-        >>> round(plan("gpipe", 4, 8).bubble(), 4)  # (K - 1) / (M + K - 1) = 3 / 11
+        >>> round(schedule_timeline("gpipe", 4, 8).bubble(), 4)  # (K - 1) / (M + K - 1) = 3 / 11
         0.2727
     """
     mode = verify_checkpoint(checkpoint)
-    shape = Schedule(schedule, ranks=stages, microbatches=microbatches, virtual_stages=virtual_stages)
+    shape = Schedule(schedule, ranks=ranks, microbatches=microbatches, virtual_stages=virtual_stages)
     stop = checkpoint_stop(mode, microbatches)
     share = 1.0 / shape.virtual_stages  # zbv has 2 whatever the argument
     redo = forward if recompute is None else recompute
-    timeline = plan_schedule(shape, forward * share, backward * share, redo * share, stop)
+    timeline = lay_out(shape, forward * share, backward * share, redo * share, stop)
     timeline.title = f"{_describe(shape)} · checkpoint={mode} · bubble {timeline.bubble():.1%}"
     return timeline
 
 
-def plan_schedule(
+def lay_out(
     schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step",
     split: Optional[tuple[float, float]] = None,
 ) -> Timeline:
     """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
 
     ``split`` gives the I and W durations of a zero-bubble schedule (default:
-    half the backward each). The title is a plain description; :func:`plan`
+    half the backward each). The title is a plain description; :func:`schedule_timeline`
     and the trace renderer add to it.
     """
     input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
     timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
                               input_grad=input_grad, weight_grad=weight_grad)
     cells = [
-        Cell(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
+        Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
              microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // schedule.ranks)
         for t in timed
     ]
@@ -118,3 +120,9 @@ def _describe(schedule: Schedule) -> str:
     if schedule.virtual_stages > 1:
         stages += f" × {schedule.virtual_stages} virtual"
     return f"{name} · {stages} · {schedule.microbatches} micro-batch{'es' if schedule.microbatches != 1 else ''}"
+
+
+def plan(schedule: str = "gpipe", stages: int = 4, microbatches: int = 8, **options: Any) -> Timeline:
+    """Deprecated: :func:`schedule_timeline` (``stages=`` is now ``ranks=``)."""
+    warn("pipe.viz.plan(stages=...)", "pipe.viz.schedule_timeline(ranks=...)")
+    return schedule_timeline(schedule, stages, microbatches, **options)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from xml.sax.saxutils import escape
 
 from pipe.viz.text import nice_step
-from pipe.viz.timeline import Cell, Timeline
+from pipe.viz.timeline import Span, Timeline
 
 __all__ = ["COLOURS", "render_svg"]
 
@@ -48,7 +48,7 @@ def _lighter(colour: str, amount: float) -> str:
     return "#" + "".join(f"{c:02x}" for c in mix)
 
 
-def _fill(cell: Cell, chunks: int) -> str:
+def _fill(cell: Span, chunks: int) -> str:
     base = COLOURS.get(cell.kind, _OTHER)
     if chunks <= 1 or cell.chunk == 0:
         return base

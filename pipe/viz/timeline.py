@@ -15,9 +15,10 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pipe.core.deprecation import moved
 from pipe.trace import complete_event
 
-__all__ = ["Cell", "Timeline", "COMPUTE", "KIND_ORDER", "LETTERS"]
+__all__ = ["Span", "Timeline", "COMPUTE", "KIND_ORDER", "LETTERS"]
 
 #: Kinds in legend order; anything else is drawn as "other".
 KIND_ORDER: tuple[str, ...] = ("forward", "backward", "input", "weight", "recompute", "copy", "send", "recv")
@@ -32,7 +33,7 @@ LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "input": "I", "weigh
 
 
 @dataclass(frozen=True, slots=True)  # slots: plans of millions of cells (pipe-viz plan) in less memory
-class Cell:
+class Span:
     """One span of work on one row.
 
     Attributes:
@@ -85,7 +86,7 @@ class Timeline:
 
     title: str
     rows: list[str]
-    cells: list[Cell]
+    cells: list[Span]
     unit: str = "step"
     chunks: int = 1
     peak_inflight: Optional[list[int]] = None
@@ -104,9 +105,9 @@ class Timeline:
         """From the first start to the last end, over all rows."""
         return self.end - self.origin
 
-    def by_row(self) -> list[list[Cell]]:
+    def by_row(self) -> list[list[Span]]:
         """The cells of each row (one pass over the cells; statistics of every row use it)."""
-        rows: list[list[Cell]] = [[] for _ in self.rows]
+        rows: list[list[Span]] = [[] for _ in self.rows]
         for c in self.cells:
             rows[c.row].append(c)
         return rows
@@ -211,7 +212,7 @@ class Timeline:
                 "otherData": {"title": self.title, "unit": self.unit, "bubble": self.bubble()}}
 
 
-def _busy(cells: list[Cell]) -> float:
+def _busy(cells: list[Span]) -> float:
     """The union of the compute cells' intervals among ``cells``."""
     intervals = sorted((c.start, c.end) for c in cells if c.kind in COMPUTE)
     total, reach = 0.0, -math.inf
@@ -221,3 +222,6 @@ def _busy(cells: list[Cell]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+__getattr__ = moved(__name__, __name__, {"Cell": "Span"})  # the old name, one release

@@ -23,7 +23,7 @@ def run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_plan_prints_text_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--schedule", "1f1b", "--stages", "2", "--microbatches", "3"]) == 0
+    assert main(["plan", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "3"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("1F1B · 2 stages · 3 micro-batches · checkpoint=never · bubble 25.0%")
     assert "stage 0 | F0 F1 .  .  B0--- F2 B1--- .  B2---" in out
@@ -33,7 +33,7 @@ def test_plan_prints_text_by_default(capsys: pytest.CaptureFixture[str]) -> None
                                             (".txt", "stage 3 |"), (".json", '"traceEvents"')])
 def test_plan_format_follows_the_extension(tmp_path: Path, suffix: str, marker: str) -> None:
     out = tmp_path / f"plan{suffix}"
-    assert main(["plan", "--schedule", "interleaved", "--stages", "4", "--microbatches", "8",
+    assert main(["plan", "--schedule", "interleaved", "--ranks", "4", "--microbatches", "8",
                  "--virtual-stages", "2", "--checkpoint", "always", "-o", str(out)]) == 0
     text = out.read_text()
     assert marker in text
@@ -71,12 +71,12 @@ def test_trace_merges_one_file_per_rank(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", "--stages", "0"], r"argument --stages: expected a positive integer, got 0"),
+        (["plan", "--ranks", "0"], r"argument --ranks: expected a positive integer, got 0"),
         (["plan", "--microbatches", "many"], r"argument --microbatches: expected a positive integer, got 'many'"),
         (["plan", "--schedule", "zigzag"], r"argument --schedule: invalid choice: 'zigzag'"),
         (["plan", "--virtual-stages", "2"], r"--virtual-stages 2 needs --schedule interleaved"),
-        (["plan", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6"],
-         r"needs microbatches divisible by ranks .* \(ranks are --stages\)"),
+        (["plan", "--schedule", "interleaved", "--ranks", "4", "--microbatches", "6"],
+         r"needs microbatches divisible by ranks .*"),
         (["plan", "-o", "out.png"], r"cannot tell the format of 'out.png' from its extension; use one of .svg"),
         (["plan", "--backward", "-1"], r"argument --backward: expected a positive finite number, got '-1'"),
         (["trace", "missing.json"], r"cannot read trace 'missing.json': No such file or directory"),
@@ -102,7 +102,7 @@ def test_console_script_and_module_entry_point() -> None:
     setup = configparser.ConfigParser()
     setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     assert "pipe-viz = pipe.viz.cli:main" in setup["options.entry_points"]["console_scripts"]
-    done = subprocess.run([sys.executable, "-m", "pipe.viz", "plan", "--stages", "0"],
+    done = subprocess.run([sys.executable, "-m", "pipe.viz", "plan", "--ranks", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "expected a positive integer, got 0" in done.stderr
 
@@ -125,6 +125,6 @@ def test_garbage_collection_is_back_on_after_a_command(capsys: pytest.CaptureFix
     import gc
 
     assert gc.isenabled()
-    main(["plan", "--stages", "2", "--microbatches", "2"])
-    run_error(["plan", "--stages", "0"], capsys)
+    main(["plan", "--ranks", "2", "--microbatches", "2"])
+    run_error(["plan", "--ranks", "0"], capsys)
     assert gc.isenabled()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from pipe.viz.html import render_html
-from pipe.viz.planned import plan
+from pipe.viz.planned import schedule_timeline
 
 
 def test_page_holds_svg_table_and_escaped_title() -> None:
-    timeline = plan("1f1b", 2, 4)  # bubble (K - 1) / (M + K - 1) = 1/5 over 15 steps
+    timeline = schedule_timeline("1f1b", 2, 4)  # bubble (K - 1) / (M + K - 1) = 1/5 over 15 steps
     page = render_html([timeline], title="a <b> & c")
     assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 1
     assert "<title>a &lt;b&gt; &amp; c</title>" in page

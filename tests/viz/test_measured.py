@@ -7,7 +7,7 @@ import pytest
 
 from pipe import trace
 from pipe.trace import TraceError
-from pipe.viz.measured import from_trace, plan_like, step_starts
+from pipe.viz.measured import from_trace, schedule_like, step_starts
 
 
 def test_a_recorded_pipe_becomes_a_timeline_per_stage(pipe_trace: dict[str, Any]) -> None:
@@ -34,9 +34,9 @@ def test_steps_are_cut_at_the_first_forward(pipe_trace: dict[str, Any]) -> None:
         from_trace(pipe_trace, step=2)
 
 
-def test_plan_like_uses_the_mean_measured_durations(pipe_trace: dict[str, Any]) -> None:
+def test_schedule_like_uses_the_mean_measured_durations(pipe_trace: dict[str, Any]) -> None:
     measured = from_trace(pipe_trace, step=0)
-    planned = plan_like(measured, pipe_trace)
+    planned = schedule_like(measured, pipe_trace)
     assert planned.unit == "ms" and planned.rows == measured.rows
     forwards = [c.duration for c in measured.cells if c.kind == "forward"]
     assert {round(c.duration, 9) for c in planned.cells if c.kind == "forward"} == {
@@ -49,7 +49,7 @@ def test_empty_trace_is_refused() -> None:
         from_trace({"traceEvents": []})
     with pytest.raises(TraceError, match="--plan needs a trace with forward and backward"):
         forward_only = {"traceEvents": [trace.complete_event("forward", 0, 0, 0.0, 5.0, 0)]}
-        plan_like(from_trace(forward_only), forward_only)
+        schedule_like(from_trace(forward_only), forward_only)
 
 
 def test_ranks_of_a_merged_trace_are_rows_and_their_stages_chunks() -> None:

@@ -12,15 +12,15 @@ from xml.etree import ElementTree
 import pytest
 
 from pipe.viz.html import render_html
-from pipe.viz.measured import from_trace, plan_like
-from pipe.viz.planned import plan
+from pipe.viz.measured import from_trace, schedule_like
+from pipe.viz.planned import schedule_timeline
 from pipe.viz.svg import COLOURS, render_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 def test_svg_is_well_formed_with_title_axis_legend_and_numbers() -> None:
-    timeline = plan("1f1b", 3, 4, checkpoint="always")
+    timeline = schedule_timeline("1f1b", 3, 4, checkpoint="always")
     root = ElementTree.fromstring(render_svg([timeline]))
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert timeline.title in texts
@@ -37,7 +37,7 @@ def test_svg_is_well_formed_with_title_axis_legend_and_numbers() -> None:
 
 
 def test_zero_bubble_svg_colours_input_and_weight_with_a_legend() -> None:
-    timeline = plan("zb-h1", 2, 3)
+    timeline = schedule_timeline("zb-h1", 2, 3)
     root = ElementTree.fromstring(render_svg([timeline]))
     texts = [t.text for t in root.iter(f"{SVG}text")]
     assert {"forward", "input", "weight"} <= set(texts) and "backward" not in texts
@@ -48,7 +48,7 @@ def test_zero_bubble_svg_colours_input_and_weight_with_a_legend() -> None:
 
 
 def test_panels_share_one_time_scale() -> None:
-    short, long = plan("gpipe", 2, 2), plan("gpipe", 2, 8)
+    short, long = schedule_timeline("gpipe", 2, 2), schedule_timeline("gpipe", 2, 8)
     root = ElementTree.fromstring(render_svg([short, long], width=1000))
     ticks = [(t.get("x"), t.text) for t in root.iter(f"{SVG}text") if t.get("font-size") == "11"]
     half = len(ticks) // 2
@@ -82,7 +82,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 def test_page_renders_in_a_headless_browser(tmp_path: Path, pipe_trace: dict[str, Any]) -> None:
     measured = from_trace(pipe_trace, step=0)
     page = tmp_path / "run.html"
-    page.write_text(render_html([measured, plan_like(measured, pipe_trace)], title="pipe-viz test"))
+    page.write_text(render_html([measured, schedule_like(measured, pipe_trace)], title="pipe-viz test"))
     shot = tmp_path / "run.png"
     subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",

@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 from pipe.viz.measured import from_trace
-from pipe.viz.planned import plan
+from pipe.viz.planned import schedule_timeline
 from pipe.viz.text import nice_step, render_text
 
 
 def test_plan_draws_like_the_schedule_docstring() -> None:
-    lines = render_text([plan("gpipe", 3, 4)]).splitlines()
+    lines = render_text([schedule_timeline("gpipe", 3, 4)]).splitlines()
     assert lines[0] == "GPipe · 3 stages · 4 micro-batches · checkpoint=never · bubble 33.3%"
     assert lines[2:5] == [
         "stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B3--- B2--- B1--- B0---",
@@ -23,7 +23,7 @@ def test_plan_draws_like_the_schedule_docstring() -> None:
 
 
 def test_later_chunks_are_lower_case() -> None:
-    text = render_text([plan("interleaved", 2, 2, virtual_stages=2)])
+    text = render_text([schedule_timeline("interleaved", 2, 2, virtual_stages=2)])
     assert "stage 0 | F0 F1 f0 f1 " in text and "lower case: later model chunks" in text
 
 

@@ -1,0 +1,48 @@
+"""Old names kept for one release (issue 23): each still works, warns, and names its replacement."""
+from __future__ import annotations
+
+import pytest
+
+from pipe.viz.planned import schedule_timeline
+
+
+@pytest.mark.parametrize("module, old, new_module, new", [
+    ("pipe.sequential", "PipeSequential", "pipe.core.sequential", "PipeSequential"),
+    ("pipe.sequential", "sequential_like", "pipe.core.sequential", "sequential_like"),
+    ("pipe.tied", "tie_partitions", "pipe.core.tying", "tie_partitions"),
+    ("pipe.viz", "Cell", "pipe.viz.timeline", "Span"),
+    ("pipe.viz.timeline", "Cell", "pipe.viz.timeline", "Span"),
+    ("pipe.viz", "plan_like", "pipe.viz.measured", "schedule_like"),
+])
+def test_an_old_name_is_the_new_object_with_a_warning(module: str, old: str, new_module: str, new: str) -> None:
+    import importlib
+
+    old_module = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated .* use .*\.{new}"):
+        value = getattr(old_module, old)
+    assert value is getattr(importlib.import_module(new_module), new)
+
+
+def test_an_unknown_name_of_an_old_module_is_an_attribute_error() -> None:
+    import pipe.sequential
+
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        pipe.sequential.nothing  # noqa: B018
+
+
+def test_viz_plan_with_stages_draws_what_schedule_timeline_with_ranks_draws() -> None:
+    import pipe.viz
+
+    with pytest.warns(DeprecationWarning, match=r"schedule_timeline\(ranks=...\)"):
+        old = pipe.viz.plan("1f1b", stages=2, microbatches=3)
+    assert old == schedule_timeline("1f1b", ranks=2, microbatches=3)
+
+
+def test_pipe_viz_plan_stages_still_works_and_says_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipe.viz.cli import main
+
+    assert main(["plan", "--schedule", "1f1b", "--stages", "2", "--microbatches", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "--stages is deprecated" in captured.err and "use --ranks" in captured.err
+    main(["plan", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "3"])
+    assert capsys.readouterr().out == captured.out
