@@ -1,4 +1,4 @@
-"""What autograd keeps: record a layer's plain forward and plan which ops to save, recompute or skip.
+"""What autograd keeps: record a layer's plain forward and decide which ops to save, recompute or skip.
 
 Why a plan, not just "chosen ops recompute, the rest save": selective
 checkpointing saves the *outputs* of the ops marked save, whereas plain
@@ -52,7 +52,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from pipe.recompute.scope import Scope, compile_pattern
 
-__all__ = ["op_name", "Selection", "Plan", "OpRecorder", "SkipDead", "below", "make_plan"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class OpRecorder(TorchDispatchMode):
 
 
 @dataclass
-class Plan:
+class OpDecisions:
     """Per-op decisions for one input signature of a layer."""
 
     ops: list[Any]
@@ -302,7 +302,7 @@ class Plan:
         return policy
 
 
-def make_plan(ops: list[_Op], saved: set[int], last_pack: int, buffers: frozenset[int] = frozenset()) -> Plan:
+def decide_ops(ops: list[_Op], saved: set[int], last_pack: int, buffers: frozenset[int] = frozenset()) -> OpDecisions:
     """Decides recompute/save for every recorded op (see the module docstring).
 
     ``buffers`` are the storages of the layer's buffers: an in-place update of
@@ -334,7 +334,7 @@ def make_plan(ops: list[_Op], saved: set[int], last_pack: int, buffers: frozense
             stack.append(c)
 
     decisions: list[CheckpointPolicy] = []
-    plan = Plan([op.func for op in ops], decisions)
+    plan = OpDecisions([op.func for op in ops], decisions)
     for k, op in enumerate(ops):
         if not created[k]:
             # A view or in-place op follows the op that created its storage.
@@ -424,7 +424,7 @@ class SkipDead(TorchDispatchMode):
     mode does); a dead op returns an uninitialised tensor of its recorded shape.
     """
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: OpDecisions) -> None:
         super().__init__()
         self.plan = plan
         self.queues: dict[Any, deque[int]] = {}

@@ -8,7 +8,7 @@ This module builds that on PyTorch's selective activation checkpointing
 runs under a non-reentrant checkpoint whose policy says, for every ATen op,
 ``MUST_RECOMPUTE`` or ``MUST_SAVE``.
 
-What to keep and what to replay is decided by :mod:`pipe.recompute.plan`,
+What to keep and what to replay is decided by :mod:`pipe.recompute.op_decisions`,
 from a recorded plain forward of the layer.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from pipe.core.deprecation import warn
 from pipe.recompute.module import Policy, mark, policy_of
-from pipe.recompute.plan import Plan, OpRecorder, Selection, below, make_plan, op_name
+from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops, op_name
 from pipe.recompute.scope import Scope
 
 __all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection", "Usage"]
@@ -148,7 +149,7 @@ class SelectiveRecompute(Policy):
             raise ValueError("select_recompute needs at least one name regex or op kind to choose operations")
         self.scope = Scope.of(layer)
         self.label = label or type(layer).__name__
-        self._plans: OrderedDict[Signature, Plan] = OrderedDict()
+        self._plans: OrderedDict[Signature, OpDecisions] = OrderedDict()
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -209,7 +210,7 @@ class SelectiveRecompute(Policy):
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda x: x), recorder, \
                 self.scope.counting() as calls:
             output = self.regioned(forward, module)(*args, **kwargs)
-        plan = make_plan(recorder.ops, recorder.saved, recorder.last_pack, frozenset(recorder.buffers))
+        plan = decide_ops(recorder.ops, recorder.saved, recorder.last_pack, frozenset(recorder.buffers))
         if self.prefix:  # regions are relative to the layer; this policy is already one
             plan.regions = [""] if plan.regions else []
         elif any(calls.get(region, 0) != 1 for region in plan.regions if region):
@@ -227,10 +228,15 @@ class SelectiveRecompute(Policy):
                      plan.freed_bytes, plan.extra_bytes, plan.chosen)
         return output
 
-    def plans(self) -> list[Plan]:
-        """The plans made so far (one per input signature)."""
+    def decisions(self) -> list[OpDecisions]:
+        """The per-op decisions made so far (one per input signature)."""
         with self._lock:
             return list(self._plans.values())
+
+    def plans(self) -> list[OpDecisions]:
+        """Deprecated: :meth:`decisions`."""
+        warn("SelectiveRecompute.plans()", "SelectiveRecompute.decisions()")
+        return self.decisions()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -68,7 +68,7 @@ def test_softmax_pulls_in_the_scores_that_feed_it() -> None:
     model(sample()).sum().backward()
     policy = policy_of(model[0])
     assert isinstance(policy, SelectiveRecompute)
-    (plan,) = policy.plans()
+    (plan,) = policy.decisions()
     names = [op_name(f) for f in plan.ops]
     decisions = dict(zip(names, plan.decisions))  # last decision per op name
     first_bmm = names.index("bmm")  # q @ k^T, which only the softmax needs
