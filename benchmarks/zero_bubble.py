@@ -14,7 +14,7 @@ once).
 It also times, in this process, the backward of one P5 stage (L/2 blocks, one
 micro-batch of B/M rows at the smallest M) three ways: fused (one
 ``torch.autograd.backward``); split as ``pipe`` splits it (I, then W from
-the recorded branch-node gradients, :mod:`pipe.core.split_backward`); and
+the recorded branch-node gradients, :mod:`pipe.core.iw_backward`); and
 split naively (I, then ``torch.autograd.backward(outputs,
 inputs=parameters)``, which walks the input path again).
 
@@ -165,7 +165,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
 
 def split_costs(args: argparse.Namespace, repeats: int = 7) -> dict[str, Any]:
     """Fastest seconds of a fused backward, of I + grouped W (pipe), and of I + naive W, for one stage."""
-    from pipe.core.split_backward import SplitBackward
+    from pipe.core.iw_backward import IWBackward
 
     torch.set_num_threads(1)
     stage = model(args.width, args.layers)[: args.layers // 2]
@@ -190,7 +190,7 @@ def split_costs(args: argparse.Namespace, repeats: int = 7) -> dict[str, Any]:
             middle = time.perf_counter()
             torch.autograd.backward(out, grad, inputs=params)
         else:
-            halves = SplitBackward([out], [grad], [inp], params)
+            halves = IWBackward([out], [grad], [inp], params)
             halves.backward_input()
             middle = time.perf_counter()
             halves.backward_weight()

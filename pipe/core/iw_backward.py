@@ -1,4 +1,4 @@
-"""Split backward: the input gradient now (I), the weight gradient later (W), one graph for both.
+"""The I/W backward: the input gradient now (I), the weight gradient later (W), one graph for both.
 
 Zero-bubble schedules (:mod:`pipe.core.zero_bubble`) send a stage's input
 gradient upstream as soon as they can and compute its weight gradient later.
@@ -44,12 +44,12 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipe.core.checkpoint import Checkpointing
 
-__all__ = ["SplitBackward", "split_cell"]
+__all__ = ["IWBackward", "backward_input_first"]
 
 _OUTPUTS = object()  # the group key of parameters reached from the outputs without an input path
 
 
-class SplitBackward:
+class IWBackward:
     """The two halves of one cell's backward.
 
     Args:
@@ -60,7 +60,7 @@ class SplitBackward:
 
     Usage::
 
-        split = SplitBackward(outputs, grads, inputs, parameters)
+        split = IWBackward(outputs, grads, inputs, parameters)
         input_grads = split.backward_input()     # I: send these upstream
         ...
         split.backward_weight()                  # W: parameters' .grad, graph freed
@@ -202,9 +202,9 @@ def _closure(starts: list[Node], parents: dict[Node, list[Node]], stop: set[Node
     return found
 
 
-def split_cell(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
+def backward_input_first(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
                parameters: Sequence[Tensor], record: Optional[Checkpointing] = None,
-               loss: Optional[Tensor] = None) -> tuple[SplitBackward, list[Tensor]]:
+               loss: Optional[Tensor] = None) -> tuple[IWBackward, list[Tensor]]:
     """The split backward of one (micro-batch, stage) cell, its checkpoint recomputed here, once.
 
     Args:
@@ -220,13 +220,13 @@ def split_cell(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inp
 
     Returns:
         ``(split, inputs)``: the halves to run, and the input leaves whose
-        gradients :meth:`SplitBackward.backward_input` returns (the replayed
+        gradients :meth:`IWBackward.backward_input` returns (the replayed
         ones for a checkpointed cell, aligned with ``inputs``).
     """
     if record is None:
         if loss is not None:
-            return SplitBackward([loss], None, inputs, parameters), list(inputs)
-        return SplitBackward(outputs, grads, inputs, parameters), list(inputs)
+            return IWBackward([loss], None, inputs, parameters), list(inputs)
+        return IWBackward(outputs, grads, inputs, parameters), list(inputs)
     if loss is not None:  # stop at the checkpoint's outputs: their graph is the one to replay
         wanted = [k for k, t in enumerate(outputs) if t.requires_grad]
         found = torch.autograd.grad(loss, [outputs[k] for k in wanted], allow_unused=True) if wanted else ()
@@ -241,5 +241,5 @@ def split_cell(outputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inp
         raise RuntimeError(f"the recomputed forward returned {len(replayed)} tensors but the first one "
                            f"{len(outputs)}; a checkpointed stage must be deterministic in its structure")
     pairs = [(o, g) for o, g in zip(replayed, grads) if g is not None and o.requires_grad]
-    split = SplitBackward([o for o, _ in pairs], [g for _, g in pairs], leaves, parameters)
+    split = IWBackward([o for o, _ in pairs], [g for _, g in pairs], leaves, parameters)
     return split, leaves

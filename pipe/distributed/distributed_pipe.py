@@ -60,7 +60,7 @@ class DistributedPipe(nn.Module):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
             ``"zb-h1"`` and ``"zbv"`` (:mod:`pipe.core.schedule`): each backward split
-            into input and weight gradients (:mod:`pipe.core.split_backward`), a
+            into input and weight gradients (:mod:`pipe.core.iw_backward`), a
             checkpointed cell recomputed once for both.
         balance: layers per stage (``ranks x virtual_stages`` entries);
             default: as even as possible.

@@ -18,7 +18,7 @@ rank here, guards between worker threads there). A rank walks its program
     B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
             torch.autograd.backward(output, grad); input.grad -> message to s-1
     I i@s   as B, but only the input gradient; the graph stays for W (zero-bubble
-            schedules, :mod:`pipe.core.split_backward`; a checkpointed cell recomputes here, once)
+            schedules, :mod:`pipe.core.iw_backward`; a checkpointed cell recomputes here, once)
     W i@s   the weight gradients of the cell, from the graph I kept; then it is freed
 
 While action k computes, the receives of action k+1's messages are already
@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from pipe import trace
 from pipe.core.checkpoint import Checkpointing, Function, cell
 from pipe.core.inplace import InputGuard, describe_partition
-from pipe.core.split_backward import SplitBackward, split_cell
+from pipe.core.iw_backward import IWBackward, backward_input_first
 from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import Failures
@@ -154,7 +154,7 @@ class _Cell:
     output_parts: list[int]  # tensors per output part: main value, then each leaving skip
     loss: Optional[Tensor] = None
     record: Optional[Checkpointing] = None  # a checkpointed cell, when the schedule splits backwards
-    split: Optional[SplitBackward] = None  # between its I and its W
+    split: Optional[IWBackward] = None  # between its I and its W
 
 
 class Runtime:
@@ -369,7 +369,7 @@ class Runtime:
             by_id = {id(t): g for t, g in zip(roots, grads)}
             aligned = [by_id.get(id(t)) for t in outputs]
         loss = roots[0] if s == self.last else None
-        state.split, _ = split_cell(outputs, aligned, state.input.tensors, list(self.stages[s].parameters()),
+        state.split, _ = backward_input_first(outputs, aligned, state.input.tensors, list(self.stages[s].parameters()),
                                     state.record, loss)
         state.record = None
         with trace.span("input", (i, s)):

@@ -1,4 +1,4 @@
-"""Tests for pipe.core.split_backward: I then W equal one fused backward, W re-runs no input gradient,
+"""Tests for pipe.core.iw_backward: I then W equal one fused backward, W re-runs no input gradient,
 and a checkpointed cell is replayed once for both halves."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import pipe
 from pipe.core.checkpoint import Checkpointing
 from pipe.core.microbatch import Batch
-from pipe.core.split_backward import SplitBackward, split_cell
+from pipe.core.iw_backward import IWBackward, backward_input_first
 
 
 class CountBackward(torch.autograd.Function):
@@ -73,7 +73,7 @@ def test_input_then_weight_equals_fused_backward(index: int, input_needs_grad: b
     fused_calls = CountBackward.calls
 
     CountBackward.calls = 0
-    split = SplitBackward([model(x)], [grad], [x], list(model.parameters()))
+    split = IWBackward([model(x)], [grad], [x], list(model.parameters()))
     input_grads = split.backward_input()
     assert all(p.grad is None for p in model.parameters())  # I computed no weight gradient
     after_input = CountBackward.calls
@@ -100,7 +100,7 @@ def test_weight_accumulates_into_existing_grads() -> None:
             p.grad = torch.ones_like(p)
     x = torch.randn(3, 4, requires_grad=True)
     reference(x.detach().requires_grad_()).sum().backward()
-    split = SplitBackward([model(x).sum()], None, [x], list(model.parameters()))
+    split = IWBackward([model(x).sum()], None, [x], list(model.parameters()))
     split.backward_input()
     split.backward_weight()
     for p, p_ref in zip(model.parameters(), reference.parameters()):
@@ -110,7 +110,7 @@ def test_weight_accumulates_into_existing_grads() -> None:
 def test_order_is_enforced() -> None:
     x = torch.randn(2, 2, requires_grad=True)
     layer = nn.Linear(2, 2)
-    split = SplitBackward([layer(x).sum()], None, [x], list(layer.parameters()))
+    split = IWBackward([layer(x).sum()], None, [x], list(layer.parameters()))
     with pytest.raises(RuntimeError, match=r"backward_weight\(\) needs backward_input\(\) first"):
         split.backward_weight()
     split.backward_input()
@@ -148,10 +148,10 @@ def test_checkpointed_cell_is_replayed_once_for_i_and_w(with_loss: bool, ahead: 
     output = record.checkpoint()
     assert model.recomputes == 0
     loss = output.tensor.pow(2).sum() if with_loss else None
-    if ahead:  # the process runner replays before the gradient arrives; split_cell then reuses it
+    if ahead:  # the process runner replays before the gradient arrives; backward_input_first then reuses it
         record.recompute_ahead()
         assert model.recomputes == 1
-    split, leaves = split_cell(output.tensors, [grad], [], list(model.parameters()), record, loss)
+    split, leaves = backward_input_first(output.tensors, [grad], [], list(model.parameters()), record, loss)
     assert model.recomputes == 1
     (input_grad,) = split.backward_input()
     split.backward_weight()
