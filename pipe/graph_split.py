@@ -26,7 +26,6 @@ of a cut module more than once, train/eval switches after capture).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from types import MethodType
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,14 +33,12 @@ import torch
 from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
-from pipe.core.checkpoint import is_recomputing
 from pipe.core.sequential import PipeSequential
+from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
 __all__ = ["split", "SplitError", "SplitStage", "keep_original_names"]
 
 logger = logging.getLogger(__name__)
-
-DOCS = "docs/split.md"
 
 # Ops whose result depends on train/eval mode, baked into the graph at capture.
 _MODE_OPS = {
@@ -54,33 +51,6 @@ _MODE_OPS = {
 
 class SplitError(RuntimeError):
     """The model cannot be captured as one graph, or a cut point cannot be used."""
-
-
-class SplitStage(fx.GraphModule):
-    """One stage of a split model: a graph over the original model's parameters.
-
-    Attributes:
-        original_keys: this stage's state-dict keys -> the original model's keys
-            for the same tensor (several for tied weights).
-        model_keys: every state-dict key of the original model, in its order.
-        captured_training: the model's ``training`` flag at capture.
-        mode_dependent: whether the graph has dropout or batch norm (fixed to the captured mode).
-        input_count: how many tensors the stage takes.
-        captured_batch_norm: whether the graph has batch norm in training mode (``deferred_batch_norm``
-            cannot reach it).
-    """
-
-    original_keys: dict[str, list[str]]
-    model_keys: tuple[str, ...]
-    captured_training: bool
-    mode_dependent: bool
-    input_count: int
-    captured_batch_norm: bool
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":
-        super()._apply(fn, recurse)
-        _retarget_devices(self)
-        return self
 
 
 def split(
@@ -140,11 +110,11 @@ def split(
     used = {id(t) for stage in stages for t in stage.state_dict(keep_vars=True).values()}
     unused = [key for key, tensor in model_state.items() if id(tensor) not in used and aliases[id(tensor)][0] == key]
     for key in unused:  # kept, in the first stage, so that checkpoints still hold every key
-        _attach(stages[0], key, model_state[key])
+        attach(stages[0], key, model_state[key])
     if unused:
         logger.info("pipe.split: forward does not use %s; the first stage keeps them for the state dict", unused[:8])
     for stage in stages:
-        _adopt_state(stage, model, aliases, tuple(model_state))
+        adopt_state(stage, model, aliases, tuple(model_state))
     result = PipeSequential(*stages)
     result.train(model.training)
     keep_original_names(result)
@@ -340,160 +310,3 @@ def _stage_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: Optional[l
     return graph
 
 
-def _retarget_devices(stage: fx.GraphModule) -> None:
-    """Points device arguments captured in the graph (``arange(device=...)``) at the stage's device."""
-    device = next((t.device for t in list(stage.parameters()) + list(stage.buffers())), None)
-    if device is None:
-        return
-    changed = False
-    for node in stage.graph.nodes:
-        current = node.kwargs.get("device")
-        if isinstance(current, torch.device) and current != device:
-            node.update_kwarg("device", device)
-            changed = True
-        elif node.target is torch.ops.aten.to.device and len(node.args) > 1 and node.args[1] != device:
-            node.update_arg(1, device)
-            changed = True
-    if changed:
-        stage.recompile()
-
-
-# -- state-dict names --------------------------------------------------------------------------------
-
-
-def _attach(stage: nn.Module, key: str, tensor: torch.Tensor) -> None:
-    owner = stage
-    *path, name = key.split(".")
-    for atom in path:
-        if not isinstance(getattr(owner, atom, None), nn.Module):
-            owner.add_module(atom, nn.Module())
-        owner = getattr(owner, atom)
-    if isinstance(tensor, nn.Parameter):
-        owner.register_parameter(name, tensor)
-    else:
-        owner.register_buffer(name, tensor)
-
-
-def _adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[str]],
-                 model_keys: tuple[str, ...]) -> None:
-    """Records the original keys of the stage's tensors; captured constants leave the state dict."""
-    stage.original_keys = {}
-    stage.model_keys = model_keys
-    stage.captured_training = model.training
-    for name, tensor in list(stage.state_dict(keep_vars=True).items()):
-        keys = aliases.get(id(tensor))
-        if keys:
-            stage.original_keys[name] = keys
-            continue
-        owner_path, _, attr = name.rpartition(".")
-        owner = stage.get_submodule(owner_path)
-        owner._non_persistent_buffers_set.add(attr)  # a constant torch.export lifted out of the code
-    stage.register_forward_pre_hook(_check_mode)
-    stage.register_forward_pre_hook(_unpack_one_tuple)
-    stage.register_forward_pre_hook(_keep_buffers_on_recompute)
-    stage.register_forward_hook(_restore_buffers)
-
-
-def _check_mode(stage: nn.Module, args: Any) -> None:
-    if isinstance(stage, SplitStage) and stage.mode_dependent and stage.training != stage.captured_training:
-        captured = "training" if stage.captured_training else "eval"
-        raise RuntimeError(
-            f"this split model was captured in {captured} mode and its graph has dropout or batch norm, whose "
-            f"behaviour is fixed at capture; for {'eval' if stage.training is False else 'training'} split "
-            f"model.{'eval' if stage.training is False else 'train'}() again with pipe.split (the stages share "
-            f"the model's parameters), see {DOCS}"
-        )
-
-
-def _unpack_one_tuple(stage: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
-    """A stage of several inputs called with one tuple of them takes the tuple as its arguments.
-
-    ``PipeSequential`` calls ``stage(*values)``; a runner that hands a layer
-    the previous layer's tuple as one value calls ``stage(values)``. Both mean
-    the same here: the inputs of a stage are tensors, never a tuple.
-    """
-    if len(args) == 1 and isinstance(args[0], tuple) and getattr(stage, "input_count", 1) != 1:
-        return args[0]
-    return None
-
-
-def _keep_buffers_on_recompute(stage: nn.Module, args: Any) -> None:
-    """A recomputation must not update running statistics a second time: note the buffers before it."""
-    if isinstance(stage, SplitStage) and stage.mode_dependent and stage.training and is_recomputing():
-        stage.__dict__["_buffers_before_recompute"] = [(b, b.detach().clone()) for b in stage.buffers()]
-
-
-def _restore_buffers(stage: nn.Module, args: Any, output: Any) -> None:
-    saved = stage.__dict__.pop("_buffers_before_recompute", None)
-    if saved is not None:
-        for buffer, value in saved:
-            buffer.data.copy_(value)  # through .data: backward may have saved the buffer, keep its version
-
-
-def _stage_children(container: nn.Module) -> dict[str, SplitStage]:
-    return {name: child for name, child in container._modules.items() if isinstance(child, SplitStage)}
-
-
-def keep_original_names(container: nn.Module) -> None:
-    """Makes ``container``'s state dict use the original model's keys for the split stages among its children.
-
-    ``container.state_dict()`` lists ``"transformer.h.0.ln_1.weight"``, not
-    ``"0.transformer.h.0.ln_1.weight"``, and every key of a tied tensor once;
-    ``load_state_dict`` takes the original model's checkpoints (and this
-    form), filling every stage that holds a tensor. Does nothing when no child
-    is a :class:`SplitStage`.
-    """
-    if not _stage_children(container):
-        return
-    container._register_state_dict_hook(_to_original_keys)
-    container._register_load_state_dict_pre_hook(_from_original_keys, with_module=True)
-
-
-def _to_original_keys(container: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> Any:
-    stages = _stage_children(container)
-    renamed: dict[str, Any] = {}
-    result: "OrderedDict[str, Any]" = OrderedDict()
-    placed = False
-    for key, value in state.items():
-        name, _, local = key[len(prefix):].partition(".") if key.startswith(prefix) else ("", "", "")
-        stage = stages.get(name)
-        if stage is None or local not in stage.original_keys:
-            result[key] = value
-            continue
-        for original in stage.original_keys[local]:
-            renamed.setdefault(prefix + original, value)
-        if not placed:  # the renamed entries go where the first stage entry was
-            result["\0stages"] = None
-            placed = True
-    if placed:
-        order = {key: i for i, key in enumerate(next(iter(stages.values())).model_keys)}
-        rank = {key: order.get(key[len(prefix):], 0) for key in renamed}
-        final: "OrderedDict[str, Any]" = OrderedDict()
-        for key, value in result.items():
-            if key == "\0stages":
-                for original in sorted(renamed, key=rank.__getitem__):
-                    final[original] = renamed[original]
-            else:
-                final[key] = value
-        result = final
-    state.clear()
-    state.update(result)
-    return state
-
-
-def _from_original_keys(container: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any,
-                        strict: bool, missing: list[str], unexpected: list[str], errors: list[str]) -> None:
-    stages = _stage_children(container)
-    consumed: set[str] = set()
-    for name, stage in stages.items():
-        present = stage.state_dict(keep_vars=True)
-        for local, originals in stage.original_keys.items():
-            target = f"{prefix}{name}.{local}"
-            if local not in present or target in state:
-                continue
-            source = next((prefix + key for key in originals if prefix + key in state), None)
-            if source is not None:
-                state[target] = state[source]
-        consumed |= {prefix + key for key in stage.model_keys}
-    for key in consumed:
-        state.pop(key, None)

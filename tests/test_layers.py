@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("features", ["pipe.skip", "pipe.skip.", "pipe.recompute", "pipe.recompute.", "pipe.balance", "pipe.balance.",
                   "pipe.batchnorm", "pipe.plan", "pipe.plan."]),
     ("runners", ["pipe.threads", "pipe.threads.", "pipe.distributed."]),
-    ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split", "pipe.split.", "pipe.distributed",
+    ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.viz.cli", "pipe.viz.__main__", "pipe.plan.cli",
                     "pipe.sequential", "pipe.tied"]),
 ]
