@@ -20,9 +20,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipe.core.microbatch import Batch
 from pipe.core.stream import AbstractStream, current_stream, get_device, record_stream, use_stream, wait_stream
 
-__all__ = ["Copy", "Wait"]
+__all__: list[str] = []
+
+
+def copy(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Moves ``batch`` to ``next_stream``'s device on the copy streams (Copy, then Wait)."""
+    batch.replace_tensors(Copy.apply(prev_stream, next_stream, *batch.tensors))
+    wait(batch, prev_stream, next_stream)
+
+
+def wait(batch: Batch, prev_stream: AbstractStream, next_stream: AbstractStream) -> None:
+    """Makes ``next_stream`` wait for the work on ``prev_stream`` that produced ``batch``."""
+    batch.replace_tensors(Wait.apply(prev_stream, next_stream, *batch.tensors))
 
 
 class Copy(torch.autograd.Function):

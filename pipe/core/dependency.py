@@ -19,9 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
 
-__all__ = ["fork", "join"]
+__all__: list[str] = []
+
+
+def depend(fork_from: Batch, join_to: Batch) -> None:
+    """Makes ``fork_from``'s backward wait for ``join_to``'s: a phony forked off one lane, joined to the other."""
+    fork_from.tensor, phony = fork(fork_from.tensor)
+    join_to.tensor = join(join_to.tensor, phony)
 
 
 def fork(input: Tensor) -> tuple[Tensor, Tensor]:
