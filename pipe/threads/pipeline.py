@@ -44,7 +44,8 @@ from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTrackerThroughPortals, partition_function
 from pipe.threads.call import Call
 from pipe.threads.worker import ExcInfo, Task, Workers
-from pipe.threads.worker_backward import BackwardPass, CellBackward
+from pipe.threads.backward_pass import BackwardPass
+from pipe.threads.worker_backward import CellBackward
 
 __all__: list[str] = []
 

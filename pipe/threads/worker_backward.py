@@ -21,7 +21,9 @@ recomputes micro-batch i (a checkpointed cell needs no gradient for that), so
 recomputation precedes the gradient's arrival as in GPipe. Placeholders only
 pass through nodes that hand gradients on unchanged (fork/join), never through
 arithmetic. A callback queued on the autograd engine makes ``backward()``
-return only when every job is done, and re-raises the first failure.
+return only when every job is done, and re-raises the first failure: the
+books of one backward's jobs are :mod:`pipe.threads.backward_pass`; this
+module is the cell's side (:class:`CellBackward`, :class:`Boundary`).
 
 Each worker uses its own intra-op threads (``Pipe(cpu_threads=...)``) for its
 backward, as for its forward.
@@ -44,8 +46,6 @@ What autograd's own backward guarantees holds here too:
 """
 from __future__ import annotations
 
-import logging
-import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -56,36 +56,9 @@ from pipe.core.checkpoint import Checkpointing
 from pipe.core.microbatch import Batch
 from pipe.core.phony import get_phony
 from pipe.core.threadstate import ThreadState
+from pipe.threads.backward_pass import BackwardPass, Cancelled, Ready, UpstreamFailed
 
-__all__ = ["BackwardPass", "Boundary", "CellBackward"]
-
-logger = logging.getLogger(__name__)
-
-
-class _Ready:
-    """Set when a job has filled its placeholders (or failed)."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.failure: Optional[BaseException] = None
-
-    def set(self, failure: Optional[BaseException] = None) -> None:
-        self.failure = failure
-        self.event.set()
-
-    def wait(self) -> None:
-        self.event.wait()
-        if self.failure is not None:
-            raise _UpstreamFailed() from self.failure
-
-
-class _UpstreamFailed(Exception):
-    """A job whose gradient came from a failed job: not a failure of its own."""
-
-
-class _Cancelled(_UpstreamFailed):
-    """A job of a backward that was interrupted: it does not run."""
-
+__all__: list[str] = []
 
 _DOUBLE_BACKWARD = (
     "create_graph=True (double backward, e.g. a gradient penalty) is not supported by a Pipe whose partitions "
@@ -93,145 +66,6 @@ _DOUBLE_BACKWARD = (
     "cannot cross partitions; set pipe.worker_backward = False and checkpoint='never' for autograd's own "
     "backward, which supports it"
 )
-
-
-class BackwardPass:
-    """The backward jobs of the cells of one forward pass.
-
-    Args:
-        submit: hands a job to partition j's worker: ``submit(j, job)``.
-        sync_first: the pipeline's inputs require grad, so the first
-            partition's gradients leave the pipeline and must be real when
-            autograd receives them (its jobs are waited for in backward).
-    """
-
-    def __init__(self, submit: Callable[[int, Callable[[], None]], None], sync_first: bool = False) -> None:
-        self._submit = submit
-        self.sync_first = sync_first
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
-        self._failure: Optional[BaseException] = None
-        self._waiting = False
-        self._cancelled = False
-        # id(placeholder) -> (placeholder, its readiness); the tensor is kept so the id stays unique.
-        self._placeholders: dict[int, tuple[Tensor, _Ready]] = {}
-
-    def readiness(self, grad: Optional[Tensor]) -> Optional[_Ready]:
-        """The readiness of ``grad`` if it is a placeholder of this pass, else None.
-
-        A placeholder has one consumer, so it is forgotten here: the pass does
-        not keep gradients alive after the job that reads them.
-        """
-        if grad is None:
-            return None
-        with self._lock:
-            entry = self._placeholders.get(id(grad))
-            if entry is None or entry[0] is not grad:
-                return None
-            del self._placeholders[id(grad)]
-        return entry[1]
-
-    def placeholders(self, like: Sequence[Optional[Tensor]], ready: _Ready) -> list[Optional[Tensor]]:
-        """Uninitialised gradients shaped like ``like`` (None stays None), filled when ``ready`` is set."""
-        out: list[Optional[Tensor]] = []
-        with self._lock:
-            for tensor in like:
-                if tensor is None:
-                    out.append(None)
-                    continue
-                placeholder = torch.empty_like(tensor)
-                self._placeholders[id(placeholder)] = (placeholder, ready)
-                out.append(placeholder)
-        return out
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether the backward was interrupted: jobs that have not started do not run."""
-        return self._cancelled
-
-    def submit(self, j: int, job: Callable[[], None]) -> None:
-        """Runs ``job`` on worker j and makes ``backward()`` wait for it."""
-        with self._lock:
-            self._pending += 1
-            if not self._waiting:
-                # At the end of this backward, wait for every job: the caller
-                # must not see gradients that are still being written.
-                self._waiting = True
-                self._cancelled = False
-                torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(self))
-
-        def run() -> None:
-            failure: Optional[BaseException] = None
-            try:
-                job()
-            except _UpstreamFailed:
-                pass
-            except BaseException as error:  # reaches the caller through wait()
-                failure = error
-            with self._lock:
-                if failure is not None and self._failure is None:
-                    self._failure = failure
-                self._pending -= 1
-                self._idle.notify_all()
-
-        self._submit(j, run)
-
-    def wait(self) -> None:
-        """Blocks until every submitted job is done; raises the first failure.
-
-        Interrupted (``KeyboardInterrupt``), it cancels the jobs that have not
-        started and waits for those that run before it raises.
-        """
-        try:
-            with self._lock:
-                while self._pending:
-                    self._idle.wait()
-        except BaseException:
-            self.cancel()
-            raise
-        with self._lock:
-            failure, self._failure = self._failure, None
-            self._placeholders.clear()
-            self._waiting = False
-        if failure is not None:
-            raise failure
-
-    def cancel(self) -> None:
-        """Stops the backward: jobs that have not started do not run; waits for those that run."""
-        with self._lock:
-            self._cancelled = True
-            while self._pending:
-                if not self._idle.wait(timeout=30.0):
-                    logger.warning("an interrupted backward waits for %d job(s) still running", self._pending)
-            self._failure = None
-            self._placeholders.clear()
-            self._waiting = False
-
-
-class _EndOfBackward:
-    """The callback queued on autograd's engine: at the end of backward, waits for the pass's jobs.
-
-    An exception raised elsewhere in the caller's graph (an interrupt that
-    lands in another node, a failing hook) ends autograd's backward without
-    running its callbacks, and the jobs would go on writing gradients after
-    ``backward()`` raised. Autograd then drops this callback unrun, while the
-    exception propagates: that cancels the pass and waits for its running jobs.
-    """
-
-    def __init__(self, backward_pass: BackwardPass) -> None:
-        self.backward_pass = backward_pass
-        self.ran = [False]
-        weakref.finalize(self, _dropped, backward_pass, self.ran)
-
-    def __call__(self) -> None:
-        self.ran[0] = True
-        self.backward_pass.wait()
-
-
-def _dropped(backward_pass: BackwardPass, ran: list[bool]) -> None:
-    if not ran[0]:
-        backward_pass.cancel()
 
 
 def _keep(tensor: Tensor) -> Tensor:
@@ -323,8 +157,8 @@ class CellBackward:
             out.append(found.pop(0) if needs else None)
         return tuple(out)
 
-    def job(self, grads: Sequence[Optional[Tensor]], readies: Sequence[Optional[_Ready]],
-            placeholders: Sequence[Optional[Tensor]], done: _Ready) -> Callable[[], None]:
+    def job(self, grads: Sequence[Optional[Tensor]], readies: Sequence[Optional[Ready]],
+            placeholders: Sequence[Optional[Tensor]], done: Ready) -> Callable[[], None]:
         """The job for the worker, holding the cell's graph: release() may drop the cell's own reference
         as soon as the Boundary's backward returns."""
         held = [(self.inner_output, self.prepare)]
@@ -339,20 +173,20 @@ class CellBackward:
 
         return job
 
-    def run(self, grads: Sequence[Optional[Tensor]], readies: Sequence[Optional[_Ready]],
-            placeholders: Sequence[Optional[Tensor]], done: _Ready, inner_output: Optional[Batch],
+    def run(self, grads: Sequence[Optional[Tensor]], readies: Sequence[Optional[Ready]],
+            placeholders: Sequence[Optional[Tensor]], done: Ready, inner_output: Optional[Batch],
             prepare: Optional[Callable[[], None]]) -> None:
         """The job: prepare, wait for the gradients, back-propagate, fill the placeholders."""
         try:
             if self.backward_pass.cancelled:
-                raise _Cancelled()
+                raise Cancelled()
             if prepare is not None:
                 prepare()
             for ready in readies:
                 if ready is not None:
                     ready.wait()
             if self.backward_pass.cancelled:
-                raise _Cancelled()
+                raise Cancelled()
             if inner_output is None:
                 raise RuntimeError("Trying to backward through the pipeline's graph a second time (or after it "
                                    "was freed); specify retain_graph=True on the first backward to backward twice")
@@ -406,7 +240,7 @@ class Boundary(torch.autograd.Function):
             return (None, None) + cell.grads_here(grads, ctx.input_needs_grad, wanted)
         backward_pass = cell.backward_pass
         readies = [backward_pass.readiness(g) for g in grads]
-        done = _Ready()
+        done = Ready()
         like = [x if needs else None for x, needs in zip(cell.inner_input.tensors, ctx.input_needs_grad)]
         placeholders = backward_pass.placeholders(like, done)
         # Interrupted from here on, autograd drops the pass's callback unrun, which cancels the pass (_EndOfBackward).
@@ -414,7 +248,7 @@ class Boundary(torch.autograd.Function):
         if cell.sync:
             try:
                 done.wait()
-            except _UpstreamFailed:
+            except UpstreamFailed:
                 pass  # the failure itself is raised by BackwardPass.wait at the end
         # The parameters' gradients are accumulated by the workers themselves.
         return (None, None) + tuple(placeholders) + (None,) * len(cell.params)
