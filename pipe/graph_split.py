@@ -36,7 +36,7 @@ from torch.export import Dim, ShapesCollection
 from pipe.core.sequential import PipeSequential
 from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
-__all__ = ["split", "SplitError", "SplitStage", "keep_original_names"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

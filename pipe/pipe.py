@@ -29,7 +29,7 @@ from pipe.skip.skippable import verify_skippables
 from pipe.threads.call import CallLock
 from pipe.threads.worker import Workers
 
-__all__ = ["Pipe"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from torch import fx, nn
 
 from pipe.core.checkpoint import is_recomputing
 
-__all__ = ["SplitStage", "keep_original_names"]
+__all__: list[str] = []
 
 DOCS = "docs/split.md"
 

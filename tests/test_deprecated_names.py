@@ -13,6 +13,9 @@ from pipe.viz.planned import schedule_timeline
     ("pipe.viz", "Cell", "pipe.viz.timeline", "Span"),
     ("pipe.viz.timeline", "Cell", "pipe.viz.timeline", "Span"),
     ("pipe.viz", "plan_like", "pipe.viz.measured", "schedule_like"),
+    ("pipe.skip", "inspect_skip_layout", "pipe.skip.layout", "inspect_skip_layout"),
+    ("pipe.skip", "SkipTracker", "pipe.skip.tracker", "SkipTracker"),
+    ("pipe.skip", "Skippable", "pipe.skip.skippable", "Skippable"),
 ])
 def test_an_old_name_is_the_new_object_with_a_warning(module: str, old: str, new_module: str, new: str) -> None:
     import importlib
@@ -46,3 +49,13 @@ def test_pipe_viz_plan_stages_still_works_and_says_ranks(capsys: pytest.CaptureF
     assert "--stages is deprecated" in captured.err and "use --ranks" in captured.err
     main(["plan", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "3"])
     assert capsys.readouterr().out == captured.out
+
+
+def test_selective_recompute_plans_is_decisions() -> None:
+    from torch import nn
+
+    from pipe.recompute.selective import SelectiveRecompute
+
+    policy = SelectiveRecompute(nn.Linear(2, 2), names=["linear"])
+    with pytest.warns(DeprecationWarning, match=r"use SelectiveRecompute.decisions\(\)"):
+        assert policy.plans() == policy.decisions() == []

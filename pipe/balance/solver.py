@@ -17,7 +17,7 @@ from typing import Sequence
 
 from pipe.core.options import is_int
 
-__all__ = ["solve"]
+__all__: list[str] = []
 
 
 def solve(costs: Sequence[float], partitions: int) -> list[int]:

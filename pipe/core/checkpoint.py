@@ -36,7 +36,7 @@ from pipe.core.phony import get_phony
 from pipe.core.rng import RNGState, restore_rng_state, save_rng_state
 from pipe.core.threadstate import ThreadState
 
-__all__ = ["Checkpointing", "cell", "is_checkpointing", "is_recomputing", "Checkpoint", "Recompute"]
+__all__: list[str] = []
 
 Function = Callable[[Batch], Batch]
 

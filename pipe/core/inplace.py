@@ -66,7 +66,7 @@ from torch import Tensor, nn
 
 from pipe.core.microbatch import Batch
 
-__all__ = ["own", "unalias", "InputGuard", "describe_partition", "versions_of", "verify_unmodified"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

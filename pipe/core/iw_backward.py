@@ -44,7 +44,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipe.core.checkpoint import Checkpointing
 
-__all__ = ["IWBackward", "backward_input_first"]
+__all__: list[str] = []
 
 _OUTPUTS = object()  # the group key of parameters reached from the outputs without an input path
 

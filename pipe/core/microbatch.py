@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "NoChunk", "flatten", "unflatten", "scatter", "gather", "verify_gatherable", "pack_inputs"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

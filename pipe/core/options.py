@@ -13,15 +13,7 @@ from typing import Any
 
 from pipe.core.schedule import Schedule
 
-__all__ = [
-    "CHECKPOINT_MODES",
-    "checkpoint_stop",
-    "verify_checkpoint",
-    "verify_chunks",
-    "is_int",
-    "positive_int",
-    "pipeline_schedule",
-]
+__all__: list[str] = []
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 

@@ -16,7 +16,7 @@ from torch import nn
 from pipe.core.sequential import sequential_like
 from pipe.core.tying import tie_partitions
 
-__all__ = ["Device", "split_module", "verify_module", "verify_balance", "default_devices"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 
 from pipe.core.stream import default_stream, use_stream
 
-__all__ = ["get_phony"]
+__all__: list[str] = []
 
 _phonies: dict[tuple[torch.device, bool], torch.Tensor] = {}
 _lock = threading.Lock()

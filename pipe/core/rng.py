@@ -32,8 +32,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RNGState", "save_rng_state", "restore_rng_state", "RandomnessGuard", "GeneratorLocks", "cell_seed",
-           "draw_base_seed"]
+__all__: list[str] = []
 
 RNGState = tuple[Tensor, Optional[Tensor]]
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-__all__ = ["PipeSequential", "call_layer", "sequential_like"]
+__all__: list[str] = []
 
 
 def call_layer(layer: nn.Module, value: Any, unpack: bool) -> Any:

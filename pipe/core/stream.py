@@ -14,19 +14,7 @@ from typing import Iterator, Union, cast
 
 import torch
 
-__all__ = [
-    "AbstractStream",
-    "CPUStream",
-    "new_stream",
-    "current_stream",
-    "default_stream",
-    "use_device",
-    "use_stream",
-    "get_device",
-    "wait_stream",
-    "record_stream",
-    "is_cuda",
-]
+__all__: list[str] = []
 
 
 class CPUStreamType:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["ThreadState", "AUTOCAST_DEVICE_TYPES", "without_autocast"]
+__all__: list[str] = []
 
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 

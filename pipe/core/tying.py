@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "tie_partitions"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

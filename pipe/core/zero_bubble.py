@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["ZERO_BUBBLE_KINDS", "zero_bubble_programs", "v_rank_of", "v_stages_of"]
+__all__: list[str] = []
 
 #: Schedule kinds whose backward is split in I and W.
 ZERO_BUBBLE_KINDS: tuple[str, ...] = ("zb-h1", "zbv")

@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedEnv", "init_from_env", "DEFAULT_TIMEOUT", "as_timedelta"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from pipe.distributed.transport import PeerError
 
-__all__ = ["PipelineFailure", "Failures", "AGENT_GRACE"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,7 @@ from torch import Tensor, nn
 
 from pipe.core.microbatch import Batch, flatten
 
-__all__ = ["LOSS_REDUCTIONS", "IGNORE_INDEX", "verify_loss_reduction", "sample_weights", "warn_if_ignored_targets",
-           "CountedLoss", "StepGradients", "global_count", "divide_by_count"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

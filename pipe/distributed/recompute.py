@@ -38,7 +38,7 @@ from pipe.recompute.config import ConfigSource, parse_config
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.recompute.offload import Offloader
 
-__all__ = ["RankSwap", "attach_to_ranks"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pipe.core.partition import verify_balance, verify_module
 from pipe.core.schedule import Schedule
 from pipe.core.sequential import sequential_like
 
-__all__ = ["LayerFactory", "ModelSpec", "even_balance", "build_stages", "layer_names"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pipe.core.schedule import Schedule
 from pipe.distributed.group import Topology
 from pipe.core.tying import find_ties
 
-__all__ = ["TiedReplicas"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

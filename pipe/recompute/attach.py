@@ -20,7 +20,7 @@ from pipe.recompute.offload import OffloadLayer, Offloader
 from pipe.recompute.selective import SelectiveRecompute, Usage
 from pipe.recompute.strategy import RecomputeStrategy
 
-__all__ = ["apply_recompute_config", "apply_strategy", "attach_to_pipeline", "warn_checkpoint_interplay"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT
 from pipe.recompute.strategy import LayerStrategy, RecomputeStrategy
 
-__all__ = ["ConfigSource", "load_config", "parse_config"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ActivationMemory"]
+__all__: list[str] = []
 
 
 class ActivationMemory(TorchDispatchMode):

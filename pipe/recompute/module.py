@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from pipe.core.checkpoint import enable_recomputing, is_recomputing
 from pipe.recompute.stats import scratch_running_stats
 
-__all__ = ["Policy", "FullRecompute", "recompute", "mark", "unmark", "policy_of", "in_region"]
+__all__: list[str] = []
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

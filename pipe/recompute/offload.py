@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from pipe.recompute.module import Policy, mark
 from pipe.recompute.scope import Scope, compile_pattern
 
-__all__ = ["Offloader", "OffloadLayer", "offload"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

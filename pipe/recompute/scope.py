@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
-__all__ = ["Scope", "compile_pattern"]
+__all__: list[str] = []
 
 
 class _Local(threading.local):

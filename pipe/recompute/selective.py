@@ -29,7 +29,7 @@ from pipe.recompute.module import Policy, mark, policy_of
 from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops, op_name
 from pipe.recompute.scope import Scope
 
-__all__ = ["SelectiveRecompute", "select_recompute", "op_name", "DEFAULT_SELECT", "Selection", "Usage"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

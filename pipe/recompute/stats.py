@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["scratch_running_stats", "RUNNING_STATS"]
+__all__: list[str] = []
 
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pipe.recompute.offload import Offloader
 
-__all__ = ["LayerStrategy", "RecomputeStrategy"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

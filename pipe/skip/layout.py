@@ -16,7 +16,7 @@ from torch import nn
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
 from pipe.skip.skippable import Skippable, skippables_in
 
-__all__ = ["SkipLayout", "inspect_skip_layout"]
+__all__: list[str] = []
 
 
 class SkipLayout:

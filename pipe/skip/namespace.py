@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
-__all__ = ["Namespace", "NamespaceOrNone", "SkipKey"]
+__all__: list[str] = []
 
 
 class Namespace:

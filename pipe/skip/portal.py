@@ -32,7 +32,7 @@ from pipe.core.copy import Copy
 from pipe.core.phony import get_phony
 from pipe.core.stream import AbstractStream, get_device
 
-__all__ = ["Portal"]
+__all__: list[str] = []
 
 
 class Portal:

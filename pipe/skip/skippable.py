@@ -32,7 +32,7 @@ from pipe.core.microbatch import Batch
 from pipe.skip.namespace import Namespace, SkipKey
 from pipe.skip.tracker import current_skip_tracker
 
-__all__ = ["skippable", "stash", "pop", "Skippable", "verify_skippables", "named_skippables"]
+__all__: list[str] = []
 
 T = TypeVar("T", bound="Skippable")
 

@@ -29,8 +29,7 @@ from pipe.core.stream import AbstractStream
 if TYPE_CHECKING:
     from pipe.skip.layout import SkipLayout
 
-__all__ = ["SkipTracker", "SkipTrackerThroughPortals", "use_skip_tracker", "current_skip_tracker",
-           "partition_function"]
+__all__: list[str] = []
 
 
 def _describe(ns: NamespaceOrNone, name: str) -> str:

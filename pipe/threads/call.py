@@ -23,7 +23,7 @@ import threading
 from types import TracebackType
 from typing import Any, Optional, Union
 
-__all__ = ["Call", "CallLock", "PipeClosedError"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from pipe.core.stream import AbstractStream, use_device, use_stream
 from pipe.core.threadstate import ThreadState
 from pipe.threads.call import Call, PipeClosedError
 
-__all__ = ["Task", "Workers"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

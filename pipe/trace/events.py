@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["KINDS", "FORMAT_VERSION", "Cell", "TraceError", "complete_event", "metadata_events", "validate",
-           "load", "merge"]
+__all__: list[str] = []
 
 #: What a span measures, with the prefix of its event name ("F3": forward of micro-batch 3).
 KINDS: dict[str, str] = {

@@ -16,7 +16,7 @@ import torch
 
 from pipe.trace.events import FORMAT_VERSION, Cell, complete_event, metadata_events
 
-__all__ = ["Recorder"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

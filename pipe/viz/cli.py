@@ -31,7 +31,7 @@ from pipe.viz.svg import render_svg
 from pipe.viz.text import render_text
 from pipe.viz.timeline import Timeline
 
-__all__ = ["main", "FORMATS"]
+__all__: list[str] = []
 
 FORMATS = (".svg", ".html", ".txt", ".json")
 

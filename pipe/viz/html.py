@@ -11,7 +11,7 @@ from xml.sax.saxutils import escape
 from pipe.viz.svg import render_svg
 from pipe.viz.timeline import Timeline
 
-__all__ = ["render_html"]
+__all__: list[str] = []
 
 _STYLE = """
 body { font-family: "DejaVu Sans", Helvetica, Arial, sans-serif; margin: 16px 24px; color: #222; }

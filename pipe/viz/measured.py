@@ -17,7 +17,7 @@ from pipe.core.deprecation import moved
 from pipe.viz.planned import SCHEDULE_NAMES, lay_out
 from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["from_trace", "schedule_like", "step_starts"]
+__all__: list[str] = []
 
 
 def _spans(trace: Mapping[str, Any]) -> list[dict[str, Any]]:

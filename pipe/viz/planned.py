@@ -14,7 +14,7 @@ from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.schedule import Phase, Schedule
 from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["schedule_timeline", "lay_out", "SCHEDULE_NAMES"]
+__all__: list[str] = []
 
 #: How each schedule kind is named in titles.
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V"}

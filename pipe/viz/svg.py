@@ -14,7 +14,7 @@ from xml.sax.saxutils import escape
 from pipe.viz.text import nice_step
 from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["COLOURS", "render_svg"]
+__all__: list[str] = []
 
 #: Fill colour of each kind (Tableau 10: distinct, and readable with white text).
 COLOURS: dict[str, str] = {

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from pipe.viz.timeline import LETTERS, Timeline
 
-__all__ = ["render_text", "nice_step"]
+__all__: list[str] = []
 
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from pipe.core.deprecation import moved
 from pipe.trace import complete_event
 
-__all__ = ["Span", "Timeline", "COMPUTE", "KIND_ORDER", "LETTERS"]
+__all__: list[str] = []
 
 #: Kinds in legend order; anything else is drawn as "other".
 KIND_ORDER: tuple[str, ...] = ("forward", "backward", "input", "weight", "recompute", "copy", "send", "recv")

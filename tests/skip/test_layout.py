@@ -4,7 +4,8 @@ from __future__ import annotations
 from torch import nn
 
 from models import PopLinear, StashLinear
-from pipe.skip import Namespace, inspect_skip_layout
+from pipe.skip import Namespace
+from pipe.skip.layout import inspect_skip_layout
 
 
 def test_routes_and_arriving() -> None:

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from models import PopLinear, StashLinear, skip_model
 from pipe import Pipe
-from pipe.skip import Namespace, Skippable, pop, skippable, stash, verify_skippables
+from pipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from pipe.skip.skippable import Skippable
 
 
 def test_decorated_class_keeps_name_keys_and_isinstance() -> None:

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from models import PopLinear, StashLinear, plain_forward, skip_model
 from pipe import Pipe
-from pipe.skip import Namespace, SkipTracker, pop, skippable, stash, use_skip_tracker
+from pipe.skip import Namespace, pop, skippable, stash
+from pipe.skip.tracker import SkipTracker, use_skip_tracker
 from pipe.skip.tracker import current_skip_tracker
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*oversubscribe")
