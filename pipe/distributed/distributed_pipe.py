@@ -21,7 +21,7 @@ from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, 
                                    verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
-from pipe.distributed.recompute import attach_to_ranks
+from pipe.distributed.recompute_ranks import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
@@ -86,7 +86,7 @@ class DistributedPipe(nn.Module):
             replicas (docs/distributed.md).
         recompute: a recompute/swap config (YAML path or dict), as for
             ``Pipe``: stage = ``balance`` entry, each rank applies its part
-            (:mod:`pipe.distributed.recompute`); the normalised strategy is
+            (:mod:`pipe.distributed.recompute_ranks`); the normalised strategy is
             ``recompute_strategy``.
         memory_budget: bytes per rank (``"2GiB"`` or a number): rank 0 measures
             ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and

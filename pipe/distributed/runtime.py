@@ -49,7 +49,7 @@ from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import Failures
 from pipe.distributed.group import Topology
-from pipe.distributed.recompute import RankSwap
+from pipe.distributed.recompute_ranks import RankSwap
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch, flatten
 from pipe.core.schedule import Action, Phase, Schedule
@@ -181,7 +181,7 @@ class Runtime:
         self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
                                            partition=partition) for s, partition in stages.items()}
         self.last = schedule.stages - 1
-        # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute).
+        # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute_ranks).
         self.swap: Optional[RankSwap] = None
         self.failures = Failures(topology.rank, topology.world, topology.timeout.total_seconds())
 

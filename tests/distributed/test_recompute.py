@@ -312,7 +312,7 @@ def test_a_checkpointed_cell_lets_its_received_input_go() -> None:
 
     from pipe.core.checkpoint import cell
     from pipe.core.microbatch import Batch
-    from pipe.distributed.recompute import RankSwap
+    from pipe.distributed.recompute_ranks import RankSwap
     from pipe.recompute import Offloader
 
     layer = nn.Linear(D, D)
