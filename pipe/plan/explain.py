@@ -1,31 +1,11 @@
-"""Explanations: where every idle millisecond of a pipeline step went.
+"""Explanations: where every idle millisecond of a recorded step or a predicted plan went.
 
-A timeline (a recorded trace, :mod:`pipe.trace`, or a predicted plan) shows
-boxes; this module names the gaps between them. On each row (a stage of the
-thread pipeline, or a rank), the step's wall time is cut into busy time
-(compute: forward, backward, recompute; transfer: copy, send, recv) and idle
-intervals, and each idle interval gets a cause from the schedule's data
-dependencies (:meth:`pipe.core.schedule.Schedule.simulate`'s rule: a forward
-needs the forward of the stage before, a backward the backward of the stage
-after, the last stage's backward its own forward):
-
-* **bubble**: waiting for the named action (``F3@0``) for as long as the
-  schedule itself makes this row wait there (the plan of the same schedule
-  with the mean measured durations), and the drain after a row's last action;
-* **wait**: waiting for the named action beyond that (a slow or late upstream
-  stage, a transfer that held it);
-* **overhead**: the awaited action had already ended (or there was none):
-  runtime work between actions that no span covers.
-
-A receive of the process runner (``recv`` span) blocks until the sender's
-action ends: that part of it is waiting for that action (bubble or wait),
-the rest is transfer.
-
-The busy time and the idle intervals tile the step window exactly, so the
-attributed share of every row is 100% by construction::
-
-    stage 1 |  F0  ....  F1  B1 ....  B0 |
-                   ^ wait for F1@0 (bubble 0.4 ms, wait 0.1 ms)
+:func:`explain` reads a trace (:mod:`pipe.trace`), :func:`explain_prediction`
+a plan of the planner (:class:`pipe.plan.Prediction`); both hand the
+timeline to the idle-time analysis of :mod:`pipe.viz.idle`, which cuts each
+row's wall time into compute, transfer and idle intervals named bubble
+(the schedule's own wait), wait (beyond it) or overhead (nothing left to
+wait for). ``pipe-viz trace --explain`` prints the same table.
 """
 from __future__ import annotations
 
