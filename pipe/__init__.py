@@ -3,17 +3,23 @@
 ``Pipe(model, chunks=8, checkpoint="except_last")`` runs an ``nn.Sequential``
 as a GPipe pipeline over devices, with recomputation of activations.
 
-The package, by layer (``docs/design.md`` draws it):
+The package, by layer from the bottom (``docs/design.md`` draws it, and
+``tests/test_layers.py`` checks that no module imports from a layer above):
 
+* ``pipe.trace``: the recorder every layer may call.
 * ``pipe.core``: what both runners share: schedules as data, micro-batches,
-  the checkpointed cell, random-number replay, partitioning, streams and
-  copies, and the argument checks of the front ends (``pipe.core.options``).
-* ``pipe.threads``: the thread runner behind :class:`Pipe` (one worker
-  thread per partition, the worker backward of CPU partitions).
-* ``pipe.distributed``: the process runner behind ``DistributedPipe`` (one
-  stage per rank under torchrun).
+  the checkpointed cell, random-number replay, partitioning, the calling
+  convention (``PipeSequential``), parameters tied across partitions, streams
+  and copies, and the argument checks of the front ends (``pipe.core.options``).
+* observation: ``pipe.viz`` (timelines of plans and recordings, and where idle
+  time went).
 * features: ``pipe.skip``, ``pipe.recompute``, ``pipe.balance``,
-  ``pipe.batchnorm``; observation: ``pipe.trace``, ``pipe.viz``.
+  ``pipe.batchnorm``, ``pipe.plan``.
+* runners: ``pipe.threads`` (one worker thread per partition, behind
+  :class:`Pipe`) and ``pipe.distributed`` (one stage per rank under torchrun,
+  behind ``DistributedPipe``).
+* front ends: :class:`Pipe`, ``DistributedPipe``, :func:`split`, ``pipe-viz``,
+  ``pipe-plan``.
 
 Names are loaded on first use, so ``import pipe.core.schedule`` (which needs
 no torch) does not import torch.
