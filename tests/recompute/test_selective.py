@@ -85,16 +85,16 @@ def test_narrowed_to_the_submodules_that_hold_the_chosen_ops() -> None:
         model(sample()).sum().backward()
     layer_policy = policy_of(model[0])
     assert isinstance(layer_policy, SelectiveRecompute)
-    (plan,) = layer_policy.plans()
+    (plan,) = layer_policy.decisions()
     assert plan.regions == ["attn", "mlp"]
     attn_policy = policy_of(model[0].attn)
     assert isinstance(attn_policy, SelectiveRecompute) and attn_policy.prefix == "attn"
-    assert attn_policy.plans()[0].chosen == {"op:softmax": 1}
+    assert attn_policy.decisions()[0].chosen == {"op:softmax": 1}
     # a regex naming the whole block's residual path cannot narrow: one checkpoint for the layer
     whole = blocks(n=1)
     select_recompute(whole[0], names=[r"ln2", r"mlp\.act"])
     whole(sample()).sum().backward()
-    assert policy_of(whole[0]).plans()[0].regions == [""]  # type: ignore[union-attr]
+    assert policy_of(whole[0]).decisions()[0].regions == [""]  # type: ignore[union-attr]
     recompute(model[0])  # replacing the policy takes the narrowed ones off too
     assert policy_of(model[0].attn) is None and policy_of(model[0].mlp) is None
 
@@ -105,7 +105,7 @@ def test_changed_shapes_plan_again() -> None:
     assert_same_as_plain(plain, lambda m: m.load_state_dict(model.state_dict()), sample(seq=6))
     for seq in (3, 5):
         torch.testing.assert_close(model(sample(seq=seq)), plain(sample(seq=seq)), rtol=0, atol=0)
-    assert len(policy_of(model[0]).plans()) == 3  # type: ignore[union-attr]
+    assert len(policy_of(model[0]).decisions()) == 3  # type: ignore[union-attr]
 
 
 def test_selection_matching() -> None:
