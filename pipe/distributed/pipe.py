@@ -141,17 +141,17 @@ class DistributedPipe(nn.Module):
         target: Any = None,
     ) -> None:
         super().__init__()
-        require_initialized()
         if data_parallel is not None:
             positive_int("data_parallel", data_parallel, "replicas of the pipeline")
-        if mesh is not None:
-            verify_mesh(mesh, data_parallel)
-        pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
         if parallelize is not None and not callable(parallelize):
             raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
+            require_initialized()
+            if mesh is not None:
+                verify_mesh(mesh, data_parallel)
+            pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
             planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks,
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
@@ -168,6 +168,9 @@ class DistributedPipe(nn.Module):
         if deferred_batch_norm:
             model = convert_deferred_model(model)
         layers = layer_count(model, layers)
+        require_initialized()
+        if mesh is not None:
+            verify_mesh(mesh, data_parallel)
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
