@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
@@ -213,6 +214,12 @@ class DistributedPipe(nn.Module):
         self.shard = shard
         sharding = averager = None
         if shard is not None:
+            if self._tied.within_rank:  # said on every rank, not only where the stages live
+                raise ValueError(
+                    f"the tied weight {self._tied.within_rank[0]} is held by two stages of one rank, and FSDP "
+                    f"cannot shard one parameter for two stages; place those stages on different pipeline "
+                    f"ranks (schedule {schedule!r} puts them together), or untie the weights"
+                )
             shard_stages(dict(self.partitions), shard, shard_mesh(mesh))
             sharding = StageSharding(dict(self.partitions), shard)
             self._tied.refresh()  # fully_shard replaced the parameters by DTensors
@@ -350,25 +357,39 @@ class DistributedPipe(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clips the gradients of the whole pipeline to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
-        The norm is over every stage's gradients (one all-reduce over the
-        pipeline ranks), so each rank scales by the same factor as a single
-        process would. Every rank of the pipeline must call it.
+        The norm is over every stage's gradients: FSDP's sharded (``DTensor``)
+        gradients are summed over the shard ranks, then everything over the
+        pipeline ranks, so each rank scales by the same factor as a single
+        process would. A tied weight counts once. Every rank must call it.
 
         Returns:
             The total norm before clipping, on every rank.
         """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), device=self.device, dtype=torch.float64)
+        sharded = torch.zeros((), device=self.device, dtype=torch.float64)
+        whole = torch.zeros((), device=self.device, dtype=torch.float64)
+        grads: list[Tensor] = []
         for p in self.parameters():
-            if p.grad is not None and self._tied.counts(p):  # a tied weight counts once
-                squares += p.grad.detach().double().pow(2).sum()
+            if p.grad is None:
+                continue
+            grad = p.grad.detach()
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            grads.append(local)
+            if not self._tied.counts(p):
+                continue
+            if isinstance(grad, DTensor) and any(placement.is_shard() for placement in grad.placements):
+                sharded += local.double().pow(2).sum()
+            else:
+                whole += local.double().pow(2).sum()
+        if self.topology.shard_group is not None:
+            dist.all_reduce(sharded, group=self.topology.shard_group)
+        squares = sharded + whole
         if self._pipeline_group is not None:
             dist.all_reduce(squares, group=self._pipeline_group)
         total = squares.sqrt()
         scale = max_norm / (total + 1e-6)
         if scale < 1:
-            for grad in grads:
-                grad.mul_(scale.to(grad.dtype))
+            for local in grads:
+                local.mul_(scale.to(local.dtype))
         return total.float()
 
     def _scatter(self, value: Any, what: str) -> list[Batch]:
