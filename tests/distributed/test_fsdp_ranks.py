@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import pipe.distributed as pd
@@ -230,7 +231,7 @@ def test_sharded_pipeline_matches_the_plain_model_under_every_schedule() -> None
 
 
 def _replicas(rank: int, world: int) -> list[str]:
-    """(pp 2, dp_replicate 2) through the mesh, and HSDP on (pp 1, dp_replicate 2, dp_shard 2)."""
+    """(pp 2, dp_replicate 2) through the mesh, HSDP on (pp 1, dp_replicate 2, dp_shard 2), mixed precision."""
     checked = []
     for mesh, label in ((pd.make_mesh(pp=2, dp_replicate=2), "replicas"),
                         (pd.make_mesh(pp=1, dp_replicate=2, dp_shard=2), "hsdp")):
@@ -238,11 +239,28 @@ def _replicas(rank: int, world: int) -> list[str]:
         model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, schedule="1f1b", mesh=mesh)
         _compare(model, plain, label, clip=0.5)
         checked.append(f"{label}:{model.topology.pipeline_rank}/{model.topology.replica}")
+    # FSDP's mixed precision: bfloat16 compute and gathers, float32 reduction; within bfloat16's tolerance.
+    plain = lm(True)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2),
+                               shard=pd.Shard(mp_policy=policy))
+    x, y = tokens(0)
+    rows = slice(model.topology.replica * 4, model.topology.replica * 4 + 4)
+    loss = model.step(x[rows], y[rows], ce, broadcast_loss=True)
+    expected = ce(plain(x), y)
+    expected.backward()
+    assert loss is not None and abs(float(loss) - float(expected)) < 2e-2, (loss, expected)
+    named = dict(plain.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.dtype == torch.float32, name
+        error = (_full(param.grad) - named[name].grad).abs().max() / named[name].grad.abs().max()
+        assert error < 5e-2, (name, float(error))
+    checked.append("bf16")
     return checked
 
 
 @pytest.mark.timeout(200)
-def test_replicas_and_hsdp_match_the_plain_model() -> None:
+def test_replicas_hsdp_and_mixed_precision_match_the_plain_model() -> None:
     results = run_ranks(_replicas, 4, deadline=180.0, timeout=60.0)
-    assert results == [["replicas:0/0", "hsdp:0/0"], ["replicas:0/1", "hsdp:0/1"],
-                       ["replicas:1/0", "hsdp:0/2"], ["replicas:1/1", "hsdp:0/3"]]
+    assert results == [["replicas:0/0", "hsdp:0/0", "bf16"], ["replicas:0/1", "hsdp:0/1", "bf16"],
+                       ["replicas:1/0", "hsdp:0/2", "bf16"], ["replicas:1/1", "hsdp:0/3", "bf16"]]
