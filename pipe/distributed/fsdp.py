@@ -196,10 +196,12 @@ class StageSharding:
         return events
 
     def begin_step(self, program: list[Action], training: bool) -> None:
-        """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both."""
+        """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
+
+        (Resharding after forward is off since :func:`shard_stages`.)
+        """
         for modules in self.modules.values():
             for module in modules:
-                module.set_reshard_after_forward(False, recurse=False)
                 module.set_reshard_after_backward(False, recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
                 module.set_is_last_backward(False)
@@ -227,7 +229,7 @@ class StageSharding:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
             module.set_is_last_backward(True)
-        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        state = root._get_fsdp_state()  # fully_shard's state, or that of torch's FSDP-based replicate
         for fsdp_state in state._state_ctx.all_states:
             for group in fsdp_state._fsdp_param_groups:
                 group.post_backward()
