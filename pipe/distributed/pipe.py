@@ -9,6 +9,7 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -208,6 +209,12 @@ class DistributedPipe(nn.Module):
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         # Tensor parallelism first, then FSDP, as torchtitan composes them.
+        if parallelize is None and self.topology.tensor_parallel > 1:
+            warnings.warn(
+                f"the mesh has tp={self.topology.tensor_parallel} but no parallelize= was given: the "
+                f"tensor-parallel ranks all run the whole stage on the same data (correct, but "
+                f"{self.topology.tensor_parallel}x the work); pass parallelize=(stage, mesh) -> None to split them",
+                stacklevel=2)
         if parallelize is not None:
             for stage in sorted(self.partitions):
                 parallelize(self.partitions[stage], mesh)

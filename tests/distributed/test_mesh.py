@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import pipe.distributed as pd
@@ -58,6 +58,9 @@ def _layouts_and_errors(rank: int, world: int) -> dict[str, object]:
     fully_shard(wrapped[0], mesh=mesh["dp_shard"])
     errors["already sharded"] = lambda: pd.DistributedPipe(wrapped, chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2))
     out.update({name: _error(fn) for name, fn in errors.items()})
+    with pytest.warns(UserWarning, match="tp=2 but no parallelize= was given"):
+        tp = pd.DistributedPipe(_linears(), chunks=2, mesh=pd.make_mesh(pp=2, tp=2))
+    out["tp place"] = (tp.topology.pipeline_rank, tp.topology.coordinate("tp"), tp.topology.data_parallel)
     dist.barrier()
     return out
 
@@ -69,6 +72,8 @@ def test_mesh_layout_groups_and_errors() -> None:
     assert [r["place"] for r in results] == [(0, 0, 0, 2, [0]), (0, 1, 1, 2, [0]), (1, 0, 0, 2, [1]), (1, 1, 1, 2, [1])]
     assert [r["pipeline"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["mesh_is_kept"] and r["sharded"] for r in results)
+    # Ranks differing only in "tp" see the same data: one data part.
+    assert [r["tp place"] for r in results] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
     assert results[0]["replica_mesh"] == (("pp", "dp_replicate"), [[0, 2], [1, 3]])
     assert [r["replica_place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     first = results[0]
@@ -87,8 +92,13 @@ def _sharded_step(rank: int, world: int) -> list[str]:
     checked = []
     for raf in (True, False):
         plain = _linears()
-        model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, schedule="1f1b",
-                                   mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(reshard_after_forward=raf))
+        # ZeRO-2 with a policy: each Linear inside the layers gets its own fully_shard.
+        blocks = None if raf else (lambda name, module: isinstance(module, nn.Linear))
+        model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, schedule="1f1b", mesh=pd.make_mesh(pp=2, dp_shard=2),
+                                   shard=pd.Shard(reshard_after_forward=raf, blocks=blocks))
+        wrapped = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        assert wrapped == ([str(2 * model.stages[0]), str(2 * model.stages[0] + 1)] if raf
+                           else [f"{2 * model.stages[0] + k}.0" for k in (0, 1)]), wrapped
         torch.manual_seed(1)
         x, y = torch.randn(8, 4), torch.randn(8, 4)
         rows = slice(model.topology.replica * 4, model.topology.replica * 4 + 4)
