@@ -9,13 +9,18 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
+from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
@@ -69,7 +74,21 @@ class DistributedPipe(nn.Module):
             stages r and ``2 * ranks - 1 - r``).
         data_parallel: replicas of the pipeline; the world has
             ``pipeline ranks x data_parallel`` ranks and each stage's gradients
-            are averaged over its replicas.
+            are averaged over its replicas. Builds the mesh ``("pp",
+            "dp_replicate")``; with ``mesh=`` leave it out (or give the mesh's
+            ``dp_replicate x dp_shard``).
+        mesh: the job's ``DeviceMesh`` (:func:`pipe.distributed.make_mesh`):
+            dimension "pp" (required) carries the stages, "dp_replicate" full
+            replicas, "dp_shard" FSDP2 shards, "tp" tensor parallelism
+            (:mod:`pipe.distributed.mesh`). Each rank passes its share of the
+            global batch (its part is ``topology.replica`` of ``topology.data_parallel``).
+        shard: how FSDP2 shards the stages over "dp_shard"
+            (:class:`pipe.distributed.Shard`); default ``Shard()`` when the mesh
+            has a "dp_shard" dimension.
+        parallelize: ``parallelize(stage, mesh)`` is called on each of this
+            rank's stages (an ``nn.Sequential`` of its layers under their
+            plain-model names) before FSDP wraps them, e.g. to apply
+            ``parallelize_module`` on ``mesh["tp"]``.
         layers: the number of layers, with a layer factory.
         loss_fn: default loss function of :meth:`step`.
         loss_reduction: ``"mean"`` (default) if ``loss_fn`` averages over the
@@ -109,7 +128,10 @@ class DistributedPipe(nn.Module):
         schedule: str = "1f1b",
         balance: Optional[Sequence[int]] = None,
         virtual_stages: int = 1,
-        data_parallel: int = 1,
+        data_parallel: Optional[int] = None,
+        mesh: Optional[DeviceMesh] = None,
+        shard: Optional[Shard] = None,
+        parallelize: Optional[Callable[[nn.Sequential, DeviceMesh], None]] = None,
         layers: Optional[int] = None,
         loss_fn: Optional[LossFn] = None,
         loss_reduction: str = "mean",
@@ -121,34 +143,49 @@ class DistributedPipe(nn.Module):
         target: Any = None,
     ) -> None:
         super().__init__()
+        if data_parallel is not None:
+            positive_int("data_parallel", data_parallel, "replicas of the pipeline")
+        if parallelize is not None and not callable(parallelize):
+            raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
             require_initialized()
-            planned = plan_for_ranks(model, sample, memory_budget, balance, dist.get_world_size() // data_parallel,
+            if mesh is not None:
+                verify_mesh(mesh, data_parallel)
+            pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
+            planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks,
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
-        positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         self.loss_reduction = verify_loss_reduction(loss_reduction)
         self._warned_ignored_targets = False
         self.loss_fn = loss_fn
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
+        if isinstance(model, nn.Module):
+            refuse_wrapped(model)  # on every rank alike, before anything collective
         if deferred_batch_norm:
             model = convert_deferred_model(model)
         layers = layer_count(model, layers)
         require_initialized()
+        if mesh is not None:
+            verify_mesh(mesh, data_parallel)
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
-            "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
+            "data_parallel": data_parallel, "layers": layers,
+            "mesh": None if mesh is None else [mesh.mesh_dim_names, mesh.mesh.tolist()],
+            "shard": describe_shard(shard), "parallelize": parallelize is not None, "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
-        self.topology = Topology(data_parallel)
+        if mesh is None:
+            mesh = replica_mesh(data_parallel or 1)
+        shard = verify_shard(shard, mesh)
+        self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
         if device is None:
@@ -163,13 +200,7 @@ class DistributedPipe(nn.Module):
         routes = [(s, s + 1, MAIN) for s in range(self.schedule.stages - 1)]
         routes += [(s, dst, name) for s, stage in enumerate(self.skips) for dst, _, name in stage.leaving]
         self.topology.create_groups(routes, self.schedule.rank_of)
-        self._pipeline_group: Optional[dist.ProcessGroup] = None
-        if self.topology.ranks > 1:
-            for replica in range(data_parallel):
-                members = [self.topology.global_rank(p, replica) for p in range(self.topology.ranks)]
-                group = self.topology.new_group(members)
-                if replica == self.topology.replica:
-                    self._pipeline_group = group
+        self._pipeline_group = self.topology.pipeline_group
         # Owned layers are this module's children under their original names, so
         # state_dict() keys are those of the original nn.Sequential.
         for stage in sorted(self.partitions):
@@ -177,11 +208,32 @@ class DistributedPipe(nn.Module):
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
-        averager = None
-        if data_parallel > 1:
-            averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
+        # Tensor parallelism first, then FSDP, as torchtitan composes them.
+        if parallelize is None and self.topology.tensor_parallel > 1:
+            warnings.warn(
+                f"the mesh has tp={self.topology.tensor_parallel} but no parallelize= was given: the "
+                f"tensor-parallel ranks all run the whole stage on the same data (correct, but "
+                f"{self.topology.tensor_parallel}x the work); pass parallelize=(stage, mesh) -> None to split them",
+                stacklevel=2)
+        if parallelize is not None:
+            for stage in sorted(self.partitions):
+                parallelize(self.partitions[stage], mesh)
+        self.shard = shard
+        sharding = averager = None
+        if shard is not None:
+            if self._tied.within_rank:  # said on every rank, not only where the stages live
+                raise ValueError(
+                    f"the tied weight {self._tied.within_rank[0]} is held by two stages of one rank, and FSDP "
+                    f"cannot shard one parameter for two stages; place those stages on different pipeline "
+                    f"ranks (schedule {schedule!r} puts them together), or untie the weights"
+                )
+            shard_stages(dict(self.partitions), shard, shard_mesh(mesh))
+            sharding = StageSharding(dict(self.partitions), shard)
+            self._tied.refresh()  # fully_shard replaced the parameters by DTensors
+        elif self.topology.replicate > 1:
+            averager = GradientAverager(dict(self.partitions), self.topology.replicate_group, self.topology.replicate)
         self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
-                                self.skips, averager)
+                                self.skips, averager, sharding)
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
         self.recompute_strategy: Optional[RecomputeStrategy] = None
         if recompute is not None:
@@ -193,6 +245,11 @@ class DistributedPipe(nn.Module):
                     self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)
 
     # -- where things live --------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The job's ``DeviceMesh`` (built from ``data_parallel=`` when none was given)."""
+        return self.topology.mesh
 
     @property
     def stages(self) -> list[int]:
@@ -307,25 +364,39 @@ class DistributedPipe(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clips the gradients of the whole pipeline to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
-        The norm is over every stage's gradients (one all-reduce over the
-        pipeline ranks), so each rank scales by the same factor as a single
-        process would. Every rank of the pipeline must call it.
+        The norm is over every stage's gradients: FSDP's sharded (``DTensor``)
+        gradients are summed over the shard ranks, then everything over the
+        pipeline ranks, so each rank scales by the same factor as a single
+        process would. A tied weight counts once. Every rank must call it.
 
         Returns:
             The total norm before clipping, on every rank.
         """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), device=self.device, dtype=torch.float64)
+        sharded = torch.zeros((), device=self.device, dtype=torch.float64)
+        whole = torch.zeros((), device=self.device, dtype=torch.float64)
+        grads: list[Tensor] = []
         for p in self.parameters():
-            if p.grad is not None and self._tied.counts(p):  # a tied weight counts once
-                squares += p.grad.detach().double().pow(2).sum()
+            if p.grad is None:
+                continue
+            grad = p.grad.detach()
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            grads.append(local)
+            if not self._tied.counts(p):
+                continue
+            if isinstance(grad, DTensor) and any(placement.is_shard() for placement in grad.placements):
+                sharded += local.double().pow(2).sum()
+            else:
+                whole += local.double().pow(2).sum()
+        if self.topology.shard_group is not None:
+            dist.all_reduce(sharded, group=self.topology.shard_group)
+        squares = sharded + whole
         if self._pipeline_group is not None:
             dist.all_reduce(squares, group=self._pipeline_group)
         total = squares.sqrt()
         scale = max_norm / (total + 1e-6)
         if scale < 1:
-            for grad in grads:
-                grad.mul_(scale.to(grad.dtype))
+            for local in grads:
+                local.mul_(scale.to(local.dtype))
         return total.float()
 
     def _scatter(self, value: Any, what: str) -> list[Batch]:

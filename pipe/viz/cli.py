@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)  # the old name of --ranks, one release
     p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches (default: 8)")
     p.add_argument("--virtual-stages", type=_positive_int, default=1,
-                   help="model chunks (stages) per rank, for --schedule interleaved (default: 1)")
+                   help="model chunks per rank, for --schedule interleaved or looped-bfs (default: 1)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never",
                    help="checkpoint mode: checkpointed micro-batches recompute before backward (default: never)")
     p.add_argument("--forward", type=_positive_float, default=1.0, help="forward time of a stage (default: 1)")
@@ -159,8 +159,8 @@ def _without_gc() -> Iterator[None]:
 def _run(args: argparse.Namespace) -> int:
     sub: argparse.ArgumentParser = args.subparser
     if args.command == "plan":
-        if args.virtual_stages > 1 and args.schedule != "interleaved":
-            sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved "
+        if args.virtual_stages > 1 and args.schedule not in ("interleaved", "looped-bfs"):
+            sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved or looped-bfs "
                       f"(got --schedule {args.schedule})")
         if args.stages is not None:
             sys.stderr.write("pipe-viz plan: --stages is deprecated and will be removed in the next release; "
