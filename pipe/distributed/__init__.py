@@ -7,10 +7,17 @@ Usage (``torchrun --nproc-per-node=2 train.py``)::
     model = pd.DistributedPipe(nn.Sequential(...), chunks=8, schedule="1f1b")
     loss = model.step(inputs, target, loss_fn)
 
+On a ``DeviceMesh`` (pipeline x FSDP2 shards, replicas, tensor parallel)::
+
+    model = pd.DistributedPipe(nn.Sequential(...), chunks=8, mesh=pd.make_mesh(pp=2, dp_shard=2),
+                               shard=pd.Shard(reshard_after_forward=False))
+
 See docs/distributed.md.
 """
 from pipe.distributed.env import DistributedEnv, init_from_env
 from pipe.distributed.failure import PipelineFailure
+from pipe.distributed.fsdp import Shard
+from pipe.distributed.mesh import MESH_DIMS, make_mesh
 from pipe.distributed.pipe import DistributedPipe
 
-__all__ = ["DistributedPipe", "DistributedEnv", "PipelineFailure", "init_from_env"]
+__all__ = ["DistributedPipe", "DistributedEnv", "MESH_DIMS", "PipelineFailure", "Shard", "init_from_env", "make_mesh"]

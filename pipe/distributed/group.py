@@ -1,11 +1,15 @@
-"""Process groups of a pipeline: who is which stage of which replica, and who talks to whom.
+"""Process groups of a pipeline: who is which stage of which pipeline, and who talks to whom.
 
-With ``world = pipeline_ranks x replicas`` ranks, consecutive ranks form one
-pipeline (replica), and the ranks holding the same stages in every replica
-form a data-parallel group::
+The job's ``DeviceMesh`` (:mod:`pipe.distributed.mesh`) says where each rank
+sits: its coordinate on "pp" is its pipeline rank, and the ranks that share
+every other coordinate form one pipeline, which exchanges activations on
+channels of its own. The ranks of one pipeline rank across the data-parallel
+dimensions average gradients and sum losses::
 
-    world 4, data_parallel 2:   replica 0: ranks 0 1    data-parallel groups: {0, 2}, {1, 3}
-                                replica 1: ranks 2 3
+    data_parallel=2, world 4:   pipeline 0: ranks 0 1    data-parallel groups: {0, 2}, {1, 3}
+                                pipeline 1: ranks 2 3
+    make_mesh(pp=2, dp_shard=2): pipeline 0: ranks 0 2   shard groups: {0, 1}, {2, 3}
+                                pipeline 1: ranks 1 3
 
 Before anything else the ranks compare their configurations, so that a rank
 started with other chunks, balance or schedule fails at once with a message
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass, field
+import math
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipe.distributed.mesh import mesh_size
 from pipe.distributed.transport import Channel
 
 __all__ = ["Topology", "verify_same_config", "world_timeout"]
@@ -53,41 +60,74 @@ def world_timeout() -> datetime.timedelta:
         return DEFAULT_TIMEOUT
 
 
-@dataclass
 class Topology:
-    """Where this rank sits: its pipeline rank and replica, and the process groups it needs.
+    """Where this rank sits on the mesh, and the process groups a pipeline needs.
+
+    The mesh (:mod:`pipe.distributed.mesh`) has a "pp" dimension and optional
+    "dp_replicate", "dp_shard" and "tp" ones. Every combination of the
+    coordinates other than "pp" is one *pipeline*: its ranks along "pp" run
+    the stages and exchange activations. The ranks of one pipeline rank that
+    differ only in their data-parallel coordinates see different data.
 
     Args:
-        data_parallel: replicas of the pipeline (world size / pipeline ranks).
+        mesh: the job's ``DeviceMesh`` (checked by :func:`pipe.distributed.mesh.verify_mesh`).
+
+    Attributes:
+        ranks, pipeline_rank: the size of "pp" and this rank's coordinate on it.
+        pipelines, pipeline: how many pipelines the mesh holds, and this rank's.
+        data_parallel, replica: ``dp_replicate x dp_shard`` (how many parts the
+            global batch is split into) and this rank's part.
+        replicate, shard, tensor_parallel: the sizes of "dp_replicate", "dp_shard", "tp".
+        pipeline_group: the ranks of this pipeline (None with one pipeline rank).
+        data_parallel_group: the ranks of this pipeline rank (and "tp"
+            coordinate) over both data-parallel dimensions: losses and token counts are summed there.
+        replicate_group: the ranks over "dp_replicate" only: replicas average gradients there.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: the world size is not a multiple of ``data_parallel``.
     """
 
-    data_parallel: int = 1
-    world: int = field(init=False)
-    rank: int = field(init=False)
-    ranks: int = field(init=False)  # pipeline ranks per replica
-    pipeline_rank: int = field(init=False)
-    replica: int = field(init=False)
-    data_parallel_group: Optional[dist.ProcessGroup] = field(init=False, default=None)
-    timeout: datetime.timedelta = field(init=False)
-    _channels: dict[tuple[int, int, str, str], Channel] = field(init=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
+    def __init__(self, mesh: DeviceMesh) -> None:
         require_initialized()
+        self.mesh = mesh
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
-        if self.world % self.data_parallel != 0:
-            raise ValueError(
-                f"world size {self.world} is not divisible by data_parallel={self.data_parallel}; "
-                f"the job needs pipeline ranks x replicas processes (e.g. "
-                f"{self.data_parallel * max(1, self.world // self.data_parallel)} ranks, or data_parallel dividing {self.world})"
-            )
-        self.ranks = self.world // self.data_parallel
-        self.replica, self.pipeline_rank = divmod(self.rank, self.ranks)
         self.timeout = world_timeout()
+        self._channels: dict[tuple[int, int, str, str], Channel] = {}
+        self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
+        self.replicate = mesh_size(mesh, "dp_replicate")
+        self.shard = mesh_size(mesh, "dp_shard")
+        self.tensor_parallel = mesh_size(mesh, "tp")
+        self.data_parallel = self.replicate * self.shard
+        grid = mesh.mesh
+        self._coordinate = dict(zip(self.names, (int(c) for c in (grid == self.rank).nonzero()[0])))
+        self._by_pipeline = grid.movedim(self.names.index("pp"), 0).reshape(grid.shape[self.names.index("pp")], -1)
+        self.ranks, self.pipelines = (int(n) for n in self._by_pipeline.shape)
+        self.pipeline_rank = self._coordinate["pp"]
+        self.pipeline = int((self._by_pipeline[self.pipeline_rank] == self.rank).nonzero()[0])
+        self.replica = self._coordinate.get("dp_replicate", 0) * self.shard + self._coordinate.get("dp_shard", 0)
+        self.pipeline_group = self._groups_along(("pp",))
+        self.data_parallel_group = self._groups_along(("dp_replicate", "dp_shard"))
+        self.replicate_group = self._groups_along(("dp_replicate",))
+
+    def coordinate(self, name: str) -> int:
+        """This rank's coordinate on mesh dimension ``name`` (0 if the mesh has none)."""
+        return self._coordinate.get(name, 0)
+
+    def _groups_along(self, dims: tuple[str, ...]) -> Optional[dist.ProcessGroup]:
+        """One group per combination of the other coordinates, spanning ``dims``; this rank's (None if size 1)."""
+        present = [self.names.index(d) for d in dims if d in self.names]
+        size = math.prod(int(self.mesh.mesh.shape[i]) for i in present)
+        if size == 1:
+            return None
+        others = [i for i in range(len(self.names)) if i not in present]
+        rows = self.mesh.mesh.permute(*others, *present).reshape(-1, size)
+        mine: Optional[dist.ProcessGroup] = None
+        for row in rows.tolist():
+            group = self.new_group(row)
+            if self.rank in row:
+                mine = group
+        return mine
 
     def new_group(self, members: list[int]) -> dist.ProcessGroup:
         """A process group of ``members`` with the pipeline's timeout (collective over the world)."""
@@ -95,23 +135,17 @@ class Topology:
         assert group is not None
         return group
 
-    def global_rank(self, pipeline_rank: int, replica: Optional[int] = None) -> int:
-        """The global rank of ``pipeline_rank`` in ``replica`` (default: this rank's)."""
-        return (self.replica if replica is None else replica) * self.ranks + pipeline_rank
+    def global_rank(self, pipeline_rank: int, pipeline: Optional[int] = None) -> int:
+        """The global rank of ``pipeline_rank`` in ``pipeline`` (default: this rank's pipeline)."""
+        return int(self._by_pipeline[pipeline_rank, self.pipeline if pipeline is None else pipeline])
 
     def create_groups(self, routes: list[tuple[int, int, str]], rank_of: Any) -> None:
-        """Creates the data-parallel groups and one channel per route and direction.
+        """Creates one channel per route and direction, in every pipeline of the mesh.
 
         Every rank calls this with the same ``routes`` (``(from stage, to
         stage, name)``): ``new_group`` is collective over the whole world.
         """
-        if self.data_parallel > 1:
-            for p in range(self.ranks):
-                members = [self.global_rank(p, r) for r in range(self.data_parallel)]
-                group = self.new_group(members)
-                if p == self.pipeline_rank:
-                    self.data_parallel_group = group
-        for replica in range(self.data_parallel):
+        for replica in range(self.pipelines):
             for src, dst, name in routes:
                 for kind, (a, b) in (("act", (src, dst)), ("grad", (dst, src))):
                     rank_a, rank_b = rank_of(a), rank_of(b)
@@ -119,7 +153,7 @@ class Topology:
                     if rank_a != rank_b:
                         members = sorted({self.global_rank(rank_a, replica), self.global_rank(rank_b, replica)})
                         channel_group = self.new_group(members)
-                    if replica != self.replica:
+                    if replica != self.pipeline:
                         continue
                     label = f"{kind} {name} {a}->{b}"
                     if rank_a == self.pipeline_rank:

@@ -9,13 +9,16 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
+from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
@@ -69,7 +72,21 @@ class DistributedPipe(nn.Module):
             stages r and ``2 * ranks - 1 - r``).
         data_parallel: replicas of the pipeline; the world has
             ``pipeline ranks x data_parallel`` ranks and each stage's gradients
-            are averaged over its replicas.
+            are averaged over its replicas. Builds the mesh ``("pp",
+            "dp_replicate")``; with ``mesh=`` leave it out (or give the mesh's
+            ``dp_replicate x dp_shard``).
+        mesh: the job's ``DeviceMesh`` (:func:`pipe.distributed.make_mesh`):
+            dimension "pp" (required) carries the stages, "dp_replicate" full
+            replicas, "dp_shard" FSDP2 shards, "tp" tensor parallelism
+            (:mod:`pipe.distributed.mesh`). Each rank passes its share of the
+            global batch (its part is ``topology.replica`` of ``topology.data_parallel``).
+        shard: how FSDP2 shards the stages over "dp_shard"
+            (:class:`pipe.distributed.Shard`); default ``Shard()`` when the mesh
+            has a "dp_shard" dimension.
+        parallelize: ``parallelize(stage, mesh)`` is called on each of this
+            rank's stages (an ``nn.Sequential`` of its layers under their
+            plain-model names) before FSDP wraps them, e.g. to apply
+            ``parallelize_module`` on ``mesh["tp"]``.
         layers: the number of layers, with a layer factory.
         loss_fn: default loss function of :meth:`step`.
         loss_reduction: ``"mean"`` (default) if ``loss_fn`` averages over the
@@ -109,7 +126,10 @@ class DistributedPipe(nn.Module):
         schedule: str = "1f1b",
         balance: Optional[Sequence[int]] = None,
         virtual_stages: int = 1,
-        data_parallel: int = 1,
+        data_parallel: Optional[int] = None,
+        mesh: Optional[DeviceMesh] = None,
+        shard: Optional[Shard] = None,
+        parallelize: Optional[Callable[[nn.Sequential, DeviceMesh], None]] = None,
         layers: Optional[int] = None,
         loss_fn: Optional[LossFn] = None,
         loss_reduction: str = "mean",
@@ -121,34 +141,46 @@ class DistributedPipe(nn.Module):
         target: Any = None,
     ) -> None:
         super().__init__()
+        require_initialized()
+        if data_parallel is not None:
+            positive_int("data_parallel", data_parallel, "replicas of the pipeline")
+        if mesh is not None:
+            verify_mesh(mesh, data_parallel)
+        pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
+        if parallelize is not None and not callable(parallelize):
+            raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
-            require_initialized()
-            planned = plan_for_ranks(model, sample, memory_budget, balance, dist.get_world_size() // data_parallel,
+            planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks,
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
-        positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         self.loss_reduction = verify_loss_reduction(loss_reduction)
         self._warned_ignored_targets = False
         self.loss_fn = loss_fn
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
+        if isinstance(model, nn.Module):
+            refuse_wrapped(model)  # on every rank alike, before anything collective
         if deferred_batch_norm:
             model = convert_deferred_model(model)
         layers = layer_count(model, layers)
-        require_initialized()
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
-            "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
+            "data_parallel": data_parallel, "layers": layers,
+            "mesh": None if mesh is None else [mesh.mesh_dim_names, mesh.mesh.tolist()],
+            "shard": describe_shard(shard), "parallelize": parallelize is not None, "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
-        self.topology = Topology(data_parallel)
+        if mesh is None:
+            mesh = replica_mesh(data_parallel or 1)
+        shard = verify_shard(shard, mesh)
+        self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
         if device is None:
@@ -163,13 +195,7 @@ class DistributedPipe(nn.Module):
         routes = [(s, s + 1, MAIN) for s in range(self.schedule.stages - 1)]
         routes += [(s, dst, name) for s, stage in enumerate(self.skips) for dst, _, name in stage.leaving]
         self.topology.create_groups(routes, self.schedule.rank_of)
-        self._pipeline_group: Optional[dist.ProcessGroup] = None
-        if self.topology.ranks > 1:
-            for replica in range(data_parallel):
-                members = [self.topology.global_rank(p, replica) for p in range(self.topology.ranks)]
-                group = self.topology.new_group(members)
-                if replica == self.topology.replica:
-                    self._pipeline_group = group
+        self._pipeline_group = self.topology.pipeline_group
         # Owned layers are this module's children under their original names, so
         # state_dict() keys are those of the original nn.Sequential.
         for stage in sorted(self.partitions):
@@ -177,11 +203,20 @@ class DistributedPipe(nn.Module):
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
-        averager = None
-        if data_parallel > 1:
-            averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
+        # Tensor parallelism first, then FSDP, as torchtitan composes them.
+        if parallelize is not None:
+            for stage in sorted(self.partitions):
+                parallelize(self.partitions[stage], mesh)
+        self.shard = shard
+        sharding = averager = None
+        if shard is not None:
+            shard_stages(dict(self.partitions), shard, shard_mesh(mesh))
+            sharding = StageSharding(dict(self.partitions), shard)
+            self._tied.refresh()  # fully_shard replaced the parameters by DTensors
+        elif self.topology.replicate > 1:
+            averager = GradientAverager(dict(self.partitions), self.topology.replicate_group, self.topology.replicate)
         self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
-                                self.skips, averager)
+                                self.skips, averager, sharding)
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
         self.recompute_strategy: Optional[RecomputeStrategy] = None
         if recompute is not None:
@@ -193,6 +228,11 @@ class DistributedPipe(nn.Module):
                     self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)
 
     # -- where things live --------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The job's ``DeviceMesh`` (built from ``data_parallel=`` when none was given)."""
+        return self.topology.mesh
 
     @property
     def stages(self) -> list[int]:

@@ -48,6 +48,7 @@ from pipe.core.split_backward import SplitBackward, split_cell
 from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import Failures
+from pipe.distributed.fsdp import StageSharding
 from pipe.distributed.group import Topology
 from pipe.distributed.recompute import RankSwap
 from pipe.distributed.transport import Incoming, Transport
@@ -166,17 +167,20 @@ class Runtime:
         topology: ranks, replicas and channels.
         transport: the point-to-point transport.
         skips: per stage, the skips that cross stages.
-        averager: averages gradients over the data-parallel group, or None.
+        averager: averages gradients over the replicas, or None.
+        sharding: gathers, reduces and reshards FSDP stages (:mod:`pipe.distributed.fsdp`), or None.
     """
 
     def __init__(self, stages: dict[int, nn.Sequential], schedule: Schedule, topology: Topology,
-                 transport: Transport, skips: list[StageSkips], averager: Optional[GradientAverager]) -> None:
+                 transport: Transport, skips: list[StageSkips], averager: Optional[GradientAverager],
+                 sharding: Optional[StageSharding] = None) -> None:
         self.stages = stages
         self.schedule = schedule
         self.topology = topology
         self.transport = transport
         self.skips = skips
         self.averager = averager
+        self.sharding = sharding
         self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
         self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
                                            partition=partition) for s, partition in stages.items()}
@@ -211,9 +215,14 @@ class Runtime:
         loss: Optional[Tensor] = None
         backwards_left = {s: self.schedule.microbatches for s in self.stages}
         action: Optional[Action] = None
+        sharding = self.sharding
         try:
+            if sharding is not None:
+                sharding.begin_step(program, training)
             posted = self._post(program[0]) if program else {}
             for k, action in enumerate(program):
+                if sharding is not None:
+                    sharding.before(k, action.stage)  # gathered (and the next stage prefetched)
                 if action.phase is Phase.INPUT:  # recompute a checkpointed cell while its gradient travels
                     record = cells[(action.microbatch, action.stage)].record
                     if record is not None:
@@ -248,11 +257,15 @@ class Runtime:
                     backwards_left[s] -= 1
                     if backwards_left[s] == 0 and self.averager is not None:
                         self.averager.start(s)  # overlaps with the backward of this rank's other stages
+                if sharding is not None:
+                    sharding.after(k)  # the stage's last backward: reduce-scatter once; reshard
             action = None
             self.transport.flush()
             if self.averager is not None and training:
                 self.averager.finish()
         except BaseException as error:
+            if sharding is not None:
+                sharding.abandon()
             where = str(action) if action is not None else "the end of the step"
             raise self.failures.failure_from(where, error) from None
         return loss, [outputs[i] for i in sorted(outputs)]

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipe.core.schedule import Schedule
 from pipe.distributed.group import Topology
@@ -53,6 +54,7 @@ class TiedReplicas:
 
     def __init__(self, skeleton: Sequence[nn.Module], schedule: Schedule, topology: Topology) -> None:
         self._mine: list[tuple[str, Tensor, dist.ProcessGroup]] = []
+        self._places: list[tuple[nn.Module, str]] = []  # where each of mine is registered on this rank
         self._not_first: set[int] = set()
         sources: list[int] = []
         for tie in find_ties(skeleton):  # the same ties, in the same order, on every rank
@@ -67,10 +69,12 @@ class TiedReplicas:
                     "buffer cannot be tied across ranks (its in-place updates cannot be summed): give the layers "
                     "separate buffers, or balance the stages holding it onto one rank"
                 )
-            for replica in range(topology.data_parallel):
-                group = topology.new_group([topology.global_rank(r, replica) for r in ranks])
-                if replica == topology.replica and topology.pipeline_rank in ranks:
+            for pipeline in range(topology.pipelines):
+                group = topology.new_group([topology.global_rank(r, pipeline) for r in ranks])
+                if pipeline == topology.pipeline and topology.pipeline_rank in ranks:
                     self._mine.append((name, tie.tensor, group))
+                    mine = set(schedule.stages_of(topology.pipeline_rank))
+                    self._places.append(next((m, attr) for j, m, attr, _ in tie.uses if j in mine))
                     if topology.pipeline_rank != ranks[0]:
                         self._not_first.add(id(tie.tensor))
                     sources.append(topology.global_rank(ranks[0]))
@@ -83,12 +87,24 @@ class TiedReplicas:
     def __len__(self) -> int:
         return len(self._mine)
 
+    def refresh(self) -> None:
+        """Finds the tied parameters again where they are registered (``fully_shard`` replaces them by DTensors)."""
+        not_first = {k for k, (_, tensor, _) in enumerate(self._mine) if id(tensor) in self._not_first}
+        for k, ((name, _, group), (module, attr)) in enumerate(zip(self._mine, self._places)):
+            self._mine[k] = (name, module._parameters[attr], group)  # type: ignore[assignment]
+        self._not_first = {id(self._mine[k][1]) for k in not_first}
+
     def reduce_gradients(self) -> None:
-        """Sums each tied parameter's gradient over its holders (every holding rank must call it)."""
+        """Sums each tied parameter's gradient over its holders (every holding rank must call it).
+
+        A sharded (DTensor) parameter sums its local shards: every holder shards it alike over "dp_shard".
+        """
         for _, tensor, group in self._mine:
             if tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
-            dist.all_reduce(tensor.grad, op=dist.ReduceOp.SUM, group=group)
+            grad = tensor.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
 
     def counts(self, parameter: Tensor) -> bool:
         """Whether ``parameter``'s gradient counts in a global norm on this rank (one holder counts a tie)."""

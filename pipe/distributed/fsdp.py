@@ -1,0 +1,289 @@
+"""FSDP2-sharded stages, driven by the pipeline runner.
+
+``DistributedPipe(..., mesh=make_mesh(pp=2, dp_shard=2), shard=Shard())``
+wraps each of this rank's stages with torch's ``fully_shard`` over the mesh's
+"dp_shard" dimension (HSDP over ("dp_replicate", "dp_shard") when the mesh
+has both): first the modules ``Shard.blocks`` chooses (by default each layer of
+the stage, under its plain-model name), then the stage itself. Parameters,
+gradients and optimizer state are then ``DTensor`` shards.
+
+FSDP's own hooks would gather and reduce once per micro-batch. A pipeline
+knows better, since it knows the rank's whole program for the step
+(:meth:`pipe.core.schedule.Schedule.actions`), so :class:`StageSharding` takes
+over, as torch's ``PipelineStage`` does:
+
+* a stage is gathered (``unshard``, asynchronous) before its first action of
+  the step, and the next stage of the program is prefetched while the current one computes;
+* its gradients are reduce-scattered once, right after its last backward of
+  the step (the last ``W`` in a zero-bubble schedule), and the stage is resharded
+  then, so its full parameters and gradients are freed while the rank's other stages still run;
+* ``reshard_after_forward=True`` (ZeRO-3) also reshards a stage whenever the
+  program moves on to a stage other than the next one (at most two stages
+  gathered at a time), ``False`` (ZeRO-2) keeps it gathered until its last action.
+
+Within a run of one stage's actions the stage stays gathered (FSDP's per-block
+reshard after forward is turned off), so a stage is gathered once per run of
+its actions, not once per micro-batch.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
+
+from pipe.core.schedule import Action, Phase
+
+__all__ = ["Shard", "StageSharding", "describe_shard", "refuse_wrapped", "shard_mesh", "shard_stages", "verify_shard"]
+
+logger = logging.getLogger(__name__)
+
+BlockPolicy = Callable[[str, nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How ``DistributedPipe`` shards its stages with FSDP2 (``fully_shard``).
+
+    Args:
+        reshard_after_forward: ``True`` (ZeRO-3): a stage's full parameters are
+            freed whenever the rank's program moves to another stage (at most
+            two stages gathered); ``False`` (ZeRO-2): kept from the stage's first
+            action of the step to its last. Both reduce-scatter gradients once
+            per step and hold only shards between steps.
+        mp_policy: FSDP's ``MixedPrecisionPolicy`` (default: full precision).
+        blocks: ``blocks(name, module) -> bool`` chooses the modules of a stage
+            that get their own ``fully_shard`` (names are the plain model's, as
+            in ``state_dict()``); default: each layer of the stage that has
+            parameters. The stage itself is always wrapped last.
+    """
+
+    reshard_after_forward: bool = True
+    mp_policy: Optional[MixedPrecisionPolicy] = None
+    blocks: Optional[BlockPolicy] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"Shard(reshard_after_forward=...) must be True or False, got {self.reshard_after_forward!r}")
+        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"Shard(mp_policy=...) must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                f"{type(self.mp_policy).__name__}"
+            )
+        if self.blocks is not None and not callable(self.blocks):
+            raise TypeError(f"Shard(blocks=...) must be a function (name, module) -> bool, got {self.blocks!r}")
+
+
+def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
+    """Raises if a module of ``model`` is already an FSDP module (the runner must own the wrapping).
+
+    Raises:
+        ValueError: naming the module and the fix.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            raise ValueError(
+                f"module {name or '(the root)'!r} of {what} is already wrapped with fully_shard; "
+                f"DistributedPipe shards its stages itself (shard=Shard(...)) so that the runner can "
+                f"gather and reduce them once per step: pass the unwrapped model and choose the "
+                f"wrapped modules with Shard(blocks=...)"
+            )
+
+
+def _default_blocks(stage: nn.Module) -> BlockPolicy:
+    layers = {id(m) for m in stage.children() if any(True for _ in m.parameters())}
+    return lambda name, module: id(module) in layers
+
+
+def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) -> None:
+    """Wraps every stage of this rank with ``fully_shard`` over ``mesh`` (the blocks first, in place).
+
+    Raises:
+        ValueError: a module of a stage is already an FSDP module, or a
+            parameter is shared by two blocks or two stages of this rank (FSDP
+            would shard it twice).
+    """
+    stage_of: dict[int, tuple[int, str]] = {}
+    for s, stage in sorted(stages.items()):
+        refuse_wrapped(stage, f"stage {s}")
+        owner: dict[int, str] = {}
+        policy = config.blocks or _default_blocks(stage)
+        chosen = [(name, module) for name, module in stage.named_modules() if name and policy(name, module)]
+        for block_name, block in chosen:
+            for pname, param in block.named_parameters():
+                where = f"{block_name}.{pname} of stage {s}"
+                if id(param) in owner and not owner[id(param)].startswith(f"{block_name}."):
+                    raise ValueError(
+                        f"parameter {where} is also {owner[id(param)]}: FSDP cannot shard one parameter in "
+                        f"two groups; tie weights only between stages on different pipeline ranks, or "
+                        f"choose blocks (Shard(blocks=...)) that keep both uses in one block"
+                    )
+                owner.setdefault(id(param), where)
+        for pname, param in stage.named_parameters():
+            other = stage_of.setdefault(id(param), (s, pname))
+            if other[0] != s:
+                raise ValueError(
+                    f"parameter {pname} of stage {s} is also {other[1]} of stage {other[0]}: two stages of this "
+                    f"rank share it, and FSDP cannot shard one parameter for two stages; place the stages on "
+                    f"different pipeline ranks (another schedule or pipeline size), or untie the weights"
+                )
+        mp_policy = config.mp_policy or MixedPrecisionPolicy()
+        # Innermost first: fully_shard of a parent leaves the parameters of wrapped children to them.
+        for _, block in reversed(chosen):
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        logger.info("stage %d: fully_shard on %d block(s) and the stage, mesh %s", s, len(chosen), mesh)
+
+
+@dataclass
+class _Event:
+    unshard: list[int]
+    reduce: list[int]  # after the action
+    reshard: list[int]  # after the action
+
+
+class StageSharding:
+    """Gathers, reduces and reshards this rank's FSDP stages as its program runs.
+
+    Args:
+        stages: this rank's stages by index, each wrapped by :func:`shard_stages`.
+        config: the ``Shard`` configuration.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], config: Shard) -> None:
+        self.config = config
+        self.modules: dict[int, list[FSDPModule]] = {
+            s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
+        self.roots: dict[int, FSDPModule] = {}
+        for s, stage in stages.items():
+            assert isinstance(stage, FSDPModule)
+            self.roots[s] = stage
+        self._handles: dict[int, list[UnshardHandle]] = {}
+        self._gathered: set[int] = set()
+        self._events: list[_Event] = []
+
+    # -- the plan of one step ------------------------------------------------------------------
+
+    def plan(self, program: list[Action], training: bool) -> list[_Event]:
+        """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it."""
+        lookahead = 2 if self.config.reshard_after_forward else len(self.roots) + 1
+        last = {a.stage: k for k, a in enumerate(program)}
+        last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
+        events = [_Event([], [], []) for _ in program]
+        active: list[int] = []
+        for k, action in enumerate(program):
+            upcoming: list[int] = []
+            for later in program[k:]:
+                if later.stage not in upcoming:
+                    upcoming.append(later.stage)
+                    if len(upcoming) == lookahead:
+                        break
+            if self.config.reshard_after_forward:
+                for s in [s for s in active if s not in upcoming]:
+                    active.remove(s)
+                    (events[k - 1].reshard if k else events[k].reshard).append(s)
+            for s in upcoming:
+                if s not in active:
+                    active.append(s)
+                    events[k].unshard.append(s)
+            if training and last_backward.get(action.stage) == k:
+                events[k].reduce.append(action.stage)
+            if last[action.stage] == k:
+                active.remove(action.stage)
+                events[k].reshard.append(action.stage)
+        return events
+
+    def begin_step(self, program: list[Action], training: bool) -> None:
+        """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both."""
+        for modules in self.modules.values():
+            for module in modules:
+                module.set_reshard_after_forward(False, recurse=False)
+                module.set_reshard_after_backward(False, recurse=False)
+                module.set_requires_gradient_sync(False, recurse=False)
+                module.set_is_last_backward(False)
+        self._events = self.plan(program, training)
+
+    def before(self, k: int, stage: int) -> None:
+        """Starts the gathers due before action ``k`` and waits for ``stage``'s own."""
+        for s in self._events[k].unshard:
+            self._handles[s] = [h for m in self.modules[s] if (h := m.unshard(async_op=True)) is not None]
+            self._gathered.add(s)
+        for handle in self._handles.pop(stage, []):
+            handle.wait()
+
+    def after(self, k: int) -> None:
+        """Reduces and reshards what is due after action ``k``."""
+        for s in self._events[k].reduce:
+            self.reduce(s)
+        for s in self._events[k].reshard:
+            self.reshard(s)
+
+    def reduce(self, stage: int) -> None:
+        """Reduce-scatters ``stage``'s accumulated gradients once (its last backward of the step is done)."""
+        root = self.roots[stage]
+        for module in self.modules[stage]:
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)
+            module.set_is_last_backward(True)
+        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        for fsdp_state in state._state_ctx.all_states:
+            for group in fsdp_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    def reshard(self, stage: int) -> None:
+        """Frees ``stage``'s full parameters (waits for a gather still in flight first)."""
+        for handle in self._handles.pop(stage, []):
+            handle.wait()
+        for module in self.modules[stage]:
+            module.reshard()
+        self._gathered.discard(stage)
+
+    def abandon(self) -> None:
+        """After a failed step: waits for gathers in flight and reshards everything."""
+        for s in list(self._gathered):
+            self.reshard(s)
+
+
+def verify_shard(shard: object, mesh: DeviceMesh) -> Optional[Shard]:
+    """The ``Shard`` configuration to use on ``mesh`` (``Shard()`` if the mesh has "dp_shard" and none was given).
+
+    Raises:
+        TypeError: ``shard`` is not a ``Shard``.
+        ValueError: ``shard`` was given but the mesh has no "dp_shard" dimension to shard over.
+    """
+    names = mesh.mesh_dim_names or ()
+    if shard is None:
+        return Shard() if "dp_shard" in names else None
+    if not isinstance(shard, Shard):
+        raise TypeError(f"shard must be a pipe.distributed.Shard, got {type(shard).__name__}; pass shard=Shard(...)")
+    if "dp_shard" not in names:
+        raise ValueError(
+            f"shard={shard!r} needs a mesh with a 'dp_shard' dimension to shard over, but the mesh has "
+            f"{names!r}; build it with make_mesh(pp=..., dp_shard=N), or leave out shard="
+        )
+    return shard
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:
+        if names.index("dp_replicate") > names.index("dp_shard"):
+            raise ValueError(
+                f"the mesh's dimensions {names!r} put 'dp_shard' before 'dp_replicate'; HSDP needs "
+                f"('dp_replicate', 'dp_shard') in that order (make_mesh builds it so)"
+            )
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def describe_shard(shard: Optional[Shard]) -> Optional[str]:
+    """What every rank must agree on, as comparable text (the policies by name)."""
+    if shard is None:
+        return None
+    blocks = getattr(shard.blocks, "__qualname__", repr(shard.blocks)) if shard.blocks else None
+    return f"Shard(reshard_after_forward={shard.reshard_after_forward}, mp_policy={shard.mp_policy!r}, blocks={blocks})"

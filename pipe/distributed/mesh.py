@@ -1,0 +1,146 @@
+"""The topology of a job as a ``DeviceMesh``: pipeline, data-parallel and tensor-parallel dimensions.
+
+``DistributedPipe(model, mesh=...)`` takes torch's own ``DeviceMesh`` whose
+dimensions are named as torchtitan names them::
+
+    "pp"            pipeline ranks (required): the stages of one pipeline
+    "dp_replicate"  replicas: full copies of each stage, gradients averaged
+    "dp_shard"      FSDP2 shards: each stage's parameters, gradients and optimizer
+                    state split over these ranks (``fully_shard``); with
+                    "dp_replicate" too, HSDP
+    "tp"            tensor parallel: a stage's blocks split by ``parallelize_module``
+
+:func:`make_mesh` builds one with ``init_device_mesh`` in that order (the
+dimensions of size 1 other than "pp" left out), so ``pp`` is the slowest
+varying coordinate and ``tp`` the fastest, as in torchtitan::
+
+    make_mesh(pp=2, dp_shard=2)   ranks 0 1 | 2 3   pipeline rank 0: ranks 0, 1 (a shard group)
+                                                     pipeline rank 1: ranks 2, 3
+
+Without a mesh, ``data_parallel=N`` builds ``("pp", "dp_replicate")`` itself
+with the layout ``DistributedPipe`` always had: consecutive ranks form one
+pipeline (world 4, N 2: pipelines {0, 1} and {2, 3}, replica groups {0, 2}, {1, 3}).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIMS", "make_mesh", "replica_mesh", "verify_mesh", "mesh_size"]
+
+logger = logging.getLogger(__name__)
+
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"make_mesh: {name} must be a positive int (got {value!r}); pass e.g. {name}=1")
+    return value
+
+
+def make_mesh(pp: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) -> DeviceMesh:
+    """A ``DeviceMesh`` over the whole world with the dimensions of :mod:`pipe.distributed.mesh`.
+
+    Dimensions other than "pp" are left out when their size is 1. The device
+    type follows the backend (``cuda`` under NCCL, else ``cpu``). Collective:
+    every rank must call it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: a size is not a positive int, or the product is not the world size.
+    """
+    from pipe.distributed.group import require_initialized
+
+    require_initialized()
+    sizes = {"pp": _positive("pp", pp), "dp_replicate": _positive("dp_replicate", dp_replicate),
+             "dp_shard": _positive("dp_shard", dp_shard), "tp": _positive("tp", tp)}
+    world = dist.get_world_size()
+    if math.prod(sizes.values()) != world:
+        described = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1 or k == "pp")
+        raise ValueError(
+            f"make_mesh: {described} = {math.prod(sizes.values())} ranks, but the world has {world}; "
+            f"choose sizes whose product is {world}"
+        )
+    names = tuple(k for k in MESH_DIMS if sizes[k] > 1 or k == "pp")
+    return init_device_mesh(_device_type(), tuple(sizes[k] for k in names), mesh_dim_names=names)
+
+
+def replica_mesh(data_parallel: int) -> DeviceMesh:
+    """The mesh of ``data_parallel=N``: ("pp", "dp_replicate"), consecutive ranks forming a pipeline.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``data_parallel``.
+    """
+    world = dist.get_world_size()
+    if world % data_parallel != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by data_parallel={data_parallel}; the job needs "
+            f"pipeline ranks x replicas processes (e.g. {data_parallel * max(1, world // data_parallel)} "
+            f"ranks, or data_parallel dividing {world})"
+        )
+    ranks = torch.arange(world).reshape(data_parallel, world // data_parallel).t().contiguous()
+    if data_parallel == 1:
+        return DeviceMesh(_device_type(), ranks.reshape(-1), mesh_dim_names=("pp",))
+    return DeviceMesh(_device_type(), ranks, mesh_dim_names=("pp", "dp_replicate"))
+
+
+def mesh_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of dimension ``name`` of ``mesh``, 1 if it has none."""
+    names = mesh.mesh_dim_names or ()
+    return int(mesh.mesh.shape[names.index(name)]) if name in names else 1
+
+
+def verify_mesh(mesh: object, data_parallel: Optional[int]) -> DeviceMesh:
+    """Checks that ``mesh`` can carry a pipeline on this world.
+
+    Args:
+        mesh: what the user passed as ``mesh=``.
+        data_parallel: ``data_parallel=`` if the user passed it too, else None.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: no "pp" dimension, an unknown or repeated dimension name, a
+            mesh that does not cover the world, or a ``data_parallel`` that disagrees.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
+            f"build one with pipe.distributed.make_mesh(pp=..., dp_shard=...)"
+        )
+    names = mesh.mesh_dim_names
+    if not names or "pp" not in names:
+        raise ValueError(
+            f"the mesh has dimensions {names!r} but no 'pp' (pipeline) dimension; name the pipeline "
+            f"dimension 'pp', e.g. init_device_mesh(..., mesh_dim_names=('pp', 'dp_shard')) or make_mesh(pp=...)"
+        )
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown:
+        raise ValueError(
+            f"the mesh has dimension(s) {unknown} that a pipeline does not know; name its dimensions "
+            f"among {list(MESH_DIMS)} (torchtitan's names)"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"the mesh names a dimension twice: {names!r}; give each dimension one name")
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"the mesh {dict(zip(names, mesh.mesh.shape))} holds {mesh.size()} ranks but the world has "
+            f"{world}; a pipeline's mesh spans every rank (make_mesh sizes whose product is {world})"
+        )
+    replicas = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard")
+    if data_parallel is not None and data_parallel != replicas:
+        raise ValueError(
+            f"data_parallel={data_parallel} disagrees with the mesh, whose data-parallel dimensions "
+            f"(dp_replicate x dp_shard) hold {replicas}; pass the mesh alone (leave out data_parallel=)"
+        )
+    return mesh
