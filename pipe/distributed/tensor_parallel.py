@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -135,9 +136,22 @@ def to_wire(value: Any) -> Any:
     leaves, spec = flatten(value)
     if not any(isinstance(leaf, DTensor) for leaf in leaves):
         return value
-    converted = [(Layout(tuple(leaf.placements), leaf.shape, tuple(leaf.stride())), leaf.to_local())
+    converted = [(Layout(tuple(leaf.placements), leaf.shape, tuple(leaf.stride())), _local(leaf))
                  if isinstance(leaf, DTensor) else leaf for leaf in leaves]
     return unflatten(converted, spec)
+
+
+def _local(tensor: DTensor) -> Tensor:
+    """The local shard as a tensor with storage (differentiably).
+
+    The output of a collective (a ``RowwiseParallel`` reduce-scatter) is an
+    ``AsyncCollectiveTensor``, a wrapper whose bytes exist once waited for;
+    sends and the in-place checks of a checkpointed cell need the bytes.
+    """
+    local = tensor.to_local()
+    if isinstance(local, AsyncCollectiveTensor):
+        local = wait_tensor(local)  # differentiable (identity backward)
+    return local
 
 
 def from_wire(value: Any, mesh: DeviceMesh) -> Any:

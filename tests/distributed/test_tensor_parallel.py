@@ -23,7 +23,9 @@ from spawn_ranks import run_ranks
 
 CASES = [  # (sequence parallel, schedule, checkpoint)
     (False, "1f1b", "except_last"),
+    (False, "zbv", "except_last"),  # split backward: DTensor weights' gradients in W
     (True, "gpipe", "always"),
+    (True, "interleaved", "except_last"),  # a reduce-scatter's output leaves a stage of one layer
 ]
 
 
@@ -35,15 +37,16 @@ def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str) -> d
     mesh = make_mesh(pp=2, tp=2)
     model = decoder(0)
     reference = copy.deepcopy(model)
-    piped = DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, balance=[2, 2], mesh=mesh,
-                            tensor_parallel=tensor_parallel_plan(sequence_parallel))
+    virtual = 2 if schedule in ("interleaved", "zbv") else 1
+    piped = DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
+                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel))
     arrived: list[type] = []  # what stage 1's first layer received
     if 1 in piped.partitions:
         piped.partitions[1][0].register_forward_pre_hook(lambda module, args: arrived.append(type(args[0])))
     optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     expected_parameters = dict(reference.named_parameters())
-    label = f"sequence_parallel={sequence_parallel}"
+    label = f"sequence_parallel={sequence_parallel} {schedule}"
     for step in range(3):
         x, y = lm_data(step)
         loss = piped.step(x, y, lm_loss, broadcast_loss=True)
@@ -79,14 +82,17 @@ def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_tensor_parallel_stages_against_the_plain_model() -> None:
-    results = run_ranks(_tensor_parallel_ranks, 4, deadline=180)
-    plain, sequence = zip(*results)
-    # Every rank holds a tp shard of its stage's attention and MLP weights.
-    assert all(any(name.endswith("attn.q.weight") for name in r["sharded"]) for r in plain), plain
-    # Without sequence parallelism a plain tensor crosses; with it, a DTensor rebuilt on the receiver.
-    assert {tuple(r["arrived"]) for r in plain} == {(), ("Tensor",)}
-    assert {tuple(r["arrived"]) for r in sequence} == {(), ("DTensor",)}
-    assert len({r["norm"] for r in plain}) == len({r["norm"] for r in sequence}) == 1  # the same on every rank
+    results = run_ranks(_tensor_parallel_ranks, 4, deadline=240)
+    for k, (sequence_parallel, schedule, _) in enumerate(CASES):
+        case = [r[k] for r in results]
+        # Both blocks' attention and MLP weights are tp shards on the ranks that hold them.
+        sharded = set().union(*(r["sharded"] for r in case))
+        assert {"1.attn.q.weight", "2.mlp.proj.weight", "2.attn.proj.weight"} <= sharded, (schedule, sharded)
+        # Without sequence parallelism a plain tensor reaches stage 1; with it, a DTensor rebuilt on the receiver.
+        arrived = {kind for r in case for kind in r["arrived"]}
+        assert arrived == {"DTensor" if sequence_parallel else "Tensor"}, (schedule, arrived)
+    for k in range(len(CASES)):
+        assert len({r[k]["norm"] for r in results}) == 1  # the same on every rank
 
 
 def test_plan_names_resolve_per_stage_and_overlaps_are_refused() -> None:
