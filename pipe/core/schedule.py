@@ -28,7 +28,7 @@ from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zer
 
 __all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
 
-SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
 
 
 class Phase(str, enum.Enum):
@@ -103,6 +103,12 @@ class Schedule:
     Interleaved 1F1B (Megatron's virtual pipeline) gives each rank
     ``virtual_stages`` model chunks; stage s runs on rank ``s % ranks``.
 
+    Looped BFS (``"looped-bfs"``, Lamy-Poirier 2022, torch's ``ScheduleLoopedBFS``)
+    places stages as interleaved does but runs breadth first: every forward of
+    the rank's first stage, then of its next, ...; then the backwards, last
+    stage first, micro-batches in reverse. Each stage runs in one forward run
+    and one backward run, so an FSDP-sharded stage is gathered at most twice a step.
+
     The zero-bubble schedules ``"zb-h1"`` and ``"zbv"`` (Qi et al., ICLR 2024)
     split each backward into I (input gradient, sent upstream) and W (weight
     gradient, deferred into what would be bubble); ``"zbv"`` runs two stages
@@ -113,7 +119,7 @@ class Schedule:
         kind: one of ``SCHEDULE_KINDS``.
         ranks: workers (threads or processes) that execute the stages.
         microbatches: micro-batches per mini-batch (M).
-        virtual_stages: stages per rank; 1 unless ``kind == "interleaved"``;
+        virtual_stages: stages per rank; 1 unless ``kind`` is ``"interleaved"`` or ``"looped-bfs"``;
             ``"zbv"`` always has 2 (1, the default, is read as 2).
 
     Raises:
@@ -142,9 +148,9 @@ class Schedule:
                 f"virtual_stages={self.virtual_stages} does not fit kind='zbv', which runs two stages "
                 f"per rank in a V; use virtual_stages=2 (or leave it out), or kind='interleaved'"
             )
-        elif self.kind != "interleaved" and self.virtual_stages != 1:
+        elif self.kind not in ("interleaved", "looped-bfs") and self.virtual_stages != 1:
             raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs kind='interleaved'; "
+                f"virtual_stages={self.virtual_stages} needs kind='interleaved' or 'looped-bfs'; "
                 f"{self.kind!r} runs one stage per rank (use virtual_stages=1)"
             )
         if self.kind == "interleaved" and self.microbatches % self.ranks != 0:
@@ -202,6 +208,10 @@ class Schedule:
             return [Action(Phase.FORWARD, i, rank) for i in range(m)] + [
                 Action(Phase.BACKWARD, i, rank) for i in reversed(range(m))
             ]
+        if self.kind == "looped-bfs":
+            mine = self.stages_of(rank)
+            return [Action(Phase.FORWARD, i, s) for s in mine for i in range(m)] + [
+                Action(Phase.BACKWARD, i, s) for s in reversed(mine) for i in reversed(range(m))]
         if self.kind == "1f1b":
             forwards = [Action(Phase.FORWARD, i, rank) for i in range(m)]
             backwards = [Action(Phase.BACKWARD, i, rank) for i in range(m)]

@@ -18,8 +18,8 @@ over, as torch's ``PipelineStage`` does:
   the step (the last ``W`` in a zero-bubble schedule), and the stage is resharded
   then, so its full parameters and gradients are freed while the rank's other stages still run;
 * ``reshard_after_forward=True`` (ZeRO-3) also reshards a stage whenever the
-  program moves on to a stage other than the next one (at most two stages
-  gathered at a time), ``False`` (ZeRO-2) keeps it gathered until its last action.
+  program moves on to another stage (so a rank holds one stage gathered, two
+  while the next is prefetched), ``False`` (ZeRO-2) keeps it gathered until its last action.
 
 Within a run of one stage's actions the stage stays gathered (FSDP's per-block
 reshard after forward is turned off), so a stage is gathered once per run of
@@ -50,8 +50,8 @@ class Shard:
 
     Args:
         reshard_after_forward: ``True`` (ZeRO-3): a stage's full parameters are
-            freed whenever the rank's program moves to another stage (at most
-            two stages gathered); ``False`` (ZeRO-2): kept from the stage's first
+            freed whenever the rank's program moves to another stage (one stage
+            gathered, two during a prefetch); ``False`` (ZeRO-2): kept from the stage's first
             action of the step to its last. Both reduce-scatter gradients once
             per step and hold only shards between steps.
         mp_policy: FSDP's ``MixedPrecisionPolicy`` (default: full precision).
@@ -168,24 +168,23 @@ class StageSharding:
     # -- the plan of one step ------------------------------------------------------------------
 
     def plan(self, program: list[Action], training: bool) -> list[_Event]:
-        """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it."""
-        lookahead = 2 if self.config.reshard_after_forward else len(self.roots) + 1
+        """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it.
+
+        Before action k the stages of actions k and k + 1 are gathered (k + 1's
+        is the prefetch). ZeRO-3 reshards a stage as soon as neither needs it;
+        ZeRO-2 after the stage's last action.
+        """
         last = {a.stage: k for k, a in enumerate(program)}
         last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
         events = [_Event([], [], []) for _ in program]
         active: list[int] = []
         for k, action in enumerate(program):
-            upcoming: list[int] = []
-            for later in program[k:]:
-                if later.stage not in upcoming:
-                    upcoming.append(later.stage)
-                    if len(upcoming) == lookahead:
-                        break
-            if self.config.reshard_after_forward:
-                for s in [s for s in active if s not in upcoming]:
+            wanted = [action.stage] + [a.stage for a in program[k + 1:k + 2] if a.stage != action.stage]
+            if self.config.reshard_after_forward and k:
+                for s in [s for s in active if s not in wanted]:
                     active.remove(s)
-                    (events[k - 1].reshard if k else events[k].reshard).append(s)
-            for s in upcoming:
+                    events[k - 1].reshard.append(s)
+            for s in wanted:
                 if s not in active:
                     active.append(s)
                     events[k].unshard.append(s)
@@ -197,10 +196,12 @@ class StageSharding:
         return events
 
     def begin_step(self, program: list[Action], training: bool) -> None:
-        """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both."""
+        """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
+
+        (Resharding after forward is off since :func:`shard_stages`.)
+        """
         for modules in self.modules.values():
             for module in modules:
-                module.set_reshard_after_forward(False, recurse=False)
                 module.set_reshard_after_backward(False, recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
                 module.set_is_last_backward(False)
@@ -228,7 +229,7 @@ class StageSharding:
             module.set_requires_gradient_sync(True, recurse=False)
             module.set_reshard_after_backward(True, recurse=False)
             module.set_is_last_backward(True)
-        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        state = root._get_fsdp_state()  # fully_shard's state, or that of torch's FSDP-based replicate
         for fsdp_state in state._state_ctx.all_states:
             for group in fsdp_state._fsdp_param_groups:
                 group.post_backward()

@@ -82,6 +82,7 @@ class Topology:
         data_parallel_group: the ranks of this pipeline rank (and "tp"
             coordinate) over both data-parallel dimensions: losses and token counts are summed there.
         replicate_group: the ranks over "dp_replicate" only: replicas average gradients there.
+        shard_group: the ranks over "dp_shard" only (FSDP's shards): a sharded norm sums there.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -109,6 +110,7 @@ class Topology:
         self.pipeline_group = self._groups_along(("pp",))
         self.data_parallel_group = self._groups_along(("dp_replicate", "dp_shard"))
         self.replicate_group = self._groups_along(("dp_replicate",))
+        self.shard_group = self._groups_along(("dp_shard",))
 
     def coordinate(self, name: str) -> int:
         """This rank's coordinate on mesh dimension ``name`` (0 if the mesh has none)."""

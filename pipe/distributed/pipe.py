@@ -151,12 +151,8 @@ class DistributedPipe(nn.Module):
         target: Any = None,
     ) -> None:
         super().__init__()
-        require_initialized()
         if data_parallel is not None:
             positive_int("data_parallel", data_parallel, "replicas of the pipeline")
-        if mesh is not None:
-            verify_mesh(mesh, data_parallel)
-        pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
         if parallelize is not None and not callable(parallelize):
             raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
         if tensor_parallel is not None:
@@ -169,6 +165,10 @@ class DistributedPipe(nn.Module):
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
+            require_initialized()
+            if mesh is not None:
+                verify_mesh(mesh, data_parallel)
+            pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
             planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks,
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
@@ -185,6 +185,9 @@ class DistributedPipe(nn.Module):
         if deferred_batch_norm:
             model = convert_deferred_model(model)
         layers = layer_count(model, layers)
+        require_initialized()
+        if mesh is not None:
+            verify_mesh(mesh, data_parallel)
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
@@ -233,6 +236,12 @@ class DistributedPipe(nn.Module):
         self.shard = shard
         sharding = averager = None
         if shard is not None:
+            if self._tied.within_rank:  # said on every rank, not only where the stages live
+                raise ValueError(
+                    f"the tied weight {self._tied.within_rank[0]} is held by two stages of one rank, and FSDP "
+                    f"cannot shard one parameter for two stages; place those stages on different pipeline "
+                    f"ranks (schedule {schedule!r} puts them together), or untie the weights"
+                )
             shard_stages(dict(self.partitions), shard, shard_mesh(mesh))
             sharding = StageSharding(dict(self.partitions), shard)
             self._tied.refresh()  # fully_shard replaced the parameters by DTensors
@@ -370,11 +379,12 @@ class DistributedPipe(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clips the gradients of the whole pipeline to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
-        The norm is over every stage's gradients (one all-reduce over the
-        pipeline ranks), and over the shards of sharded (FSDP) and
-        tensor-parallel gradients (one all-reduce per mesh dimension that
-        shards them), so each rank scales by the same factor as a single
-        process would. Every rank must call it.
+        The norm is over every stage's gradients: sharded (``DTensor``)
+        gradients, of FSDP or tensor parallelism, are summed over the mesh
+        dimensions that shard them (one all-reduce per dimension), then
+        everything over the pipeline ranks, so each rank scales by the same
+        factor as a single process would. A tied weight counts once. Every
+        rank must call it.
 
         Returns:
             The total norm before clipping, on every rank.

@@ -412,7 +412,7 @@ def _loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
 
 def broadcast_from(value: Optional[Tensor], source: int, group: Optional[dist.ProcessGroup],
                    device: torch.device) -> Tensor:
-    """``value`` from global rank ``source`` on every rank of ``group``."""
-    buffer = value.detach().clone() if value is not None else torch.zeros((), device=device)
+    """``value`` from global rank ``source`` on every rank of ``group``, as float32 (a loss may be bfloat16)."""
+    buffer = value.detach().float().clone() if value is not None else torch.zeros((), device=device)
     dist.broadcast(buffer, source, group=group)
     return buffer

@@ -57,9 +57,15 @@ class TiedReplicas:
         self._places: list[tuple[nn.Module, str]] = []  # where each of mine is registered on this rank
         self._not_first: set[int] = set()
         sources: list[int] = []
+        # Ties between stages of one rank, described the same on every rank (FSDP refuses them).
+        self.within_rank: list[str] = []
         for tie in find_ties(skeleton):  # the same ties, in the same order, on every rank
             stages = tie.partitions
             ranks = sorted({schedule.rank_of(s) for s in stages})
+            for r in ranks:
+                together = [s for s in stages if schedule.rank_of(s) == r]
+                if len(together) > 1:
+                    self.within_rank.append(f"{tie.name(together[0])!r} of stages {together} on pipeline rank {r}")
             if len(ranks) < 2:
                 continue
             name = tie.name(stages[0])

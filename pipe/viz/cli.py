@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_positive_int, default=4, help="pipeline stages (default: 4)")
     p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches (default: 8)")
     p.add_argument("--virtual-stages", type=_positive_int, default=1,
-                   help="model chunks per stage, for --schedule interleaved (default: 1)")
+                   help="model chunks per stage, for --schedule interleaved or looped-bfs (default: 1)")
     p.add_argument("--checkpoint", choices=CHECKPOINT_MODES, default="never",
                    help="checkpoint mode: checkpointed micro-batches recompute before backward (default: never)")
     p.add_argument("--forward", type=_positive_float, default=1.0, help="forward time of a stage (default: 1)")
@@ -157,8 +157,8 @@ def _without_gc() -> Iterator[None]:
 def _run(args: argparse.Namespace) -> int:
     sub: argparse.ArgumentParser = args.subparser
     if args.command == "plan":
-        if args.virtual_stages > 1 and args.schedule != "interleaved":
-            sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved "
+        if args.virtual_stages > 1 and args.schedule not in ("interleaved", "looped-bfs"):
+            sub.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved or looped-bfs "
                       f"(got --schedule {args.schedule})")
         try:
             timeline = plan(args.schedule, args.stages, args.microbatches, virtual_stages=args.virtual_stages,

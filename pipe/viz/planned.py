@@ -16,7 +16,7 @@ from pipe.viz.timeline import Cell, Timeline
 __all__ = ["plan", "plan_schedule", "SCHEDULE_NAMES"]
 
 #: How each schedule kind is named in titles.
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "looped-bfs": "looped BFS", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
 
 _KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
          Phase.INPUT: "input", Phase.WEIGHT: "weight"}
@@ -36,11 +36,11 @@ def plan(
     """The planned timeline of a schedule, in time steps (a forward takes ``forward``).
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"looped-bfs"``, ``"zb-h1"`` or
             ``"zbv"`` (the last two split each backward in I and W, half each).
         stages: pipeline stages (devices, or ranks); one row each.
         microbatches: micro-batches per mini-batch.
-        virtual_stages: model chunks per stage (interleaved only; zbv has 2).
+        virtual_stages: model chunks per stage (interleaved and looped-bfs; zbv has 2).
         checkpoint: ``Pipe``'s checkpoint mode; checkpointed micro-batches
             recompute their forward before their backward.
         forward, backward: durations of one forward and one backward of a

@@ -25,7 +25,9 @@ def names(actions: list[Action]) -> list[str]:
 def valid_schedules() -> list[Schedule]:
     grid = []
     for kind, ranks, microbatches in itertools.product(SCHEDULE_KINDS, range(1, 5), range(1, 9)):
-        if kind != "interleaved":
+        if kind == "looped-bfs":
+            grid += [Schedule(kind, ranks, microbatches, v) for v in (1, 2, 3)]
+        elif kind != "interleaved":
             grid.append(Schedule(kind, ranks, microbatches))
         elif microbatches % ranks == 0:
             grid += [Schedule(kind, ranks, microbatches, v) for v in (1, 2, 3)]
@@ -120,6 +122,19 @@ def test_interleaved_2_ranks_2_virtual_4_microbatches_actions() -> None:
     assert names(s.actions(1)) == (
         "F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 F3@3 B3@3 B2@1 B3@1".split()
     )
+
+
+def test_looped_bfs_is_torchs_breadth_first_order() -> None:
+    # torch's ScheduleLoopedBFS: every forward of the rank's first stage, then its next; backwards
+    # last stage first, micro-batches in reverse. Stages placed as interleaved: s on rank s % ranks.
+    schedule = Schedule("looped-bfs", 2, 3, 2)
+    assert names(schedule.actions(1)) == ["F0@1", "F1@1", "F2@1", "F0@3", "F1@3", "F2@3",
+                                          "B2@3", "B1@3", "B0@3", "B2@1", "B1@1", "B0@1"]
+    assert schedule.stages_of(1) == [1, 3]
+    assert Schedule("looped-bfs", 2, 3).actions(0) == Schedule("gpipe", 2, 3).actions(0)  # one stage per rank
+    # Breadth first: the bubble shrinks with the virtual stages, at the price of every micro-batch in flight.
+    assert Schedule("looped-bfs", 2, 4, 2).bubble_fraction() < Schedule("gpipe", 2, 4).bubble_fraction()
+    assert schedule.peak_inflight() == [6, 6]
 
 
 def test_placement() -> None:
@@ -301,12 +316,12 @@ def test_validate_passes_for_every_valid_schedule(schedule: Schedule) -> None:
         ),
         (
             dict(kind="gpipe", ranks=2, microbatches=4, virtual_stages=2),
-            r"virtual_stages=2 needs kind='interleaved'; "
+            r"virtual_stages=2 needs kind='interleaved' or 'looped-bfs'; "
             r"'gpipe' runs one stage per rank \(use virtual_stages=1\)",
         ),
         (
             dict(kind="1f1b", ranks=2, microbatches=4, virtual_stages=3),
-            r"virtual_stages=3 needs kind='interleaved'; '1f1b' runs one stage per rank",
+            r"virtual_stages=3 needs kind='interleaved' or 'looped-bfs'; '1f1b' runs one stage per rank",
         ),
         (
             dict(kind="interleaved", ranks=4, microbatches=6, virtual_stages=2),

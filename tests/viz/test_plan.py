@@ -53,7 +53,7 @@ def test_bubble_is_the_fill_drain_formula(kind: str, stages: int, microbatches: 
 
 
 @pytest.mark.parametrize("kind, virtual", [(k, v) for k in SCHEDULE_KINDS for v in (1, 2, 3)
-                                           if k == "interleaved" or v == 1])
+                                           if k in ("interleaved", "looped-bfs") or v == 1])
 def test_bubble_and_inflight_come_from_the_schedule(kind: str, virtual: int) -> None:
     timeline = plan(kind, 4, 8, virtual_stages=virtual, checkpoint="always")
     schedule = Schedule(kind, 4, 8, virtual)
