@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import multiprocessing
 import os
@@ -230,8 +231,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=600))
     counter = Collectives()
-    import pipe.distributed  # noqa: F401  both engines' modules loaded before the baseline, so that
-    import torch.distributed.pipelining  # noqa: F401  the peak counts the training and nothing else
+    for engine in ("pipe.distributed", "torch.distributed.pipelining"):  # loaded before the baseline, so
+        importlib.import_module(engine)  # that the peak counts training, not either engine's import
     before = _rss_bytes()
     if args.config == "schedules":
         counts = {}
