@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHand
 
 from pipe.core.schedule import Action, Phase
 
-__all__ = ["Shard", "StageSharding", "describe_shard", "refuse_wrapped", "shard_mesh", "shard_stages", "verify_shard"]
+__all__ = ["Event", "Shard", "StageSharding", "sharding_plan", "describe_shard", "refuse_wrapped", "shard_mesh", "shard_stages", "verify_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +139,42 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
 
 
 @dataclass
-class _Event:
-    unshard: list[int]
-    reduce: list[int]  # after the action
-    reshard: list[int]  # after the action
+class Event:
+    """What the runner does to FSDP stages around one action of the program."""
+
+    unshard: list[int]  # gathered before the action (the next action's stage: a prefetch)
+    reduce: list[int]  # reduce-scattered after the action
+    reshard: list[int]  # resharded after the action
+
+
+def sharding_plan(program: list[Action], zero3: bool, training: bool) -> list[Event]:
+    """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it.
+
+    Before action k the stages of actions k and k + 1 are gathered (k + 1's
+    is the prefetch). ZeRO-3 reshards a stage as soon as neither needs it;
+    ZeRO-2 after the stage's last action. A stage is reduced after its last
+    backward (``B``, or ``W`` in zero-bubble schedules) when ``training``.
+    """
+    last = {a.stage: k for k, a in enumerate(program)}
+    last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
+    events = [Event([], [], []) for _ in program]
+    active: list[int] = []
+    for k, action in enumerate(program):
+        wanted = [action.stage] + [a.stage for a in program[k + 1:k + 2] if a.stage != action.stage]
+        if zero3 and k:
+            for s in [s for s in active if s not in wanted]:
+                active.remove(s)
+                events[k - 1].reshard.append(s)
+        for s in wanted:
+            if s not in active:
+                active.append(s)
+                events[k].unshard.append(s)
+        if training and last_backward.get(action.stage) == k:
+            events[k].reduce.append(action.stage)
+        if last[action.stage] == k:
+            active.remove(action.stage)
+            events[k].reshard.append(action.stage)
+    return events
 
 
 class StageSharding:
@@ -163,37 +195,9 @@ class StageSharding:
             self.roots[s] = stage
         self._handles: dict[int, list[UnshardHandle]] = {}
         self._gathered: set[int] = set()
-        self._events: list[_Event] = []
+        self._events: list[Event] = []
 
     # -- the plan of one step ------------------------------------------------------------------
-
-    def plan(self, program: list[Action], training: bool) -> list[_Event]:
-        """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it.
-
-        Before action k the stages of actions k and k + 1 are gathered (k + 1's
-        is the prefetch). ZeRO-3 reshards a stage as soon as neither needs it;
-        ZeRO-2 after the stage's last action.
-        """
-        last = {a.stage: k for k, a in enumerate(program)}
-        last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
-        events = [_Event([], [], []) for _ in program]
-        active: list[int] = []
-        for k, action in enumerate(program):
-            wanted = [action.stage] + [a.stage for a in program[k + 1:k + 2] if a.stage != action.stage]
-            if self.config.reshard_after_forward and k:
-                for s in [s for s in active if s not in wanted]:
-                    active.remove(s)
-                    events[k - 1].reshard.append(s)
-            for s in wanted:
-                if s not in active:
-                    active.append(s)
-                    events[k].unshard.append(s)
-            if training and last_backward.get(action.stage) == k:
-                events[k].reduce.append(action.stage)
-            if last[action.stage] == k:
-                active.remove(action.stage)
-                events[k].reshard.append(action.stage)
-        return events
 
     def begin_step(self, program: list[Action], training: bool) -> None:
         """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
@@ -205,7 +209,7 @@ class StageSharding:
                 module.set_reshard_after_backward(False, recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
                 module.set_is_last_backward(False)
-        self._events = self.plan(program, training)
+        self._events = sharding_plan(program, self.config.reshard_after_forward, training)
 
     def before(self, k: int, stage: int) -> None:
         """Starts the gathers due before action ``k`` and waits for ``stage``'s own."""

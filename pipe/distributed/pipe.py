@@ -9,6 +9,7 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -227,6 +228,12 @@ class DistributedPipe(nn.Module):
         # Tensor parallelism first, then FSDP, as torchtitan composes them.
         if tensor_parallel is not None:
             tp.apply(self.partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
+        elif parallelize is None and self.topology.tensor_parallel > 1:
+            warnings.warn(
+                f"the mesh has tp={self.topology.tensor_parallel} but neither tensor_parallel= nor parallelize= "
+                f"was given: the tensor-parallel ranks all run the whole stage on the same data (correct, but "
+                f"{self.topology.tensor_parallel}x the work); pass tensor_parallel={{module name: ParallelStyle}} "
+                f"to split them", stacklevel=2)
         if parallelize is not None:
             for stage in sorted(self.partitions):
                 parallelize(self.partitions[stage], mesh)

@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 import pipe.distributed as pd
 from spawn_ranks import run_ranks
@@ -57,6 +58,9 @@ def _layouts_and_errors(rank: int, world: int) -> dict[str, object]:
     fully_shard(wrapped[0], mesh=mesh["dp_shard"])
     errors["already sharded"] = lambda: pd.DistributedPipe(wrapped, chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2))
     out.update({name: _error(fn) for name, fn in errors.items()})
+    with pytest.warns(UserWarning, match="tp=2 but neither tensor_parallel= nor parallelize= was given"):
+        tp = pd.DistributedPipe(_linears(), chunks=2, mesh=pd.make_mesh(pp=2, tp=2))
+    out["tp place"] = (tp.topology.pipeline_rank, tp.topology.coordinate("tp"), tp.topology.data_parallel)
     dist.barrier()
     return out
 
@@ -68,6 +72,8 @@ def test_mesh_layout_groups_and_errors() -> None:
     assert [r["place"] for r in results] == [(0, 0, 0, 2, [0]), (0, 1, 1, 2, [0]), (1, 0, 0, 2, [1]), (1, 1, 1, 2, [1])]
     assert [r["pipeline"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["mesh_is_kept"] and r["sharded"] for r in results)
+    # Ranks differing only in "tp" see the same data: one data part.
+    assert [r["tp place"] for r in results] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
     assert results[0]["replica_mesh"] == (("pp", "dp_replicate"), [[0, 2], [1, 3]])
     assert [r["replica_place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     first = results[0]
@@ -86,8 +92,13 @@ def _sharded_step(rank: int, world: int) -> list[str]:
     checked = []
     for raf in (True, False):
         plain = _linears()
-        model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, schedule="1f1b",
-                                   mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(reshard_after_forward=raf))
+        # ZeRO-2 with a policy: each Linear inside the layers gets its own fully_shard.
+        blocks = None if raf else (lambda name, module: isinstance(module, nn.Linear))
+        model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, schedule="1f1b", mesh=pd.make_mesh(pp=2, dp_shard=2),
+                                   shard=pd.Shard(reshard_after_forward=raf, blocks=blocks))
+        wrapped = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        assert wrapped == ([str(2 * model.stages[0]), str(2 * model.stages[0] + 1)] if raf
+                           else [f"{2 * model.stages[0] + k}.0" for k in (0, 1)]), wrapped
         torch.manual_seed(1)
         x, y = torch.randn(8, 4), torch.randn(8, 4)
         rows = slice(model.topology.replica * 4, model.topology.replica * 4 + 4)
@@ -100,6 +111,10 @@ def _sharded_step(rank: int, world: int) -> list[str]:
             assert param.grad is not None, name
             full = param.grad.full_tensor()  # type: ignore[attr-defined]
             torch.testing.assert_close(full, grads[name].grad, atol=1e-6, rtol=1e-5)
+        # Between steps every stage holds only its shards: parameters and gradients are half-size DTensors.
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor) and param.to_local().numel() * 2 == param.numel(), name
+            assert isinstance(param.grad, DTensor) and param.grad.to_local().numel() * 2 == param.numel(), name
         checked.append(f"raf={raf}")
     return checked
 
@@ -107,3 +122,32 @@ def _sharded_step(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(150)
 def test_sharded_stages_match_the_plain_model() -> None:
     assert run_ranks(_sharded_step, 4, deadline=120.0) == [["raf=True", "raf=False"]] * 4
+
+
+def _events(kind: str, rank: int, zero3: bool, virtual: int = 2) -> list[str]:
+    from pipe.core.schedule import Schedule
+    from pipe.distributed.fsdp import sharding_plan
+
+    program = Schedule(kind, 2, 2, virtual).actions(rank)
+    out = []
+    for action, event in zip(program, sharding_plan(program, zero3, training=True)):
+        out += [f"gather {s}" for s in event.unshard] + [str(action)]
+        out += [f"reduce {s}" for s in event.reduce] + [f"reshard {s}" for s in event.reshard]
+    return out
+
+
+def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_backward() -> None:
+    # Looped BFS, rank 0 (stages 0 and 2), ZeRO-2: both gathered before use (stage 2 prefetched during
+    # stage 0's last forward), stage 2 reduced and freed as soon as its backwards are done.
+    assert _events("looped-bfs", 0, zero3=False) == [
+        "gather 0", "F0@0", "gather 2", "F1@0", "F0@2", "F1@2", "B1@2", "B0@2", "reduce 2", "reshard 2",
+        "B1@0", "B0@0", "reduce 0", "reshard 0"]
+    # ZeRO-3: stage 0 is freed while stage 2 runs, and gathered again (prefetched) for its backwards.
+    assert _events("looped-bfs", 0, zero3=True) == [
+        "gather 0", "F0@0", "gather 2", "F1@0", "reshard 0", "F0@2", "F1@2", "B1@2", "gather 0", "B0@2",
+        "reduce 2", "reshard 2", "B1@0", "B0@0", "reduce 0", "reshard 0"]
+    # Zero bubble: the reduction waits for the stage's last W, not its last I.
+    events = _events("zbv", 1, zero3=False)
+    last_weight = max(i for i, e in enumerate(events) if e.startswith("W") and e.endswith("@1"))
+    assert events.index("reduce 1") == last_weight + 1
+    assert sum(e.startswith("reduce") for e in events) == 2 and sum(e.startswith("gather") for e in events) == 2
