@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
@@ -34,6 +33,7 @@ from pipe.distributed.transport import Transport
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
+from pipe.distributed import tensor_parallel as tp
 from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
@@ -89,6 +89,14 @@ class DistributedPipe(nn.Module):
             rank's stages (an ``nn.Sequential`` of its layers under their
             plain-model names) before FSDP wraps them, e.g. to apply
             ``parallelize_module`` on ``mesh["tp"]``.
+        tensor_parallel: ``{module name or fnmatch pattern: ParallelStyle}``
+            applied with torch's ``parallelize_module`` on ``mesh["tp"]`` to the
+            modules of this rank's stages (names as in ``named_modules()``: the
+            plain model's), before FSDP; an entry that matches no module of any
+            stage is refused. A stage output that is a ``DTensor`` crosses ranks
+            as its local shard and is rebuilt on the receiver
+            (:mod:`pipe.distributed.tensor_parallel`). Every tp rank of a stage
+            takes the same inputs and targets.
         layers: the number of layers, with a layer factory.
         loss_fn: default loss function of :meth:`step`.
         loss_reduction: ``"mean"`` (default) if ``loss_fn`` averages over the
@@ -132,6 +140,7 @@ class DistributedPipe(nn.Module):
         mesh: Optional[DeviceMesh] = None,
         shard: Optional[Shard] = None,
         parallelize: Optional[Callable[[nn.Sequential, DeviceMesh], None]] = None,
+        tensor_parallel: Optional[Mapping[str, Any]] = None,
         layers: Optional[int] = None,
         loss_fn: Optional[LossFn] = None,
         loss_reduction: str = "mean",
@@ -147,6 +156,13 @@ class DistributedPipe(nn.Module):
             positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         if parallelize is not None and not callable(parallelize):
             raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
+        if tensor_parallel is not None:
+            tensor_parallel = tp.verify_plan(tensor_parallel)
+            if mesh is None or mesh_size(mesh, "tp") == 1:
+                raise ValueError(
+                    f"tensor_parallel= needs a mesh with a 'tp' dimension of size 2 or more, got mesh "
+                    f"{None if mesh is None else mesh.mesh_dim_names!r}; pass mesh=make_mesh(pp=..., tp=...)"
+                )
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
@@ -179,7 +195,8 @@ class DistributedPipe(nn.Module):
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers,
             "mesh": None if mesh is None else [mesh.mesh_dim_names, mesh.mesh.tolist()],
-            "shard": describe_shard(shard), "parallelize": parallelize is not None, "loss_reduction": loss_reduction,
+            "shard": describe_shard(shard), "parallelize": parallelize is not None,
+            "tensor_parallel": None if tensor_parallel is None else sorted(tensor_parallel), "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
         })
         if mesh is None:
@@ -209,15 +226,20 @@ class DistributedPipe(nn.Module):
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         # Tensor parallelism first, then FSDP, as torchtitan composes them.
-        if parallelize is None and self.topology.tensor_parallel > 1:
+        if tensor_parallel is not None:
+            tp.apply(self.partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
+        elif parallelize is None and self.topology.tensor_parallel > 1:
             warnings.warn(
-                f"the mesh has tp={self.topology.tensor_parallel} but no parallelize= was given: the "
-                f"tensor-parallel ranks all run the whole stage on the same data (correct, but "
-                f"{self.topology.tensor_parallel}x the work); pass parallelize=(stage, mesh) -> None to split them",
-                stacklevel=2)
+                f"the mesh has tp={self.topology.tensor_parallel} but neither tensor_parallel= nor parallelize= "
+                f"was given: the tensor-parallel ranks all run the whole stage on the same data (correct, but "
+                f"{self.topology.tensor_parallel}x the work); pass tensor_parallel={{module name: ParallelStyle}} "
+                f"to split them", stacklevel=2)
         if parallelize is not None:
             for stage in sorted(self.partitions):
                 parallelize(self.partitions[stage], mesh)
+        tp_mesh = tp.tp_submesh(mesh)
+        if tp_mesh is not None:  # DTensor stage outputs cross ranks as local shards (tensor_parallel.py)
+            tp.install_boundaries(self.partitions, self.schedule.stages - 1, tp_mesh)
         self.shard = shard
         sharding = averager = None
         if shard is not None:
@@ -364,39 +386,27 @@ class DistributedPipe(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clips the gradients of the whole pipeline to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
-        The norm is over every stage's gradients: FSDP's sharded (``DTensor``)
-        gradients are summed over the shard ranks, then everything over the
-        pipeline ranks, so each rank scales by the same factor as a single
-        process would. A tied weight counts once. Every rank must call it.
+        The norm is over every stage's gradients: sharded (``DTensor``)
+        gradients, of FSDP or tensor parallelism, are summed over the mesh
+        dimensions that shard them (one all-reduce per dimension), then
+        everything over the pipeline ranks, so each rank scales by the same
+        factor as a single process would. A tied weight counts once. Every
+        rank must call it.
 
         Returns:
             The total norm before clipping, on every rank.
         """
-        sharded = torch.zeros((), device=self.device, dtype=torch.float64)
-        whole = torch.zeros((), device=self.device, dtype=torch.float64)
-        grads: list[Tensor] = []
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            grad = p.grad.detach()
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            grads.append(local)
-            if not self._tied.counts(p):
-                continue
-            if isinstance(grad, DTensor) and any(placement.is_shard() for placement in grad.placements):
-                sharded += local.double().pow(2).sum()
-            else:
-                whole += local.double().pow(2).sum()
-        if self.topology.shard_group is not None:
-            dist.all_reduce(sharded, group=self.topology.shard_group)
-        squares = sharded + whole
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.parameters() if p.grad is not None and self._tied.counts(p)]
+        squares = tp.squared_norm(counted, self.device)  # a tied weight counts once
         if self._pipeline_group is not None:
             dist.all_reduce(squares, group=self._pipeline_group)
         total = squares.sqrt()
         scale = max_norm / (total + 1e-6)
         if scale < 1:
-            for local in grads:
-                local.mul_(scale.to(local.dtype))
+            factor = float(scale)  # a number: DTensor gradients take it as plain ones do
+            for grad in grads:
+                grad.mul_(factor)
         return total.float()
 
     def _scatter(self, value: Any, what: str) -> list[Batch]:

@@ -9,6 +9,16 @@ rank reads only its own keys), with more or fewer data-parallel replicas
 (replicas hold the same keys, DCP writes them once), or into the plain module
 in one process (:func:`load_module`).
 
+Sharded stages save sharded: under a mesh with "dp_shard" (FSDP2) or "tp"
+(tensor parallel), ``get_model_state_dict`` and ``get_optimizer_state_dict``
+return ``DTensor`` shards under the same plain-model keys, every rank writes
+only its shard, and the metadata records which slice of each tensor each file
+holds. A load asks for the slices the loading rank's own ``DTensor``s (or
+plain tensors) cover, so a checkpoint saved at one (pipeline, shard) layout
+resumes at any other: (pp 2, dp_shard 2) -> (pp 4) or (pp 1, dp_shard 4),
+bit for bit (tests/distributed/test_state_resharding.py). Nothing is gathered
+to one rank on either side.
+
 A save is atomic: every rank writes into ``<path>.saving``, and once all
 have finished (DCP writes the ``.metadata`` file last) that folder is renamed
 to ``<path>``, replacing an older checkpoint there. A rank that dies during

@@ -58,7 +58,7 @@ def _layouts_and_errors(rank: int, world: int) -> dict[str, object]:
     fully_shard(wrapped[0], mesh=mesh["dp_shard"])
     errors["already sharded"] = lambda: pd.DistributedPipe(wrapped, chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2))
     out.update({name: _error(fn) for name, fn in errors.items()})
-    with pytest.warns(UserWarning, match="tp=2 but no parallelize= was given"):
+    with pytest.warns(UserWarning, match="tp=2 but neither tensor_parallel= nor parallelize= was given"):
         tp = pd.DistributedPipe(_linears(), chunks=2, mesh=pd.make_mesh(pp=2, tp=2))
     out["tp place"] = (tp.topology.pipeline_rank, tp.topology.coordinate("tp"), tp.topology.data_parallel)
     dist.barrier()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Four ranks on one machine for the mesh example (pipeline x FSDP2 shards, replicas or tensor parallel):
+#
+#   bash launch/parallelism.sh                       # examples/parallelism.py --layout shard
+#   bash launch/parallelism.sh --layout tp-sp --steps 5
+#   SCRIPT=train.py bash launch/parallelism.sh ...   # another script, the same 4 ranks
+#
+# torchrun --standalone picks a free port; THREADS (default 1) is each rank's
+# intra-op thread count (4 ranks on a small machine should not oversubscribe it).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+export OMP_NUM_THREADS="${THREADS:-1}"
+exec torchrun --standalone --nnodes=1 --nproc-per-node="${NPROC:-4}" "${SCRIPT:-$here/examples/parallelism.py}" "$@"

@@ -1,0 +1,229 @@
+"""Tensor-parallel stages: torch's ``parallelize_module`` on the mesh's ``"tp"`` dimension, per stage.
+
+The user names modules of the plain model (or ``fnmatch`` patterns over those
+names) and gives each a ``ParallelStyle`` (``ColwiseParallel``,
+``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``...). Every rank
+applies the entries that fall in the stages it holds, with torch's own
+``parallelize_module`` on the ``"tp"`` sub-mesh, before FSDP shards the stage
+(torchtitan's order: split, tensor parallel, checkpointing, compile, FSDP).
+
+The ranks of one tensor-parallel group hold the same stages and run the same
+schedule; each sends to, and receives from, the rank with the same ``"tp"``
+coordinate in the next stage. Most plans end a block in a plain tensor
+(``use_local_output=True``, torch's default), which then crosses ranks as any
+other. A stage whose output is a ``DTensor`` (sequence parallelism, or
+``use_local_output=False``) sends its local shard with the layout beside it::
+
+    stage s (tp rank t)                        stage s+1 (tp rank t)
+    out: DTensor(Shard(1)) ─ to_local() ─▶ (Layout, local) ─ from_local(mesh["tp"]) ─▶ DTensor(Shard(1))
+
+Both conversions are differentiable, so the gradient that comes back is the
+local shard's gradient, and nothing else in the runtime needs to know about
+DTensors. This is what torch's ``PipelineStage`` does with its ``get_mesh``
+callback; here the receiver's mesh is its own ``"tp"`` sub-mesh.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.placement_types import Placement
+
+from pipe.core.microbatch import flatten, unflatten
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+TensorParallelPlan = Mapping[str, ParallelStyle]
+"""Plain-model module name (or ``fnmatch`` pattern) -> ``ParallelStyle``."""
+
+
+def verify_plan(plan: Any) -> dict[str, ParallelStyle]:
+    """Checks the type of a ``tensor_parallel=`` argument.
+
+    Raises:
+        TypeError: not a mapping of str to ``ParallelStyle``.
+    """
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(
+            f"tensor_parallel must be a non-empty dict of module name (or fnmatch pattern) -> ParallelStyle, got "
+            f"{plan!r}; e.g. {{'*.attn.qkv': ColwiseParallel(), '*.attn.out': RowwiseParallel()}}"
+        )
+    for name, style in plan.items():
+        if not isinstance(name, str) or not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"tensor_parallel entry {name!r}: {style!r} must map a module name (str) to a ParallelStyle "
+                f"from torch.distributed.tensor.parallel (ColwiseParallel(), RowwiseParallel(), ...)"
+            )
+    return dict(plan)
+
+
+def resolve_plan(plan: Mapping[str, ParallelStyle],
+                 stages: Sequence[nn.Module]) -> list[dict[str, ParallelStyle]]:
+    """Which module of which stage each entry of ``plan`` names.
+
+    Args:
+        plan: module name or pattern -> style; names are the plain model's
+            (``"3.attn.qkv"``), as in its ``state_dict`` keys.
+        stages: every stage of the pipeline (the skeleton), in order.
+
+    Returns:
+        Per stage, the exact module names it holds -> style.
+
+    Raises:
+        ValueError: an entry matches no module of any stage, or one module is
+            matched by two entries.
+    """
+    per_stage: list[dict[str, ParallelStyle]] = [{} for _ in stages]
+    chosen_by: dict[str, str] = {}
+    for pattern, style in plan.items():
+        matched = False
+        for s, stage in enumerate(stages):
+            for name, _ in stage.named_modules():
+                if not name or not fnmatch.fnmatchcase(name, pattern):
+                    continue
+                if name in chosen_by:
+                    raise ValueError(
+                        f"tensor_parallel entries {chosen_by[name]!r} and {pattern!r} both match module {name!r}; "
+                        f"give each module one ParallelStyle (narrow one of the patterns)"
+                    )
+                chosen_by[name] = pattern
+                per_stage[s][name] = style
+                matched = True
+        if not matched:
+            names = [name for stage in stages for name, _ in stage.named_modules() if name]
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise ValueError(
+                f"tensor_parallel entry {pattern!r} matches no module of any stage; name modules of the plain "
+                f"model as in its state_dict keys, or use an fnmatch pattern (modules: {shown})"
+            )
+    return per_stage
+
+
+def apply(partitions: Mapping[int, nn.Module], stage_plans: Sequence[Mapping[str, ParallelStyle]],
+          tp_mesh: DeviceMesh) -> None:
+    """Applies each owned stage's plan with ``parallelize_module`` on ``tp_mesh`` (in place)."""
+    for s, partition in partitions.items():
+        if stage_plans[s]:
+            parallelize_module(partition, tp_mesh, dict(stage_plans[s]))
+            logger.info("stage %d: tensor parallel over %d ranks: %s", s, tp_mesh.size(), sorted(stage_plans[s]))
+
+
+# -- DTensors across pipeline ranks ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a receiver needs to rebuild a ``DTensor`` from its local shard (the mesh is its own)."""
+
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def to_wire(value: Any) -> Any:
+    """Replaces every ``DTensor`` in ``value`` by ``(Layout, local shard)``; other values pass unchanged."""
+    leaves, spec = flatten(value)
+    if not any(isinstance(leaf, DTensor) for leaf in leaves):
+        return value
+    converted = [(Layout(tuple(leaf.placements), leaf.shape, tuple(leaf.stride())), _local(leaf))
+                 if isinstance(leaf, DTensor) else leaf for leaf in leaves]
+    return unflatten(converted, spec)
+
+
+def _local(tensor: DTensor) -> Tensor:
+    """The local shard as a tensor with storage (differentiably).
+
+    The output of a collective (a ``RowwiseParallel`` reduce-scatter) is an
+    ``AsyncCollectiveTensor``, a wrapper whose bytes exist once waited for;
+    sends and the in-place checks of a checkpointed cell need the bytes.
+    """
+    local = tensor.to_local()
+    if isinstance(local, AsyncCollectiveTensor):
+        local = wait_tensor(local)  # differentiable (identity backward)
+    return local
+
+
+def from_wire(value: Any, mesh: DeviceMesh) -> Any:
+    """Inverse of :func:`to_wire` on the receiving rank: ``(Layout, local)`` pairs become DTensors on ``mesh``."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Layout):
+        layout, local = value
+        return DTensor.from_local(local, mesh, layout.placements, run_check=False, shape=layout.shape,
+                                  stride=layout.stride)
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        items = [from_wire(item, mesh) for item in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        return {key: from_wire(item, mesh) for key, item in value.items()}
+    return value
+
+
+def install_boundaries(partitions: Mapping[int, nn.Module], last_stage: int, tp_mesh: DeviceMesh) -> list[Any]:
+    """Makes every owned stage send DTensor outputs as :func:`to_wire` and rebuild DTensor inputs.
+
+    A forward hook (also run when a checkpointed cell is recomputed) converts
+    the output of stages before the last; a pre-hook converts the input of
+    stages after the first. Returns the hook handles.
+    """
+    handles = []
+    for s, partition in partitions.items():
+        if s > 0:
+            handles.append(partition.register_forward_pre_hook(
+                lambda module, args: tuple(from_wire(arg, tp_mesh) for arg in args)))
+        if s < last_stage:
+            handles.append(partition.register_forward_hook(lambda module, args, output: to_wire(output)))
+    return handles
+
+
+# -- gradient norms over sharded gradients ---------------------------------------------------------
+
+
+def squared_norm(grads: Iterable[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of ``grads`` over every rank that holds a shard of them (float64, on ``device``).
+
+    A plain tensor counts as it is. A ``DTensor`` counts its local shard, summed
+    over the mesh dimensions on which it is sharded (one all-reduce per group
+    of gradients with the same mesh and dimensions) and counted once over
+    those on which it is replicated; a ``Partial`` gradient is reduced first. The result is the
+    same on every rank of those groups; a pipeline then sums it over its stages.
+    """
+    plain = torch.zeros((), device=device, dtype=torch.float64)
+    sharded: dict[tuple[Any, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum()
+            continue
+        if any(placement.is_partial() for placement in grad.placements):
+            grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+        dims = tuple(d for d, placement in enumerate(grad.placements) if not placement.is_replicate())
+        local = grad.to_local().detach().double().pow(2).sum().to(device)
+        if not dims:
+            plain += local
+            continue
+        key = (grad.device_mesh.mesh_dim_names, dims)  # the same on every rank of the groups
+        if key not in sharded:
+            sharded[key] = (grad.device_mesh, torch.zeros((), device=device, dtype=torch.float64))
+        sharded[key][1].add_(local)
+    for (_, dims), (mesh, total) in sorted(sharded.items(), key=lambda item: repr(item[0])):
+        for d in dims:  # summing over one dimension after another sums over all of them
+            dist.all_reduce(total, group=mesh.get_group(d))
+        plain += total
+    return plain
+
+
+def tp_submesh(mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:
+    """The ``"tp"`` sub-mesh of ``mesh``, or None if it has no such dimension (or it has size 1)."""
+    if mesh is None or mesh.mesh_dim_names is None or "tp" not in mesh.mesh_dim_names:
+        return None
+    sub = mesh["tp"]
+    return sub if sub.size() > 1 else None

@@ -1,0 +1,107 @@
+"""Tensor-parallel stages on (pp 2, tp 2), 4 gloo ranks, against the plain decoder in each process.
+
+Megatron's column/row split of the blocks, and torchtitan's sequence parallelism
+(DTensor activations sharded on the sequence cross every stage boundary): the
+loss, every gradient gathered to a full tensor, the gradient norm clipped over
+pipeline and tensor-parallel ranks, and the weights after 3 AdamW steps.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
+from pipe.distributed import DistributedPipe, make_mesh
+from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
+from spawn_ranks import run_ranks
+
+CASES = [  # (sequence parallel, schedule, checkpoint)
+    (False, "1f1b", "except_last"),
+    (False, "zbv", "except_last"),  # split backward: DTensor weights' gradients in W
+    (True, "gpipe", "always"),
+    (True, "interleaved", "except_last"),  # a reduce-scatter's output leaves a stage of one layer
+]
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str) -> dict[str, Any]:
+    mesh = make_mesh(pp=2, tp=2)
+    model = decoder(0)
+    reference = copy.deepcopy(model)
+    virtual = 2 if schedule in ("interleaved", "zbv") else 1
+    piped = DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
+                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel))
+    arrived: list[type] = []  # what stage 1's first layer received
+    if 1 in piped.partitions:
+        piped.partitions[1][0].register_forward_pre_hook(lambda module, args: arrived.append(type(args[0])))
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected_parameters = dict(reference.named_parameters())
+    label = f"sequence_parallel={sequence_parallel} {schedule}"
+    for step in range(3):
+        x, y = lm_data(step)
+        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), msg=lambda m: f"{label} step {step} loss: {m}")
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"{label} step {step} {name}: {m}")
+        norm = piped.clip_grad_norm_(0.5)  # below the norm: gradients are scaled
+        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 0.5), atol=1e-6, rtol=1e-5)
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter).detach(), expected_parameters[name].detach(), atol=1e-6,
+                                   rtol=1e-4, msg=lambda m: f"{label} weights {name}: {m}")
+    return {"sharded": sorted(name for name, p in piped.named_parameters()
+                              if isinstance(p, DTensor) and p.to_local().numel() < p.numel()),
+            "arrived": sorted({t.__name__ for t in arrived}), "norm": float(norm)}
+
+
+def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
+    results = [_against_plain(*case) for case in CASES]
+    # A plan entry naming no module of any stage is refused on every rank, naming it.
+    with pytest.raises(ValueError, match=r"tensor_parallel entry '\*\.attn\.qkv' matches no module of any stage"):
+        DistributedPipe(decoder(0), chunks=2, mesh=make_mesh(pp=2, tp=2), tensor_parallel={"*.attn.qkv": ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"tensor_parallel= needs a mesh with a 'tp' dimension"):
+        DistributedPipe(decoder(0), chunks=2, mesh=make_mesh(pp=2, dp_shard=2),
+                        tensor_parallel={"*.mlp.fc": ColwiseParallel()})
+    return results
+
+
+def test_tensor_parallel_stages_against_the_plain_model() -> None:
+    results = run_ranks(_tensor_parallel_ranks, 4, deadline=240)
+    for k, (sequence_parallel, schedule, _) in enumerate(CASES):
+        case = [r[k] for r in results]
+        # Both blocks' attention and MLP weights are tp shards on the ranks that hold them.
+        sharded = set().union(*(r["sharded"] for r in case))
+        assert {"1.attn.q.weight", "2.mlp.proj.weight", "2.attn.proj.weight"} <= sharded, (schedule, sharded)
+        # Without sequence parallelism a plain tensor reaches stage 1; with it, a DTensor rebuilt on the receiver.
+        arrived = {kind for r in case for kind in r["arrived"]}
+        assert arrived == {"DTensor" if sequence_parallel else "Tensor"}, (schedule, arrived)
+    for k in range(len(CASES)):
+        assert len({r[k]["norm"] for r in results}) == 1  # the same on every rank
+
+
+def test_plan_names_resolve_per_stage_and_overlaps_are_refused() -> None:
+    stages = [decoder(0)[:2], decoder(0)[2:]]
+    plan = tensor_parallel_plan(False)
+    resolved = resolve_plan(plan, stages)
+    assert sorted(resolved[0]) == ["1.attn.k", "1.attn.proj", "1.attn.q", "1.attn.v", "1.mlp.fc", "1.mlp.proj"]
+    assert sorted(resolved[1])[0] == "2.attn.k"
+    with pytest.raises(ValueError, match=r"entries '\*\.mlp\.fc' and '2\.mlp\.\*' both match module '2\.mlp\.fc'"):
+        resolve_plan({"*.mlp.fc": ColwiseParallel(), "2.mlp.*": ColwiseParallel()}, stages)
+    with pytest.raises(TypeError, match=r"tensor_parallel entry '\*\.mlp\.fc': 'colwise' must map a module name"):
+        verify_plan({"*.mlp.fc": "colwise"})
