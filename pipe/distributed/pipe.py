@@ -26,6 +26,7 @@ from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
+from pipe.core.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied import TiedReplicas
@@ -93,6 +94,8 @@ class DistributedPipe(nn.Module):
             ``target``) and every rank uses the fastest chunks, balance,
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
         sample, target: one mini-batch and its targets, with ``memory_budget``.
+        compile: compile each layer of this rank's stages with ``torch.compile``,
+            as for ``Pipe`` (:mod:`pipe.core.compile`).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -119,8 +122,10 @@ class DistributedPipe(nn.Module):
         memory_budget: Optional[Any] = None,
         sample: Any = None,
         target: Any = None,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
+        compile_options = verify_compile(compile)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
@@ -147,6 +152,7 @@ class DistributedPipe(nn.Module):
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
+            "compile": compile_options is not None,
         })
         self.topology = Topology(data_parallel)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
@@ -176,6 +182,7 @@ class DistributedPipe(nn.Module):
             for name, layer in self.partitions[stage].named_children():
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
+        self.compiled_layers = compile_stages(self.partitions.values(), compile_options)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         averager = None
         if data_parallel > 1:
