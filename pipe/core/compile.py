@@ -191,7 +191,8 @@ def _compiled_forward(layer: nn.Module, name: str, kwargs: dict[str, Any]) -> Ca
            kwargs["mode"], repr(sorted((kwargs["options"] or {}).items())), kwargs["fullgraph"], kwargs["dynamic"])
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = torch.compile(type(layer).forward, recompile_limit=_RECOMPILE_LIMIT, **kwargs)
+        compile_fn: Any = torch.compile  # recompile_limit= is missing from its typed overloads
+        compiled = _COMPILED[key] = compile_fn(type(layer).forward, recompile_limit=_RECOMPILE_LIMIT, **kwargs)
     described = f"layer {name!r} ({type(layer).__name__})"
 
     @functools.wraps(type(layer).forward)
