@@ -9,7 +9,7 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
+from pipe.core.schedule import Schedule
 from pipe.core.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
@@ -62,7 +63,8 @@ class DistributedPipe(nn.Module):
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
             ``"zb-h1"`` and ``"zbv"`` (:mod:`pipe.core.schedule`): each backward split
             into input and weight gradients (:mod:`pipe.core.split_backward`), a
-            checkpointed cell recomputed once for both.
+            checkpointed cell recomputed once for both. Or a schedule of your own
+            as a table (:class:`pipe.core.schedule_table.TableSchedule`).
         balance: layers per stage (``ranks x virtual_stages`` entries);
             default: as even as possible.
         virtual_stages: stages per rank (``schedule="interleaved"``); stage s
@@ -109,7 +111,7 @@ class DistributedPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
-        schedule: str = "1f1b",
+        schedule: Union[str, Schedule] = "1f1b",
         balance: Optional[Sequence[int]] = None,
         virtual_stages: int = 1,
         data_parallel: int = 1,
@@ -148,7 +150,9 @@ class DistributedPipe(nn.Module):
         require_initialized()
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
-            "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
+            "chunks": chunks, "checkpoint": checkpoint,
+            "schedule": schedule if isinstance(schedule, str)
+            else [list(map(str, schedule.actions(r))) for r in range(schedule.ranks)],
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers, "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
