@@ -171,3 +171,35 @@ def test_inductor() -> None:
         plain.zero_grad()
         torch.testing.assert_close(_train(piped, x), _train(plain, x))
         assert_same_grads(piped, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_split_backward_over_compiled_blocks_runs_each_backward_once() -> None:
+    from pipe.core.split_backward import SplitBackward
+
+    plain = blocks(layers=2)
+    compiled = copy.deepcopy(plain)
+    Pipe(compiled, balance=[2], compile={"backend": "aot_eager"})  # compiles compiled's layers in place
+    x = torch.randn(6, 3, 16, generator=torch.Generator().manual_seed(0))
+    expected_input = x.clone().requires_grad_()
+    plain(expected_input).square().mean().backward()
+    leaf = x.clone().requires_grad_()
+    output = compiled(leaf)
+    loss = output.square().mean()
+    split = SplitBackward([loss], None, [leaf], list(compiled.parameters()))
+    nodes = []  # the compiled blocks' nodes, and how often each runs its backward
+    walk = [loss.grad_fn]
+    while walk:
+        node = walk.pop()
+        if type(node).__name__ == "CompiledFunctionBackward":
+            nodes.append(node)
+        walk += [child for child, _ in node.next_functions if child is not None]
+    runs = {node: 0 for node in nodes}
+    for node in nodes:
+        node.register_prehook(lambda grads, node=node: runs.__setitem__(node, runs[node] + 1))
+    assert len(nodes) == 2
+    (input_grad,) = split.backward_input()
+    assert set(runs.values()) == {1}
+    split.backward_weight()
+    assert set(runs.values()) == {1}, "W ran a compiled block's backward again"
+    torch.testing.assert_close(input_grad, expected_input.grad)
+    assert_same_grads(compiled, plain, atol=1e-5, rtol=1.3e-6)
