@@ -159,6 +159,26 @@ def test_errors_name_the_layer_and_the_fix() -> None:
         verify_compile({"fullgraph": 1})
 
 
+def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from pathlib import Path
+
+    import pipe.core.compile
+
+    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: False)
+    with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*compile=\{'backend': 'aot_eager'\}"):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), compile=True)
+    sys.path.insert(0, str(Path(__file__).parent / "skip"))
+    from models import PopLinear, StashLinear
+
+    model = nn.Sequential(StashLinear(4), nn.Linear(4, 4), PopLinear(4))
+    with pytest.warns(UserWarning, match="layer '0' is @skippable"):
+        piped = Pipe(copy.deepcopy(model), chunks=2, balance=[2, 1], compile={"backend": "aot_eager"})
+    assert piped.compiled_layers == ["1"]
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(piped(x), model(x))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor needs a C++ compiler on the CPU")
