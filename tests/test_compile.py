@@ -165,6 +165,11 @@ def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.Mo
 
     import pipe.core.compile
 
+    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: True)
+    # torch.compile takes a mode or options: a mode becomes its options, random ops stay eager's.
+    options = verify_compile({"mode": "max-autotune-no-cudagraphs"})
+    assert options is not None and options["mode"] is None
+    assert options["options"]["max_autotune"] and options["options"]["fallback_random"]
     monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: False)
     with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*compile=\{'backend': 'aot_eager'\}"):
         Pipe(nn.Sequential(nn.Linear(2, 2)), compile=True)

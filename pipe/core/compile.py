@@ -100,7 +100,12 @@ def verify_compile(value: Any) -> Optional[dict[str, Any]]:
                 "install one (apt-get install g++) or pass compile={'backend': 'aot_eager'} "
                 "(compiled autograd graphs, eager kernels)")
         # Random ops from torch's generator, as eager: a checkpoint's replay draws the same masks.
-        options["options"] = {"fallback_random": True, **(options["options"] or {})}
+        # torch.compile takes a mode or options, not both: a mode becomes its options here.
+        import torch._inductor
+
+        from_mode = torch._inductor.list_mode_options(options["mode"], options["dynamic"]) if options["mode"] else {}
+        options["options"] = {"fallback_random": True, **from_mode, **(options["options"] or {})}
+        options["mode"] = None
     return options
 
 
