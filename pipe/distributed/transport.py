@@ -72,6 +72,7 @@ Cell = Optional[tuple[int, int]]  # (micro-batch, stage), for pipe.trace
 _SLOTS = 4096  # messages (header, rest, tensors) per micro-batch on one channel
 _MISSED = 2 + (_SLOTS - 2) // 2  # first tag of the tensors when the receiver guessed another layout
 _LENGTH_BYTES = 8
+_REAP_AT = 64  # completed sends are forgotten once this many are pending (each check is a call per send)
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # dtype and shape of each tensor of a message
 
@@ -310,7 +311,8 @@ class Transport:
                         f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}",
                         channel.peer) from error
                 self._pending.append((work, [tensor], channel))
-        self._reap()
+        if len(self._pending) > _REAP_AT:
+            self._reap()
         self.stats["messages"] += 1
         self.stats["send_s"] += time.perf_counter() - started
 
