@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from action_profile import instrument, report
 from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +56,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+    profile = instrument(args.engine) if args.profile else None
     before = _rss_bytes()
     full = model(args.width, args.layers)
     x = torch.randn(args.batch, args.width)
@@ -87,6 +89,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
 
     for _ in range(args.warmup):
         step()
+    stats = pipe._runtime.transport.stats if args.engine == "pipe" else None
+    if profile is not None:
+        profile.clear()
+        if stats is not None:
+            stats.clear()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -94,7 +101,10 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     dist.barrier()
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    results.put({"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20})
+    result = {"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20}
+    if profile is not None:
+        result["profile"] = report(profile, args.steps, stats)
+    results.put(result)
     dist.destroy_process_group()
 
 
@@ -113,6 +123,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each engine's actions, sends, receives and headers (benchmarks/action_profile.py)")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -125,6 +137,7 @@ def main() -> None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
              "--microbatches", str(args.microbatches), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    flags += ["--profile"] if args.profile else []
     for _ in range(args.repeats):
         for engine in ("pipe", "torch"):
             out = subprocess.run([sys.executable, __file__, "--engine", engine, *flags], env=env, check=True,
@@ -147,15 +160,28 @@ def main() -> None:
         "peak_memory_gain_mb": {engine: [memory(engine, rank) for rank in (0, 1)] for engine in runs},
         "memory_ratio_pipe_over_torch": [memory("pipe", rank) / memory("torch", rank) for rank in (0, 1)],
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
     }
+    ratios = [min(p["steps_per_s"] for p in pipe_run) / min(t["steps_per_s"] for t in torch_run)
+              for pipe_run, torch_run in zip(runs["pipe"], runs["torch"])]
+    result["ratio_per_repeat"] = ratios
+    if args.profile:  # the last repeat's, per rank
+        result["profile"] = {engine: [rank.get("profile") for rank in runs[engine][-1]] for engine in runs}
     print(f"P5 (W={args.width} L={args.layers} B={args.batch} M={args.microbatches}, 2 ranks x 1 thread, 1F1B):")
     print(f"  throughput pipe / torch.distributed.pipelining: {result['throughput_ratio_pipe_over_torch']:.3f} "
           f"({result['samples_per_s']['pipe']:.0f} vs {result['samples_per_s']['torch']:.0f} samples/s; target >= 1)")
     print("  peak memory gain per rank pipe / torch: "
           + ", ".join(f"rank {r}: {ratio:.3f}" for r, ratio in enumerate(result["memory_ratio_pipe_over_torch"]))
           + " (target <= 1)")
+    print(f"  per repeat: {', '.join(f'{r:.3f}' for r in ratios)}; load average {result['load_average'][0]:.2f}")
+    if args.profile:
+        for engine in runs:
+            for rank, profile in enumerate(result["profile"][engine]):
+                print(f"  {engine} rank {rank} ms/step: " + ", ".join(
+                    f"{name} {value['ms_per_step']:.1f} ({value['calls_per_step']:g})" if "ms_per_step" in value
+                    else f"{name} {value}" for name, value in profile.items() if isinstance(value, dict)))
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"distributed_vs_torch_pipelining{'-quick' if args.quick else ''}.json"
+    path = RESULTS / f"distributed_vs_torch_pipelining{'-quick' if args.quick else ''}{'-profile' if args.profile else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  saved {path.relative_to(HERE.parent)}")
 

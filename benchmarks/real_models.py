@@ -15,13 +15,31 @@ drift of a shared machine hits them alike; each figure is a median, and every
 ratio is taken from this one run. Printed, and saved to
 benchmarks/results/real_models.json.
 
+R1 also runs ``Pipe`` with ``compile=True`` at the fastest settings.
+
+R2: the same split GPT-2 over 2 gloo ranks (forked from this process), one
+intra-op thread each, ``DistributedPipe`` for 1F1B, ZB-H1 (2 stages) and
+ZB-V (4 stages, 2 per rank), eager and ``compile=True``, chunks 4, no
+checkpointing, configurations alternating step by step on the ranks; against
+the plain model on one thread, eager and compiled (``model.compile()``),
+measured in this process after the ranks run (two alternating rounds). Keys
+``r2_best_vs_plain`` (the fastest pipeline / plain eager on 1 thread) and
+``r2_compiled_vs_eager`` (compiled / eager pipeline on the schedule that is
+fastest compiled; per schedule in ``r2_compiled_vs_eager_per_schedule``).
+Compiled configurations use inductor (a C++ compiler is needed); ``--quick``
+uses ``aot_eager`` (graphs without code generation) so that it runs in seconds,
+which makes its compiled figures a smoke test only.
+
 Run:
-    python benchmarks/real_models.py            # ~1 minute on 2 quiet cores
+    python benchmarks/real_models.py            # ~5 minutes on 2 quiet cores (inductor compiles on every rank)
     python benchmarks/real_models.py --quick    # tiny sizes, a smoke run
+    python benchmarks/real_models.py --only r2  # R2 alone
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import os
 import platform
@@ -36,6 +54,7 @@ from torch import nn
 
 import pipe
 from pipe import Pipe
+from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -89,16 +108,108 @@ def measure(steps: dict[str, Callable[[], float]], warmup: int, repeat: int) -> 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+R2_SCHEDULES = ("1f1b", "zb-h1", "zbv")
+
+
+def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, warmup: int, repeat: int,
+             results: Any) -> None:
+    """One rank of R2: every schedule eager and compiled, steps alternating; medians to rank 0's result."""
+    import torch.distributed as dist
+
+    from pipe.distributed import DistributedPipe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = 1  # compile in this process: no worker pool in a forked rank
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1800))
+    ids, mask, labels = batch(size)
+    layers = size["layers"]
+    steps: dict[str, Callable[[], float]] = {}
+    for schedule in R2_SCHEDULES:
+        cuts = [f"transformer.h.{layers // 2}"] if schedule != "zbv" else \
+            [f"transformer.h.{k * layers // 4}" for k in (1, 2, 3)]
+        for compiled in (False, True):
+            model = build(size)
+            stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=cuts)
+            piped = DistributedPipe(stages, chunks=4, checkpoint="never", schedule=schedule, loss_fn=lm_loss,
+                                    compile=compile_option if compiled else False)
+
+            def step(piped: DistributedPipe = piped) -> float:
+                piped.zero_grad(set_to_none=True)
+                dist.barrier()
+                start = time.perf_counter()
+                piped.step((ids, mask) if piped.is_first else None, labels if piped.is_last else None)
+                dist.barrier()
+                return time.perf_counter() - start
+
+            steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = step
+    seconds = measure(steps, warmup, repeat)
+    results.put({"rank": rank, "seconds": seconds})
+    dist.destroy_process_group()
+
+
+def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> dict[str, Any]:
+    """R2's figures: seconds per step of each pipeline and of the plain model, and the ratios."""
+    # The ranks fork first: a process that compiled with inductor holds a pool of compile workers,
+    # which a forked child cannot use (it waits on it forever).
+    ranks = run_forked_ranks(_r2_rank, size, compile_option, warmup, repeat)
+    data = batch(size)
+    eager = build(size)
+    compiled = build(size)
+    compiled.compile(**{k: v for k, v in compile_option.items() if k in ("backend",)})
+    plain = {"plain_1thread_eager": stepper(eager, True, data, 1),
+             "plain_1thread_compiled": stepper(compiled, True, data, 1)}
+    before = measure(plain, warmup, repeat)
+    after = measure(plain, 0, repeat)
+    seconds = {name: statistics.median([before[name], after[name]]) for name in plain}
+    seconds.update(ranks[0]["seconds"])
+    pipelines = {name: value for name, value in seconds.items() if not name.startswith("plain")}
+    best = min(pipelines, key=pipelines.__getitem__)
+    per_schedule = {s: seconds[f"{s}_eager"] / seconds[f"{s}_compiled"] for s in R2_SCHEDULES}
+    fastest_compiled = min(R2_SCHEDULES, key=lambda s: seconds[f"{s}_compiled"])
+    return {
+        "seconds": seconds,
+        "plain_before_after": {"before": before, "after": after},
+        "best": best,
+        "r2_best_vs_plain": seconds["plain_1thread_eager"] / pipelines[best],
+        "r2_best_vs_plain_compiled": seconds["plain_1thread_compiled"] / pipelines[best],
+        "r2_compiled_vs_eager": per_schedule[fastest_compiled],
+        "r2_compiled_vs_eager_per_schedule": per_schedule,
+        "speedup_vs_plain_1thread_eager": {name: seconds["plain_1thread_eager"] / value
+                                           for name, value in pipelines.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--only", choices=["r1", "r2"], help="run one figure only")
     args = parser.parse_args()
     if args.quick:
-        size = {"layers": 2, "width": 64, "seq": 32, "batch": 8}
+        size = {"layers": 4, "width": 64, "seq": 32, "batch": 8}
         warmup, repeat, grid = 1, 3, [2]
+        compile_option: dict[str, Any] = {"backend": "aot_eager"}
     else:
         size = {"layers": 4, "width": 256, "seq": 64, "batch": 16}
         warmup, repeat, grid = 2, 9, [2, 4, 8]
+        compile_option = {"backend": "inductor"}
+    load_before = os.getloadavg()[0]
+    out = RESULTS / ("real_models-quick.json" if args.quick else "real_models.json")
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if args.only != "r1":
+        result["r2"] = r2(size, compile_option, warmup, repeat)
+        result["r2"]["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+        result["r2"]["compile"] = compile_option
+        for key in ("r2_best_vs_plain", "r2_compiled_vs_eager"):
+            result[key] = result["r2"][key]
+        print(json.dumps(result["r2"], indent=2))
+    if args.only == "r2":
+        RESULTS.mkdir(exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {out.relative_to(HERE.parent)}")
+        return
     load_before = os.getloadavg()[0]
     data = batch(size)
     plain = build(size)
@@ -110,6 +221,9 @@ def main() -> None:
     default = Pipe(stages, balance=[1, 1], devices=["cpu", "cpu"])  # chunks=1, except_last, cpu_threads 2 // 2
     candidates = {chunks: Pipe(stages, chunks=chunks, checkpoint="never", balance=[1, 1], devices=["cpu", "cpu"],
                                cpu_threads=1) for chunks in grid}
+    compiled_model = build(size)  # its own layers: compile= compiles them in place
+    compiled_stages = pipe.split(compiled_model, (data[0],), {"attention_mask": data[1], "use_cache": False},
+                                 at=[f"transformer.h.{size['layers'] // 2}"])
     # Pick the fastest candidate first (a short alternating run), then measure it against the rest.
     tried = measure({f"chunks={c}": stepper(p, False, data, 1) for c, p in candidates.items()}, 1, 3)
     best = min(candidates, key=lambda c: tried[f"chunks={c}"])
@@ -118,11 +232,14 @@ def main() -> None:
         "plain_2threads": stepper(plain, True, data, 2),
         "pipe_default": stepper(default, False, data, 2),
         "pipe_fastest": stepper(candidates[best], False, data, 1),
+        "pipe_fastest_compiled": stepper(Pipe(compiled_stages, chunks=best, checkpoint="never", balance=[1, 1],
+                                              devices=["cpu", "cpu"], cpu_threads=1, compile=compile_option),
+                                         False, data, 1),
     }
     seconds = measure(steps, warmup, repeat)
     for piped in [default, *candidates.values()]:
         piped.close()
-    result: dict[str, Any] = {
+    result.update({
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "processor": platform.processor() or platform.machine()},
         "quick": args.quick,
@@ -137,12 +254,12 @@ def main() -> None:
         "seconds": seconds,
         "speedup": {
             f"{p}_vs_{q}": seconds[q] / seconds[p]
-            for p in ("pipe_default", "pipe_fastest") for q in ("plain_1thread", "plain_2threads")
+            for p in ("pipe_default", "pipe_fastest", "pipe_fastest_compiled") for q in ("plain_1thread", "plain_2threads")
         },
-    }
-    print(json.dumps(result, indent=2))
+        "r1_compiled_vs_eager": seconds["pipe_fastest"] / seconds["pipe_fastest_compiled"],
+    })
+    print(json.dumps({k: v for k, v in result.items() if k != "r2"}, indent=2))
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("real_models-quick.json" if args.quick else "real_models.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out.relative_to(HERE.parent)}")
 

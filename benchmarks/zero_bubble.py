@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed_vs_torch_pipelining import _rss_bytes
+from action_profile import instrument, report
 from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -102,6 +103,7 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
         pipe.step(x, y, F.mse_loss)
         pipe.zero_grad(set_to_none=True)
 
+    step.stats = pipe._runtime.transport.stats  # type: ignore[attr-defined]
     return step
 
 
@@ -141,6 +143,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
+    profile = instrument(args.engine) if args.profile else None
     before = _rss_bytes()
     full = model(args.width, args.layers)
     x = torch.randn(args.batch, args.width)
@@ -148,6 +151,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     step = (_pipe_step if args.engine == "pipe" else _torch_step)(rank, full, args, x, y)
     for _ in range(args.warmup):
         step()
+    stats = getattr(step, "stats", None)
+    if profile is not None:
+        profile.clear()
+        if stats is not None:
+            stats.clear()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -158,8 +166,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     # The blocks this rank ran: a pipe rank materialises its own; a torch rank holds every block but runs its own.
     calls = [b.calls for b in full if isinstance(b, Counted) and b.calls > 0]
     per_microbatch = statistics.fmean(calls) / ((args.warmup + args.steps) * args.microbatches) if calls else 0.0
-    results.put({"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20,
-                 "forwards_per_block_per_microbatch": per_microbatch})
+    result = {"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20,
+              "forwards_per_block_per_microbatch": per_microbatch}
+    if profile is not None:
+        result["profile"] = report(profile, args.steps, stats)
+    results.put(result)
     dist.destroy_process_group()
 
 
@@ -227,6 +238,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, alternating")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--split-only", action="store_true", help="only time the split backward of one stage")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time each engine's actions, sends, receive waits and headers, per rank")
+    parser.add_argument("--schedules", nargs="+", choices=sorted({s for _, s in RUNS}),
+                        help="run only these schedules (both engines), e.g. --schedules zbv")
+    parser.add_argument("--checkpoints", nargs="+", choices=["never", "always"], default=["never", "always"])
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -247,8 +263,9 @@ def main() -> None:
         return
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    runs = [r for r in RUNS if not (args.no_torch and r[0] == "torch")]
-    configs = [(m, c) for m in args.microbatches for c in ("never", "always")]
+    runs = [r for r in RUNS if not (args.no_torch and r[0] == "torch")
+            and (args.schedules is None or r[1] in args.schedules)]
+    configs = [(m, c) for m in args.microbatches for c in args.checkpoints]
     measured: dict[tuple[int, str, str, str], list[list[dict[str, float]]]] = {}
     for _ in range(args.repeats):
         for m, checkpoint in configs:
@@ -256,6 +273,7 @@ def main() -> None:
                 flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                          "--microbatches", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup),
                          "--engine", engine, "--schedule", schedule, "--checkpoint", checkpoint]
+                flags += ["--profile"] if args.profile else []
                 done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
                 key = (m, checkpoint, engine, schedule)
                 if done.returncode != 0:
@@ -278,7 +296,10 @@ def main() -> None:
                 "peak_memory_gain_mb": [statistics.median(run[r]["peak_gain_mb"] for run in repeats) for r in (0, 1)],
                 "forwards_per_block_per_microbatch": statistics.fmean(
                     statistics.fmean(r["forwards_per_block_per_microbatch"] for r in run) for run in repeats),
+                "ratio_runs": speeds,
             }
+            if args.profile:  # the last repeat's, per rank
+                rows[f"{engine} {schedule}"]["profile"] = [r.get("profile") for r in repeats[-1]]
         for stat, suffix in (("samples_per_s", ""), ("best_samples_per_s", "_best")):
             base = rows.get("pipe 1f1b", {}).get(stat)
             for name, row in rows.items():
@@ -295,6 +316,7 @@ def main() -> None:
         "table": table,
         "split_backward": split_costs(args),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
     }
     print(f"zero bubble (W={args.width} L={args.layers} B={args.batch}, 2 ranks x 1 thread, "
           f"{args.steps} steps, median and best of {args.repeats}):")
@@ -307,9 +329,16 @@ def main() -> None:
                   + (f"  x{versus:.2f} (best x{best:.2f}) of torch" if versus and best else "")
                   + f"  peak +{row['peak_memory_gain_mb'][0]:.0f}/{row['peak_memory_gain_mb'][1]:.0f} MB"
                   + f"  forwards/block/micro-batch {row['forwards_per_block_per_microbatch']:.2f}")
+            for rank, profile in enumerate(row.get("profile") or []):
+                print(f"      rank {rank} ms/step: " + ", ".join(
+                    f"{key} {value['ms_per_step']:.1f} ({value['calls_per_step']:g})"
+                    for key, value in (profile or {}).items() if isinstance(value, dict) and "ms_per_step" in value)
+                      + "".join(f"; {key} {value}" for key, value in (profile or {}).items()
+                                if isinstance(value, dict) and "ms_per_step" not in value))
+    print(f"  load average {result['load_average'][0]:.2f}")
     _print_split(result["split_backward"])
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"zero_bubble{'-quick' if args.quick else ''}.json"
+    path = RESULTS / f"zero_bubble{'-quick' if args.quick else ''}{'-profile' if args.profile else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  saved {path.relative_to(HERE.parent)}")
 

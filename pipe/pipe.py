@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from pipe.core.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
 from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
 from pipe.core.partition import Device, split_module
@@ -78,6 +79,10 @@ class Pipe(nn.Module):
             ``chunks``, ``balance`` and ``checkpoint`` predicted to fit
             (:mod:`pipe.plan`; needs ``devices=``; the plan is ``pipe.plan``).
         sample: one mini-batch, with ``memory_budget``.
+        compile: compile each layer of each partition with ``torch.compile``:
+            ``True`` (inductor, dynamic shapes) or a dict of its keywords
+            (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``) and
+            ``exclude`` (layer names left eager); see :mod:`pipe.core.compile`.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has
@@ -101,8 +106,10 @@ class Pipe(nn.Module):
         recompute: Optional[ConfigSource] = None,
         memory_budget: Optional[Any] = None,
         sample: Any = None,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
+        compile_options = verify_compile(compile)
         self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
         if memory_budget is not None:
             from pipe.plan.apply import plan_for_pipe
@@ -130,6 +137,7 @@ class Pipe(nn.Module):
         self.partitions: list[nn.Sequential] = partitions
         self.balance: list[int] = balance
         self.devices: list[torch.device] = devices
+        self.compiled_layers = compile_stages(partitions, compile_options)
 
         cpu_partitions = sum(1 for d in devices if d.type == "cpu")
         if cpu_threads is None and cpu_partitions > 1:

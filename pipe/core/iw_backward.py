@@ -26,6 +26,14 @@ nothing arriving along the input path is counted twice. Parameters that hang
 off no input path (the first stage, whose input needs no gradient) are W's
 from the outputs.
 
+A compiled block (``compile=``, :mod:`pipe.core.compile`) is one autograd
+node whose backward, AOT autograd's, computes its input and weight gradients
+together whatever is asked. Seeding it again in W would run that backward a
+second time, so I keeps what it returns for the parameters (a post-hook on
+the node) and W only accumulates those into ``.grad``: the split then costs
+no extra compute, and holds a stage's weight gradients per cell between I
+and W.
+
 Measured with ``python benchmarks/zero_bubble.py --split-only`` (one P5 stage:
 4 blocks of ``Linear(1024, 1024) + ReLU``, 1024 rows, one thread): I + W as
 here costs 1.00-1.01x a fused backward (I 91 ms + W 91 ms against 182 ms).
@@ -75,6 +83,7 @@ class IWBackward:
         self._inputs = list(inputs)
         self._parameters = [p for p in parameters if p.requires_grad]
         self._recorded: dict[Node, tuple[Optional[Tensor], ...]] = {}
+        self._fused: dict[Node, tuple[Optional[Tensor], ...]] = {}  # a compiled node's gradients, from I
         self._groups: list[tuple[list[Tensor], list[Node], bool]] = []  # params, branch nodes, from outputs
         self._done_input = False
 
@@ -96,6 +105,7 @@ class IWBackward:
             return result
         branches = {node for _, nodes, _ in self._groups for node in nodes}
         handles = [node.register_prehook(self._recorder(node)) for node in branches]
+        handles += [node.register_hook(self._keeper(node)) for node in branches if _is_fused(node)]
         try:
             grads = torch.autograd.grad(self._outputs, wanted, self._grads, retain_graph=True, allow_unused=True)
         finally:
@@ -110,6 +120,11 @@ class IWBackward:
         def record(grad_outputs: tuple[Optional[Tensor], ...]) -> None:
             self._recorded[node] = grad_outputs
         return record
+
+    def _keeper(self, node: Node) -> Any:
+        def keep(grad_inputs: tuple[Optional[Tensor], ...], grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+            self._fused[node] = grad_inputs
+        return keep
 
     # -- W ----------------------------------------------------------------------------------------
 
@@ -127,8 +142,33 @@ class IWBackward:
         finally:
             self._outputs, self._grads, self._inputs, self._groups = [], [], [], []
             self._recorded.clear()
+            self._fused.clear()
+
+    def _kept_gradients(self, parameters: list[Tensor], nodes: list[Node]) -> Optional[list[Optional[Tensor]]]:
+        """The parameters' gradients that I's walk of compiled nodes returned; None where one is missing."""
+        if not nodes or not all(node in self._fused for node in nodes):
+            return None
+        found: list[Optional[Tensor]] = []
+        for parameter in parameters:
+            leaf = get_gradient_edge(parameter).node
+            total: Optional[Tensor] = None
+            for node in nodes:
+                for k, (child, _) in enumerate(node.next_functions):
+                    if child is leaf:
+                        grad = self._fused[node][k]
+                        if grad is None:
+                            return None  # pruned by the engine: walk the graph instead
+                        total = grad if total is None else total + grad
+            if total is None:
+                return None  # reached through other nodes: walk the graph instead
+            found.append(total)
+        return found
 
     def _weight_group(self, parameters: list[Tensor], nodes: list[Node], from_outputs: bool) -> None:
+        kept = None if from_outputs else self._kept_gradients(parameters, nodes)
+        if kept is not None:  # compiled blocks: I computed these already; accumulate them (hooks run)
+            torch.autograd.backward(parameters, kept)
+            return
         roots: list[Any] = []
         seeds: list[Tensor] = []
         if from_outputs:
@@ -186,6 +226,11 @@ class IWBackward:
             groups = [g for g in groups if not g[1] & keys] + [merged]
         self._groups = [(params, [k for k in keys if k is not _OUTPUTS], _OUTPUTS in keys)
                         for params, keys in groups]
+
+
+def _is_fused(node: Node) -> bool:
+    """A compiled region's node (AOT autograd): its backward returns every gradient at once."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def _closure(starts: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:

@@ -75,9 +75,23 @@ def pipeline_schedule(kind: Any, ranks: int, chunks: int, virtual_stages: Any) -
     ``pipe.core.schedule`` speaks of ``microbatches`` and ``ranks``; a user of
     ``DistributedPipe`` passed ``chunks`` and runs a number of pipeline ranks.
 
+    A :class:`Schedule` given as ``kind`` (a table of your own,
+    :mod:`pipe.core.schedule_table`) is used as it is, once its ranks and
+    micro-batches are checked against the job's and ``chunks``.
+
     Raises:
         ValueError: naming ``schedule=``, ``chunks=`` or ``virtual_stages=`` and the fix.
     """
+    if isinstance(kind, Schedule):
+        if kind.ranks != ranks or kind.microbatches != chunks:
+            raise ValueError(
+                f"the schedule {kind} is for {kind.ranks} ranks and {kind.microbatches} micro-batches, but this "
+                f"job has {ranks} pipeline ranks and chunks={chunks}; pass chunks={kind.microbatches} and run "
+                f"{kind.ranks} pipeline ranks, or a table of that size")
+        if virtual_stages != 1 and virtual_stages != kind.virtual_stages:
+            raise ValueError(f"virtual_stages={virtual_stages} does not apply to a schedule given as a table: "
+                             "its stages are the table's; leave virtual_stages out")
+        return kind
     if kind == "interleaved" and is_int(chunks) and is_int(ranks) and ranks > 0 and chunks % ranks != 0:
         lower = chunks // ranks * ranks or ranks
         raise ValueError(

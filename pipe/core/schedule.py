@@ -416,66 +416,15 @@ class Schedule:
         one backward (zero-bubble: one I and one W), on the rank that owns the
         stage, forward first (then I, then W); 1F1B keeps at most ``ranks -
         rank`` micro-batches in flight, ZB-H1 at most ``ranks``, ZB-V ``2 *
-        ranks`` half stages; the simulation finishes.
+        ranks`` half stages; the ranks never wait forever
+        (:func:`pipe.core.schedule_table.check_programs`).
 
         Raises:
             ValueError: naming the first violation found.
         """
-        phases = (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT) if self.splits_backward \
-            else (Phase.FORWARD, Phase.BACKWARD)
-        seen: dict[Action, int] = {}
-        for rank in range(self.ranks):
-            position: dict[Action, int] = {}
-            for index, action in enumerate(self.actions(rank)):
-                if action.phase not in phases:
-                    raise ValueError(
-                        f"{self}: rank {rank} has {action}; programs hold only "
-                        + ("forwards, input and weight gradients" if self.splits_backward
-                           else "forwards and backwards")
-                    )
-                if not 0 <= action.stage < self.stages or self.rank_of(action.stage) != rank:
-                    raise ValueError(
-                        f"{self}: {action} is on rank {rank} but stage {action.stage} "
-                        f"belongs to {self._owner(action.stage)}"
-                    )
-                if action in seen:
-                    raise ValueError(f"{self}: {action} appears more than once")
-                seen[action] = rank
-                position[action] = index
-            for action, index in position.items():
-                if action.phase is not Phase.FORWARD:
-                    before = phases[phases.index(action.phase) - 1]
-                    twin = Action(before, action.microbatch, action.stage)
-                    if position.get(twin, len(position)) > index:
-                        raise ValueError(f"{self}: rank {rank} runs {action} before {twin}")
-        for stage in range(self.stages):
-            for i in range(self.microbatches):
-                for phase in phases:
-                    if Action(phase, i, stage) not in seen:
-                        raise ValueError(f"{self}: {Action(phase, i, stage)} is missing")
-        if len(seen) != len(phases) * self.stages * self.microbatches:
-            extra = sorted(str(a) for a in seen if a.microbatch not in range(self.microbatches))
-            raise ValueError(f"{self}: actions for unknown micro-batches: {', '.join(extra)}")
-        bounds = {"1f1b": ("1F1B", "ranks - rank", lambda r: self.ranks - r),
-                  "zb-h1": ("ZB-H1", "ranks", lambda r: self.ranks),
-                  "zbv": ("ZB-V", "2 * ranks", lambda r: 2 * self.ranks)}
-        if self.kind in bounds:
-            name, formula, bound = bounds[self.kind]
-            for rank, peak in enumerate(self.peak_inflight()):
-                if peak > bound(rank):
-                    raise ValueError(
-                        f"{self}: rank {rank} holds {peak} micro-batches in flight; "
-                        f"{name} allows at most {formula} = {bound(rank)}"
-                    )
-        try:
-            self.simulate()
-        except RuntimeError as error:
-            raise ValueError(str(error)) from error
+        from pipe.core.schedule_table import check_programs
 
-    def _owner(self, stage: int) -> str:
-        if 0 <= stage < self.stages:
-            return f"rank {self.rank_of(stage)}"
-        return f"no rank (the schedule has {self.stages} stages)"
+        check_programs(self)
 
 
 def _check_durations(forward: float, backward: float, recompute: float,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,8 @@ from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
+from pipe.core.schedule import Schedule
+from pipe.core.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
@@ -66,7 +68,8 @@ class DistributedPipe(nn.Module):
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
             ``"zb-h1"`` and ``"zbv"`` (:mod:`pipe.core.schedule`): each backward split
             into input and weight gradients (:mod:`pipe.core.iw_backward`), a
-            checkpointed cell recomputed once for both.
+            checkpointed cell recomputed once for both. Or a schedule of your own
+            as a table (:class:`pipe.core.schedule_table.TableSchedule`).
         balance: layers per stage (``ranks x virtual_stages`` entries);
             default: as even as possible.
         virtual_stages: stages per rank (``schedule="interleaved"``); stage s
@@ -120,6 +123,8 @@ class DistributedPipe(nn.Module):
             ``target``) and every rank uses the fastest chunks, balance,
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
         sample, target: one mini-batch and its targets, with ``memory_budget``.
+        compile: compile each layer of this rank's stages with ``torch.compile``,
+            as for ``Pipe`` (:mod:`pipe.core.compile`).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -133,7 +138,7 @@ class DistributedPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
-        schedule: str = "1f1b",
+        schedule: Union[str, Schedule] = "1f1b",
         balance: Optional[Sequence[int]] = None,
         virtual_stages: int = 1,
         data_parallel: Optional[int] = None,
@@ -150,6 +155,7 @@ class DistributedPipe(nn.Module):
         memory_budget: Optional[Any] = None,
         sample: Any = None,
         target: Any = None,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
         if data_parallel is not None:
@@ -163,6 +169,7 @@ class DistributedPipe(nn.Module):
                     f"tensor_parallel= needs a mesh with a 'tp' dimension of size 2 or more, got mesh "
                     f"{None if mesh is None else mesh.mesh_dim_names!r}; pass mesh=make_mesh(pp=..., tp=...)"
                 )
+        compile_options = verify_compile(compile)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 
@@ -191,13 +198,16 @@ class DistributedPipe(nn.Module):
             verify_mesh(mesh, data_parallel)
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
-            "chunks": chunks, "checkpoint": checkpoint, "schedule": schedule,
+            "chunks": chunks, "checkpoint": checkpoint,
+            "schedule": schedule if isinstance(schedule, str)
+            else [list(map(str, schedule.actions(r))) for r in range(schedule.ranks)],
             "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
             "data_parallel": data_parallel, "layers": layers,
             "mesh": None if mesh is None else [mesh.mesh_dim_names, mesh.mesh.tolist()],
             "shard": describe_shard(shard), "parallelize": parallelize is not None,
             "tensor_parallel": None if tensor_parallel is None else sorted(tensor_parallel), "loss_reduction": loss_reduction,
             "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
+            "compile": compile_options is not None,
         })
         if mesh is None:
             mesh = replica_mesh(data_parallel or 1)
@@ -224,6 +234,7 @@ class DistributedPipe(nn.Module):
             for name, layer in self.partitions[stage].named_children():
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
+        self.compiled_layers = compile_stages(self.partitions.values(), compile_options)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         # Tensor parallelism first, then FSDP, as torchtitan composes them.
         if tensor_parallel is not None:

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Draw the planned schedule (pipe.core.schedule.Schedule.simulate) of a "
                                         "configuration, with its bubble and micro-batches in flight.")
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
+    p.add_argument("--table", metavar="CSV", default=None,
+                   help="draw a schedule of your own: a CSV table, one row of actions per rank (docs/distributed.md); "
+                        "its ranks, stages and micro-batches replace --schedule, --ranks and --microbatches")
     p.add_argument("--ranks", type=_positive_int, default=4, help="pipeline ranks, one row each (default: 4)")
     p.add_argument("--stages", type=_positive_int, dest="stages", default=None,
                    help=argparse.SUPPRESS)  # the old name of --ranks, one release
@@ -166,6 +169,8 @@ def _run(args: argparse.Namespace) -> int:
             sys.stderr.write("pipe-viz plan: --stages is deprecated and will be removed in the next release; "
                              "use --ranks\n")
             args.ranks = args.stages
+        if args.table is not None:
+            return _plan_table(args)
         try:
             timeline = schedule_timeline(args.schedule, args.ranks, args.microbatches,
                                          virtual_stages=args.virtual_stages, checkpoint=args.checkpoint,
@@ -192,6 +197,29 @@ def _run(args: argparse.Namespace) -> int:
 
         kind = str(trace.get("otherData", {}).get("config", {}).get("schedule", "gpipe"))
         sys.stdout.write(explain_timeline(measured, kind).table() + "\n")
+    return 0
+
+
+def _plan_table(args: argparse.Namespace) -> int:
+    from pipe.core.options import checkpoint_stop
+    from pipe.core.schedule_table import TableSchedule
+    from pipe.viz.planned import lay_out
+
+    sub: argparse.ArgumentParser = args.subparser
+    try:
+        schedule = TableSchedule.from_csv(args.table)
+    except OSError as error:
+        sub.error(f"cannot read --table {args.table!r}: {error.strerror or error}")
+    except ValueError as error:
+        sub.error(f"--table {args.table!r}: {error}")
+    stop = checkpoint_stop(args.checkpoint, schedule.microbatches)
+    redo = args.forward if args.recompute is None else args.recompute
+    timeline = lay_out(schedule, args.forward, args.backward, redo, stop)
+    timeline.title += f" · checkpoint={args.checkpoint} · bubble {timeline.bubble():.1%}"
+    try:
+        _write([timeline], args.output, "pipe-viz plan")
+    except _Unwritable as error:
+        sub.error(str(error))
     return 0
 
 

@@ -83,9 +83,10 @@ def lay_out(
     input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
     timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
                               input_grad=input_grad, weight_grad=weight_grad)
+    chunk = {s: schedule.stages_of(schedule.rank_of(s)).index(s) for s in range(schedule.stages)}
     cells = [
         Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
-             microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // schedule.ranks)
+             microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
         for t in timed
     ]
     rows = [f"stage {r}" for r in range(schedule.ranks)]
@@ -98,7 +99,9 @@ def lay_out(
     if schedule.splits_backward:
         notes.append("I: input gradient (sent upstream at once); W: weight gradient, deferred into the bubble; "
                      "a checkpointed cell recomputes once, before its I")
-    if schedule.kind == "zbv":
+    if schedule.kind == "table":
+        notes.append("a schedule given as a table; each rank's later stages are drawn lighter (lower case in text)")
+    elif schedule.kind == "zbv":
         notes.append("stage r runs the model chunks r and 2p-1-r (a V); the second is drawn lighter (lower case in text)")
     elif schedule.virtual_stages > 1:
         chunks = ", ".join(f"r + {c * schedule.ranks}" if c else "r" for c in range(schedule.virtual_stages))
@@ -115,7 +118,7 @@ def lay_out(
 
 
 def _describe(schedule: Schedule) -> str:
-    name = SCHEDULE_NAMES[schedule.kind]
+    name = SCHEDULE_NAMES.get(schedule.kind) or str(getattr(schedule, "name", schedule.kind))
     stages = f"{schedule.ranks} stage{'s' if schedule.ranks != 1 else ''}"
     if schedule.virtual_stages > 1:
         stages += f" × {schedule.virtual_stages} virtual"

@@ -27,8 +27,12 @@ def _values() -> list[tuple[int, Any]]:
         (1, (randn(2, 4).double(), {"ids": torch.arange(2), "scale": 2.0})),  # another dtype
         (0, [randn(2, 4), randn(0, 4), randn(1)]),  # more tensors, one empty
         (1, randn(5)),  # fewer tensors
-        (0, [randn(2, 4), randn(0, 4), randn(1)]),  # holds again
-        (1, randn(5)),  # holds again
+        (0, [randn(2, 4), randn(0, 4), randn(1)]),  # holds again: the header repeats (8 bytes, no pickle)
+        (1, randn(5)),  # holds again: repeats
+        (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 2.0})),  # another structure: a whole header
+        (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 2.0})),  # repeats, its Python leaf included
+        (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 3.0})),  # a new Python leaf: a whole header
+        (1, (randn(2, 4).requires_grad_(), {"ids": torch.arange(2), "scale": 3.0})),  # requires_grad: whole
     ]
 
 
@@ -43,9 +47,9 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _exchange(rank: int, world: int) -> tuple[bool, list[bool]]:
+def _exchange(rank: int, world: int) -> tuple[bool, list[Any]]:
     default = Transport(torch.device("cpu"), datetime.timedelta(seconds=20)).guess
-    checked = []
+    checked: list[Any] = []
     for guess in (True, False):
         transport = Transport(torch.device("cpu"), datetime.timedelta(seconds=20), guess=guess)
         channel = Channel(1 - rank, dist.group.WORLD, f"test {guess}")
@@ -56,10 +60,14 @@ def _exchange(rank: int, world: int) -> tuple[bool, list[bool]]:
                 incoming = transport.receive(channel, microbatch)
                 checked.append(_same(value, incoming.wait()))
         transport.flush()
+        if rank == 0:
+            checked.append((transport.stats["messages"], transport.stats["repeated_headers"]))
     return default, checked
 
 
 def test_values_arrive_whole_whether_the_layout_guess_holds_or_not() -> None:
     (guess0, sent), (guess1, received) = run_ranks(_exchange, 2)
     assert guess0 and guess1, "the receiver guesses layouts on gloo by default"
-    assert sent == [] and received == [True] * 2 * len(_values())
+    assert received == [True] * 2 * len(_values())
+    # Headers repeat only with the guess (gloo's default), when layout and structure are as last time.
+    assert sent == [(len(_values()), 3), (len(_values()), 0)]

@@ -1,0 +1,295 @@
+"""Schedules given as tables: your own order of F, B, I and W on every rank.
+
+A :class:`TableSchedule` is a :class:`~pipe.core.schedule.Schedule` whose
+programs are data: one list of actions per rank, in the order the rank runs
+them. The stages a rank runs are those its actions name; the micro-batches
+are those the table covers. It is validated when built (:func:`check_programs`,
+which ``Schedule.validate`` shares), simulated and drawn like any schedule
+(``pipe-viz plan --table FILE.csv``), and run by the process runner
+(``DistributedPipe(schedule=table)``).
+
+The Python form: a list per rank of actions, each ``"F3@1"`` (phase,
+micro-batch, ``@`` stage, as :class:`~pipe.core.schedule.Action` prints),
+a ``(phase, micro-batch, stage)`` tuple or an ``Action``::
+
+    TableSchedule.from_table([["F0@0", "F1@0", "B0@0", "B1@0"],
+                              ["F0@1", "B0@1", "F1@1", "B1@1"]])
+
+The CSV form is torch's ``compute_only`` pipeline order
+(``torch.distributed.pipelining`` schedules' ``_dump_csv``/``_load_csv``):
+one row per rank, one cell per action written ``{stage}{phase}{micro-batch}``
+(``0F1`` is the forward of micro-batch 1 on stage 0); empty cells are idle
+steps and are skipped. ``F0@0`` cells are read too.
+
+Phases: ``F`` forward, ``B`` whole backward, ``I`` input gradient and ``W``
+weight gradient (:mod:`pipe.core.iw_backward`). A table with I and W may
+also hold B's (DualPipeV's order does): such a B runs as its I and its W at
+once. :func:`torch_order` builds the table of one of torch's own schedules,
+e.g. ``"DualPipeV"`` or ``"InterleavedZeroBubble"``, from torch's code.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
+
+from pipe.core.schedule import Action, Phase, Schedule
+
+if TYPE_CHECKING:
+    from os import PathLike
+
+__all__ = ["TableSchedule", "check_programs", "torch_order"]
+
+ActionLike = Union[str, Action, Sequence[Any]]
+
+_OURS = re.compile(r"^([FBIW])(\d+)@(\d+)$")
+_TORCHS = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True)
+class TableSchedule(Schedule):
+    """A schedule given as a table of actions per rank; build it with :meth:`from_table` or :meth:`from_csv`.
+
+    Attributes:
+        programs: per rank, the actions in the order the rank runs them.
+        placement: per stage, the rank that runs it.
+        name: what the schedule is called in drawings and errors.
+    """
+
+    programs: tuple[tuple[Action, ...], ...] = ()
+    placement: tuple[int, ...] = ()
+    name: str = "table"
+
+    def __post_init__(self) -> None:
+        pass  # from_table derives and checks every field
+
+    @classmethod
+    def from_table(cls, table: Sequence[Iterable[ActionLike]], name: str = "table") -> "TableSchedule":
+        """The schedule of ``table`` (one iterable of actions per rank), validated.
+
+        Raises:
+            ValueError: a cell that is not an action, or a table that cannot run;
+                the message names the first action that breaks it.
+        """
+        if isinstance(table, (str, bytes)) or not len(table):
+            raise ValueError(f"a schedule table needs one list of actions per rank, got {table!r}")
+        programs = tuple(tuple(_action(cell, rank) for cell in row) for rank, row in enumerate(table))
+        placement: dict[int, tuple[int, Action]] = {}
+        for rank, program in enumerate(programs):
+            for action in program:
+                home = placement.setdefault(action.stage, (rank, action))
+                if home[0] != rank:
+                    raise ValueError(f"table {name!r}: rank {rank} runs {action} but stage {action.stage} runs "
+                                     f"on rank {home[0]} ({home[1]}); each stage runs on one rank")
+        stages = max(placement, default=-1) + 1
+        missing = [s for s in range(stages) if s not in placement]
+        if missing or not stages:
+            raise ValueError(f"table {name!r}: no rank runs stage {missing[0] if missing else 0}; "
+                             "stages are numbered 0, 1, ... in model order, each run by one rank")
+        if any(a.phase in (Phase.INPUT, Phase.WEIGHT) for p in programs for a in p):  # B = I then W at once
+            programs = tuple(tuple(b for a in p for b in ((Action(Phase.INPUT, a.microbatch, a.stage),
+                                                           Action(Phase.WEIGHT, a.microbatch, a.stage))
+                                                          if a.phase is Phase.BACKWARD else (a,)))
+                             for p in programs)
+        microbatches = 1 + max(a.microbatch for p in programs for a in p)
+        per_rank = max(sum(1 for r in placement.values() if r[0] == rank) for rank in range(len(programs)))
+        schedule = cls("table", len(programs), microbatches, per_rank, programs,
+                       tuple(placement[s][0] for s in range(stages)), name)
+        schedule.validate()
+        return schedule
+
+    @classmethod
+    def from_csv(cls, source: Union[str, "PathLike[str]", io.TextIOBase], name: str | None = None) -> "TableSchedule":
+        """The schedule of a CSV table (a path or an open text file): one row per rank, see the module docstring."""
+        if isinstance(source, io.TextIOBase):
+            rows = list(csv.reader(source))
+        else:
+            path = Path(source)
+            name = name or path.stem
+            with path.open(newline="") as handle:
+                rows = list(csv.reader(handle))
+        return cls.from_table([[cell.strip() for cell in row if cell.strip()] for row in rows], name or "table")
+
+    def to_csv(self) -> str:
+        """The table as CSV, in torch's ``compute_only`` notation (``{stage}{phase}{micro-batch}``)."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        for program in self.programs:
+            writer.writerow([f"{a.stage}{a.phase.value}{a.microbatch}" for a in program])
+        return out.getvalue()
+
+    @property
+    def stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def splits_backward(self) -> bool:
+        return any(a.phase is Phase.INPUT for program in self.programs for a in program)
+
+    def rank_of(self, stage: int) -> int:
+        if not 0 <= stage < self.stages:
+            raise ValueError(f"stage {stage} is out of range for table {self.name!r} with {self.stages} stages; "
+                             f"expected 0 <= stage < {self.stages}")
+        return self.placement[stage]
+
+    def stages_of(self, rank: int) -> list[int]:
+        self._check_rank(rank)
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def actions(self, rank: int) -> list[Action]:
+        self._check_rank(rank)
+        return list(self.programs[rank])
+
+    def __str__(self) -> str:
+        return f"table {self.name!r} ({self.ranks} ranks, {self.stages} stages, {self.microbatches} micro-batches)"
+
+
+def _action(cell: ActionLike, rank: int) -> Action:
+    if isinstance(cell, Action):
+        return cell
+    if isinstance(cell, str):
+        text = cell.strip()
+        ours, torchs = _OURS.match(text), _TORCHS.match(text)
+        if ours:
+            return Action(Phase(ours.group(1)), int(ours.group(2)), int(ours.group(3)))
+        if torchs:
+            return Action(Phase(torchs.group(2)), int(torchs.group(3)), int(torchs.group(1)))
+    elif isinstance(cell, Sequence) and len(cell) == 3 and str(cell[0]) in "FBIW" and str(cell[0]) \
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cell[1:]):
+        return Action(Phase(str(cell[0])), int(cell[1]), int(cell[2]))
+    raise ValueError(
+        f"rank {rank}: {cell!r} is not an action; write 'F3@1' (phase, micro-batch @ stage), torch's '1F3' "
+        "(stage, phase, micro-batch) or ('F', 3, 1), with phase F, B, I or W")
+
+
+def check_programs(schedule: Schedule) -> None:
+    """Checks that ``schedule``'s programs can run, naming the first action that breaks them.
+
+    Each (micro-batch, stage) has one F and one B (or one I and one W), on the
+    rank that owns the stage, F first (then I, then W); nothing is missing; the
+    built-in kinds keep their in-flight bounds; and the ranks do not wait
+    forever: an action waiting for one its own rank runs later can never run,
+    and ranks waiting for each other deadlock.
+
+    Raises:
+        ValueError: naming the first violation found.
+    """
+    phases = (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT) if schedule.splits_backward \
+        else (Phase.FORWARD, Phase.BACKWARD)
+    seen: dict[Action, int] = {}
+    programs = [schedule.actions(rank) for rank in range(schedule.ranks)]
+    for rank, program in enumerate(programs):
+        position: dict[Action, int] = {}
+        for index, action in enumerate(program):
+            if action.phase not in phases:
+                raise ValueError(
+                    f"{schedule}: rank {rank} has {action}; programs hold only "
+                    + ("forwards, input and weight gradients (a B runs as I and W)" if schedule.splits_backward
+                       else "forwards and backwards"))
+            if not 0 <= action.stage < schedule.stages or schedule.rank_of(action.stage) != rank:
+                owner = f"rank {schedule.rank_of(action.stage)}" if 0 <= action.stage < schedule.stages \
+                    else f"no rank (the schedule has {schedule.stages} stages)"
+                raise ValueError(f"{schedule}: {action} is on rank {rank} but stage {action.stage} belongs to {owner}")
+            if action in seen:
+                raise ValueError(f"{schedule}: {action} appears more than once")
+            seen[action] = rank
+            position[action] = index
+        for action, index in position.items():
+            if action.phase is not Phase.FORWARD:
+                twin = Action(phases[phases.index(action.phase) - 1], action.microbatch, action.stage)
+                if twin not in position and twin not in seen:
+                    raise ValueError(f"{schedule}: {twin} is missing (rank {rank} runs {action})")
+                if position.get(twin, len(program)) > index:
+                    raise ValueError(f"{schedule}: rank {rank} runs {action} before {twin}")
+    for rank, program in enumerate(programs):  # in program order: the first action left without its W
+        for action in program:
+            if action.phase is Phase.INPUT and Action(Phase.WEIGHT, action.microbatch, action.stage) not in seen:
+                raise ValueError(f"{schedule}: rank {rank} runs {action} but never its W "
+                                 f"(W{action.microbatch}@{action.stage}): its weight gradient would be lost")
+    for stage in range(schedule.stages):
+        for i in range(schedule.microbatches):
+            for phase in phases:
+                if Action(phase, i, stage) not in seen:
+                    raise ValueError(f"{schedule}: {Action(phase, i, stage)} is missing")
+    bounds = {"1f1b": ("1F1B", "ranks - rank", lambda r: schedule.ranks - r),
+              "zb-h1": ("ZB-H1", "ranks", lambda r: schedule.ranks),
+              "zbv": ("ZB-V", "2 * ranks", lambda r: 2 * schedule.ranks)}
+    if schedule.kind in bounds:
+        name, formula, bound = bounds[schedule.kind]
+        for rank, peak in enumerate(schedule.peak_inflight()):
+            if peak > bound(rank):
+                raise ValueError(f"{schedule}: rank {rank} holds {peak} micro-batches in flight; "
+                                 f"{name} allows at most {formula} = {bound(rank)}")
+    try:
+        schedule.simulate()
+    except RuntimeError:
+        raise ValueError(_stuck(schedule, programs)) from None
+
+
+def _stuck(schedule: Schedule, programs: list[list[Action]]) -> str:
+    """Why the simulation stopped: the first stuck action, and whether its wait can never end or is a deadlock."""
+    done: set[Action] = set()
+    cursor = [0] * schedule.ranks
+    moved = True
+    while moved:  # run every rank as far as it goes, with unit durations
+        moved = False
+        for rank, program in enumerate(programs):
+            while cursor[rank] < len(program):
+                needed = schedule._dependency(program[cursor[rank]])
+                if needed is not None and needed not in done:
+                    break
+                done.add(program[cursor[rank]])
+                cursor[rank] += 1
+                moved = True
+    waits = [(rank, programs[rank][cursor[rank]]) for rank in range(schedule.ranks) if cursor[rank] < len(programs[rank])]
+    for rank, action in waits:
+        needed = schedule._dependency(action)
+        assert needed is not None
+        if schedule.rank_of(needed.stage) == rank:
+            return (f"{schedule}: rank {rank} runs {action} before {needed}, which it waits for: "
+                    "this dependency can never be met (move it after)")
+    described = "; ".join(f"rank {rank} at {action} waits for {schedule._dependency(action)} "
+                          f"(rank {schedule.rank_of(schedule._dependency(action).stage)})"  # type: ignore[union-attr]
+                          for rank, action in waits)
+    return f"{schedule}: deadlock between ranks, first at {waits[0][1]}: {described}"
+
+
+def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:
+    """The table of torch's schedule ``schedule`` (``torch.distributed.pipelining``), computed by torch's code.
+
+    Args:
+        schedule: ``"DualPipeV"`` (2 stages per rank in a V, B's and I/W's) or
+            ``"InterleavedZeroBubble"`` (2 stages per rank, looped, I/W).
+        ranks, microbatches: the pipeline ranks and micro-batches.
+
+    Raises:
+        ValueError: another name, or sizes torch's schedule refuses.
+    """
+    from torch.distributed.pipelining import schedules
+
+    classes = {"DualPipeV": schedules.ScheduleDualPipeV,
+               "InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble}
+    if schedule not in classes:
+        raise ValueError(f"torch_order knows {sorted(classes)}, got {schedule!r}")
+    if microbatches < 2 * ranks if schedule == "DualPipeV" else microbatches % max(1, microbatches // ranks):
+        raise ValueError(f"torch's {schedule} refuses {microbatches} micro-batches on {ranks} ranks "
+                         "(DualPipeV: at least 2 * ranks; InterleavedZeroBubble: a multiple of the rounds)")
+    order: Any = object.__new__(classes[schedule])  # the order needs the sizes only, not stages or a group
+    order.pp_group_size, order._n_microbatches, order.n_local_stages = ranks, microbatches, 2
+    order._num_stages = 2 * ranks
+    order.number_of_rounds = max(1, microbatches // ranks)
+    order.microbatches_per_round = microbatches // order.number_of_rounds
+    table = []
+    for rank in range(ranks):
+        row: list[Action] = []
+        for step in order._calculate_single_rank_operations(rank):
+            for sub in (step.sub_actions or (step,)) if step is not None else ():
+                kind = sub.computation_type.name
+                phase = {"F": "F", "B": "B", "I": "I", "W": "W", "FORWARD": "F", "FULL_BACKWARD": "B",
+                         "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}[kind]
+                row.append(Action(Phase(phase), sub.microbatch_index, sub.stage_index))
+        table.append(row)
+    return TableSchedule.from_table(table, name=f"torch {schedule}")

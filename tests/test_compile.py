@@ -1,0 +1,230 @@
+"""Compiled stages in the thread runner: ``Pipe(compile=...)`` against the plain eager model.
+
+Backend ``aot_eager`` (dynamo's graphs and AOT autograd's joint forward and
+backward, eager kernels) runs on a machine without a C++ compiler, as CI's
+fresh machine may be; one test runs inductor where a compiler is found.
+Every test counts the frames dynamo compiles: after the first step, other
+batch sizes, a smaller last micro-batch and checkpoint replays compile nothing.
+Tolerance: outputs and gradients within ``assert_close``'s float32 defaults
+(rtol 1.3e-6, atol 1e-5), as compiled graphs may fuse and reorder sums.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import pipe
+from pipe import Pipe
+from pipe.core.compile import CompileError, compiled_layers, verify_compile
+from split_models import VOCAB, assert_same_grads, gpt2, lm_batch, lm_loss, tied_model
+
+CHECKPOINTS = ("always", "except_last", "never")
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with a residual and dropout."""
+
+    def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def blocks(dropout: float = 0.0, layers: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(dropout=dropout) for _ in range(layers)])
+
+
+def _train(model: nn.Module, x: Tensor) -> Tensor:
+    output = model(x)
+    output.square().mean().backward()
+    return output.detach()
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_matches_eager_and_compiles_once(checkpoint: str) -> None:
+    counter = CompileCounterWithBackend("aot_eager")
+    plain = blocks()
+    piped = Pipe(copy.deepcopy(plain), chunks=3, checkpoint=checkpoint, balance=[2, 2],
+                 compile={"backend": counter})
+    assert piped.compiled_layers == ["0", "1", "2", "3"]
+    assert list(piped.state_dict()) == list(plain.state_dict())  # no _orig_mod. in the keys
+    after_first = None
+    # Batch sizes 8 (3+3+2), 7 (3+3+1 is avoided: size 1 specialises), 11 and 6, and a new sequence length.
+    for step, shape in enumerate([(8, 5, 16), (11, 5, 16), (6, 5, 16), (8, 9, 16)]):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        piped.zero_grad()
+        plain.zero_grad()
+        torch.testing.assert_close(_train(piped, x), _train(plain, x))
+        assert_same_grads(piped, plain, atol=1e-5, rtol=1.3e-6)
+        if step == 0:
+            after_first = counter.frame_count
+            # One block class: its grad-mode graph, the first micro-batch's (input at storage offset 0, no
+            # grad), and with checkpointing the no-grad forwards' graphs (pipe.core.compile lists the variants).
+            assert 1 <= after_first <= 8
+    assert counter.frame_count == after_first, "a later step recompiled"
+
+
+def test_checkpoint_replays_dropout_exactly() -> None:
+    # One partition, so the random draws come in one order: a checkpointed step and one that keeps its
+    # activations draw the same masks, and the recomputation must draw them again.
+    counter = CompileCounterWithBackend("aot_eager")
+    model = blocks(dropout=0.25)
+    grads = {}
+    for checkpoint in ("never", "always"):
+        piped = Pipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, balance=[4],
+                     compile={"backend": counter})
+        x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(7)
+        _train(piped, x)
+        grads[checkpoint] = {name: p.grad for name, p in piped.named_parameters()}
+    for name, grad in grads["never"].items():
+        torch.testing.assert_close(grads["always"][name], grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_tied_weights() -> None:
+    model = tied_model()
+    reference = copy.deepcopy(model)
+    piped = Pipe(model, chunks=4, checkpoint="except_last", balance=[2, 3], compile={"backend": "aot_eager"})
+    assert len(list(piped.parameters())) == len(list(reference.parameters()))
+    x = torch.randint(0, VOCAB, (8, 5), generator=torch.Generator().manual_seed(0))
+    loss = piped(x).logsumexp(-1).mean()
+    expected = reference(x).logsumexp(-1).mean()
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert_same_grads(piped, reference, atol=1e-5, rtol=1.3e-6)
+
+
+@pytest.mark.slow
+def test_split_gpt2_compiles_per_stage() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = gpt2()
+    ids, mask, labels = lm_batch(8, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
+    reference = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    piped = Pipe(stages, chunks=4, checkpoint="except_last", balance=[1, 1], compile={"backend": counter})
+    assert piped.compiled_layers == list(stages._modules)
+    for step in range(2):
+        ids, mask, labels = lm_batch(8, 8, seed=step)
+        model.zero_grad()
+        reference.zero_grad()
+        loss = lm_loss(piped(ids, mask), labels)
+        expected = lm_loss(reference(ids, attention_mask=mask).logits, labels)
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        expected.backward()
+        assert_same_grads(model, reference, atol=1e-5, rtol=1e-4)
+        if step == 0:
+            first = counter.frame_count
+    assert counter.frame_count == first
+
+
+class Breaks(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def test_errors_name_the_layer_and_the_fix() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Breaks())
+    piped = Pipe(model, chunks=2, balance=[1, 1], compile={"backend": "aot_eager", "fullgraph": True})
+    with pytest.raises(CompileError, match=r"layer '1' \(Breaks\).*fullgraph': False"):
+        piped(torch.randn(4, 4))
+    # Without fullgraph, dynamo runs the break eagerly: the right numbers, two graphs.
+    model = nn.Sequential(nn.Linear(4, 4), Breaks())
+    piped = Pipe(copy.deepcopy(model), chunks=2, balance=[1, 1], compile={"backend": "aot_eager"})
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(piped(x), model(x))
+    excluded = Pipe(copy.deepcopy(model), balance=[1, 1], compile={"backend": "aot_eager", "exclude": ["1"]})
+    assert excluded.compiled_layers == ["0"] and compiled_layers(excluded) == ["0"]
+    with pytest.raises(ValueError, match="unknown keys.*'fulgraph'"):
+        verify_compile({"fulgraph": True})
+    with pytest.raises(TypeError, match="compile must be True, False or a dict"):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), compile="yes")
+    with pytest.raises(TypeError, match=r"compile\['fullgraph'\] must be True or False"):
+        verify_compile({"fullgraph": 1})
+
+
+def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from pathlib import Path
+
+    import pipe.core.compile
+
+    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: True)
+    # torch.compile takes a mode or options: a mode becomes its options, random ops stay eager's.
+    options = verify_compile({"mode": "max-autotune-no-cudagraphs"})
+    assert options is not None and options["mode"] is None
+    assert options["options"]["max_autotune"] and options["options"]["fallback_random"]
+    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: False)
+    with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*compile=\{'backend': 'aot_eager'\}"):
+        Pipe(nn.Sequential(nn.Linear(2, 2)), compile=True)
+    sys.path.insert(0, str(Path(__file__).parent / "skip"))
+    from models import PopLinear, StashLinear
+
+    model = nn.Sequential(StashLinear(4), nn.Linear(4, 4), PopLinear(4))
+    with pytest.warns(UserWarning, match="layer '0' is @skippable"):
+        piped = Pipe(copy.deepcopy(model), chunks=2, balance=[2, 1], compile={"backend": "aot_eager"})
+    assert piped.compiled_layers == ["1"]
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(piped(x), model(x))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor needs a C++ compiler on the CPU")
+def test_inductor() -> None:
+    plain = blocks(layers=2)
+    piped = Pipe(copy.deepcopy(plain), chunks=2, checkpoint="never", balance=[1, 1], compile=True)
+    for size in (6, 5):
+        x = torch.randn(size, 3, 16, generator=torch.Generator().manual_seed(size))
+        piped.zero_grad()
+        plain.zero_grad()
+        torch.testing.assert_close(_train(piped, x), _train(plain, x))
+        assert_same_grads(piped, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_split_backward_over_compiled_blocks_runs_each_backward_once() -> None:
+    from pipe.core.iw_backward import IWBackward
+
+    plain = blocks(layers=2)
+    compiled = copy.deepcopy(plain)
+    Pipe(compiled, balance=[2], compile={"backend": "aot_eager"})  # compiles compiled's layers in place
+    x = torch.randn(6, 3, 16, generator=torch.Generator().manual_seed(0))
+    expected_input = x.clone().requires_grad_()
+    plain(expected_input).square().mean().backward()
+    leaf = x.clone().requires_grad_()
+    output = compiled(leaf)
+    loss = output.square().mean()
+    split = IWBackward([loss], None, [leaf], list(compiled.parameters()))
+    nodes = []  # the compiled blocks' nodes, and how often each runs its backward
+    walk = [loss.grad_fn]
+    while walk:
+        node = walk.pop()
+        if type(node).__name__ == "CompiledFunctionBackward":
+            nodes.append(node)
+        walk += [child for child, _ in node.next_functions if child is not None]
+    runs = {node: 0 for node in nodes}
+    for node in nodes:
+        node.register_prehook(lambda grads, node=node: runs.__setitem__(node, runs[node] + 1))
+    assert len(nodes) == 2
+    (input_grad,) = split.backward_input()
+    assert set(runs.values()) == {1}
+    split.backward_weight()
+    assert set(runs.values()) == {1}, "W ran a compiled block's backward again"
+    torch.testing.assert_close(input_grad, expected_input.grad)
+    assert_same_grads(compiled, plain, atol=1e-5, rtol=1.3e-6)
