@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_blocks import ROOT, Block, all_blocks, blocks, doc_files  # noqa: E402
 
 RUN_TIMEOUT = 240     # seconds for one page's plain blocks together
-TORCHRUN_TIMEOUT = 120
+TORCHRUN_TIMEOUT = 60   # seconds per block
 PAGES = [path for path in doc_files() if any(b.kind in ("run", "continued") for b in blocks(path))]
 DISTRIBUTED = [block for block in all_blocks() if block.kind == "torchrun"]
 
@@ -79,15 +79,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.parametrize("block", DISTRIBUTED, ids=lambda b: b.name)
-def test_torchrun_block_runs(block: Block, tmp_path: Path) -> None:
-    script = tmp_path / f"{block.path.stem}_{block.line}.py"
-    script.write_text("\n" * block.line + block.code)  # the traceback's line numbers are the page's
+@pytest.mark.parametrize("nproc", sorted({b.nproc for b in DISTRIBUTED}))
+def test_torchrun_blocks_run(nproc: int, tmp_path: Path) -> None:
+    """Every ``torchrun`` block for ``nproc`` ranks, in one launch (a launch costs seconds on 2 cores)."""
+    entries = [{"path": b.name.rsplit(":", 1)[0], "line": b.line, "kind": b.kind, "code": b.code}
+               for b in DISTRIBUTED if b.nproc == nproc]
+    spec = tmp_path / "blocks.json"
+    spec.write_text(json.dumps(entries))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={block.nproc}",
-         "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(script)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
-    assert done.returncode == 0, f"{block.name} under torchrun:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(ROOT / "tests" / "docs_runner.py"),
+         str(spec)],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT * len(entries))
+    assert done.returncode == 0, f"torchrun blocks on {nproc} ranks:\n{done.stdout[-6000:]}\n{done.stderr[-8000:]}"
 
 
 # Paths the docs cite: in backticks or as markdown links, relative to the repository root or the page.
