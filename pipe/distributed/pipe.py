@@ -9,7 +9,7 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
+from pipe.distributed.names import PlainNames
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
@@ -177,6 +178,7 @@ class DistributedPipe(nn.Module):
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
+        self.plain_names = PlainNames(self, skeleton)  # named_parameters() and named_modules() as the plain model
         averager = None
         if data_parallel > 1:
             averager = GradientAverager(dict(self.partitions), self.topology.data_parallel_group, data_parallel)
@@ -208,6 +210,24 @@ class DistributedPipe(nn.Module):
     def is_last(self) -> bool:
         """Whether this rank runs the last stage (and takes the targets and computes the loss)."""
         return self.schedule.stages - 1 in self.partitions
+
+    # -- the plain model's names (pipe.distributed.names) ---------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the plain model's names (as ``state_dict()`` keys; a tied weight as
+        the plain model names it)."""
+        return self.plain_names.members(lambda m: m._parameters.items(), prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """This rank's buffers under the plain model's names."""
+        return self.plain_names.members(lambda m: m._buffers.items(), prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: Optional[set[nn.Module]] = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """This module and its submodules that the plain model has, under the plain model's names."""
+        return self.plain_names.modules(memo, prefix, remove_duplicate)
 
     # -- training and inference -----------------------------------------------------------------
 
