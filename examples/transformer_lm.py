@@ -245,8 +245,9 @@ def sample(model: Pipe, data: CharData, args: argparse.Namespace, prompt: str = 
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up over the first 10% of steps, then cosine decay to lr/10."""
-    warmup = max(1, args.steps // 10)
+    """Linear warm-up over the first 10% of steps (at least 20, so that a short run's loss falls too),
+    then cosine decay to lr/10."""
+    warmup = max(20, args.steps // 10)
     if step < warmup:
         return args.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, args.steps - warmup)
