@@ -35,9 +35,11 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.core.microbatch import NoChunk
     from pipe.pipe import Pipe
     from pipe.core.sequential import PipeSequential
-    from pipe.graph_split import split
+    from pipe.graph_split import SplitError, split
+    from pipe.threads.call import PipeClosedError
 
-__all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip"]
+__all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip",
+           "PipeClosedError", "SplitError"]
 __version__ = "0.1.0"
 
 _NAMES = {
@@ -47,6 +49,8 @@ _NAMES = {
     "split": ("pipe.graph_split", "split"),
     "is_checkpointing": ("pipe.core.checkpoint", "is_checkpointing"),
     "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
+    "PipeClosedError": ("pipe.threads.call", "PipeClosedError"),
+    "SplitError": ("pipe.graph_split", "SplitError"),
 }
 _SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads",
                "plan"}

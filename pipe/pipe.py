@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from pipe.core.compile import CompileOption, compile_stages, verify_compile
-from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks
+from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks, verify_one_value_layers
 from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
 from pipe.core.partition import Device, split_module
-from pipe.core.sequential import sequential_like
+from pipe.core.sequential import PipeSequential, sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
 from pipe.graph_split import keep_original_names
 from pipe.threads.pipeline import Pipeline
@@ -125,6 +125,8 @@ class Pipe(nn.Module):
         if deferred_batch_norm and isinstance(module, nn.Sequential):
             module = convert_deferred_batch_norm(module)
 
+        if isinstance(module, nn.Sequential) and not isinstance(module, PipeSequential):  # one value per layer
+            verify_one_value_layers(module.named_children())
         partitions, balance, devices = split_module(module, balance, devices)
         verify_skippables(module)
         self._deferred_batch_norms = deferred_batch_norms(module, self.chunks)

@@ -315,3 +315,33 @@ def test_the_state_dict_recipes_load_a_peers_checkpoint(peer: str) -> None:
     piped.load_state_dict(state)
     for (name, p), q in zip(saved.state_dict().items(), piped.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def test_multi_argument_layers_in_a_plain_sequential_name_pipe_sequential() -> None:
+    """torch's Pipe convention in a plain nn.Sequential fails at construction, naming the fix (issue 21)."""
+    import re
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from pipe import Pipe, PipeSequential
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.linear(x) * mask, mask
+
+    model = nn.Sequential(Masked(), Masked())
+    with pytest.raises(TypeError, match=re.escape("layer 0 (Masked) takes 2 arguments (x, mask)")) as raised:
+        Pipe(model, chunks=2, balance=[1, 1], devices=["cpu", "cpu"])
+    assert "pipe.PipeSequential" in str(raised.value)
+    with pytest.raises(TypeError):  # the plain model cannot run it either: the oracle agrees
+        model((torch.randn(2, 4), torch.ones(2, 1)))
+    piped = Pipe(PipeSequential(OrderedDict(model.named_children())), chunks=2, balance=[1, 1],
+                 devices=["cpu", "cpu"])  # the fix the message gives
+    out, _ = piped(torch.randn(2, 4), torch.ones(2, 1))
+    assert out.shape == (2, 4)
+    Pipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), balance=[1, 1], devices=["cpu", "cpu"])  # one argument: fine

@@ -8,8 +8,9 @@ reader; the runners below them take checked values.
 """
 from __future__ import annotations
 
+import inspect
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 from pipe.core.schedule import Schedule
 
@@ -105,3 +106,33 @@ def pipeline_schedule(kind: Any, ranks: int, chunks: int, virtual_stages: Any) -
         message = str(error).replace("unknown schedule kind", "unknown schedule").replace(
             "microbatches", "chunks").replace("kind='interleaved'", "schedule='interleaved'")
         raise ValueError(message) from None
+
+
+def verify_one_value_layers(layers: Iterable[tuple[str, Any]]) -> None:
+    """Refuses, in an ``nn.Sequential``, a layer whose ``forward`` needs several arguments.
+
+    An ``nn.Sequential`` hands each layer one value (a returned tuple stays one
+    argument), so such a layer cannot run in the plain model either; the
+    model was written for torch's ``Pipe`` convention, which is
+    :class:`pipe.PipeSequential`'s.
+
+    Raises:
+        TypeError: names the layer, its arguments and the fix.
+    """
+    for name, layer in layers:
+        try:
+            parameters = inspect.signature(layer.forward).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: let the call decide
+            continue
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+            continue
+        required = [p.name for p in parameters if p.default is inspect.Parameter.empty
+                    and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        if len(required) > 1:
+            raise TypeError(
+                f"layer {name} ({type(layer).__name__}) takes {len(required)} arguments ({', '.join(required)}), "
+                "but an nn.Sequential passes one value from layer to layer (a returned tuple stays one argument), "
+                "so the plain model cannot run it either. For torch's Pipe convention (a returned tuple becomes the "
+                "next layer's arguments) wrap the model in pipe.PipeSequential: "
+                "Pipe(PipeSequential(OrderedDict(model.named_children())), ...)"
+            )

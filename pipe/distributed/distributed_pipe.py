@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
 from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
+from pipe.distributed.names import PlainNames
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
@@ -236,6 +237,7 @@ class DistributedPipe(nn.Module):
         keep_original_names(self)  # stages of pipe.split: the original model's keys
         self.compiled_layers = compile_stages(self.partitions.values(), compile_options)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
+        self.plain_names = PlainNames(self, skeleton)  # named_parameters() and named_modules() as the plain model
         # Tensor parallelism first, then FSDP, as torchtitan composes them.
         if tensor_parallel is not None:
             tp.apply(self.partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
@@ -299,6 +301,24 @@ class DistributedPipe(nn.Module):
         """Whether this rank runs the last stage (and takes the targets and computes the loss)."""
         return self.schedule.stages - 1 in self.partitions
 
+    # -- the plain model's names (pipe.distributed.names) ---------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the plain model's names (as ``state_dict()`` keys; a tied weight as
+        the plain model names it)."""
+        return self.plain_names.members(lambda m: m._parameters.items(), prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """This rank's buffers under the plain model's names."""
+        return self.plain_names.members(lambda m: m._buffers.items(), prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: Optional[set[nn.Module]] = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """This module and its submodules that the plain model has, under the plain model's names."""
+        return self.plain_names.modules(memo, prefix, remove_duplicate)
+
     # -- training and inference -----------------------------------------------------------------
 
     def step(self, inputs: Any = None, target: Any = None, loss_fn: Optional[LossFn] = None, *,
@@ -323,19 +343,7 @@ class DistributedPipe(nn.Module):
             :class:`pipe.distributed.PipelineFailure` naming it.
         """
         loss_fn = loss_fn or self.loss_fn
-        targets = weights = None
-        try:  # a bad argument on one rank must not leave the others waiting: report it
-            batches = self._scatter(inputs, "inputs") if self.is_first else None
-            if self.is_last:
-                if loss_fn is None:
-                    raise ValueError("the rank of the last stage needs loss_fn, in step() or in the constructor")
-                targets = self._scatter(target, "target")
-                weights = sample_weights(self.loss_reduction, targets)
-                if not self._warned_ignored_targets:
-                    self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
-        except (TypeError, ValueError) as error:
-            self._runtime.failures.begin_step()  # the step the other ranks run
-            raise self._runtime.failures.failure_from("step()", error) from None
+        batches, targets, weights = self._prepare(inputs, target, loss_fn, "step()", need_target=True)
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         for bn in self._deferred_batch_norms:
             bn.discard()  # what a failed step left behind
@@ -353,12 +361,89 @@ class DistributedPipe(nn.Module):
             loss = self._divide_by_count(counted, loss, step_grads)
         for bn in self._deferred_batch_norms:
             bn.commit()  # running statistics once per mini-batch
-        if self.is_last and self.topology.data_parallel > 1:
+        self._tied.reduce_gradients()  # tied weights: the replicas' gradients summed over their ranks
+        return self._share_loss(loss, broadcast_loss)
+
+    def eval_step(self, inputs: Any = None, target: Any = None, loss_fn: Optional[LossFn] = None, *,
+                  return_outputs: bool = False, broadcast_loss: bool = False) -> Any:
+        """Runs one mini-batch forwards only, through this rank's schedule; returns the loss as :meth:`step` does.
+
+        The micro-batches take the forward actions of the rank's program in
+        the schedule's order, under ``torch.no_grad()``: nothing is
+        checkpointed, no graph and no activation is kept, no gradient is
+        touched. The loss is reduced as :meth:`step` reduces it
+        (``loss_reduction``, averaged over data-parallel replicas), so it equals
+        the plain model's loss under ``torch.no_grad()``. For a validation
+        loss call ``model.eval()`` first (dropout off, BatchNorm's running
+        statistics), as for the plain model. Every rank of the pipeline calls it.
+
+        Args:
+            inputs: what the first layer takes; used on the rank of the first stage.
+            target: the loss function's second argument, on the rank of the last
+                stage; without it no loss is computed (the outputs only).
+            loss_fn: as for :meth:`step`; default the constructor's.
+            return_outputs: also return the last stage's output for the whole
+                mini-batch (on the last stage's rank; None elsewhere).
+            broadcast_loss: return the loss on every rank of the pipeline
+                (then every rank must agree on whether a target is given).
+
+        Returns:
+            The loss on the last stage's rank (None elsewhere, or without a
+            target), or ``(loss, outputs)`` with ``return_outputs``.
+
+        Raises:
+            ValueError, TypeError: as :meth:`step`.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        batches, targets, weights = self._prepare(inputs, target, loss_fn, "eval_step()",
+                                                  need_target=target is not None)
+        counted = None
+        if self.loss_reduction == "count" and targets is not None and loss_fn is not None:
+            counted = CountedLoss(loss_fn)
+        for bn in self._deferred_batch_norms:
+            bn.discard()
+        with torch.no_grad():
+            loss, outputs = self._runtime.run(batches, targets, counted or loss_fn, 0, weights, training=False)
+        for bn in self._deferred_batch_norms:
+            bn.commit()
+        if counted is not None:  # the sum of the sums over the whole (global) batch's count
             assert loss is not None
+            local = torch.stack([loss.detach().double(), counted.total(loss.device)])
+            if self.topology.data_parallel > 1:
+                dist.all_reduce(local, group=self.topology.data_parallel_group)
+            if local[1] <= 0:
+                raise ValueError(f"loss_fn counted {float(local[1]):g} items over the whole batch (every target "
+                                 "ignored?); the mean over them is undefined")
+            loss = (local[0] / local[1]).to(loss.dtype)  # the same on every replica: no average to take
+        loss = self._share_loss(loss, broadcast_loss, average=counted is None)
+        if not return_outputs:
+            return loss
+        return loss, gather(outputs) if outputs else None
+
+    def _prepare(self, inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
+                 need_target: bool) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
+        """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
+        targets = weights = None
+        try:  # a bad argument on one rank must not leave the others waiting: report it
+            batches = self._scatter(inputs, "inputs") if self.is_first else None
+            if self.is_last and need_target:
+                if loss_fn is None:
+                    raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
+                targets = self._scatter(target, "target")
+                weights = sample_weights(self.loss_reduction, targets)
+                if not self._warned_ignored_targets:
+                    self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
+        except (TypeError, ValueError) as error:
+            self._runtime.failures.begin_step()  # the step the other ranks run
+            raise self._runtime.failures.failure_from(where, error) from None
+        return batches, targets, weights
+
+    def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:
+        """The loss averaged over data-parallel replicas, and sent to every rank with ``broadcast_loss``."""
+        if average and loss is not None and self.is_last and self.topology.data_parallel > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.topology.data_parallel_group)
             loss /= self.topology.data_parallel
-        self._tied.reduce_gradients()  # tied weights: the replicas' gradients summed over their ranks
         if broadcast_loss and self.topology.ranks > 1:
             source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
             loss = broadcast_from(loss, source, self._pipeline_group, self.device)

@@ -197,15 +197,17 @@ class Runtime:
 
         Args:
             batches: the input micro-batches (on the rank of the first stage).
-            targets: the target micro-batches (on the rank of the last stage, when training).
+            targets: the target micro-batches (on the rank of the last stage, when training or
+                evaluating a loss forwards only).
             loss_fn: ``loss_fn(output, target)`` -> scalar (on the rank of the last stage).
             checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
             weights: per micro-batch, the factor of its loss in the step's loss.
             training: run backward (True) or forwards only.
 
         Returns:
-            ``(loss, outputs)``: the step's loss on the last stage's rank when
-            training, and the last stage's output micro-batches (forwards only).
+            ``(loss, outputs)``: the step's loss on the last stage's rank (when
+            training, or forwards only with targets), and the last stage's
+            output micro-batches (forwards only).
         """
         self.failures.begin_step()
         program = [a for a in self.schedule.actions(self.topology.pipeline_rank)
@@ -243,6 +245,9 @@ class Runtime:
                             loss = scaled if loss is None else loss + scaled
                         else:
                             outputs[i] = output
+                            if loss_fn is not None and targets is not None and weights is not None:  # eval_step
+                                micro_loss = _loss(loss_fn, output.value, targets[i].value, i) * weights[i]
+                                loss = micro_loss if loss is None else loss + micro_loss
                 elif action.phase is Phase.INPUT:
                     self._backward(action, messages, cells[(i, s)], weights)
                 else:

@@ -31,11 +31,12 @@ converts it to a single ``torch.save`` file if needed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, ContextManager, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -63,10 +64,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _own_names(module: nn.Module) -> ContextManager[None]:
+    """DCP walks the module by attribute from ``named_parameters()``: a DistributedPipe's own names meanwhile."""
+    names = getattr(module, "plain_names", None)
+    return names.raw() if names is not None else contextlib.nullcontext()
+
+
 def _state(module: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+    with _own_names(module):
+        state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
     return state
 
 
@@ -124,9 +132,10 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         # Loading in one process is intended here (load_module); DCP warns about it regardless.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
-    set_model_state_dict(module, state["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
+    with _own_names(module):
+        set_model_state_dict(module, state["model"], options=_OPTIONS)
+        if optimizer is not None:
+            set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
     logger.info("loaded %d tensors of the model from %s", len(state["model"]), path)
     return dict(state["extra"])
 

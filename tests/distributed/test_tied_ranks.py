@@ -27,7 +27,7 @@ def _tied_steps(rank: int, world: int) -> list[float]:
     piped = DistributedPipe(model, chunks=4, checkpoint="except_last", schedule="1f1b", balance=[2, 3],
                             loss_fn=_loss)
     names = [name for name, _ in piped.named_parameters()]
-    assert ("0.weight" in names) == (rank == 0) and ("4.weight" in names) == (rank == 1)
+    assert "0.weight" in names and "4.weight" not in names  # the plain model's name of the tie, on both ranks
     optimizer = torch.optim.Adam(piped.parameters(), lr=0.05)
     expected_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
     for step in range(4):
