@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.core.compile import CompileOption, compile_stages, verify_compile
+from pipe.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks, verify_one_value_layers
 from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
 from pipe.core.partition import Device, split_module
@@ -82,7 +82,7 @@ class Pipe(nn.Module):
         compile: compile each layer of each partition with ``torch.compile``:
             ``True`` (inductor, dynamic shapes) or a dict of its keywords
             (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``) and
-            ``exclude`` (layer names left eager); see :mod:`pipe.core.compile`.
+            ``exclude`` (layer names left eager); see :mod:`pipe.compile`.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or an argument has

@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import pipe
 from pipe import Pipe
-from pipe.core.compile import CompileError, compiled_layers, verify_compile
+from pipe.compile import CompileError, compiled_layers, verify_compile
 from split_models import VOCAB, assert_same_grads, gpt2, lm_batch, lm_loss, tied_model
 
 CHECKPOINTS = ("always", "except_last", "never")
@@ -71,7 +71,7 @@ def test_matches_eager_and_compiles_once(checkpoint: str) -> None:
         if step == 0:
             after_first = counter.frame_count
             # One block class: its grad-mode graph, the first micro-batch's (input at storage offset 0, no
-            # grad), and with checkpointing the no-grad forwards' graphs (pipe.core.compile lists the variants).
+            # grad), and with checkpointing the no-grad forwards' graphs (pipe.compile lists the variants).
             assert 1 <= after_first <= 8
     assert counter.frame_count == after_first, "a later step recompiled"
 
@@ -163,14 +163,14 @@ def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.Mo
     import sys
     from pathlib import Path
 
-    import pipe.core.compile
+    import pipe.compile
 
-    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: True)
+    monkeypatch.setattr(pipe.compile, "_has_cxx_compiler", lambda: True)
     # torch.compile takes a mode or options: a mode becomes its options, random ops stay eager's.
     options = verify_compile({"mode": "max-autotune-no-cudagraphs"})
     assert options is not None and options["mode"] is None
     assert options["options"]["max_autotune"] and options["options"]["fallback_random"]
-    monkeypatch.setattr(pipe.core.compile, "_has_cxx_compiler", lambda: False)
+    monkeypatch.setattr(pipe.compile, "_has_cxx_compiler", lambda: False)
     with pytest.raises(ValueError, match=r"needs a C\+\+ compiler.*compile=\{'backend': 'aot_eager'\}"):
         Pipe(nn.Sequential(nn.Linear(2, 2)), compile=True)
     sys.path.insert(0, str(Path(__file__).parent / "skip"))

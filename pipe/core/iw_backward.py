@@ -26,7 +26,7 @@ nothing arriving along the input path is counted twice. Parameters that hang
 off no input path (the first stage, whose input needs no gradient) are W's
 from the outputs.
 
-A compiled block (``compile=``, :mod:`pipe.core.compile`) is one autograd
+A compiled block (``compile=``, :mod:`pipe.compile`) is one autograd
 node whose backward, AOT autograd's, computes its input and weight gradients
 together whatever is asked. Seeding it again in W would run that backward a
 second time, so I keeps what it returns for the parameters (a post-hook on

@@ -32,7 +32,7 @@ from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
-from pipe.core.compile import CompileOption, compile_stages, verify_compile
+from pipe.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
@@ -125,7 +125,7 @@ class DistributedPipe(nn.Module):
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
         sample, target: one mini-batch and its targets, with ``memory_budget``.
         compile: compile each layer of this rank's stages with ``torch.compile``,
-            as for ``Pipe`` (:mod:`pipe.core.compile`).
+            as for ``Pipe`` (:mod:`pipe.compile`).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
