@@ -19,7 +19,7 @@ import itertools
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -28,15 +28,19 @@ from torch import nn
 from pipe.balance.solver import solve
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.partition import verify_module
+from pipe.core.schedule import Schedule
+from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs, profile_costs
-from pipe.plan.predict import Candidate, Prediction, predict
+from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
+from pipe.plan.timing import Link, TimeModel
 
 __all__ = ["Plan", "PlanError", "RUNNERS", "format_bytes", "parse_bytes", "plan", "search"]
 
 logger = logging.getLogger(__name__)
 
 #: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``).
-RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",), "processes": ("gpipe", "1f1b", "interleaved")}
+RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
+                                       "processes": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")}
 
 Budget = Union[int, float, str, Sequence[Union[int, float, str]]]
 
@@ -83,20 +87,24 @@ class Plan:
 
     Attributes:
         best: the fastest candidate predicted to fit.
-        runners_up: the next fastest that fit.
-        rejected: candidates faster than ``best``, each with why it does not fit.
+        runners_up: the next fastest that fit, each with why it lost ("slower by +4.2%").
+        rejected: candidates faster than ``best``, each with why it does not fit (the rank, its stages, the bytes).
         budget: bytes per rank.
         runner: ``"threads"`` (``Pipe``) or ``"processes"`` (``DistributedPipe``).
-        considered: how many candidates were predicted.
+        considered: how many candidates were compared (memory predicted for all).
+        simulated: how many of them had their step time simulated (the others could not win).
+        model: the time model used (None: layer times alone).
     """
 
     best: Prediction
-    runners_up: list[Prediction]
+    runners_up: list[tuple[Prediction, str]]
     rejected: list[tuple[Prediction, str]]
     budget: list[int]
     runner: str
     considered: int
     costs: Optional[Costs] = field(default=None, repr=False)
+    simulated: int = 0
+    model: Optional[TimeModel] = None
 
     @property
     def candidate(self) -> Candidate:
@@ -112,27 +120,38 @@ class Plan:
         if c.schedule != "gpipe":
             raise ValueError(f"the plan uses schedule={c.schedule!r}, which Pipe does not run; use "
                              f"DistributedPipe(model, **plan.distributed_kwargs()), or plan with runner='threads'")
-        return {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint}
+        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint}
+        if c.recompute_config() is not None:
+            kwargs["recompute"] = c.recompute_config()
+        return kwargs
 
     def distributed_kwargs(self) -> dict[str, Any]:
         """Arguments of ``DistributedPipe(model, **kwargs)``."""
         c = self.candidate
-        return {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
-                "schedule": c.schedule, "virtual_stages": c.virtual_stages}
+        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
+                                  "schedule": c.schedule, "virtual_stages": c.virtual_stages}
+        if c.recompute_config() is not None:
+            kwargs["recompute"] = c.recompute_config()
+        return kwargs
 
     def table(self, rejected: int = 8) -> str:
-        """The chosen plan, the runners-up and the ``rejected`` fastest plans over budget, one line each."""
+        """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
+        and the ``rejected`` fastest plans over budget with the rank over it."""
         lines = [f"memory budget {', '.join(sorted({format_bytes(b) for b in self.budget}))} per rank; "
-                 f"{self.considered} candidates ({self.runner})",
-                 f"{'':2}{'plan':<60} {'step':>10} {'peak per rank':>40}"]
+                 f"{self.considered} candidates, {self.simulated} simulated ({self.runner})"]
+        if self.model is not None:
+            lines.append(f"time model: {self.model.describe()}")
+        lines.append(f"{'':2}{'plan':<64} {'step':>10} {'peak per rank':>30}")
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
-            return f"{mark:2}{p.candidate.describe():<60} {p.step_time * 1e3:>8.2f}ms {peaks:>40}" + (
+            return f"{mark:2}{p.candidate.describe():<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
                 f"  {why}" if why else "")
 
         lines.append(row("*", self.best, "chosen"))
-        lines += [row("", p) for p in self.runners_up]
+        if self.runners_up:
+            lines.append("next best that fit:")
+            lines += [row("", p, why) for p, why in self.runners_up]
         if self.rejected:
             shown = self.rejected[:rejected]
             lines.append(f"faster, but over budget ({len(self.rejected)}"
@@ -175,7 +194,8 @@ def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
 def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: Optional[Sequence[str]] = None,
                checkpoints: Sequence[str] = ("never", "except_last", "always"), max_balances: int = 64,
                balances: Optional[Sequence[Sequence[int]]] = None) -> list[Candidate]:
-    """The plans :func:`search` compares (``balances``: only these, for the schedules with as many stages)."""
+    """The plans :func:`search` compares with one checkpoint mode for every stage (``balances``: only these,
+    for the schedules with as many stages); :func:`search` adds per-stage recompute where the budget needs it."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
                          f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
@@ -192,7 +212,7 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
                          f"between 1 and {costs.layers}")
     found = []
     for kind in kinds:
-        virtual = 2 if kind == "interleaved" else 1
+        virtual = 2 if kind in ("interleaved", "zbv") else 1
         if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1):
             continue
         if balances is not None:
@@ -211,11 +231,61 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
     return found
 
 
+def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"
+                        ) -> Optional[Candidate]:
+    """``candidate`` (checkpoint "never") with the fewest layers marked for recompute per stage that fit ``budget``.
+
+    A rank's peak depends only on its own stages' marks, and marking one more
+    layer never makes a step faster, so each rank is settled on its own: its
+    stages take one more marked layer at a time, where it saves the most
+    bytes per second of replay, until the rank fits (AdaPipe's per-stage
+    choice, without simulating the combinations). None when marking every
+    layer does not fit, or the plan already fits without marks.
+    Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W.
+    """
+    if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
+        return None
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    counts = [0] * len(candidate.balance)
+    peaks, _ = predict_memory(costs, candidate, runner=runner)
+    if all(p <= b for p, b in zip(peaks, budget)):
+        return None
+    rows_of_stage = candidate.balance
+    first_of = [sum(rows_of_stage[:s]) for s in range(len(rows_of_stage))]
+    for rank in range(schedule.ranks):
+        peak = peaks[rank]
+        while peak > budget[rank]:
+            best: Optional[tuple[float, int, int]] = None
+            for s in schedule.stages_of(rank):
+                if counts[s] >= candidate.balance[s]:
+                    continue
+                trial = counts.copy()
+                trial[s] += 1
+                tried = replace(candidate, recompute=tuple(trial))
+                new_peak = predict_memory(costs, tried, runner=runner, ranks=[rank])[0][rank]
+                layer = first_of[s] + counts[s]
+                cost = costs.forward[costs.rows(candidate.chunks)][layer] * candidate.chunks or 1e-12
+                score = (peak - new_peak) / cost
+                if best is None or score > best[0]:
+                    best = (score, s, new_peak)
+            if best is None:
+                return None  # every layer of the rank marked, still over
+            counts[best[1]] += 1
+            peak = best[2]
+    return replace(candidate, recompute=tuple(counts))
+
+
 def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "threads",
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
-           runners_up: int = 4) -> Plan:
+           runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
+
+    Memory is predicted for every candidate (a walk of each rank's program);
+    time is simulated only where it can matter: candidates go in the order
+    of a lower bound of their step (:func:`pipe.plan.predict.busy_bound`),
+    and the search stops once that bound exceeds the ``runners_up + 1``
+    fastest fitting plans found.
 
     Args:
         costs: measured (:func:`pipe.plan.cost.profile_costs`) or tabled costs.
@@ -226,40 +296,81 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         max_balances: enumerate every balance up to this many, else a neighbourhood
             of the even, time- and memory-balanced ones.
         balances: consider only these balances (one entry per stage).
+        model: the time model (:class:`pipe.plan.timing.TimeModel`).
+        per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
 
     Raises:
-        PlanError: nothing fits; the message names the smallest peak and its plan.
+        PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
     """
     budget = _budget(memory_budget, ranks)
     options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
                          max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
-                         f"into {ranks} stages (or 2 x {ranks} for interleaved)")
-    predictions = sorted((predict(costs, c, runner=runner, timeline=False) for c in options),
-                         key=lambda p: (p.step_time, p.peak))
-    fits = [p for p in predictions if all(peak <= b for peak, b in zip(p.peaks, budget))]
-    if not fits:
-        smallest = min(predictions, key=lambda p: max(peak - b for peak, b in zip(p.peaks, budget)))
-        need = max(smallest.peaks)
-        raise PlanError(
-            f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
-            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes), reached by "
-            f"{smallest.candidate.describe()}; raise memory_budget to at least {format_bytes(need)} or plan "
-            f"over more stages")
-    best = fits[0]
-    faster = predictions[:predictions.index(best)]
-    rejected = [(p, _why(p, budget)) for p in faster]
-    chosen = Plan(predict(costs, best.candidate, runner=runner), fits[1:1 + runners_up], rejected, budget, runner,
-                  len(predictions), costs)
-    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates)", best.candidate.describe(),
-                best.step_time * 1e3, [format_bytes(b) for b in best.peaks], len(predictions))
+                         f"into {ranks} stages (or 2 x {ranks} for interleaved and zbv)")
+    memory = {c: predict_memory(costs, c, runner=runner) for c in options}
+    if per_stage and "never" in checkpoints:
+        for c in list(options):
+            marked = per_stage_recompute(costs, c, budget, runner)
+            if marked is not None and marked not in memory:
+                options.append(marked)
+                memory[marked] = predict_memory(costs, marked, runner=runner)
+
+    def fits(c: Candidate) -> bool:
+        return all(peak <= b for peak, b in zip(memory[c][0], budget))
+
+    if not any(fits(c) for c in options):
+        raise PlanError(_nothing_fits(costs, options, memory, budget))
+    bounds = sorted((busy_bound(costs, c, model), k) for k, c in enumerate(options))
+    predictions: list[Prediction] = []
+    fitting: list[float] = []
+    for bound, k in bounds:
+        if len(fitting) > runners_up and bound > sorted(fitting)[runners_up]:
+            break
+        p = predict(costs, options[k], runner=runner, timeline=False, model=model)
+        predictions.append(p)
+        if fits(options[k]):
+            fitting.append(p.step_time)
+    predictions.sort(key=lambda p: (p.step_time, p.peak))
+    fit = [p for p in predictions if fits(p.candidate)]
+    best = fit[0]
+    rejected = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)]]
+    ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
+    chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected, budget, runner,
+                  len(options), costs, simulated=len(predictions), model=model)
+    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d simulated)",
+                best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
+                len(options), len(predictions))
     return chosen
 
 
-def _why(prediction: Prediction, budget: list[int]) -> str:
+def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate, tuple[list[int], list[int]]],
+                  budget: list[int]) -> str:
+    smallest = min(options, key=lambda c: max(peak - b for peak, b in zip(memory[c][0], budget)))
+    peaks = memory[smallest][0]
+    rank = max(range(len(peaks)), key=lambda r: peaks[r] - budget[r])
+    need = peaks[rank]
+    return (f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
+            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on rank {rank} "
+            f"({_stages_text(smallest, rank)}; {format_bytes(memory[smallest][1][rank])} of it parameters, "
+            f"gradients and optimiser state), reached by {smallest.describe()}; raise memory_budget to at least "
+            f"{format_bytes(need)} or plan over more stages")
+
+
+def _stages_text(candidate: Candidate, rank: int) -> str:
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    parts = []
+    for s in schedule.stages_of(rank):
+        first = sum(candidate.balance[:s])
+        parts.append(f"stage {s}: layers {first}-{first + candidate.balance[s] - 1}")
+    return ", ".join(parts)
+
+
+def _why(prediction: Prediction, budget: list[int], best: Prediction) -> str:
     over = [(r, peak, b) for r, (peak, b) in enumerate(zip(prediction.peaks, budget)) if peak > b]
-    return "; ".join(f"rank {r} needs {format_bytes(peak)} > {format_bytes(b)}" for r, peak, b in over)
+    faster = f"{1 - prediction.step_time / best.step_time:.1%} faster, but " if best.step_time else ""
+    return faster + "; ".join(f"rank {r} ({_stages_text(prediction.candidate, r)}) needs {format_bytes(peak)} > "
+                              f"{format_bytes(b)}" for r, peak, b in over)
 
 
 def _budget(memory_budget: Budget, ranks: int) -> list[int]:
@@ -275,7 +386,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          chunks: Sequence[int] = (1, 2, 4, 8, 16, 32), schedules: Optional[Sequence[str]] = None,
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
-         bandwidth: Optional[float] = None, latency: float = 0.0,
+         link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
@@ -296,16 +407,37 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             3 with momentum, 4 for Adam.
         device: where to profile (default: the CPU).
         rounds: timed rounds per layer (the fastest is kept).
-        bandwidth, latency: bytes/s and seconds per transfer between stages (default: free).
+        link: the transport's cost between ranks (runner ``"processes"``):
+            ``"auto"`` measures it once per machine and caches it
+            (:func:`pipe.plan.link.cached_link`), ``"cached"`` uses the cache
+            only, a :class:`pipe.plan.Link`, or None (messages free).
+        model_time: a fitted :class:`pipe.plan.TimeModel` (overhead per action,
+            contention; :func:`pipe.plan.fit`); its link wins over ``link``.
+        per_stage: also plan per-stage recompute where the budget needs it.
         loss_fn, target: the loss and the mini-batch's targets, so the last
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
 
     Raises:
-        PlanError: nothing fits (the message names the smallest budget that does).
+        PlanError: nothing fits (the message names the smallest peak and the rank holding it).
+        RuntimeError: a layer cannot be measured (the message names it).
         TypeError, ValueError: bad arguments.
     """
     verify_module(model)
+    if model_time is None:
+        model_time = TimeModel(link=_link(link, runner))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          bandwidth=bandwidth, latency=latency, loss_fn=loss_fn, target=target)
+                          loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
-                  max_balances=max_balances)
+                  max_balances=max_balances, model=model_time, per_stage=per_stage)
+
+
+def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:
+    if link is None or isinstance(link, Link):
+        return link
+    if link not in ("auto", "cached"):
+        raise ValueError(f"link must be 'auto', 'cached', None or a pipe.plan.Link, got {link!r}")
+    if runner != "processes":
+        return None  # the thread runner's stages share a process
+    from pipe.plan.link import cached_link
+
+    return cached_link(measure=link == "auto")
