@@ -165,7 +165,8 @@ def _expected_idle(timeline: Timeline, stage_rows: dict[int, int], kind: str) ->
             means[(phase, stage)] = statistics.fmean(values)
     recomputed = {c.microbatch for c in timeline.cells if c.kind == "recompute" and c.microbatch is not None}
     stop = max(recomputed) + 1 if recomputed else 0
-    name = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+    name = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
+            Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
     def duration(action: Action) -> float:
         return means.get((name[action.phase], action.stage), 0.0) or (
@@ -176,8 +177,9 @@ def _expected_idle(timeline: Timeline, stage_rows: dict[int, int], kind: str) ->
     for timed in sorted(schedule.simulate(checkpoint_stop=stop, durations=duration), key=lambda t: t.start):
         if timed.action.phase is not Phase.RECOMPUTE:
             expected[timed.action] = expected.get(timed.action, 0.0) + max(0.0, timed.start - free[timed.rank])
-        else:  # a recompute runs as soon as the rank is free; the backward after it waits
-            expected[Action(Phase.BACKWARD, timed.action.microbatch, timed.action.stage)] = max(
+        else:  # a recompute runs as soon as the rank is free; the backward (or I) after it waits
+            after = Phase.INPUT if schedule.splits_backward else Phase.BACKWARD
+            expected[Action(after, timed.action.microbatch, timed.action.stage)] = max(
                 0.0, timed.start - free[timed.rank])
         free[timed.rank] = timed.end
     return expected
