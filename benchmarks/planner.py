@@ -301,10 +301,10 @@ def planning_scaling() -> list[dict[str, Any]]:
         costs = Costs.from_table(64, [1e-5 * (1 + k % 3) for k in range(layers)], [2e-5] * layers,
                                  [4096] * layers, [1024] * layers, param_bytes=[10**6] * layers)
         for stages in (4, 8):
-            everything = max(planner.predict(costs, c, runner="processes", timeline=False).peak
-                             for c in candidates(costs, stages, "processes", schedules=["gpipe"], max_balances=8))
+            even = [layers // stages + (1 if k < layers % stages else 0) for k in range(stages)]
+            tight = planner.predict(costs, Candidate("gpipe", 8, tuple(even), "always"), runner="processes").peak
             begun = time.perf_counter()
-            chosen = planner.search(costs, stages, int(everything * 0.8), runner="processes")
+            chosen = planner.search(costs, stages, int(tight * 1.05), runner="processes")
             found.append({"layers": layers, "stages": stages, "seconds": time.perf_counter() - begun,
                           "candidates": chosen.considered, "simulated": chosen.simulated})
             print(f"planning {layers} layers over {stages} stages: {found[-1]['seconds']:.2f} s "

@@ -13,6 +13,7 @@ high-water mark" and "held + this backward's high-water mark"::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -109,7 +110,7 @@ def _bounds(balance: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", timeline: bool = True,
-            model: Optional[TimeModel] = None) -> Prediction:
+            model: Optional[TimeModel] = None, memory: Optional[tuple[list[int], list[int]]] = None) -> Prediction:
     """Step time and per-rank peak bytes of ``candidate``, from ``costs`` and the time ``model``
     (:class:`pipe.plan.timing.TimeModel`; default: layer times alone, messages free).
 
@@ -153,7 +154,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
 
     simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
     step_time = max(t.end for t in simulated)
-    peaks, static = predict_memory(costs, candidate, runner=runner)
+    peaks, static = memory or predict_memory(costs, candidate, runner=runner)
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
 
 
@@ -186,24 +187,34 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
 
 
 def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> float:
-    """A lower bound of the predicted step time: the busiest rank's compute and overhead, no waiting.
+    """A lower bound of the predicted step time, without simulating.
 
-    :func:`pipe.plan.search.search` simulates candidates in the order of this
-    bound and stops once it exceeds the plans already found, so most
-    candidates are never simulated.
+    For each rank: its compute and overhead (no waiting), plus the forwards of
+    one micro-batch on the stages before its first stage (it cannot start
+    earlier) and, outside the zero-bubble schedules (whose last action may be
+    a W nobody waits for), the backwards of one micro-batch on those stages
+    (its last backward is followed by theirs). :func:`pipe.plan.search.search`
+    visits candidates in the order of this bound and stops once it exceeds the
+    plans already found, so most candidates are never simulated.
     """
     model = model or TimeModel()
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     m = candidate.chunks
+    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s)) for s in range(len(bounds))]
     busiest = 0.0
     for rank in range(schedule.ranks):
+        mine = schedule.stages_of(rank)
         total = 0.0
-        for s in schedule.stages_of(rank):
-            t = costs.stage_time(*bounds[s], m, candidate.recomputed(s))
+        for s in mine:
+            t = times[s]
             total += m * (t.forward + t.backward) * model.contention + min(stop, m) * t.recompute * model.contention
             total += m * (3 if schedule.splits_backward else 2) * model.action_overhead
+        before = range(min(mine))
+        total += math.fsum(times[s].forward for s in before) * model.contention
+        if not schedule.splits_backward:
+            total += math.fsum(times[s].backward for s in before) * model.contention
         busiest = max(busiest, total)
     return busiest
 

@@ -15,6 +15,7 @@ fits every rank's budget; :func:`plan` first measures the costs of a model
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -278,14 +279,18 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
 def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "threads",
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
-           runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True) -> Plan:
+           runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
+           rejected: int = 8) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
 
-    Memory is predicted for every candidate (a walk of each rank's program);
-    time is simulated only where it can matter: candidates go in the order
-    of a lower bound of their step (:func:`pipe.plan.predict.busy_bound`),
-    and the search stops once that bound exceeds the ``runners_up + 1``
-    fastest fitting plans found.
+    Candidates go best-first by a lower bound of their step
+    (:func:`pipe.plan.predict.busy_bound`: the busiest rank's work, no
+    waiting); each one's memory is walked (its ranks' programs), and its time
+    simulated if it fits, or if it is one of the ``rejected`` fastest plans
+    over the budget. A plan over budget with checkpoint "never" adds its
+    per-stage recompute variant (:func:`per_stage_recompute`) to the queue.
+    The search stops once the bound exceeds the ``runners_up + 1`` fastest
+    fitting plans found, so most candidates are never simulated.
 
     Args:
         costs: measured (:func:`pipe.plan.cost.profile_costs`) or tabled costs.
@@ -298,6 +303,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         balances: consider only these balances (one entry per stage).
         model: the time model (:class:`pipe.plan.timing.TimeModel`).
         per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
+        rejected: how many plans over budget to simulate and show.
 
     Raises:
         PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
@@ -308,39 +314,52 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
                          f"into {ranks} stages (or 2 x {ranks} for interleaved and zbv)")
-    memory = {c: predict_memory(costs, c, runner=runner) for c in options}
-    if per_stage and "never" in checkpoints:
-        for c in list(options):
-            marked = per_stage_recompute(costs, c, budget, runner)
-            if marked is not None and marked not in memory:
-                options.append(marked)
-                memory[marked] = predict_memory(costs, marked, runner=runner)
+    memory: dict[Candidate, tuple[list[int], list[int]]] = {}
 
     def fits(c: Candidate) -> bool:
+        if c not in memory:
+            memory[c] = predict_memory(costs, c, runner=runner)
         return all(peak <= b for peak, b in zip(memory[c][0], budget))
 
-    if not any(fits(c) for c in options):
-        raise PlanError(_nothing_fits(costs, options, memory, budget))
-    bounds = sorted((busy_bound(costs, c, model), k) for k, c in enumerate(options))
+    # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
+    # candidates that may still be among the fastest; a plan over budget spawns its per-stage variant.
+    queue = [(busy_bound(costs, c, model), k, c) for k, c in enumerate(options)]
+    heapq.heapify(queue)
     predictions: list[Prediction] = []
     fitting: list[float] = []
-    for bound, k in bounds:
+    considered, over = len(options), 0
+    while queue:
+        bound, _, c = heapq.heappop(queue)
         if len(fitting) > runners_up and bound > sorted(fitting)[runners_up]:
             break
-        p = predict(costs, options[k], runner=runner, timeline=False, model=model)
+        ok = fits(c)
+        if not ok and per_stage and c.checkpoint == "never" and not c.recompute:
+            marked = per_stage_recompute(costs, c, budget, runner)
+            if marked is not None:
+                considered += 1
+                heapq.heappush(queue, (busy_bound(costs, marked, model), considered, marked))
+        if not ok and (over >= max(rejected, 1) or (fitting and bound > min(fitting))):
+            continue  # over budget, and enough such plans shown (or slower than a plan that fits)
+        p = predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c])
         predictions.append(p)
-        if fits(options[k]):
+        if ok:
             fitting.append(p.step_time)
+        else:
+            over += 1
+    if not fitting:
+        for c in options:
+            fits(c)
+        raise PlanError(_nothing_fits(costs, options, memory, budget))
     predictions.sort(key=lambda p: (p.step_time, p.peak))
     fit = [p for p in predictions if fits(p.candidate)]
     best = fit[0]
-    rejected = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)]]
+    rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
-    chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected, budget, runner,
-                  len(options), costs, simulated=len(predictions), model=model)
-    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d simulated)",
+    chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
+                  considered, costs, simulated=len(predictions), model=model)
+    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d walked, %d simulated)",
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
-                len(options), len(predictions))
+                considered, len(memory), len(predictions))
     return chosen
 
 

@@ -125,7 +125,7 @@ def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = 
         step_c = (contention_span[1] - contention_span[0]) / 8
         o, c = best[1].action_overhead, best[1].contention
         overhead_span = (max(0.0, o - step_o), o + step_o)
-        contention_span = (max(0.1, c - step_c), c + step_c)
+        contention_span = (max(0.5, c - step_c), c + step_c)
     logger.info("fitted time model on %d plans: %s (rms error %.1f%%)", len(plans), best[1].describe(),
                 100 * math.sqrt(best[0] / len(plans)))
     return best[1]
