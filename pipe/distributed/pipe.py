@@ -129,6 +129,7 @@ class DistributedPipe(nn.Module):
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
+            recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         positive_int("data_parallel", data_parallel, "replicas of the pipeline")
