@@ -35,6 +35,7 @@ from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_l
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
+from pipe.core.split_backward import split_cell
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import recompute as mark_recompute, unmark
 from pipe.skip.skippable import skippables_in
@@ -56,11 +57,16 @@ class StageMemory:
         backward_peak: high-water mark during the backward above the bytes
             live before it (``kept`` excluded): the received gradient, the
             recomputed activations, gradient temporaries.
+        after_input: for a backward split into I and W (counted with
+            ``split=True``), the bytes above ``kept`` that stay from I until
+            W: the gradients recorded at the branch nodes, the replayed graph
+            of a checkpointed cell.
     """
 
     forward_peak: int
     kept: int
     backward_peak: int
+    after_input: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class StageTime:
     weight_grad: float = 0.0
 
 
-MemoryFn = Callable[[int, int, int, bool, int], StageMemory]
+MemoryFn = Callable[[int, int, int, bool, int, bool], StageMemory]
 
 
 class Costs:
@@ -91,10 +97,11 @@ class Costs:
     Args:
         batch: samples per mini-batch.
         forward, backward: ``{micro-batch rows: seconds per layer}``.
-        memory: ``memory(first, stop, rows, checkpointed, recomputed)``: the
+        memory: ``memory(first, stop, rows, checkpointed, recomputed, split)``: the
             :class:`StageMemory` of layers ``first:stop`` for a micro-batch of
             ``rows`` samples, the cell checkpointed or not, its first
-            ``recomputed`` layers marked for recompute (:func:`pipe.recompute.recompute`).
+            ``recomputed`` layers marked for recompute (:func:`pipe.recompute.recompute`),
+            its backward split into I and W or not.
         param_bytes: bytes of each layer's parameters.
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
@@ -115,7 +122,7 @@ class Costs:
         self.backward = backward
         self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
@@ -151,8 +158,10 @@ class Costs:
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
 
-    def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0) -> StageMemory:
-        """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked).
+    def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
+                     split: bool = False) -> StageMemory:
+        """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked;
+        ``split``: the backward run as I then W).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows.
@@ -161,14 +170,16 @@ class Costs:
         recomputed = 0 if checkpointed else recomputed  # a checkpointed cell replays all of it anyway
         low, high = min(self.forward), max(self.forward)
         if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed, recomputed)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed) for r in (low, high))
+            return self._counted(first, stop, rows, checkpointed, recomputed, split)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
-            (a.forward_peak, a.kept, a.backward_peak), (b.forward_peak, b.kept, b.backward_peak))))
+            (a.forward_peak, a.kept, a.backward_peak, a.after_input),
+            (b.forward_peak, b.kept, b.backward_peak, b.after_input))))
 
-    def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed)
+    def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
+                 split: bool) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split)
         if key not in self._memory_cache:
             self._memory_cache[key] = self._memory(*key)
         return self._memory_cache[key]
@@ -204,7 +215,8 @@ class Costs:
                 raise ValueError(f"{name} has {len(table)} layers but forward has {n}; give one entry per layer")
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
-        def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int) -> StageMemory:
+        def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
+                   split: bool) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
             marked = first + min(recomputed, stop - first)
@@ -213,7 +225,8 @@ class Costs:
             kept = received + (out if checkpointed else kept_layers)
             replayed = max((activation[k] for k in range(first, marked)), default=0) * rows
             return StageMemory(forward_peak=received + full, kept=kept,
-                               backward_peak=out + (full - out if checkpointed else replayed))
+                               backward_peak=out + (full - out if checkpointed else replayed),
+                               after_input=(full - out if checkpointed else 0) + out if split else 0)
 
         return cls(batch,
                    {rows: [overhead + t * rows for t in forward] for rows in rows_of},
@@ -280,14 +293,15 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
             param.grad = torch.zeros_like(param)
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
-    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int) -> StageMemory:
+    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool) -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
         try:
             with sandbox(device):
                 loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
-                return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss)
+                return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
+                                    split)
         finally:
             for layer in stage[:recomputed]:
                 unmark(layer)
@@ -311,8 +325,9 @@ def _monotone(times: Table) -> Table:
 
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
-                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None) -> StageMemory:
-    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes."""
+                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False) -> StageMemory:
+    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
+    its backward runs as I then W (:mod:`pipe.core.split_backward`), as the zero-bubble schedules run it."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -320,17 +335,30 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     guard = InputGuard("the profiled stage", shared=first, partition=stage)
     with torch.no_grad():
         guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
+    after_input = 0
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         tensors = [t if first else t.clone() for t in given.tensors]
+        if split and not first:  # a received input needs its gradient (I computes it and records for W)
+            tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
         batch = detach(given.with_tensors(tensors))
-        compute, finalize, _ = cell(function, batch, checkpointed, (0, 0), guard=guard)
+        compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
         output = compute()
-        finalize(output)
+        if not split:  # split: I replays a checkpointed cell itself
+            finalize(output)
         value = loss[0](output.value, loss[1]) if loss is not None else None
         forward_peak, kept = counter.peak_bytes, counter.live_bytes
         counter.reset_peak()
-        if value is not None:
+        if split:
+            outputs = list(output.tensors)
+            ones: list[Optional[Tensor]] = [torch.ones_like(t) if t.requires_grad else None for t in outputs]
+            halves, _ = split_cell(outputs, ones, list(batch.tensors), list(stage.parameters()), record, value)
+            del ones, record
+            halves.backward_input()
+            after_input = counter.live_bytes - kept
+            halves.backward_weight()
+            del halves, outputs
+        elif value is not None:
             value.backward()
         else:
             roots = [t for t in output.tensors if t.requires_grad]
@@ -340,4 +368,5 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             del roots, grads
         backward_peak = counter.peak_bytes - kept
         del output, value, batch, tensors
-    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak)
+    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
+                       after_input=max(after_input, 0))

@@ -228,8 +228,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     posted (its buffer allocated) before this action runs, and a sent tensor
     (an activation, or an input gradient) stays referenced by its pending
     send until the step's end at the latest; each message has a header of
-    ``HEADER_BYTES``. In the zero-bubble schedules, I keeps the graph (and
-    sends the input gradient) and W frees it.
+    ``HEADER_BYTES``. In the zero-bubble schedules, I keeps the graph and
+    what it recorded for W (:attr:`StageMemory.after_input`, counted) and
+    sends the input gradient; W frees them.
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -249,7 +250,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
-                                    candidate.recomputed(action.stage) if candidate else 0)
+                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         if action.phase is Phase.FORWARD:
@@ -266,6 +267,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             peak = max(peak, held + sent + posted + lingering + memory.backward_peak)
             if action.phase is Phase.BACKWARD:
                 held -= kept.pop(key)
+            else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W
+                kept[key] += memory.after_input
+                held += memory.after_input
             if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
                 sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
