@@ -199,7 +199,7 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
             if marked is not None and marked not in grid:
                 grid.append(marked)
     planning_s = time.perf_counter() - begun
-    default_model = planner.TimeModel(link=link)
+    default_model = planner.TimeModel.measured(link)  # the link and overhead measured once on the machine
     recorded = planner.search(costs, 2, budgets[budgets_count // 2], runner="processes", balances=balances,
                               model=default_model)
 
@@ -217,9 +217,10 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     fitted_on = calibration_plans(grid)
     fitted = planner.fit(costs, {c: measured_time[c] for c in fitted_on}, runner="processes", link=link)
     timed = {c: planner.predict(costs, c, runner="processes", timeline=False, model=fitted).step_time for c in grid}
-    bare = {c: planner.predict(costs, c, runner="processes", timeline=False).step_time for c in grid}
+    bare = {c: planner.predict(costs, c, runner="processes", timeline=False, model=default_model).step_time
+            for c in grid}
     plan_times = [{"plan": c.describe(), "predicted_ms": timed[c] * 1e3, "measured_ms": measured_time[c] * 1e3,
-                   "error": timed[c] / measured_time[c] - 1, "layers_only_error": bare[c] / measured_time[c] - 1,
+                   "error": timed[c] / measured_time[c] - 1, "unfitted_error": bare[c] / measured_time[c] - 1,
                    "fitted_on": c in fitted_on} for c in grid]
     validation_errors = [abs(t["error"]) for t in plan_times if not t["fitted_on"]]
 
@@ -270,12 +271,15 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     return {
         "size": size, "layers": len(model), "candidates": len(grid), "planning_s": planning_s, "run_s": run_s,
         "link": {"latency_us": link.latency * 1e6 if link else None, "ns_per_byte": link.per_byte * 1e9 if link else None,
+                 "action_overhead_ms": link.action_overhead * 1e3 if link else None,
                  "source": link.source if link else None},
         "time_model": {"action_overhead_ms": fitted.action_overhead * 1e3, "contention": fitted.contention,
                        "fitted_on": [c.describe() for c in fitted_on]},
         "step_error_worst": max(validation_errors) if validation_errors else None,
         "step_error_median": statistics.median(validation_errors) if validation_errors else None,
         "step_error_worst_fitted": max(abs(t["error"]) for t in plan_times if t["fitted_on"]),
+        "step_error_worst_unfitted_model": max(abs(t["unfitted_error"]) for t in plan_times),
+        "step_error_median_unfitted_model": statistics.median(abs(t["unfitted_error"]) for t in plan_times),
         "chosen_within_5pct": sum(s_ <= 0.05 for s_ in slower) / len(slower) if slower else None,
         "chosen_slower_than_best_max": max(slower) if slower else None,
         "fit_share": sum(r["under_budget"] for r in planned_rows) / len(planned_rows) if planned_rows else None,

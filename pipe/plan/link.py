@@ -5,7 +5,10 @@
 messages of several sizes between them (ping-pong: one way is half a round
 trip). The fastest round trip of each size is kept (time lost to other
 processes is not the transport's cost), and a line ``latency + bytes x
-per_byte`` is fitted to them by least squares.
+per_byte`` is fitted to them by least squares. The same two processes then
+time steps of a ``DistributedPipe`` whose layers take no time (GPipe, 8
+micro-batches): what is left is the runner's overhead per action
+(:attr:`Link.action_overhead`), the default of the time model.
 
 :func:`cached_link` returns the figures measured earlier on this machine, or
 measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
@@ -22,6 +25,7 @@ import os
 import platform
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -69,10 +73,52 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
                     dist.send(buffer, 0)
                 elapsed = (time.perf_counter() - begun) / 2
                 best[size] = min(best.get(size, math.inf), elapsed)
+        step = _empty_step(rank)
         dist.destroy_process_group()
-        queue.put((rank, best))
+        queue.put((rank, (best, step)))
     except BaseException as error:  # reported to the parent, which raises it
         queue.put((rank, f"{type(error).__name__}: {error}"))
+
+
+OVERHEAD_PLAN = ("gpipe", 8)
+"""The plan whose step measures the runner's overhead per action: a model too small to take time."""
+
+
+def _empty_step(rank: int) -> float:
+    """The fastest of a few steps of a 2-rank ``DistributedPipe`` whose layers take no time."""
+    import torch
+    from torch import nn
+
+    from pipe.distributed import DistributedPipe
+
+    kind, chunks = OVERHEAD_PLAN
+    model = DistributedPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
+                            checkpoint="never", schedule=kind)
+    x, y = torch.zeros(chunks, 4), torch.zeros(chunks, 4)
+    times = []
+    for _ in range(8):
+        begun = time.perf_counter()
+        model.step(x, y, nn.functional.mse_loss)
+        times.append(time.perf_counter() - begun)
+    return min(times[2:])
+
+
+def _overhead(link: Link, step: float) -> float:
+    """The overhead per action that makes the empty plan's predicted step the measured one."""
+    from pipe.plan.cost import Costs
+    from pipe.plan.predict import Candidate, predict
+    from pipe.plan.timing import TimeModel
+
+    kind, chunks = OVERHEAD_PLAN
+    costs = Costs.from_table(chunks, [0.0, 0.0], [0.0, 0.0], [0, 0], [16, 16], chunks=(chunks,))
+    plan = Candidate(kind, chunks, (1, 1), "never")
+    low, high = 0.0, step
+    for _ in range(50):
+        middle = (low + high) / 2
+        predicted = predict(costs, plan, runner="processes", timeline=False,
+                            model=TimeModel(link=link, action_overhead=middle)).step_time
+        low, high = (middle, high) if predicted < step else (low, middle)
+    return (low + high) / 2
 
 
 def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float = 120.0) -> Link:
@@ -103,11 +149,13 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     failed = [f"rank {r}: {v}" for r, v in results.items() if isinstance(v, str)]
     if failed:
         raise RuntimeError("measuring the transport failed: " + "; ".join(failed))
-    best = {size: max(results[0][size], results[1][size]) for size in sizes}
+    best = {size: max(results[0][0][size], results[1][0][size]) for size in sizes}
     latency, per_byte = _line(best)
     link = Link(latency, per_byte, source=link_key())
-    logger.info("measured the link: %.1f us per message + %.3f ns per byte", latency * 1e6, per_byte * 1e9)
-    return link
+    overhead = _overhead(link, max(results[0][1], results[1][1]))
+    logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action",
+                latency * 1e6, per_byte * 1e9, overhead * 1e3)
+    return replace(link, action_overhead=overhead)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -130,11 +178,12 @@ def cached_link(measure: bool = True) -> Optional[Link]:
         stored = {}
     if key in stored:
         entry = stored[key]
-        return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})")
+        return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
+                    action_overhead=float(entry.get("action_overhead", 0.0)))
     if not measure:
         return None
     link = measure_link()
-    stored[key] = {"latency": link.latency, "per_byte": link.per_byte,
+    stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

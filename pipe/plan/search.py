@@ -442,8 +442,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         TypeError, ValueError: bad arguments.
     """
     verify_module(model)
-    if model_time is None:
-        model_time = TimeModel(link=_link(link, runner))
+    if model_time is None:  # the link and the overhead per action measured on this machine
+        model_time = TimeModel.measured(_link(link, runner))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,

@@ -52,11 +52,14 @@ class Link:
         latency: seconds per message, whatever its size.
         per_byte: seconds per byte (1 / bandwidth).
         source: where the figures come from (the machine and library measured, or "given").
+        action_overhead: the runner's seconds per action measured with the link
+            (:func:`pipe.plan.link.measure_link`), the default of :class:`TimeModel`.
     """
 
     latency: float
     per_byte: float
     source: str = "given"
+    action_overhead: float = 0.0
 
     def cost(self, nbytes: int) -> float:
         return self.latency + nbytes * self.per_byte
@@ -69,6 +72,11 @@ class TimeModel:
     link: Optional[Link] = None
     action_overhead: float = 0.0
     contention: float = 1.0
+
+    @classmethod
+    def measured(cls, link: Optional[Link]) -> "TimeModel":
+        """The default model on a machine: its link, and the overhead per action measured with it."""
+        return cls(link=link, action_overhead=link.action_overhead if link else 0.0)
 
     def __post_init__(self) -> None:
         for name in ("action_overhead", "contention"):
