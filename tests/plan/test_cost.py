@@ -41,7 +41,7 @@ def test_bytes_between_the_measured_sizes_are_interpolated_exactly_for_linear_la
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 2, 8))
     for checkpointed in (False, True):
         interpolated = costs.stage_memory(1, 4, 2, checkpointed)
-        counted = costs._memory(1, 4, 8, checkpointed, 0)
+        counted = costs._memory(1, 4, 8, checkpointed, 0, False)
         assert interpolated == counted
 
 
