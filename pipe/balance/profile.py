@@ -172,11 +172,31 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                                            f"forward and backward on a detached input of a micro-batch") from error
                     output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
             done += 1
+    _check_proportional(names, layers, output_bytes)
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
     return LayerTimes({rows: [min(t) for t in per] for rows, per in forwards.items()},
                       {rows: [min(t) for t in per] for rows, per in backwards.items()},
                       {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
                       output_bytes, done - 1)
+
+
+def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
+    """Each layer's output must grow with the micro-batch: bytes per sample the same at every size.
+
+    Raises:
+        RuntimeError: a layer's output per sample differs between sizes (data-dependent shapes: control
+            flow on the values, boolean masking), which no per-sample cost can describe; names the layer.
+    """
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    for k, name in enumerate(names):
+        per_sample = {rows: output_bytes[rows][k] / rows for rows in sizes}
+        if len(set(per_sample.values())) > 1:
+            seen = ", ".join(f"{b:g} B/sample at {rows} rows" for rows, b in per_sample.items())
+            raise RuntimeError(
+                f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
+                f"its output per sample differs between micro-batch sizes ({seen}); its shapes depend on the "
+                f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
+                f"hand, or keep such a layer's output size fixed")
 
 
 def _time_one(layer: nn.Module, batch: Batch, device: torch.device, split: bool, timed: bool,

@@ -140,3 +140,14 @@ def test_a_layer_that_fails_without_a_graph_is_named() -> None:
 
     with pytest.raises(RuntimeError, match=r"cannot time layer 1 \('1': Broken\)"):
         profile_costs(nn.Sequential(nn.Linear(WIDTH, WIDTH), Broken()), torch.randn(8, WIDTH), (1,))
+
+
+def test_a_layer_whose_shapes_depend_on_the_data_is_named() -> None:
+    class Masking(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[x.sum(1) > 0]  # rows whose sum is positive: a data-dependent count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Masking(), nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(RuntimeError, match=r"layer 1 \('1': Masking\).*differs between micro-batch sizes"):
+        profile_costs(model, torch.randn(64, WIDTH), (1, 2))
