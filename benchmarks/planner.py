@@ -128,9 +128,9 @@ def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Cand
         for k, c in enumerate(grid):
             m = measure_step(build_pipe(build, size, c), x, y, loss_fn, repeat=3)
             if sweep == 0:
-                measured.append((m.activation_peak, m.step_time))
-            else:
-                measured[k] = (measured[k][0], min(measured[k][1], m.step_time))
+                measured.append((m.activation_peak, m.step_time, m.step_time))
+            else:  # the fastest, and the slowest sweep's best (the spread between sweeps)
+                measured[k] = (measured[k][0], min(measured[k][1], m.step_time), max(measured[k][2], m.step_time))
     model = build_pipe(build, size, record)
     model.step(x, y, loss_fn)
     dist.barrier()
@@ -212,6 +212,8 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     measured_peak = {c: [predicted[c].static[r] + ranks[r]["measured"][k][0] for r in range(2)]
                      for k, c in enumerate(grid)}
     measured_time = {c: max(ranks[r]["measured"][k][1] for r in range(2)) for k, c in enumerate(grid)}
+    sweep_spread = [max(ranks[r]["measured"][k][2] for r in range(2)) / measured_time[c] - 1
+                    for k, c in enumerate(grid)]
 
     # Time: fit overhead per action and contention on a few plans, predict every other one.
     fitted_on = calibration_plans(grid)
@@ -277,6 +279,8 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
                        "fitted_on": [c.describe() for c in fitted_on]},
         "step_error_worst": max(validation_errors) if validation_errors else None,
         "step_error_median": statistics.median(validation_errors) if validation_errors else None,
+        "step_error_p90": sorted(validation_errors)[int(0.9 * (len(validation_errors) - 1))] if validation_errors else None,
+        "sweep_spread_median": statistics.median(sweep_spread), "sweep_spread_max": max(sweep_spread),
         "step_error_worst_fitted": max(abs(t["error"]) for t in plan_times if t["fitted_on"]),
         "step_error_worst_unfitted_model": max(abs(t["unfitted_error"]) for t in plan_times),
         "step_error_median_unfitted_model": statistics.median(abs(t["unfitted_error"]) for t in plan_times),
@@ -354,6 +358,8 @@ def main() -> None:
               f"{r['candidates'] - len(r['time_model']['fitted_on'])} plans not fitted on; "
               f"chosen_within_5pct {r['chosen_within_5pct']:.0%}; fit_share {r['fit_share']:.0%}; "
               f"per_stage_vs_uniform {r['per_stage_vs_uniform']}")
+        print(f"slowest sweep's best vs fastest, per plan: median +{r['sweep_spread_median']:.0%}, "
+              f"max +{r['sweep_spread_max']:.0%} (the measurement's own spread)")
         print(f"predicted vs measured peak, all plans and ranks: max {r['peak_error_max_all_plans']:.2%}, "
               f"median {r['peak_error_median_all_plans']:.2%}")
         print(r["middle_budget_plan"])
