@@ -41,7 +41,8 @@ __all__ = ["CATEGORIES", "Explanation", "Idle", "explain", "explain_prediction",
 #: Idle causes, in table order.
 CATEGORIES: tuple[str, ...] = ("bubble", "wait", "overhead")
 
-_PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "recompute": Phase.BACKWARD}
+_PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "recompute": Phase.BACKWARD,
+          "input": Phase.INPUT, "weight": Phase.WEIGHT}
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def explain_timeline(timeline: Timeline, schedule: str = "gpipe", bubble_only: b
     # When each action ended (a backward in segments ends with its last one).
     ended: dict[Action, float] = {}
     for c in cells:
-        if c.kind in ("forward", "backward") and c.microbatch is not None and c.stage is not None:
+        if c.kind in ("forward", "backward", "input", "weight") and c.microbatch is not None and c.stage is not None:
             action = Action(_PHASE[c.kind], c.microbatch, c.stage)
             ended[action] = max(ended.get(action, c.end), c.end)
     expected = {} if bubble_only else _expected_idle(timeline, stage_rows, schedule)
@@ -291,7 +292,8 @@ def explain(trace: Mapping[str, Any], step: Optional[int] = None) -> Explanation
 
 def explain_prediction(prediction: Any) -> Explanation:
     """Explains a predicted plan (:class:`pipe.plan.Prediction`), in ms: all of its idle time is the schedule's."""
-    names = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+    names = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
+             Phase.INPUT: "input", Phase.WEIGHT: "weight"}
     ranks = prediction.candidate.ranks
     cells = [Cell(row=t.rank, kind=names[t.action.phase], start=t.start * 1e3, end=t.end * 1e3,
                   microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // ranks)
