@@ -16,7 +16,8 @@ Usage::
   the transport once per machine;
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
-* :mod:`pipe.plan.search`: the candidates, and the fastest one that fits;
+* :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;
+* :mod:`pipe.plan.search`: the fastest candidate that fits, found best-first;
 * :mod:`pipe.plan.explain`: every idle interval of a trace or a plan, with its cause.
 """
 from __future__ import annotations
