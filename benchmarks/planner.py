@@ -125,6 +125,8 @@ def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Cand
     x, y = data(size)
     measured: list[tuple[int, float]] = []
     for sweep in range(sweeps):  # sweeps over the grid, minutes apart: the fastest time of each plan counts
+        if rank == 0:
+            print(f"[{name}] sweep {sweep + 1} of {sweeps} (load {load()})", flush=True)
         for k, c in enumerate(grid):
             m = measure_step(build_pipe(build, size, c), x, y, loss_fn, repeat=3)
             if sweep == 0:
