@@ -23,6 +23,9 @@ from pipe.distributed.transport import HEADER_BYTES
 from pipe.plan.cost import Costs
 from pipe.plan.timing import TimeModel
 
+LOSS_SCALAR_BYTES = 3 * 4
+"""What the process runner's step keeps of the loss on the last stage: three float32 scalars (measured)."""
+
 __all__ = ["Candidate", "Prediction", "busy_bound", "predict", "predict_memory"]
 
 
@@ -246,6 +249,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         return HEADER_BYTES + sizes[stop_ - 1] if action.stage < last_stage and sizes else 0
 
     sent = lingering = 0
+    scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
     latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
@@ -254,17 +258,19 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         if action.phase is Phase.FORWARD:
-            peak = max(peak, held + sent + posted + lingering + memory.forward_peak)
+            peak = max(peak, held + sent + posted + lingering + scalars + memory.forward_peak)
             kept[key] = memory.kept
             held += memory.kept
             lingering, latest = 0, action
+            if runner == "processes" and action.stage == last_stage:
+                scalars = LOSS_SCALAR_BYTES
             if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
                 sent += HEADER_BYTES
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes
-            peak = max(peak, held + sent + posted + lingering)
+            peak = max(peak, held + sent + posted + lingering + scalars)
             held -= kept.pop(key)
         else:
-            peak = max(peak, held + sent + posted + lingering + memory.backward_peak)
+            peak = max(peak, held + sent + posted + lingering + scalars + memory.backward_peak)
             if action.phase is Phase.BACKWARD:
                 held -= kept.pop(key)
             else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W
