@@ -345,9 +345,12 @@ def main() -> None:
         "targets": {"step_error_worst": "<= 0.10", "chosen_within_5pct": ">= 0.90", "fit_share": "1.0",
                     "per_stage_vs_uniform": ">= 1.15"},
     }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / ("planner-quick.json" if args.quick else "planner.json")
     for name in args.models:
         r = validate(name, sizes[name], mode)
         result[name] = r
+        path.write_text(json.dumps(result, indent=2))  # each model as it finishes: a long run keeps what it did
         print(f"\n== {name}: {r['layers']} layers, {r['candidates']} candidates, profiled in {r['planning_s']:.1f} s, "
               f"run in {r['run_s']:.0f} s")
         print(f"time model: link {r['link']['latency_us']:.1f} us + {r['link']['ns_per_byte']:.3f} ns/B; overhead "
@@ -369,8 +372,6 @@ def main() -> None:
     result["planning_scaling"] = planning_scaling()
     result["machine"]["load_after"] = load()
     result["seconds"] = time.perf_counter() - begun
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / ("planner-quick.json" if args.quick else "planner.json")
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path} in {result['seconds']:.0f} s (load before {result['machine']['load_before']}, "
           f"after {result['machine']['load_after']})")
