@@ -117,6 +117,8 @@ class Pipe(nn.Module):
             self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
+            if recompute is None:  # the plan's per-stage recompute counts, if it has any
+                recompute = self.plan.candidate.recompute_config()
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):

@@ -19,7 +19,8 @@ import copy
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,8 @@ from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
 from pipe.core.stream import use_device
 
-__all__ = ["profile_times", "profile_sizes", "profile_params"]
+__all__ = ["LayerTimes", "as_input", "detach", "layer_copies", "profile_params", "profile_sizes", "profile_times",
+           "sandbox", "synchronize", "time_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class _DetachingTracker(SkipTracker):
         super().save(batch, ns, name, tensor)
 
 
-def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
+def layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
     """A copy of each layer, alone in a container with ``module``'s calling convention."""
     for name, layer in module.named_children():
         layer = copy.deepcopy(layer).to(device)
@@ -60,7 +62,8 @@ def _layer_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Mo
         yield sequential_like(module, [(name, layer)])
 
 
-def _detach(batch: Batch) -> Batch:
+def detach(batch: Batch) -> Batch:
+    """The batch cut from its graph, as a stage's received input is."""
     # Owned, as a pipeline's cell input is: an in-place layer may modify it (pipe.core.inplace).
     return own(batch.with_tensors([
         t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
@@ -69,17 +72,19 @@ def _detach(batch: Batch) -> Batch:
 
 
 @contextmanager
-def _sandbox(device: torch.device) -> Iterator[_DetachingTracker]:
+def sandbox(device: torch.device) -> Iterator[_DetachingTracker]:
+    """Where profiled layers run: random state forked, grad on, skips handed over detached."""
     tracker = _DetachingTracker()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.enable_grad(), use_device(device), use_skip_tracker(tracker):
         yield tracker
 
 
-def _input(sample: Any, device: torch.device) -> Batch:
+def as_input(sample: Any, device: torch.device) -> Batch:
+    """A copy of ``sample`` on ``device``, as a first stage gets it."""
     batch = Batch(sample)
     # A copy: a first layer that works in place must not modify the caller's sample round after round.
-    return _detach(batch.with_tensors([t.to(device, copy=True) for t in batch.tensors]))
+    return detach(batch.with_tensors([t.to(device, copy=True) for t in batch.tensors]))
 
 
 def _backward(batch: Batch) -> None:
@@ -88,9 +93,138 @@ def _backward(batch: Batch) -> None:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class LayerTimes:
+    """What :func:`time_layers` measured, per micro-batch size (rows) and layer.
+
+    Attributes:
+        forward, backward: seconds, the fastest of the timed rounds.
+        input_grad: seconds of the input-gradient half of each backward (the
+            I of a zero-bubble schedule: ``autograd.grad`` to the layer's
+            inputs only); empty unless ``split=True``. The weight-gradient
+            half (W) is ``backward - input_grad``.
+        output_bytes: bytes of each layer's output.
+        rounds: timed rounds run.
+    """
+
+    forward: dict[int, list[float]]
+    backward: dict[int, list[float]]
+    input_grad: dict[int, list[float]]
+    output_bytes: dict[int, list[int]]
+    rounds: int
+
+    def total(self, rows: int) -> list[float]:
+        """Forward plus backward seconds of each layer at ``rows`` rows."""
+        return [f + b for f, b in zip(self.forward[rows], self.backward[rows])]
+
+
+def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch.device, *, rounds: int = 5,
+                timeout: float = 0.0, split: bool = False) -> LayerTimes:
+    """Times each layer's forward and backward on copies of the layers, for each sample size.
+
+    The one loop that times layers, for the balancer (:func:`profile_times`)
+    and the planner (:func:`pipe.plan.cost.profile_costs`): each layer runs
+    on a detached input (its own backward only), synchronised before and
+    after on CUDA. One untimed round warms up (allocations, kernels, autograd
+    threads); then at least ``rounds`` timed rounds, and more until ``timeout``
+    seconds have passed. Each round visits every size, so a pause of this
+    process (another one got the core) spoils one round of each size, not
+    every round of one size; the fastest round is kept, since time lost to
+    other processes is not the layer's cost.
+
+    Args:
+        module: the layers (left as they were: copies are timed).
+        samples: ``{rows: micro-batch}``, one input per size to time.
+        device: where to run.
+        rounds: timed rounds at least.
+        timeout: keep running rounds until this many seconds have passed.
+        split: also time the input-gradient half of each backward
+            (:attr:`LayerTimes.input_grad`).
+
+    Raises:
+        RuntimeError: a layer failed; the message names it (index and name) and the cause.
+    """
+    names = [name for name, _ in module.named_children()]
+    sizes = list(samples)
+    forwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    backwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    inputs = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    output_bytes = {rows: [0] * len(names) for rows in sizes}
+    done = 0
+    with sandbox(device):
+        layers = list(layer_copies(module, device))
+        begun = time.perf_counter()
+        while done < rounds + 1 or time.perf_counter() - begun < timeout:
+            for rows in sizes:
+                batch = as_input(samples[rows], device)
+                for k, layer in enumerate(layers):
+                    try:
+                        batch = _time_one(layer, detach(batch), device, split, done > 0, forwards[rows][k],
+                                          backwards[rows][k], inputs[rows][k])
+                    except Exception as error:
+                        raise RuntimeError(f"cannot time layer {k} ({names[k]!r}: {type(next(iter(layer.children()), layer)).__name__}) on "
+                                           f"{rows} rows: {type(error).__name__}: {error}; the layer must run "
+                                           f"forward and backward on a detached input of a micro-batch") from error
+                    output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
+            done += 1
+    _check_proportional(names, layers, output_bytes)
+    logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
+    return LayerTimes({rows: [min(t) for t in per] for rows, per in forwards.items()},
+                      {rows: [min(t) for t in per] for rows, per in backwards.items()},
+                      {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
+                      output_bytes, done - 1)
+
+
+def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
+    """Each layer's output must grow with the micro-batch: bytes per sample the same at every size.
+
+    Raises:
+        RuntimeError: a layer's output per sample differs between sizes (data-dependent shapes: control
+            flow on the values, boolean masking), which no per-sample cost can describe; names the layer.
+    """
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    for k, name in enumerate(names):
+        per_sample = {rows: output_bytes[rows][k] / rows for rows in sizes}
+        if len(set(per_sample.values())) > 1:
+            seen = ", ".join(f"{b:g} B/sample at {rows} rows" for rows, b in per_sample.items())
+            raise RuntimeError(
+                f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
+                f"its output per sample differs between micro-batch sizes ({seen}); its shapes depend on the "
+                f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
+                f"hand, or keep such a layer's output size fixed")
+
+
+def _time_one(layer: nn.Module, batch: Batch, device: torch.device, split: bool, timed: bool,
+              forwards: list[float], backwards: list[float], inputs: list[float]) -> Batch:
+    """Runs one layer forward then backward; appends the times when ``timed``."""
+    synchronize(device)
+    tick = time.perf_counter()
+    output = batch.call(layer)
+    synchronize(device)
+    tock = time.perf_counter()
+    forward = tock - tick
+    roots = [t for t in output.tensors if t.requires_grad]
+    grads = [torch.ones_like(t) for t in roots]
+    leaves = [t for t in batch.tensors if t.requires_grad]
+    input_grad = 0.0
+    if split and roots and leaves:
+        torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+        synchronize(device)
+        input_grad = time.perf_counter() - tock
+        tock = time.perf_counter()
+    if roots:
+        torch.autograd.backward(roots, grads)
+    synchronize(device)
+    if timed:
+        forwards.append(forward)
+        backwards.append(time.perf_counter() - tock)
+        inputs.append(min(input_grad, backwards[-1]))
+    return output
 
 
 def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
@@ -98,27 +232,9 @@ def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: to
 
     A first, untimed round warms up; at least three timed rounds follow, whatever the timeout.
     """
-    samples: list[list[float]] = [[] for _ in module]
-    with _sandbox(device):
-        layers = list(_layer_copies(module, device))
-        begun = time.perf_counter()
-        rounds = 0
-        while rounds < 4 or time.perf_counter() - begun < timeout:
-            batch = _input(sample, device)
-            for k, layer in enumerate(layers):
-                batch = _detach(batch)
-                _synchronize(device)
-                tick = time.perf_counter()
-                batch = batch.call(layer)
-                _backward(batch)
-                _synchronize(device)
-                if rounds > 0:  # the first round warms up (allocations, kernels, autograd threads)
-                    samples[k].append(time.perf_counter() - tick)
-            rounds += 1
-    # The fastest round, not the sum or the mean: time lost to other processes
-    # (preemption on a shared machine) is not the layer's cost.
-    times = [min(round_times) for round_times in samples]
-    logger.debug("profiled times over %d rounds: %s", rounds, times)
+    measured = time_layers(module, {0: sample}, device, rounds=3, timeout=timeout)
+    times = measured.total(0)
+    logger.debug("profiled times over %d rounds: %s", measured.rounds, times)
     return times
 
 
@@ -137,10 +253,10 @@ def profile_sizes(module: nn.Sequential, sample: Any, chunks: int, param_scale: 
     """Bytes each layer holds for one micro-batch: activations kept for backward, plus
     ``param_scale`` times its parameter bytes."""
     sizes: list[int] = []
-    batch = _input(scatter(sample, chunks)[0].value, device)
-    with _sandbox(device) as tracker:
-        for layer in _layer_copies(module, device):
-            batch = _detach(batch)
+    batch = as_input(scatter(sample, chunks)[0].value, device)
+    with sandbox(device) as tracker:
+        for layer in layer_copies(module, device):
+            batch = detach(batch)
             saved: list[Tensor] = []
 
             def pack(tensor: Tensor) -> Tensor:

@@ -256,6 +256,7 @@ class Schedule:
         self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
         checkpoint_stop: int | None = None, durations: Callable[[Action], float] | None = None, *,
         input_grad: float | None = None, weight_grad: float | None = None,
+        transfer: Callable[[Action], float] | None = None,
     ) -> list[TimedAction]:
         """Place every action on a timeline, given how long each phase takes.
 
@@ -276,7 +277,9 @@ class Schedule:
         and later W (``weight_grad``, default ``backward / 2``) instead of B; a
         checkpointed cell recomputes once, before its I, and the recomputed
         graph serves its W. An I waits for the I of the stage after; a W for
-        its own I.
+        its own I. ``transfer(action)``, when given, is the seconds from the
+        end of the action ``action`` depends on until its input is there (a
+        message between ranks, for :mod:`pipe.plan`).
 
         Returns:
             The timed actions of all ranks, sorted by ``(start, rank)``.
@@ -333,8 +336,8 @@ class Schedule:
                     if redo_length > 0:
                         timeline.append(TimedAction(redo, rank, start, start + redo_length))
                         start += redo_length
-                if dependency is not None and ends[dependency] > start:
-                    start = ends[dependency]
+                if dependency is not None:
+                    start = max(start, ends[dependency] + (transfer(action) if transfer else 0.0))
                 end = start + (length(action) if fixed is None else fixed[c])
                 timeline.append(TimedAction(action, rank, start, end))
                 key = (c, i, s)

@@ -182,6 +182,7 @@ class DistributedPipe(nn.Module):
                                      loss_fn, target)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
+            recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         self.loss_reduction = verify_loss_reduction(loss_reduction)

@@ -11,18 +11,23 @@ Usage::
     print(report.table())
 
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
+* :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
+  contention) and its fit to measured steps; :mod:`pipe.plan.link` measures
+  the transport once per machine;
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
-* :mod:`pipe.plan.search`: the candidates, and the fastest one that fits;
+* :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;
+* :mod:`pipe.plan.search`: the fastest candidate that fits, found best-first;
 * :mod:`pipe.plan.explain`: every idle interval of a trace or a plan, with its cause.
 """
 from __future__ import annotations
 
 from pipe.plan.cost import Costs, StageMemory, StageTime, profile_costs
 from pipe.plan.explain import Explanation, Idle, explain, explain_prediction
-from pipe.plan.predict import Candidate, Prediction, calibrate, predict
+from pipe.plan.predict import Candidate, Prediction, predict
+from pipe.plan.timing import Link, TimeModel, fit
 from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search
 
-__all__ = ["Candidate", "Costs", "Explanation", "Idle", "Plan", "PlanError", "Prediction", "StageMemory",
-           "StageTime", "calibrate", "explain", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
+__all__ = ["Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
+           "StageTime", "TimeModel", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
            "profile_costs", "search"]

@@ -63,7 +63,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks, runner="processes",
+            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks, runner="processes", link="cached",
                           loss_fn=loss_fn, target=target)
             logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
             message = [chosen.distributed_kwargs()]

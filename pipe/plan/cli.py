@@ -3,15 +3,20 @@
 Usage::
 
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
-              [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain]
+              [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
 float mini-batch of ``--input-shape`` or what ``--input module:function``
-returns. The table lists the chosen plan, the runners-up and the faster plans
-that were rejected, with each rank's predicted peak; ``--explain`` adds where
-the chosen plan's idle time goes. Bad arguments exit with status 2; a budget
-that nothing fits exits with status 1 and names the smallest that does.
+returns. The table lists the chosen plan with its predicted step and peak per
+rank, the next best plans and how much slower each is, and the faster plans
+that were rejected with the rank (and its stages) over the budget;
+``--explain`` adds where the chosen plan's idle time goes. ``--verify`` then
+runs the chosen plan (``--runner processes``: one local gloo process per rank;
+``threads``: ``Pipe`` on the CPU) and prints the measured step and peaks
+beside the predicted ones; its loss is the mean of the output. Bad arguments
+exit with status 2; a budget that nothing fits exits with status 1 and names
+the smallest peak found and the rank holding it.
 """
 from __future__ import annotations
 
@@ -76,7 +81,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--param-scale", type=float, default=2.0,
                         help="copies of the parameters training keeps: 2 SGD, 3 momentum, 4 Adam (default 2)")
     parser.add_argument("--explain", action="store_true", help="also explain the chosen plan's idle time")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the chosen plan and print the measured step and peaks beside the predicted")
+    parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
+                        help="transport cost between ranks (processes): auto measures it once per machine and "
+                             "caches it; cached uses the cache only; none: free (default auto)")
     return parser
+
+
+def mean_loss(output: Any, target: Any) -> Any:
+    """The loss of ``--verify``: the mean of the output (the target is not used)."""
+    import torch
+
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)]
+    return sum(t.float().mean() for t in tensors)
+
+
+def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
+    """Runs the plan; the measured figures beside the predicted ones."""
+    import time
+
+    import torch
+
+    from pipe.plan.measure import verify_plan
+    from pipe.plan.search import format_bytes
+
+    predicted = chosen.best
+    lines = ["verified (measured beside predicted):"]
+    if args.runner == "processes":
+        measured = verify_plan(args.model, chosen, sample, sample, mean_loss)
+        step = max(m.step_time for m in measured)
+        lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
+                     f"({predicted.step_time / step - 1:+.1%})")
+        for rank, m in enumerate(measured):
+            lines.append(f"  rank {rank} peak  predicted {format_bytes(predicted.peaks[rank]):>12}  measured "
+                         f"{format_bytes(m.activation_peak):>12} ({predicted.peaks[rank] / m.activation_peak - 1:+.1%})")
+        return "\n".join(lines)
+    from pipe import Pipe
+
+    model = Pipe(args.model(), devices=["cpu"] * chosen.candidate.ranks, **chosen.pipe_kwargs())
+    times = []
+    for _ in range(4):
+        begun = time.perf_counter()
+        mean_loss(model(sample), None).backward()
+        times.append(time.perf_counter() - begun)
+    model.close()
+    step = min(times[1:])
+    lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
+                 f"({predicted.step_time / step - 1:+.1%}); per-stage peaks are not measured in one process "
+                 f"(plan with --runner processes to check them)")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -90,10 +144,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     model = args.model()
     sample = torch.randn(*args.input_shape) if args.input_shape else args.input()
+    with_loss = args.verify and args.runner == "processes"
     try:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
-                      chunks=args.chunks, param_scale=args.param_scale)
+                      chunks=args.chunks, param_scale=args.param_scale,
+                      link=None if args.link == "none" else args.link, loss_fn=mean_loss if with_loss else None,
+                      target=sample if with_loss else None)
     except PlanError as error:
+        sys.stderr.write(f"pipe-plan: {error}\n")
+        return 1
+    except RuntimeError as error:  # a layer that cannot be measured
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1
     except (TypeError, ValueError) as error:
@@ -104,6 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.write(f"\n{front}(model, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")\n")
     if args.explain:
         sys.stdout.write("\n" + explain_prediction(chosen.best).table() + "\n")
+    if args.verify:
+        sys.stdout.write("\n" + _verify(args, chosen, sample) + "\n")
     return 0
 
 

@@ -31,11 +31,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipe.balance.profile import _backward, _detach, _input, _layer_copies, _sandbox, _synchronize
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_layers
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
+from pipe.core.split_backward import split_cell
 from pipe.recompute.memory import ActivationMemory
+from pipe.recompute.module import recompute as mark_recompute, unmark
 from pipe.skip.skippable import skippables_in
 from pipe.skip.tracker import partition_function
 
@@ -55,23 +57,38 @@ class StageMemory:
         backward_peak: high-water mark during the backward above the bytes
             live before it (``kept`` excluded): the received gradient, the
             recomputed activations, gradient temporaries.
+        after_input: for a backward split into I and W (counted with
+            ``split=True``), the bytes above ``kept`` that stay from I until
+            W: the gradients recorded at the branch nodes, the replayed graph
+            of a checkpointed cell.
     """
 
     forward_peak: int
     kept: int
     backward_peak: int
+    after_input: int = 0
 
 
 @dataclass(frozen=True)
 class StageTime:
-    """Seconds of one micro-batch on one stage."""
+    """Seconds of one micro-batch on one stage.
+
+    Attributes:
+        forward, backward: the stage's layers (a backward includes the replay
+            of layers marked for recompute).
+        recompute: replaying the whole stage (a checkpointed cell).
+        input_grad, weight_grad: the two halves of ``backward`` that a
+            zero-bubble schedule runs apart (I, then W).
+    """
 
     forward: float
     backward: float
     recompute: float
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
 
 
-MemoryFn = Callable[[int, int, int, bool], StageMemory]
+MemoryFn = Callable[[int, int, int, bool, int, bool], StageMemory]
 
 
 class Costs:
@@ -80,35 +97,36 @@ class Costs:
     Args:
         batch: samples per mini-batch.
         forward, backward: ``{micro-batch rows: seconds per layer}``.
-        memory: ``memory(first, stop, rows, checkpointed)``: the :class:`StageMemory`
-            of layers ``first:stop`` for a micro-batch of ``rows`` samples.
+        memory: ``memory(first, stop, rows, checkpointed, recomputed, split)``: the
+            :class:`StageMemory` of layers ``first:stop`` for a micro-batch of
+            ``rows`` samples, the cell checkpointed or not, its first
+            ``recomputed`` layers marked for recompute (:func:`pipe.recompute.recompute`),
+            its backward split into I and W or not.
         param_bytes: bytes of each layer's parameters.
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
-        bandwidth: bytes per second between stages (None: transfers are free).
-        latency: seconds per transfer (with ``bandwidth``).
-        action_overhead: seconds a runner spends per forward or backward
-            beyond the layers' own time (posting receives, sending, Python);
-            0 until :func:`pipe.plan.predict.calibrate` fits it to a measured step.
+        input_grad: ``{rows: seconds per layer}`` of the input-gradient half of
+            each backward (default: half of it), for the zero-bubble schedules.
+
+    How these become a step time (messages, overhead per action, contention)
+    is :class:`pipe.plan.timing.TimeModel`'s part.
     """
 
     def __init__(self, batch: int, forward: dict[int, list[float]], backward: dict[int, list[float]],
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
-                 output_bytes: Optional[dict[int, list[int]]] = None, bandwidth: Optional[float] = None,
-                 latency: float = 0.0, action_overhead: float = 0.0) -> None:
+                 output_bytes: Optional[dict[int, list[int]]] = None,
+                 input_grad: Optional[dict[int, list[float]]] = None) -> None:
         self.batch = batch
-        self.action_overhead = action_overhead
         self.forward = forward
         self.backward = backward
+        self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
-        self.bandwidth = bandwidth
-        self.latency = latency
-        for rows, times in [*forward.items(), *backward.items()]:
+        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
                                  f"{len(self.param_bytes)}; give every table one entry per layer")
@@ -130,37 +148,38 @@ class Costs:
             )
         return rows
 
-    def stage_time(self, first: int, stop: int, chunks: int) -> StageTime:
-        """Seconds of one micro-batch on layers ``first:stop``; a stage before the last pays
-        the transfer of its output in forward, one after the first that of its input gradient."""
+    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0) -> StageTime:
+        """Seconds of one micro-batch on layers ``first:stop``, the first ``recomputed``
+        of them replayed in backward (marked for recompute)."""
         rows = self.rows(chunks)
-        recompute = math.fsum(self.forward[rows][first:stop])
-        forward = recompute + self.action_overhead
-        backward = math.fsum(self.backward[rows][first:stop]) + self.action_overhead
-        if self.bandwidth is not None:
-            if stop < self.layers:
-                forward += self.latency + self.output_bytes[rows][stop - 1] / self.bandwidth
-            if first > 0:
-                backward += self.latency + self.output_bytes[rows][first - 1] / self.bandwidth
-        return StageTime(forward, backward, recompute)
+        forward = math.fsum(self.forward[rows][first:stop])
+        replay = math.fsum(self.forward[rows][first:first + recomputed])
+        backward = math.fsum(self.backward[rows][first:stop])
+        input_grad = math.fsum(self.input_grad[rows][first:stop])
+        return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
 
-    def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool) -> StageMemory:
-        """Counted bytes of one micro-batch on layers ``first:stop``.
+    def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
+                     split: bool = False) -> StageMemory:
+        """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked;
+        ``split``: the backward run as I then W).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows.
         """
         rows = self.rows(chunks)
+        recomputed = 0 if checkpointed else recomputed  # a checkpointed cell replays all of it anyway
         low, high = min(self.forward), max(self.forward)
         if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed)
-        a, b = (self._counted(first, stop, r, checkpointed) for r in (low, high))
+            return self._counted(first, stop, rows, checkpointed, recomputed, split)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
-            (a.forward_peak, a.kept, a.backward_peak), (b.forward_peak, b.kept, b.backward_peak))))
+            (a.forward_peak, a.kept, a.backward_peak, a.after_input),
+            (b.forward_peak, b.kept, b.backward_peak, b.after_input))))
 
-    def _counted(self, first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
-        key = (first, stop, rows, checkpointed)
+    def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
+                 split: bool) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split)
         if key not in self._memory_cache:
             self._memory_cache[key] = self._memory(*key)
         return self._memory_cache[key]
@@ -186,7 +205,8 @@ class Costs:
                 (what makes many small micro-batches slower).
 
         A checkpointed stage keeps its input and output; its backward peak is
-        the recomputed activations plus one output-sized gradient.
+        the recomputed activations plus one output-sized gradient. A layer
+        marked for recompute keeps only its output (the next layer's input).
         """
         n = len(forward)
         tables = {"backward": backward, "activation": activation, "output": output}
@@ -195,14 +215,18 @@ class Costs:
                 raise ValueError(f"{name} has {len(table)} layers but forward has {n}; give one entry per layer")
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
-        def memory(first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
+        def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
+                   split: bool) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
+            marked = first + min(recomputed, stop - first)
+            kept_layers = sum(output[first:marked]) * rows + sum(activation[marked:stop]) * rows
             out = output[stop - 1] * rows
-            kept = received + (out if checkpointed else full)
-            grad = out
+            kept = received + (out if checkpointed else kept_layers)
+            replayed = max((activation[k] for k in range(first, marked)), default=0) * rows
             return StageMemory(forward_peak=received + full, kept=kept,
-                               backward_peak=grad + (full - out if checkpointed else 0))
+                               backward_peak=out + (full - out if checkpointed else replayed),
+                               after_input=(full - out if checkpointed else 0) + out if split else 0)
 
         return cls(batch,
                    {rows: [overhead + t * rows for t in forward] for rows in rows_of},
@@ -212,20 +236,23 @@ class Costs:
 
 
 def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
-                  rounds: int = 5, device: Optional[torch.device] = None, bandwidth: Optional[float] = None,
-                  latency: float = 0.0, loss_fn: Optional[Callable[[Any, Any], Tensor]] = None,
-                  target: Any = None) -> Costs:
+                  rounds: int = 5, device: Optional[torch.device] = None,
+                  loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None) -> Costs:
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
 
     Layers are copied (the module is left as it was, random state included), as
-    :mod:`pipe.balance.profile` does. Only ``chunks`` that divide the batch are kept.
-    With ``loss_fn`` and ``target`` (the mini-batch's), the last stage's bytes
-    include the loss, as ``DistributedPipe.step`` computes it; else its backward
-    starts from a gradient of ones.
+    :mod:`pipe.balance.profile` does; times come from its
+    :func:`~pipe.balance.profile.time_layers`, with the input-gradient half of
+    each backward (for zero-bubble schedules). Only ``chunks`` that divide
+    the batch are kept. With ``loss_fn`` and ``target`` (the mini-batch's),
+    the last stage's bytes include the loss, as ``DistributedPipe.step``
+    computes it; else its backward starts from a gradient of ones.
 
     Raises:
         ValueError: no chunk count divides the batch; the model has skip connections
             (``@skippable`` layers), which the planner does not model yet.
+        RuntimeError: a layer cannot be measured (it fails, or fails under
+            ``torch.no_grad``); the message names the layer.
     """
     device = device or torch.device("cpu")
     if any(True for _ in skippables_in(module)):
@@ -239,70 +266,52 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     micro = {batch // c: scatter(sample, c)[0].value for c in usable}
     if loss_fn is not None and target is None:
         raise ValueError("profile_costs(loss_fn=...) needs target=, the mini-batch's targets, to compute the loss")
-    targets = {batch // c: _input(scatter(target, c)[0].value, device).value for c in usable} \
+    targets = {batch // c: as_input(scatter(target, c)[0].value, device).value for c in usable} \
         if loss_fn is not None else {}
     begun = time.perf_counter()
-    with _sandbox(device):
-        layers = list(_layer_copies(module, device))
-        forward, backward, output_bytes = _time_layers(layers, micro, device, rounds)
+    times = time_layers(module, micro, device, rounds=rounds, split=True)
+    names = [name for name, _ in module.named_children()]
+    with sandbox(device):
+        layers = list(layer_copies(module, device))
         # Inputs of every layer for every size, computed once without a graph, for the memory counts.
         inputs: dict[int, list[Batch]] = {}
         with torch.no_grad():
             for rows, value in micro.items():
-                batch_ = _input(value, device)
+                batch_ = as_input(value, device)
                 inputs[rows] = []
-                for layer in layers:
+                for k, layer in enumerate(layers):
                     inputs[rows].append(batch_)
-                    batch_ = batch_.call(layer)
+                    try:
+                        batch_ = batch_.call(layer)
+                    except Exception as error:
+                        raise RuntimeError(
+                            f"cannot measure layer {k} ({names[k]!r}) under torch.no_grad on {rows} rows: "
+                            f"{type(error).__name__}: {error}; pipe.plan runs each layer without a graph to "
+                            f"count a stage's bytes: make the layer run under no_grad, or plan by hand") from error
     for layer in layers:  # gradients exist before counting: they are static, not activations
         for param in layer.parameters():
             param.grad = torch.zeros_like(param)
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
-    def memory(first: int, stop: int, rows: int, checkpointed: bool) -> StageMemory:
-        with _sandbox(device):
-            loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
-            return _count_stage(nn.Sequential(*layers[first:stop]), inputs[rows][first], first == 0, checkpointed,
-                                loss)
+    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool) -> StageMemory:
+        stage = layers[first:stop]
+        for layer in stage[:recomputed]:
+            mark_recompute(layer)
+        try:
+            with sandbox(device):
+                loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
+                return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
+                                    split)
+        finally:
+            for layer in stage[:recomputed]:
+                unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
-    return Costs(batch, _monotone(forward), _monotone(backward), memory, param_bytes, param_scale=param_scale,
-                 output_bytes=output_bytes, bandwidth=bandwidth, latency=latency)
+    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
+                 param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad))
 
 
 Table = dict[int, list[float]]
-
-
-def _time_layers(layers: list[nn.Module], micro: dict[int, Any], device: torch.device,
-                 rounds: int) -> tuple[Table, Table, dict[int, list[int]]]:
-    """Per micro-batch size and layer: fastest forward, fastest backward, output bytes.
-
-    One warm-up round, then ``rounds`` timed ones; each round visits every size,
-    so that a pause of this process (another one got the core) spoils one
-    round of each size, not every round of one size.
-    """
-    forwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
-    backwards = {rows: [[] for _ in layers] for rows in micro}  # type: dict[int, list[list[float]]]
-    sizes = {rows: [0] * len(layers) for rows in micro}
-    for round_ in range(rounds + 1):
-        for rows, value in micro.items():
-            batch = _input(value, device)
-            for k, layer in enumerate(layers):
-                batch = _detach(batch)
-                _synchronize(device)
-                tick = time.perf_counter()
-                batch = batch.call(layer)
-                _synchronize(device)
-                tock = time.perf_counter()
-                _backward(batch)
-                _synchronize(device)
-                if round_ > 0:
-                    forwards[rows][k].append(tock - tick)
-                    backwards[rows][k].append(time.perf_counter() - tock)
-                sizes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
-    # The fastest round: time lost to other processes is not the layer's cost.
-    return ({rows: [min(f) for f in per] for rows, per in forwards.items()},
-            {rows: [min(b) for b in per] for rows, per in backwards.items()}, sizes)
 
 
 def _monotone(times: Table) -> Table:
@@ -316,26 +325,40 @@ def _monotone(times: Table) -> Table:
 
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
-                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None) -> StageMemory:
-    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes."""
+                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False) -> StageMemory:
+    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
+    its backward runs as I then W (:mod:`pipe.core.split_backward`), as the zero-bubble schedules run it."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
     # (until it knows, a checkpointed cell keeps copies of all its inputs).
     guard = InputGuard("the profiled stage", shared=first, partition=stage)
     with torch.no_grad():
-        guard.call(function, _detach(given.with_tensors([t.clone() for t in given.tensors])))
+        guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
+    after_input = 0
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         tensors = [t if first else t.clone() for t in given.tensors]
-        batch = _detach(given.with_tensors(tensors))
-        compute, finalize, _ = cell(function, batch, checkpointed, (0, 0), guard=guard)
+        if split and not first:  # a received input needs its gradient (I computes it and records for W)
+            tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+        batch = detach(given.with_tensors(tensors))
+        compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
         output = compute()
-        finalize(output)
+        if not split:  # split: I replays a checkpointed cell itself
+            finalize(output)
         value = loss[0](output.value, loss[1]) if loss is not None else None
         forward_peak, kept = counter.peak_bytes, counter.live_bytes
         counter.reset_peak()
-        if value is not None:
+        if split:
+            outputs = list(output.tensors)
+            ones: list[Optional[Tensor]] = [torch.ones_like(t) if t.requires_grad else None for t in outputs]
+            halves, _ = split_cell(outputs, ones, list(batch.tensors), list(stage.parameters()), record, value)
+            del ones, record
+            halves.backward_input()
+            after_input = counter.live_bytes - kept
+            halves.backward_weight()
+            del halves, outputs
+        elif value is not None:
             value.backward()
         else:
             roots = [t for t in output.tensors if t.requires_grad]
@@ -345,4 +368,5 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             del roots, grads
         backward_peak = counter.peak_bytes - kept
         del output, value, batch, tensors
-    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak)
+    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
+                       after_input=max(after_input, 0))

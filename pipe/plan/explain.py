@@ -36,7 +36,8 @@ def explain(trace: Mapping[str, Any], step: Optional[int] = None) -> Explanation
 
 def explain_prediction(prediction: Any) -> Explanation:
     """Explains a predicted plan (:class:`pipe.plan.Prediction`), in ms: all of its idle time is the schedule's."""
-    names = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+    names = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
+             Phase.INPUT: "input", Phase.WEIGHT: "weight"}
     ranks = prediction.candidate.ranks
     cells = [Span(row=t.rank, kind=names[t.action.phase], start=t.start * 1e3, end=t.end * 1e3,
                   microbatch=t.action.microbatch, stage=t.action.stage, chunk=t.action.stage // ranks)

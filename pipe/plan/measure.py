@@ -13,21 +13,26 @@ on both sides, so the comparison is on the activations::
 """
 from __future__ import annotations
 
+import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from pipe.recompute.memory import ActivationMemory
 
-__all__ = ["Measured", "measure_step"]
+if TYPE_CHECKING:  # pragma: no cover
+    from pipe.plan.search import Plan
+
+__all__ = ["Measured", "measure_step", "verify_plan"]
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One rank's measured step: counted activation peak (bytes) and wall time (seconds)."""
+    """One rank's measured step: counted peak (bytes; activations, plus the static bytes in
+    :func:`verify_plan`) and wall time (seconds)."""
 
     activation_peak: int
     step_time: float
@@ -56,3 +61,62 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
         times.append(time.perf_counter() - begun)
     torch.distributed.barrier()
     return Measured(peak, min(times))
+
+
+def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], kwargs: dict[str, Any],
+                 inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int,
+                 queue: "multiprocessing.Queue[Any]") -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        from pipe.distributed import DistributedPipe
+
+        model = DistributedPipe(build(), **kwargs)
+        queue.put((rank, measure_step(model, inputs, target, loss_fn, repeat=repeat)))
+        dist.destroy_process_group()
+    except BaseException as error:  # reported to the parent
+        queue.put((rank, f"{type(error).__name__}: {error}"))
+
+
+def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, target: Any, loss_fn: Callable[..., Any],
+                *, repeat: int = 3, timeout: float = 300.0) -> list[Measured]:
+    """Runs ``plan`` (runner ``"processes"``) on as many local gloo processes as it has ranks; one
+    :class:`Measured` per rank, the static bytes of the plan's prediction added to the counted peak.
+
+    ``build()`` returns a fresh model (the processes are forked, so any function works).
+
+    Raises:
+        RuntimeError: a rank failed (the message says which and why) or took longer than ``timeout`` seconds.
+    """
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = plan.candidate.ranks
+    context = multiprocessing.get_context("fork")
+    queue: "multiprocessing.Queue[Any]" = context.Queue()
+    processes = [context.Process(target=_verify_rank, daemon=True, args=(
+        rank, world, port, build, plan.distributed_kwargs(), inputs, target, loss_fn, repeat, queue))
+        for rank in range(world)]
+    for process in processes:
+        process.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in processes)
+    except Exception:
+        raise RuntimeError(f"running the plan on {world} processes took more than {timeout} s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    failed = [f"rank {r}: {v}" for r, v in sorted(results.items()) if isinstance(v, str)]
+    if failed:
+        raise RuntimeError("running the plan failed: " + "; ".join(failed))
+    return [Measured(results[r].activation_peak + plan.best.static[r], results[r].step_time) for r in range(world)]

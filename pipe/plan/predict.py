@@ -13,13 +13,20 @@ high-water mark" and "held + this backward's high-water mark"::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any, Optional
+
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES
 from pipe.plan.cost import Costs
+from pipe.plan.timing import TimeModel
 
-__all__ = ["Candidate", "Prediction", "calibrate", "predict"]
+LOSS_SCALAR_BYTES = 3 * 4
+"""What the process runner's step keeps of the loss on the last stage: three float32 scalars (measured)."""
+
+__all__ = ["Candidate", "Prediction", "busy_bound", "predict", "predict_memory"]
 
 
 @dataclass(frozen=True)
@@ -27,11 +34,17 @@ class Candidate:
     """One plan: what ``Pipe`` or ``DistributedPipe`` is told.
 
     Attributes:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (``Pipe`` runs GPipe).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or
+            ``"zbv"`` (``Pipe`` runs GPipe).
         chunks: micro-batches per mini-batch.
         balance: layers per stage (``ranks x virtual_stages`` entries).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"``.
-        virtual_stages: stages per rank (interleaved only).
+        virtual_stages: stages per rank (interleaved and zbv).
+        recompute: per stage, how many of its first layers are marked for
+            full recompute (:func:`pipe.recompute.recompute`; a config
+            ``{"recompute": [counts]}`` passed as ``recompute=``); empty: none.
+            A per-stage choice between keeping everything and recomputing
+            everything, as AdaPipe plans it.
     """
 
     schedule: str
@@ -39,15 +52,27 @@ class Candidate:
     balance: tuple[int, ...]
     checkpoint: str
     virtual_stages: int = 1
+    recompute: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> int:
         return len(self.balance) // self.virtual_stages
 
+    def recomputed(self, stage: int) -> int:
+        """Layers of ``stage`` marked for recompute."""
+        return self.recompute[stage] if self.recompute else 0
+
+    def recompute_config(self) -> Optional[dict[str, Any]]:
+        """The ``recompute=`` config of ``Pipe``/``DistributedPipe`` for the per-stage counts (None: none)."""
+        if not any(self.recompute):
+            return None
+        return {"recompute_config": {"recompute": list(self.recompute)}}
+
     def describe(self) -> str:
-        extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
+        marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""
         return (f"{self.schedule}{extra} chunks={self.chunks} balance={list(self.balance)} "
-                f"checkpoint={self.checkpoint}")
+                f"checkpoint={self.checkpoint}{marks}")
 
 
 @dataclass
@@ -87,42 +112,118 @@ def _bounds(balance: tuple[int, ...]) -> list[tuple[int, int]]:
     return bounds
 
 
-def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", timeline: bool = True) -> Prediction:
-    """Step time and per-rank peak bytes of ``candidate``, from ``costs``.
+def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", timeline: bool = True,
+            model: Optional[TimeModel] = None, memory: Optional[tuple[list[int], list[int]]] = None) -> Prediction:
+    """Step time and per-rank peak bytes of ``candidate``, from ``costs`` and the time ``model``
+    (:class:`pipe.plan.timing.TimeModel`; default: layer times alone, messages free).
 
     Raises:
         ValueError: the candidate does not fit the model (its balance does not
             cover the layers, or a schedule argument is out of range).
     """
+    schedule = _schedule(costs, candidate)
+    if candidate.recompute and len(candidate.recompute) != len(candidate.balance):
+        raise ValueError(f"recompute={list(candidate.recompute)} needs one count per stage ({len(candidate.balance)})")
+    model = model or TimeModel()
+    bounds = _bounds(candidate.balance)
+    stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
+    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s))
+             for s, (first, last) in enumerate(bounds)]
+    scale, overhead = model.contention, model.action_overhead
+
+    def duration(action: Action) -> float:
+        t = times[action.stage]
+        if action.phase is Phase.RECOMPUTE:
+            return t.recompute * scale
+        seconds = {Phase.FORWARD: t.forward, Phase.BACKWARD: t.backward, Phase.INPUT: t.input_grad,
+                   Phase.WEIGHT: t.weight_grad}[action.phase]
+        return seconds * scale + overhead
+
+    rows = costs.rows(candidate.chunks)
+    sizes = costs.output_bytes.get(rows, [])
+    link = model.link
+
+    def transfer(action: Action) -> float:  # the awaited message: an activation, or a gradient of one
+        if link is None or not sizes or action.phase is Phase.WEIGHT:
+            return 0.0
+        s = action.stage
+        if action.phase is Phase.FORWARD:
+            if s == 0 or schedule.rank_of(s - 1) == schedule.rank_of(s):
+                return 0.0
+            return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1])
+        if s == schedule.stages - 1 or schedule.rank_of(s + 1) == schedule.rank_of(s):
+            return 0.0
+        return link.cost(HEADER_BYTES + sizes[bounds[s][1] - 1])
+
+    simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+    step_time = max(t.end for t in simulated)
+    peaks, static = memory or predict_memory(costs, candidate, runner=runner)
+    return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
+
+
+def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
     schedule = Schedule(candidate.schedule, ranks=candidate.ranks, microbatches=candidate.chunks,
                         virtual_stages=candidate.virtual_stages)
     if sum(candidate.balance) != costs.layers or min(candidate.balance) < 1:
         raise ValueError(f"balance {list(candidate.balance)} does not split {costs.layers} layers into non-empty "
                          f"stages; its entries must be >= 1 and sum to {costs.layers}")
+    return schedule
+
+
+def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads",
+                   ranks: Optional[list[int]] = None) -> tuple[list[int], list[int]]:
+    """``(peaks, static)``: bytes per rank at its high-water mark, and of its parameters, gradients and
+    optimiser state; only ``ranks`` (the others get 0) when given."""
+    schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
-    times = [costs.stage_time(first, last, candidate.chunks) for first, last in bounds]
-
-    def duration(action: Action) -> float:
-        t = times[action.stage]
-        if action.phase is Phase.FORWARD:
-            return t.forward
-        if action.phase is Phase.BACKWARD:
-            return t.backward
-        return t.recompute
-
-    simulated = schedule.simulate(checkpoint_stop=stop, durations=duration)
-    step_time = max(t.end for t in simulated)
     peaks, static = [], []
     for rank in range(schedule.ranks):
+        if ranks is not None and rank not in ranks:
+            peaks.append(0)
+            static.append(0)
+            continue
         fixed = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank))
-        peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner))
+        peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner, candidate))
         static.append(fixed)
-    return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
+    return peaks, static
+
+
+def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> float:
+    """A lower bound of the predicted step time, without simulating.
+
+    For each rank: its compute and overhead (no waiting), plus the forwards of
+    one micro-batch on the stages before its first stage (it cannot start
+    earlier) and, outside the zero-bubble schedules (whose last action may be
+    a W nobody waits for), the backwards of one micro-batch on those stages
+    (its last backward is followed by theirs). :func:`pipe.plan.search.search`
+    visits candidates in the order of this bound and stops once it exceeds the
+    plans already found, so most candidates are never simulated.
+    """
+    model = model or TimeModel()
+    schedule = _schedule(costs, candidate)
+    bounds = _bounds(candidate.balance)
+    stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
+    m = candidate.chunks
+    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s)) for s in range(len(bounds))]
+    busiest = 0.0
+    for rank in range(schedule.ranks):
+        mine = schedule.stages_of(rank)
+        total = 0.0
+        for s in mine:
+            t = times[s]
+            total += m * (t.forward + t.backward) * model.contention + min(stop, m) * t.recompute * model.contention
+            total += m * (3 if schedule.splits_backward else 2) * model.action_overhead
+        before = range(min(mine))
+        total += math.fsum(times[s].forward for s in before) * model.contention
+        if not schedule.splits_backward:
+            total += math.fsum(times[s].backward for s in before) * model.contention
+        busiest = max(busiest, total)
+    return busiest
 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
-                     stop: int, runner: str = "threads") -> int:
+                     stop: int, runner: str = "threads", candidate: Optional[Candidate] = None) -> int:
     """The high-water mark of activation bytes along ``rank``'s program.
 
     With ``runner="processes"`` the process runner's buffers count too
@@ -130,7 +231,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     posted (its buffer allocated) before this action runs, and a sent tensor
     (an activation, or an input gradient) stays referenced by its pending
     send until the step's end at the latest; each message has a header of
-    ``HEADER_BYTES``.
+    ``HEADER_BYTES``. In the zero-bubble schedules, I keeps the graph and
+    what it recorded for W (:attr:`StageMemory.after_input`, counted) and
+    sends the input gradient; W frees them.
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -146,22 +249,33 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         return HEADER_BYTES + sizes[stop_ - 1] if action.stage < last_stage and sizes else 0
 
     sent = lingering = 0
+    scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
     latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
-        memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop)
+        memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
+                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         if action.phase is Phase.FORWARD:
-            peak = max(peak, held + sent + posted + lingering + memory.forward_peak)
+            peak = max(peak, held + sent + posted + lingering + scalars + memory.forward_peak)
             kept[key] = memory.kept
             held += memory.kept
             lingering, latest = 0, action
+            if runner == "processes" and action.stage == last_stage:
+                scalars = LOSS_SCALAR_BYTES
             if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
                 sent += HEADER_BYTES
-        else:
-            peak = max(peak, held + sent + posted + lingering + memory.backward_peak)
+        elif action.phase is Phase.WEIGHT:  # the graph I kept goes
+            peak = max(peak, held + sent + posted + lingering + scalars)
             held -= kept.pop(key)
+        else:
+            peak = max(peak, held + sent + posted + lingering + scalars + memory.backward_peak)
+            if action.phase is Phase.BACKWARD:
+                held -= kept.pop(key)
+            else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W
+                kept[key] += memory.after_input
+                held += memory.after_input
             if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
                 sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
@@ -171,31 +285,3 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 # the next forward; measured: two output-sized tensors outlive the backward.
                 lingering = 2 * sizes[last - 1]
     return peak
-
-
-def calibrate(costs: Costs, candidate: Candidate, measured_step_time: float, *, runner: str = "threads") -> float:
-    """Fits ``costs.action_overhead`` so that ``candidate``'s predicted step time is the measured one.
-
-    The layers' times are measured in isolation; a runner adds a cost per
-    action (receives, sends, bookkeeping) that one measured step of one plan
-    reveals. Other plans are then predicted with it. Returns the overhead (s).
-
-    Raises:
-        ValueError: the measured step is faster than the layers alone (then
-            the layer times were measured under load: profile again).
-    """
-    costs.action_overhead = 0.0
-    base = predict(costs, candidate, runner=runner, timeline=False).step_time
-    if measured_step_time < base:
-        raise ValueError(
-            f"measured step time {measured_step_time * 1e3:.3f} ms is below the {base * 1e3:.3f} ms the layers "
-            f"alone take in {candidate.describe()}; profile the layers again on an idle machine")
-    low, high = 0.0, measured_step_time
-    for _ in range(60):
-        costs.action_overhead = (low + high) / 2
-        if predict(costs, candidate, runner=runner, timeline=False).step_time < measured_step_time:
-            low = costs.action_overhead
-        else:
-            high = costs.action_overhead
-    costs.action_overhead = (low + high) / 2
-    return costs.action_overhead

@@ -7,36 +7,37 @@ Usage::
     print(plan.table())                       # chosen, runners-up, and why faster plans were rejected
     model = Pipe(model, **plan.pipe_kwargs()) # chunks, balance, checkpoint
 
-:func:`search` enumerates candidates (schedule, micro-batch count, balance,
-checkpoint mode, virtual stages), predicts each one with
-:func:`pipe.plan.predict.predict`, and keeps the fastest whose predicted peak
-fits every rank's budget; :func:`plan` first measures the costs of a model
+:func:`search` takes the candidates of :mod:`pipe.plan.candidates` (schedule,
+micro-batch count, balance, checkpoint mode, virtual stages, per-stage
+recompute), visits them best-first by a lower bound of their step, and keeps
+the fastest whose predicted peak (:func:`pipe.plan.predict.predict`) fits
+every rank's budget; :func:`plan` first measures the costs of a model
 (:func:`pipe.plan.cost.profile_costs`).
 """
 from __future__ import annotations
 
-import itertools
+import heapq
 import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from pipe.balance.solver import solve
-from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.partition import verify_module
+from pipe.core.schedule import Schedule
+from pipe.plan.candidates import RUNNERS, candidates, per_stage_recompute
 from pipe.plan.cost import Costs, profile_costs
-from pipe.plan.predict import Candidate, Prediction, predict
+from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
+from pipe.plan.timing import Link, TimeModel
 
-__all__ = ["Plan", "PlanError", "RUNNERS", "format_bytes", "parse_bytes", "plan", "search"]
+__all__ = ["Plan", "PlanError", "RUNNERS", "candidates", "format_bytes", "parse_bytes", "per_stage_recompute",
+           "plan", "search"]
 
 logger = logging.getLogger(__name__)
 
-#: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``).
-RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",), "processes": ("gpipe", "1f1b", "interleaved")}
 
 Budget = Union[int, float, str, Sequence[Union[int, float, str]]]
 
@@ -83,20 +84,24 @@ class Plan:
 
     Attributes:
         best: the fastest candidate predicted to fit.
-        runners_up: the next fastest that fit.
-        rejected: candidates faster than ``best``, each with why it does not fit.
+        runners_up: the next fastest that fit, each with why it lost ("slower by +4.2%").
+        rejected: candidates faster than ``best``, each with why it does not fit (the rank, its stages, the bytes).
         budget: bytes per rank.
         runner: ``"threads"`` (``Pipe``) or ``"processes"`` (``DistributedPipe``).
-        considered: how many candidates were predicted.
+        considered: how many candidates were compared (memory predicted for all).
+        simulated: how many of them had their step time simulated (the others could not win).
+        model: the time model used (None: layer times alone).
     """
 
     best: Prediction
-    runners_up: list[Prediction]
+    runners_up: list[tuple[Prediction, str]]
     rejected: list[tuple[Prediction, str]]
     budget: list[int]
     runner: str
     considered: int
     costs: Optional[Costs] = field(default=None, repr=False)
+    simulated: int = 0
+    model: Optional[TimeModel] = None
 
     @property
     def candidate(self) -> Candidate:
@@ -112,27 +117,38 @@ class Plan:
         if c.schedule != "gpipe":
             raise ValueError(f"the plan uses schedule={c.schedule!r}, which Pipe does not run; use "
                              f"DistributedPipe(model, **plan.distributed_kwargs()), or plan with runner='threads'")
-        return {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint}
+        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint}
+        if c.recompute_config() is not None:
+            kwargs["recompute"] = c.recompute_config()
+        return kwargs
 
     def distributed_kwargs(self) -> dict[str, Any]:
         """Arguments of ``DistributedPipe(model, **kwargs)``."""
         c = self.candidate
-        return {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
-                "schedule": c.schedule, "virtual_stages": c.virtual_stages}
+        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
+                                  "schedule": c.schedule, "virtual_stages": c.virtual_stages}
+        if c.recompute_config() is not None:
+            kwargs["recompute"] = c.recompute_config()
+        return kwargs
 
     def table(self, rejected: int = 8) -> str:
-        """The chosen plan, the runners-up and the ``rejected`` fastest plans over budget, one line each."""
+        """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
+        and the ``rejected`` fastest plans over budget with the rank over it."""
         lines = [f"memory budget {', '.join(sorted({format_bytes(b) for b in self.budget}))} per rank; "
-                 f"{self.considered} candidates ({self.runner})",
-                 f"{'':2}{'plan':<60} {'step':>10} {'peak per rank':>40}"]
+                 f"{self.considered} candidates, {self.simulated} simulated ({self.runner})"]
+        if self.model is not None:
+            lines.append(f"time model: {self.model.describe()}")
+        lines.append(f"{'':2}{'plan':<64} {'step':>10} {'peak per rank':>30}")
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
-            return f"{mark:2}{p.candidate.describe():<60} {p.step_time * 1e3:>8.2f}ms {peaks:>40}" + (
+            return f"{mark:2}{p.candidate.describe():<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
                 f"  {why}" if why else "")
 
         lines.append(row("*", self.best, "chosen"))
-        lines += [row("", p) for p in self.runners_up]
+        if self.runners_up:
+            lines.append("next best that fit:")
+            lines += [row("", p, why) for p, why in self.runners_up]
         if self.rejected:
             shown = self.rejected[:rejected]
             lines.append(f"faster, but over budget ({len(self.rejected)}"
@@ -141,81 +157,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def _compositions(layers: int, parts: int) -> Iterable[tuple[int, ...]]:
-    for cuts in itertools.combinations(range(1, layers), parts - 1):
-        bounds = (0, *cuts, layers)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
-
-
-def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
-    """Every balance when there are at most ``limit``; else even, by time and by memory, and their
-    neighbours (one layer moved across one cut)."""
-    if math.comb(costs.layers - 1, parts - 1) <= limit:
-        return list(_compositions(costs.layers, parts))
-    rows = max(costs.forward)
-    time = [f + b for f, b in zip(costs.forward[rows], costs.backward[rows])]
-    chunks = costs.batch // rows
-    memory = [float(costs.stage_memory(k, k + 1, chunks, False).kept + costs.static_bytes(k, k + 1))
-              for k in range(costs.layers)]
-    base, extra = divmod(costs.layers, parts)
-    seeds = {tuple(base + (1 if k < extra else 0) for k in range(parts)),
-             tuple(solve(time, parts)), tuple(solve(memory, parts))}
-    found = set(seeds)
-    for seed in seeds:
-        for cut in range(parts - 1):
-            for delta in (-1, 1):
-                moved = list(seed)
-                moved[cut] += delta
-                moved[cut + 1] -= delta
-                if min(moved) >= 1:
-                    found.add(tuple(moved))
-    return sorted(found)
-
-
-def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: Optional[Sequence[str]] = None,
-               checkpoints: Sequence[str] = ("never", "except_last", "always"), max_balances: int = 64,
-               balances: Optional[Sequence[Sequence[int]]] = None) -> list[Candidate]:
-    """The plans :func:`search` compares (``balances``: only these, for the schedules with as many stages)."""
-    if runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
-                         f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
-    kinds = tuple(schedules) if schedules is not None else RUNNERS[runner]
-    unknown = [k for k in kinds if k not in RUNNERS[runner]]
-    if unknown:
-        raise ValueError(f"schedules {unknown} cannot run with runner={runner!r}; "
-                         f"choose from {list(RUNNERS[runner])}")
-    bad = [c for c in checkpoints if c not in CHECKPOINT_MODES]
-    if bad:
-        raise ValueError(f"unknown checkpoint modes {bad}; choose from {list(CHECKPOINT_MODES)}")
-    if not 1 <= ranks <= costs.layers:
-        raise ValueError(f"cannot split {costs.layers} layers over {ranks} stages; stages must be "
-                         f"between 1 and {costs.layers}")
-    found = []
-    for kind in kinds:
-        virtual = 2 if kind == "interleaved" else 1
-        if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1):
-            continue
-        if balances is not None:
-            options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
-        else:
-            options = _balances(costs, ranks * virtual, max_balances)
-        for balance in options:
-            for chunks in costs.chunk_options():
-                if kind == "interleaved" and chunks % ranks:
-                    continue
-                stops = set()
-                for checkpoint in checkpoints:  # modes that checkpoint the same micro-batches are one plan
-                    if checkpoint_stop(checkpoint, chunks) not in stops:
-                        stops.add(checkpoint_stop(checkpoint, chunks))
-                        found.append(Candidate(kind, chunks, balance, checkpoint, virtual))
-    return found
-
-
 def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "threads",
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
-           runners_up: int = 4) -> Plan:
+           runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
+           rejected: int = 8) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
+
+    Candidates go best-first by a lower bound of their step
+    (:func:`pipe.plan.predict.busy_bound`: the busiest rank's work, no
+    waiting); each one's memory is walked (its ranks' programs), and its time
+    simulated if it fits, or if it is one of the ``rejected`` fastest plans
+    over the budget. A plan over budget with checkpoint "never" adds its
+    per-stage recompute variant (:func:`per_stage_recompute`) to the queue.
+    The search stops once the bound exceeds the ``runners_up + 1`` fastest
+    fitting plans found, so most candidates are never simulated.
 
     Args:
         costs: measured (:func:`pipe.plan.cost.profile_costs`) or tabled costs.
@@ -226,40 +182,95 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         max_balances: enumerate every balance up to this many, else a neighbourhood
             of the even, time- and memory-balanced ones.
         balances: consider only these balances (one entry per stage).
+        model: the time model (:class:`pipe.plan.timing.TimeModel`).
+        per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
+        rejected: how many plans over budget to simulate and show.
 
     Raises:
-        PlanError: nothing fits; the message names the smallest peak and its plan.
+        PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
     """
     budget = _budget(memory_budget, ranks)
     options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
                          max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
-                         f"into {ranks} stages (or 2 x {ranks} for interleaved)")
-    predictions = sorted((predict(costs, c, runner=runner, timeline=False) for c in options),
-                         key=lambda p: (p.step_time, p.peak))
-    fits = [p for p in predictions if all(peak <= b for peak, b in zip(p.peaks, budget))]
-    if not fits:
-        smallest = min(predictions, key=lambda p: max(peak - b for peak, b in zip(p.peaks, budget)))
-        need = max(smallest.peaks)
-        raise PlanError(
-            f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
-            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes), reached by "
-            f"{smallest.candidate.describe()}; raise memory_budget to at least {format_bytes(need)} or plan "
-            f"over more stages")
-    best = fits[0]
-    faster = predictions[:predictions.index(best)]
-    rejected = [(p, _why(p, budget)) for p in faster]
-    chosen = Plan(predict(costs, best.candidate, runner=runner), fits[1:1 + runners_up], rejected, budget, runner,
-                  len(predictions), costs)
-    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates)", best.candidate.describe(),
-                best.step_time * 1e3, [format_bytes(b) for b in best.peaks], len(predictions))
+                         f"into {ranks} stages (or 2 x {ranks} for interleaved and zbv)")
+    memory: dict[Candidate, tuple[list[int], list[int]]] = {}
+
+    def fits(c: Candidate) -> bool:
+        if c not in memory:
+            memory[c] = predict_memory(costs, c, runner=runner)
+        return all(peak <= b for peak, b in zip(memory[c][0], budget))
+
+    # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
+    # candidates that may still be among the fastest; a plan over budget spawns its per-stage variant.
+    queue = [(busy_bound(costs, c, model), k, c) for k, c in enumerate(options)]
+    heapq.heapify(queue)
+    predictions: list[Prediction] = []
+    fitting: list[float] = []
+    considered, over = len(options), 0
+    while queue:
+        bound, _, c = heapq.heappop(queue)
+        if len(fitting) > runners_up and bound > sorted(fitting)[runners_up]:
+            break
+        ok = fits(c)
+        if not ok and per_stage and c.checkpoint == "never" and not c.recompute:
+            marked = per_stage_recompute(costs, c, budget, runner)
+            if marked is not None:
+                considered += 1
+                heapq.heappush(queue, (busy_bound(costs, marked, model), considered, marked))
+        if not ok and (over >= max(rejected, 1) or (fitting and bound > min(fitting))):
+            continue  # over budget, and enough such plans shown (or slower than a plan that fits)
+        p = predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c])
+        predictions.append(p)
+        if ok:
+            fitting.append(p.step_time)
+        else:
+            over += 1
+    if not fitting:
+        for c in options:
+            fits(c)
+        raise PlanError(_nothing_fits(costs, options, memory, budget))
+    predictions.sort(key=lambda p: (p.step_time, p.peak))
+    fit = [p for p in predictions if fits(p.candidate)]
+    best = fit[0]
+    rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
+    ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
+    chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
+                  considered, costs, simulated=len(predictions), model=model)
+    logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d walked, %d simulated)",
+                best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
+                considered, len(memory), len(predictions))
     return chosen
 
 
-def _why(prediction: Prediction, budget: list[int]) -> str:
+def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate, tuple[list[int], list[int]]],
+                  budget: list[int]) -> str:
+    smallest = min(options, key=lambda c: max(peak - b for peak, b in zip(memory[c][0], budget)))
+    peaks = memory[smallest][0]
+    rank = max(range(len(peaks)), key=lambda r: peaks[r] - budget[r])
+    need = peaks[rank]
+    return (f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
+            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on rank {rank} "
+            f"({_stages_text(smallest, rank)}; {format_bytes(memory[smallest][1][rank])} of it parameters, "
+            f"gradients and optimiser state), reached by {smallest.describe()}; raise memory_budget to at least "
+            f"{format_bytes(need)} or plan over more stages")
+
+
+def _stages_text(candidate: Candidate, rank: int) -> str:
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    parts = []
+    for s in schedule.stages_of(rank):
+        first = sum(candidate.balance[:s])
+        parts.append(f"stage {s}: layers {first}-{first + candidate.balance[s] - 1}")
+    return ", ".join(parts)
+
+
+def _why(prediction: Prediction, budget: list[int], best: Prediction) -> str:
     over = [(r, peak, b) for r, (peak, b) in enumerate(zip(prediction.peaks, budget)) if peak > b]
-    return "; ".join(f"rank {r} needs {format_bytes(peak)} > {format_bytes(b)}" for r, peak, b in over)
+    faster = f"{1 - prediction.step_time / best.step_time:.1%} faster, but " if best.step_time else ""
+    return faster + "; ".join(f"rank {r} ({_stages_text(prediction.candidate, r)}) needs {format_bytes(peak)} > "
+                              f"{format_bytes(b)}" for r, peak, b in over)
 
 
 def _budget(memory_budget: Budget, ranks: int) -> list[int]:
@@ -275,7 +286,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          chunks: Sequence[int] = (1, 2, 4, 8, 16, 32), schedules: Optional[Sequence[str]] = None,
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
-         bandwidth: Optional[float] = None, latency: float = 0.0,
+         link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
@@ -296,16 +307,37 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             3 with momentum, 4 for Adam.
         device: where to profile (default: the CPU).
         rounds: timed rounds per layer (the fastest is kept).
-        bandwidth, latency: bytes/s and seconds per transfer between stages (default: free).
+        link: the transport's cost between ranks (runner ``"processes"``):
+            ``"auto"`` measures it once per machine and caches it
+            (:func:`pipe.plan.link.cached_link`), ``"cached"`` uses the cache
+            only, a :class:`pipe.plan.Link`, or None (messages free).
+        model_time: a fitted :class:`pipe.plan.TimeModel` (overhead per action,
+            contention; :func:`pipe.plan.fit`); its link wins over ``link``.
+        per_stage: also plan per-stage recompute where the budget needs it.
         loss_fn, target: the loss and the mini-batch's targets, so the last
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
 
     Raises:
-        PlanError: nothing fits (the message names the smallest budget that does).
+        PlanError: nothing fits (the message names the smallest peak and the rank holding it).
+        RuntimeError: a layer cannot be measured (the message names it).
         TypeError, ValueError: bad arguments.
     """
     verify_module(model)
+    if model_time is None:  # the link and the overhead per action measured on this machine
+        model_time = TimeModel.measured(_link(link, runner))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          bandwidth=bandwidth, latency=latency, loss_fn=loss_fn, target=target)
+                          loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
-                  max_balances=max_balances)
+                  max_balances=max_balances, model=model_time, per_stage=per_stage)
+
+
+def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:
+    if link is None or isinstance(link, Link):
+        return link
+    if link not in ("auto", "cached"):
+        raise ValueError(f"link must be 'auto', 'cached', None or a pipe.plan.Link, got {link!r}")
+    if runner != "processes":
+        return None  # the thread runner's stages share a process
+    from pipe.plan.link import cached_link
+
+    return cached_link(measure=link == "auto")

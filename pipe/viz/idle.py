@@ -45,7 +45,8 @@ __all__: list[str] = []
 #: Idle causes, in table order.
 CATEGORIES: tuple[str, ...] = ("bubble", "wait", "overhead")
 
-_PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "recompute": Phase.BACKWARD}
+_PHASE = {"forward": Phase.FORWARD, "backward": Phase.BACKWARD, "recompute": Phase.BACKWARD,
+          "input": Phase.INPUT, "weight": Phase.WEIGHT}
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def _expected_idle(timeline: Timeline, stage_rows: dict[int, int], kind: str) ->
             means[(phase, stage)] = statistics.fmean(values)
     recomputed = {c.microbatch for c in timeline.cells if c.kind == "recompute" and c.microbatch is not None}
     stop = max(recomputed) + 1 if recomputed else 0
-    name = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute"}
+    name = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
+            Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
     def duration(action: Action) -> float:
         return means.get((name[action.phase], action.stage), 0.0) or (
@@ -180,8 +182,9 @@ def _expected_idle(timeline: Timeline, stage_rows: dict[int, int], kind: str) ->
     for timed in sorted(schedule.simulate(checkpoint_stop=stop, durations=duration), key=lambda t: t.start):
         if timed.action.phase is not Phase.RECOMPUTE:
             expected[timed.action] = expected.get(timed.action, 0.0) + max(0.0, timed.start - free[timed.rank])
-        else:  # a recompute runs as soon as the rank is free; the backward after it waits
-            expected[Action(Phase.BACKWARD, timed.action.microbatch, timed.action.stage)] = max(
+        else:  # a recompute runs as soon as the rank is free; the backward (or I) after it waits
+            after = Phase.INPUT if schedule.splits_backward else Phase.BACKWARD
+            expected[Action(after, timed.action.microbatch, timed.action.stage)] = max(
                 0.0, timed.start - free[timed.rank])
         free[timed.rank] = timed.end
     return expected
@@ -205,7 +208,7 @@ def explain_timeline(timeline: Timeline, schedule: str = "gpipe", bubble_only: b
     # When each action ended (a backward in segments ends with its last one).
     ended: dict[Action, float] = {}
     for c in cells:
-        if c.kind in ("forward", "backward") and c.microbatch is not None and c.stage is not None:
+        if c.kind in ("forward", "backward", "input", "weight") and c.microbatch is not None and c.stage is not None:
             action = Action(_PHASE[c.kind], c.microbatch, c.stage)
             ended[action] = max(ended.get(action, c.end), c.end)
     expected = {} if bubble_only else _expected_idle(timeline, stage_rows, schedule)

@@ -39,7 +39,7 @@ def test_pipe_plan_prints_the_table_and_the_arguments(factory: str, capsys: pyte
 
 def test_pipe_plan_names_the_smallest_budget(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
     status = plan_main(["--model", factory, "--input-shape", "16,16", "--budget", "1KiB", "--stages", "2",
-                        "--chunks", "1", "2", "--runner", "processes"])
+                        "--chunks", "1", "2", "--runner", "processes", "--link", "none"])
     assert status == 1
     assert "raise memory_budget to at least" in capsys.readouterr().err
 
@@ -67,3 +67,15 @@ def test_pipe_viz_trace_explains_a_recorded_step(tmp_path: Path, capsys: pytest.
     out = capsys.readouterr().out
     assert "idle time explained (ms)" in out and "stage 1" in out
     assert json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+
+
+def test_pipe_plan_verify_prints_measured_beside_predicted(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Threads: Pipe on the CPU, the step timed; processes: one forked gloo rank per stage, peaks counted.
+    for runner in ("threads", "processes"):
+        status = plan_main(["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
+                            "--chunks", "1", "2", "--runner", runner, "--link", "none", "--verify"])
+        out = capsys.readouterr().out
+        assert status == 0, out
+        assert "verified (measured beside predicted):" in out and "measured" in out.split("verified")[1]
+        assert ("rank 1 peak  predicted" in out) == (runner == "processes"), out
+        assert "next best that fit:" in out and "slower by" in out

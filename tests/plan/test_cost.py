@@ -41,7 +41,7 @@ def test_bytes_between_the_measured_sizes_are_interpolated_exactly_for_linear_la
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 2, 8))
     for checkpointed in (False, True):
         interpolated = costs.stage_memory(1, 4, 2, checkpointed)
-        counted = costs._memory(1, 4, 8, checkpointed)
+        counted = costs._memory(1, 4, 8, checkpointed, 0, False)
         assert interpolated == counted
 
 
@@ -80,7 +80,11 @@ def test_a_budget_below_every_plan_fails_with_the_smallest_that_fits() -> None:
 
 
 CANDIDATES = [Candidate("gpipe", 4, (2, 2), "never"), Candidate("1f1b", 8, (1, 3), "except_last"),
-              Candidate("interleaved", 4, (1, 1, 1, 1), "always", 2)]
+              Candidate("interleaved", 4, (1, 1, 1, 1), "always", 2),
+              # per-stage recompute (layer marks through recompute=), and the zero-bubble schedules
+              Candidate("1f1b", 4, (2, 2), "never", recompute=(1, 2)),
+              Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2, recompute=(0, 1, 1, 0)),
+              Candidate("zb-h1", 4, (2, 2), "never"), Candidate("zbv", 4, (1, 1, 1, 1), "except_last", 2)]
 
 
 def _measure_plans(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
@@ -90,7 +94,7 @@ def _measure_plans(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> l
     for candidate in CANDIDATES:
         model = DistributedPipe(mlp(), chunks=candidate.chunks, balance=list(candidate.balance),
                                 checkpoint=candidate.checkpoint, schedule=candidate.schedule,
-                                virtual_stages=candidate.virtual_stages)
+                                virtual_stages=candidate.virtual_stages, recompute=candidate.recompute_config())
         results.append(measure_step(model, x, y, nn.functional.mse_loss, repeat=1).activation_peak)
         # Gradients of the planned pipeline are those of the plain model (2 steps since zeroing: 2x).
         reference = mlp()
@@ -104,10 +108,46 @@ def _measure_plans(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> l
 
 def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
-    measured = run_ranks(_measure_plans, 2, x, y, deadline=120)
+    measured = run_ranks(_measure_plans, 2, x, y, deadline=180)
     costs = profile_costs(mlp(), x, (1, 2, 4, 8), loss_fn=nn.functional.mse_loss, target=y)
+    wrong = []
     for k, candidate in enumerate(CANDIDATES):
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            assert predicted == pytest.approx(measured[rank][k], rel=0.02), (candidate, rank)
+            # Zero bubble: what I keeps for W is counted per stage, but a checkpointed cell's replayed graph
+            # is over-counted by up to a fifth on the V's middle rank (the safe side: plans fit).
+            low, high = (0.95, 1.25) if candidate.schedule.startswith("zb") else (0.98, 1.02)
+            if not low * measured[rank][k] <= predicted <= high * measured[rank][k]:
+                wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
+    assert not wrong
+
+
+def test_a_layer_that_fails_without_a_graph_is_named() -> None:
+    class NeedsGrad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                raise RuntimeError("this layer only runs with autograd on")
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), NeedsGrad(), nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(RuntimeError, match=r"layer 1 \('1'\) under torch.no_grad.*only runs with autograd on"):
+        profile_costs(model, torch.randn(8, WIDTH), (1, 2))
+
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.view(-1, 3)  # fails for these sizes
+
+    with pytest.raises(RuntimeError, match=r"cannot time layer 1 \('1': Broken\)"):
+        profile_costs(nn.Sequential(nn.Linear(WIDTH, WIDTH), Broken()), torch.randn(8, WIDTH), (1,))
+
+
+def test_a_layer_whose_shapes_depend_on_the_data_is_named() -> None:
+    class Masking(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[x.sum(1) > 0]  # rows whose sum is positive: a data-dependent count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Masking(), nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(RuntimeError, match=r"layer 1 \('1': Masking\).*differs between micro-batch sizes"):
+        profile_costs(model, torch.randn(64, WIDTH), (1, 2))

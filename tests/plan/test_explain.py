@@ -92,3 +92,13 @@ def test_a_receive_is_waiting_until_the_sender_finished_then_transfer() -> None:
     assert waits[(1, "F0@0")] == pytest.approx(2.0) and waits[(0, "B0@1")] == pytest.approx(3.5)
     for row in range(2):
         assert explanation.attributed(row) == pytest.approx(1.0)
+
+
+def test_a_zero_bubble_plan_is_explained_with_its_i_and_w() -> None:
+    from pipe.plan import Candidate, Costs, explain_prediction, predict
+
+    costs = Costs.from_table(8, [1e-3] * 4, [2e-3] * 4, [10] * 4, [4] * 4)
+    for candidate in (Candidate("zb-h1", 4, (2, 2), "never"), Candidate("zbv", 4, (1, 1, 1, 1), "always", 2)):
+        explanation = explain_prediction(predict(costs, candidate, runner="processes"))
+        assert all(i.category == "bubble" for i in explanation.idle), explanation.table()
+        assert "waiting for I" in explanation.table()

@@ -73,15 +73,31 @@ def test_a_balance_that_does_not_cover_the_layers_is_refused() -> None:
         predict(uniform(), Candidate("gpipe", 3, (2, 2), "never"))
 
 
-def test_calibration_fits_the_runner_overhead_to_a_measured_step() -> None:
-    from pipe.plan import calibrate
+def test_the_time_model_fitted_on_three_plans_predicts_others() -> None:
+    from pipe.plan import Link, TimeModel, fit
 
     costs = uniform()
-    reference = Candidate("gpipe", 4, (2, 2), "never")
-    bare = predict(costs, reference).step_time
-    # A runner that spends 1 ms per action: 4 + 2 - 1 = 5 forward and 5 backward slots on the critical path.
-    overhead = calibrate(costs, reference, bare + 10 * 1e-3)
-    assert overhead == pytest.approx(1e-3)
-    assert predict(costs, reference).step_time == pytest.approx(bare + 10e-3)
-    with pytest.raises(ValueError, match="profile the layers again"):
-        calibrate(costs, reference, bare / 2)
+    truth = TimeModel(link=Link(2e-4, 1e-9), action_overhead=1e-3, contention=1.3)
+    fitted_on = [Candidate("gpipe", 2, (2, 2), "never"), Candidate("1f1b", 4, (2, 2), "always"),
+                 Candidate("gpipe", 4, (1, 3), "except_last")]
+    measured = {c: predict(costs, c, model=truth, runner="processes").step_time for c in fitted_on}
+    model = fit(costs, measured, link=truth.link)
+    assert model.action_overhead == pytest.approx(1e-3, rel=0.05)
+    assert model.contention == pytest.approx(1.3, rel=0.02)
+    for other in (Candidate("1f1b", 4, (3, 1), "never"), Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2),
+                  Candidate("zb-h1", 4, (2, 2), "never"), Candidate("zbv", 4, (1, 1, 1, 1), "always", 2)):
+        want = predict(costs, other, model=truth, runner="processes").step_time
+        assert predict(costs, other, model=model, runner="processes").step_time == pytest.approx(want, rel=0.02)
+    with pytest.raises(ValueError, match="positive seconds"):
+        fit(costs, {fitted_on[0]: 0.0})
+
+
+def test_messages_delay_the_receiver_by_latency_and_bytes() -> None:
+    from pipe.plan import Link, TimeModel
+
+    costs = uniform()
+    c = Candidate("gpipe", 1, (2, 2), "never")
+    bare = predict(costs, c, runner="processes").step_time
+    slow = TimeModel(link=Link(latency=1e-3, per_byte=0.0))
+    # One activation forward and one gradient backward cross the boundary: 2 messages on the critical path.
+    assert predict(costs, c, runner="processes", model=slow).step_time == pytest.approx(bare + 2e-3)

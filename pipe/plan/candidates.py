@@ -1,0 +1,136 @@
+"""The candidates the planner compares: schedules, micro-batch counts, balances, checkpoint modes, and
+per-stage recompute where a budget needs it (:func:`per_stage_recompute`)."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+from typing import Iterable, Optional, Sequence
+
+from pipe.balance.solver import solve
+from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
+from pipe.core.schedule import Schedule
+from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
+from pipe.plan.cost import Costs
+from pipe.plan.predict import Candidate, predict_memory
+
+__all__ = ["RUNNERS", "candidates", "per_stage_recompute"]
+
+#: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``).
+RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
+                                       "processes": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")}
+
+
+def _compositions(layers: int, parts: int) -> Iterable[tuple[int, ...]]:
+    for cuts in itertools.combinations(range(1, layers), parts - 1):
+        bounds = (0, *cuts, layers)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
+    """Every balance when there are at most ``limit``; else even, by time and by memory, and their
+    neighbours (one layer moved across one cut)."""
+    if math.comb(costs.layers - 1, parts - 1) <= limit:
+        return list(_compositions(costs.layers, parts))
+    rows = max(costs.forward)
+    time = [f + b for f, b in zip(costs.forward[rows], costs.backward[rows])]
+    chunks = costs.batch // rows
+    memory = [float(costs.stage_memory(k, k + 1, chunks, False).kept + costs.static_bytes(k, k + 1))
+              for k in range(costs.layers)]
+    base, extra = divmod(costs.layers, parts)
+    seeds = {tuple(base + (1 if k < extra else 0) for k in range(parts)),
+             tuple(solve(time, parts)), tuple(solve(memory, parts))}
+    found = set(seeds)
+    for seed in seeds:
+        for cut in range(parts - 1):
+            for delta in (-1, 1):
+                moved = list(seed)
+                moved[cut] += delta
+                moved[cut + 1] -= delta
+                if min(moved) >= 1:
+                    found.add(tuple(moved))
+    return sorted(found)
+
+
+def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: Optional[Sequence[str]] = None,
+               checkpoints: Sequence[str] = ("never", "except_last", "always"), max_balances: int = 64,
+               balances: Optional[Sequence[Sequence[int]]] = None) -> list[Candidate]:
+    """The plans :func:`search` compares with one checkpoint mode for every stage (``balances``: only these,
+    for the schedules with as many stages); :func:`search` adds per-stage recompute where the budget needs it."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
+                         f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
+    kinds = tuple(schedules) if schedules is not None else RUNNERS[runner]
+    unknown = [k for k in kinds if k not in RUNNERS[runner]]
+    if unknown:
+        raise ValueError(f"schedules {unknown} cannot run with runner={runner!r}; "
+                         f"choose from {list(RUNNERS[runner])}")
+    bad = [c for c in checkpoints if c not in CHECKPOINT_MODES]
+    if bad:
+        raise ValueError(f"unknown checkpoint modes {bad}; choose from {list(CHECKPOINT_MODES)}")
+    if not 1 <= ranks <= costs.layers:
+        raise ValueError(f"cannot split {costs.layers} layers over {ranks} stages; stages must be "
+                         f"between 1 and {costs.layers}")
+    found = []
+    for kind in kinds:
+        virtual = 2 if kind in ("interleaved", "zbv") else 1
+        if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1):
+            continue
+        if balances is not None:
+            options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
+        else:
+            options = _balances(costs, ranks * virtual, max_balances)
+        for balance in options:
+            for chunks in costs.chunk_options():
+                if kind == "interleaved" and chunks % ranks:
+                    continue
+                stops = set()
+                for checkpoint in checkpoints:  # modes that checkpoint the same micro-batches are one plan
+                    if checkpoint_stop(checkpoint, chunks) not in stops:
+                        stops.add(checkpoint_stop(checkpoint, chunks))
+                        found.append(Candidate(kind, chunks, balance, checkpoint, virtual))
+    return found
+
+
+def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"
+                        ) -> Optional[Candidate]:
+    """``candidate`` (checkpoint "never") with the fewest layers marked for recompute per stage that fit ``budget``.
+
+    A rank's peak depends only on its own stages' marks, and marking one more
+    layer never makes a step faster, so each rank is settled on its own: its
+    stages take one more marked layer at a time, where it saves the most
+    bytes per second of replay, until the rank fits (AdaPipe's per-stage
+    choice, without simulating the combinations). None when marking every
+    layer does not fit, or the plan already fits without marks.
+    Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W.
+    """
+    if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
+        return None
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    counts = [0] * len(candidate.balance)
+    peaks, _ = predict_memory(costs, candidate, runner=runner)
+    if all(p <= b for p, b in zip(peaks, budget)):
+        return None
+    rows_of_stage = candidate.balance
+    first_of = [sum(rows_of_stage[:s]) for s in range(len(rows_of_stage))]
+    for rank in range(schedule.ranks):
+        peak = peaks[rank]
+        while peak > budget[rank]:
+            best: Optional[tuple[float, int, int]] = None
+            for s in schedule.stages_of(rank):
+                if counts[s] >= candidate.balance[s]:
+                    continue
+                trial = counts.copy()
+                trial[s] += 1
+                tried = replace(candidate, recompute=tuple(trial))
+                new_peak = predict_memory(costs, tried, runner=runner, ranks=[rank])[0][rank]
+                layer = first_of[s] + counts[s]
+                cost = costs.forward[costs.rows(candidate.chunks)][layer] * candidate.chunks or 1e-12
+                score = (peak - new_peak) / cost
+                if best is None or score > best[0]:
+                    best = (score, s, new_peak)
+            if best is None:
+                return None  # every layer of the rank marked, still over
+            counts[best[1]] += 1
+            peak = best[2]
+    return replace(candidate, recompute=tuple(counts))

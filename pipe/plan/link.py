@@ -1,0 +1,195 @@
+"""The transport between two ranks, measured once per machine: seconds per message and per byte.
+
+:func:`measure_link` starts two processes that join a gloo group on
+127.0.0.1, as ``DistributedPipe``'s ranks on one machine do, and bounce
+messages of several sizes between them (ping-pong: one way is half a round
+trip). The fastest round trip of each size is kept (time lost to other
+processes is not the transport's cost), and a line ``latency + bytes x
+per_byte`` is fitted to them by least squares. The same two processes then
+time steps of a ``DistributedPipe`` whose layers take no time (GPipe, 8
+micro-batches): what is left is the runner's overhead per action
+(:attr:`Link.action_overhead`), the default of the time model.
+
+:func:`cached_link` returns the figures measured earlier on this machine, or
+measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
+``~/.cache/pipe``), keyed by host name, CPU count, torch version and backend,
+so another machine or another torch measures again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import platform
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipe.plan.timing import Link
+
+__all__ = ["cache_path", "cached_link", "link_key", "measure_link"]
+
+logger = logging.getLogger(__name__)
+
+SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+"""Message sizes in bytes sent by :func:`measure_link` (1 KiB to 4 MiB)."""
+
+
+def link_key(backend: str = "gloo") -> str:
+    import torch
+
+    return f"{socket.gethostname()}|cpus={os.cpu_count()}|torch={torch.__version__}|{backend}|{platform.machine()}"
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("PIPE_CACHE_DIR") or Path.home() / ".cache" / "pipe") / "link.json"
+
+
+def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "multiprocessing.Queue[Any]") -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        best: dict[int, float] = {}
+        for _ in range(repeats + 1):  # the first round warms up the connection
+            for size in sizes:
+                buffer = torch.empty(size, dtype=torch.uint8)
+                dist.barrier()
+                begun = time.perf_counter()
+                if rank == 0:
+                    dist.send(buffer, 1)
+                    dist.recv(buffer, 1)
+                else:
+                    dist.recv(buffer, 0)
+                    dist.send(buffer, 0)
+                elapsed = (time.perf_counter() - begun) / 2
+                best[size] = min(best.get(size, math.inf), elapsed)
+        step = _empty_step(rank)
+        dist.destroy_process_group()
+        queue.put((rank, (best, step)))
+    except BaseException as error:  # reported to the parent, which raises it
+        queue.put((rank, f"{type(error).__name__}: {error}"))
+
+
+OVERHEAD_PLAN = ("gpipe", 8)
+"""The plan whose step measures the runner's overhead per action: a model too small to take time."""
+
+
+def _empty_step(rank: int) -> float:
+    """The fastest of a few steps of a 2-rank ``DistributedPipe`` whose layers take no time."""
+    import torch
+    from torch import nn
+
+    from pipe.distributed import DistributedPipe
+
+    kind, chunks = OVERHEAD_PLAN
+    model = DistributedPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
+                            checkpoint="never", schedule=kind)
+    x, y = torch.zeros(chunks, 4), torch.zeros(chunks, 4)
+    times = []
+    for _ in range(8):
+        begun = time.perf_counter()
+        model.step(x, y, nn.functional.mse_loss)
+        times.append(time.perf_counter() - begun)
+    return min(times[2:])
+
+
+def _overhead(link: Link, step: float) -> float:
+    """The overhead per action that makes the empty plan's predicted step the measured one."""
+    from pipe.plan.cost import Costs
+    from pipe.plan.predict import Candidate, predict
+    from pipe.plan.timing import TimeModel
+
+    kind, chunks = OVERHEAD_PLAN
+    costs = Costs.from_table(chunks, [0.0, 0.0], [0.0, 0.0], [0, 0], [16, 16], chunks=(chunks,))
+    plan = Candidate(kind, chunks, (1, 1), "never")
+    low, high = 0.0, step
+    for _ in range(50):
+        middle = (low + high) / 2
+        predicted = predict(costs, plan, runner="processes", timeline=False,
+                            model=TimeModel(link=link, action_overhead=middle)).step_time
+        low, high = (middle, high) if predicted < step else (low, middle)
+    return (low + high) / 2
+
+
+def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float = 120.0) -> Link:
+    """Measures the gloo transport between two local processes (a few seconds).
+
+    Raises:
+        RuntimeError: a process failed or did not finish within ``timeout`` seconds.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue: "multiprocessing.Queue[Any]" = context.Queue()
+    processes = [context.Process(target=_peer, args=(rank, port, list(sizes), repeats, queue), daemon=True)
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in processes)
+    except Exception:
+        raise RuntimeError(f"measuring the transport between two local gloo processes took more than {timeout} s; "
+                           f"pass link=pipe.plan.Link(latency, per_byte) to plan instead") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    failed = [f"rank {r}: {v}" for r, v in results.items() if isinstance(v, str)]
+    if failed:
+        raise RuntimeError("measuring the transport failed: " + "; ".join(failed))
+    best = {size: max(results[0][0][size], results[1][0][size]) for size in sizes}
+    latency, per_byte = _line(best)
+    link = Link(latency, per_byte, source=link_key())
+    overhead = _overhead(link, max(results[0][1], results[1][1]))
+    logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action",
+                latency * 1e6, per_byte * 1e9, overhead * 1e3)
+    return replace(link, action_overhead=overhead)
+
+
+def _line(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares ``seconds = a + b x bytes``, with ``a, b >= 0``."""
+    n = len(points)
+    xs, ys = list(points), list(points.values())
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    slope = max(slope, 0.0)
+    return max(mean_y - slope * mean_x, min(ys) if slope == 0 else 0.0), slope
+
+
+def cached_link(measure: bool = True) -> Optional[Link]:
+    """This machine's link figures from the cache; measured and stored first when missing and ``measure``."""
+    path, key = cache_path(), link_key()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    if key in stored:
+        entry = stored[key]
+        return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
+                    action_overhead=float(entry.get("action_overhead", 0.0)))
+    if not measure:
+        return None
+    link = measure_link()
+    stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
+                   "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(stored, indent=2))
+        temporary.replace(path)
+    except OSError as error:
+        logger.warning("could not cache the link figures in %s: %s", path, error)
+    return link

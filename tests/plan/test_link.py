@@ -1,0 +1,31 @@
+"""The transport's cost per message and per byte: fitted, cached per machine, measured on two gloo processes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipe.plan.link import _line, cache_path, cached_link, link_key, measure_link
+
+
+def test_the_line_through_round_trips_is_latency_plus_bytes() -> None:
+    latency, per_byte = _line({1000: 1e-4 + 1000e-9, 10**6: 1e-4 + 1e-3})
+    assert latency == pytest.approx(1e-4) and per_byte == pytest.approx(1e-9)
+
+
+def test_the_cache_is_keyed_by_machine_and_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPE_CACHE_DIR", str(tmp_path))
+    assert cache_path() == tmp_path / "link.json"
+    assert cached_link(measure=False) is None  # nothing measured here yet
+    cache_path().write_text(json.dumps({"another machine": {"latency": 1.0, "per_byte": 1.0, "when": "x"},
+                                        link_key(): {"latency": 5e-5, "per_byte": 2e-10, "when": "today"}}))
+    link = cached_link(measure=False)
+    assert link is not None and link.latency == 5e-5 and link.per_byte == 2e-10 and "cached today" in link.source
+
+
+def test_measuring_two_processes_gives_a_positive_cost() -> None:
+    link = measure_link(sizes=(1024, 1 << 18), repeats=2, timeout=120)
+    # Two sizes, two rounds on a loaded machine: only the shape of the answer is certain.
+    assert link.latency >= 0 and link.per_byte >= 0
+    assert link.cost(1 << 20) >= link.cost(1024) > 0
