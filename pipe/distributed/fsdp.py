@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHand
 
 from pipe.core.schedule import Action, Phase
 
-__all__ = ["Event", "Shard", "StageSharding", "sharding_plan", "describe_shard", "refuse_wrapped", "shard_mesh", "shard_stages", "verify_shard"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_DIMS", "make_mesh", "replica_mesh", "verify_mesh", "mesh_size"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
