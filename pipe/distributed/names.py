@@ -46,7 +46,11 @@ class PlainNames:
         self._order = {name: {key: i for i, key in enumerate(stage.model_keys)} for name, stage in self.stages.items()}
         # A tie's first use, in stage and registration order, is where the plain model registers it first
         # (a split stage lists a tied tensor's original names itself).
-        self._tied = {id(tie.tensor): tie.uses[0][3] for tie in find_ties(skeleton)}
+        # By name too: a partition's qualified names are the container's, and FSDP and tensor parallelism
+        # replace the parameters (the ids of the skeleton's tensors no longer match).
+        ties = find_ties(skeleton)
+        self._tied = {id(tie.tensor): tie.uses[0][3] for tie in ties}
+        self._tied_names = {name: tie.uses[0][3] for tie in ties for _, _, _, name in tie.uses}
         self._raw = False
 
     @contextlib.contextmanager
@@ -63,7 +67,7 @@ class PlainNames:
         child, _, local = name.partition(".")
         stage = self.stages.get(child)
         if stage is None or local not in stage.original_keys:
-            return self._tied.get(id(tensor), name)
+            return self._tied.get(id(tensor)) or self._tied_names.get(name, name)
         order = self._order[child]
         return min(stage.original_keys[local], key=lambda key: order.get(key, len(order)))
 
