@@ -35,7 +35,7 @@ from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_l
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
-from pipe.core.split_backward import split_cell
+from pipe.core.iw_backward import backward_input_first
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import recompute as mark_recompute, unmark
 from pipe.skip.skippable import skippables_in
@@ -327,7 +327,7 @@ def _monotone(times: Table) -> Table:
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
                  loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False) -> StageMemory:
     """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
-    its backward runs as I then W (:mod:`pipe.core.split_backward`), as the zero-bubble schedules run it."""
+    its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -352,7 +352,7 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
         if split:
             outputs = list(output.tensors)
             ones: list[Optional[Tensor]] = [torch.ones_like(t) if t.requires_grad else None for t in outputs]
-            halves, _ = split_cell(outputs, ones, list(batch.tensors), list(stage.parameters()), record, value)
+            halves, _ = backward_input_first(outputs, ones, list(batch.tensors), list(stage.parameters()), record, value)
             del ones, record
             halves.backward_input()
             after_input = counter.live_bytes - kept
