@@ -177,10 +177,13 @@ def check_programs(schedule: Schedule) -> None:
     Raises:
         ValueError: naming the first violation found.
     """
-    phases = (Phase.FORWARD, Phase.INPUT, Phase.WEIGHT) if schedule.splits_backward \
-        else (Phase.FORWARD, Phase.BACKWARD)
-    seen: dict[Action, int] = {}
     programs = [schedule.actions(rank) for rank in range(schedule.ranks)]
+    # The schedule's own classes (pipe.core.schedule loaded as a file, without the package, has its own).
+    sample = next((a for program in programs for a in program), None)
+    A: Any = type(sample) if sample is not None else Action
+    P: Any = type(sample.phase) if sample is not None else Phase
+    phases = (P("F"), P("I"), P("W")) if schedule.splits_backward else (P("F"), P("B"))
+    seen: dict[Action, int] = {}
     for rank, program in enumerate(programs):
         position: dict[Action, int] = {}
         for index, action in enumerate(program):
@@ -198,22 +201,25 @@ def check_programs(schedule: Schedule) -> None:
             seen[action] = rank
             position[action] = index
         for action, index in position.items():
-            if action.phase is not Phase.FORWARD:
-                twin = Action(phases[phases.index(action.phase) - 1], action.microbatch, action.stage)
+            if action.phase is not P("F"):
+                twin = A(phases[phases.index(action.phase) - 1], action.microbatch, action.stage)
                 if twin not in position and twin not in seen:
                     raise ValueError(f"{schedule}: {twin} is missing (rank {rank} runs {action})")
                 if position.get(twin, len(program)) > index:
                     raise ValueError(f"{schedule}: rank {rank} runs {action} before {twin}")
     for rank, program in enumerate(programs):  # in program order: the first action left without its W
         for action in program:
-            if action.phase is Phase.INPUT and Action(Phase.WEIGHT, action.microbatch, action.stage) not in seen:
+            if action.phase is P("I") and A(P("W"), action.microbatch, action.stage) not in seen:
                 raise ValueError(f"{schedule}: rank {rank} runs {action} but never its W "
                                  f"(W{action.microbatch}@{action.stage}): its weight gradient would be lost")
     for stage in range(schedule.stages):
         for i in range(schedule.microbatches):
             for phase in phases:
-                if Action(phase, i, stage) not in seen:
-                    raise ValueError(f"{schedule}: {Action(phase, i, stage)} is missing")
+                if A(phase, i, stage) not in seen:
+                    raise ValueError(f"{schedule}: {A(phase, i, stage)} is missing")
+    if len(seen) != len(phases) * schedule.stages * schedule.microbatches:
+        extra = sorted(str(a) for a in seen if a.microbatch not in range(schedule.microbatches))
+        raise ValueError(f"{schedule}: actions for unknown micro-batches: {', '.join(extra)}")
     bounds = {"1f1b": ("1F1B", "ranks - rank", lambda r: schedule.ranks - r),
               "zb-h1": ("ZB-H1", "ranks", lambda r: schedule.ranks),
               "zbv": ("ZB-V", "2 * ranks", lambda r: 2 * schedule.ranks)}
@@ -251,10 +257,9 @@ def _stuck(schedule: Schedule, programs: list[list[Action]]) -> str:
         if schedule.rank_of(needed.stage) == rank:
             return (f"{schedule}: rank {rank} runs {action} before {needed}, which it waits for: "
                     "this dependency can never be met (move it after)")
-    described = "; ".join(f"rank {rank} at {action} waits for {schedule._dependency(action)} "
-                          f"(rank {schedule.rank_of(schedule._dependency(action).stage)})"  # type: ignore[union-attr]
+    described = "; ".join(f"rank {rank} at {action} (waits for {schedule._dependency(action)})"
                           for rank, action in waits)
-    return f"{schedule}: deadlock between ranks, first at {waits[0][1]}: {described}"
+    return f"{schedule} deadlocks: {described}: the ranks wait for each other, first at {waits[0][1]}"
 
 
 def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:

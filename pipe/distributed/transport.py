@@ -23,15 +23,6 @@ already arriving into the guessed buffers; if not (the first step, a new
 batch size), the sender completes the guessed receives with empty messages
 (gloo accepts a shorter message) and sends the tensors on tags of their own.
 
-Once a channel's message for a micro-batch has the layout and the structure
-(non-tensor leaves included) it had last time, as in every step after the
-first, the header carries nothing: an 8-byte zero length that says "as last
-time", which the receiver decodes from its record of that header. Neither end
-pickles, and the message is as lean as torch's runtime, which sends no
-metadata once its shapes are known; a changed batch size sends a whole header
-again. ``Transport.stats`` counts messages, whole and repeated headers, and
-the seconds spent sending and waiting (the P5 benchmark prints them).
-
 Messages travel on *channels*: one process group per (pipeline replica,
 stage boundary or skip route, direction), so that backends that match
 messages in posting order (NCCL) see the same order on both ends; gloo also
@@ -69,7 +60,6 @@ logger = logging.getLogger(__name__)
 _SLOTS = 4096  # messages (header, rest, tensors) per micro-batch on one channel
 _MISSED = 2 + (_SLOTS - 2) // 2  # first tag of the tensors when the receiver guessed another layout
 _LENGTH_BYTES = 8
-_REAP_AT = 64  # completed sends are forgotten once this many are pending (each check is a call per send)
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # dtype and shape of each tensor of a message
 
@@ -157,17 +147,7 @@ class Incoming:
                 rest = torch.empty(length - len(payload), dtype=torch.uint8, device=self.transport.device)
                 _work(dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1)).wait(self.transport.timeout)
                 payload += rest.cpu().numpy().tobytes()
-            if length == 0:  # "as last time": the header this channel and micro-batch had before
-                known = self.transport._headers.get((channel.name, self.tag))
-                if known is None or self._guess is None:
-                    raise OutOfStep("the sender repeated a header this rank never received: the two ranks are "
-                                    "out of step (an earlier step failed half-way?); restart the job")
-                spec, template, metas = known
-                leaves, guessed, hit = list(template), True, True
-            else:
-                spec, leaves, metas, guessed, hit = pickle.loads(payload)
-                if self.transport.guess:
-                    self.transport._headers[(channel.name, self.tag)] = (spec, tuple(leaves), metas)
+            spec, leaves, metas, guessed, hit = pickle.loads(payload)
             layout: Layout = tuple((dtype, shape) for dtype, shape, _ in metas)
             if guessed != (self._guess is not None) or (hit and layout != self._guess):
                 raise OutOfStep(
@@ -231,12 +211,8 @@ class Transport:
         # ends' records agree, as each message is received once, in the order the messages are sent.
         self._sent: dict[tuple[str, int], Layout] = {}
         self._received: dict[tuple[str, int], Layout] = {}
-        # The last header per (channel, tag), sent and received: (structure, non-tensor leaves, tensor metas).
-        self._sent_headers: dict[tuple[str, int], Any] = {}
-        self._headers: dict[tuple[str, int], Any] = {}
-        self._repeat = torch.zeros(_LENGTH_BYTES, dtype=torch.uint8, device=device)  # length 0: as last time
         self.stats: collections.defaultdict[str, float] = collections.defaultdict(float)
-        """``messages``, ``headers`` (pickled), ``repeated_headers``; ``send_s`` and ``wait_s`` (seconds)."""
+        """``messages``, ``headers``; ``send_s`` and ``wait_s`` (seconds), for the benchmarks' profiles."""
 
     @staticmethod
     def tag(microbatch: int) -> int:
@@ -270,29 +246,15 @@ class Transport:
         hit = guess == layout
         started = time.perf_counter()
         header_leaves = [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        described = (spec, tuple(header_leaves), metas)
-        repeat = False
-        if self.guess:
-            if hit:
-                try:  # a leaf whose == is not a bool (an array) makes it a whole header
-                    repeat = bool(self._sent_headers.get((channel.name, tag)) == described)
-                except Exception:
-                    repeat = False
-            self._sent_headers[(channel.name, tag)] = described
-        if repeat:
-            messages = [(self._repeat, tag)]
-            self.stats["repeated_headers"] += 1
-        else:
-            payload = pickle.dumps((spec, header_leaves, metas, guess is not None, hit))
-            encoded = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
-            header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-            first = encoded[:HEADER_BYTES]
-            header[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-            messages = [(header.to(self.device), tag)]
-            if len(encoded) > HEADER_BYTES:
-                rest = torch.frombuffer(bytearray(encoded[HEADER_BYTES:]), dtype=torch.uint8)
-                messages.append((rest.to(self.device), tag + 1))
-            self.stats["headers"] += 1
+        payload = pickle.dumps((spec, header_leaves, metas, guess is not None, hit))
+        encoded = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        first = encoded[:HEADER_BYTES]
+        header[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        messages = [(header.to(self.device), tag)]
+        if len(encoded) > HEADER_BYTES:
+            rest = torch.frombuffer(bytearray(encoded[HEADER_BYTES:]), dtype=torch.uint8)
+            messages.append((rest.to(self.device), tag + 1))
         if guess is not None and not hit:  # complete the guessed receives, send the tensors on other tags
             messages += [(torch.empty(0, dtype=dtype, device=self.device), tag + 2 + k)
                          for k, (dtype, _) in enumerate(guess)]
@@ -308,9 +270,9 @@ class Transport:
                         f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}",
                         channel.peer) from error
                 self._pending.append((work, [tensor], channel))
-        if len(self._pending) > _REAP_AT:
-            self._reap()
+        self._reap()
         self.stats["messages"] += 1
+        self.stats["headers"] += 1
         self.stats["send_s"] += time.perf_counter() - started
 
     def receive(self, channel: Channel, microbatch: int, cell: Cell = None) -> Incoming:

@@ -48,11 +48,10 @@ def test_torch_orders_are_valid_tables(name: str, ranks: int, microbatches: int)
     ([["F0@0", "B0@0"], ["B0@1", "F0@1"]], r"rank 1 runs B0@1 before F0@1"),
     ([["F0@0", "F1@0", "B0@0", "B1@0"], ["F0@1", "B0@1", "B1@1"]], r"F1@1 is missing"),
     ([["F0@0", "B0@0", "F1@0", "B1@0"], ["F0@1", "F1@1", "B1@1", "B0@1"]],
-     r"deadlock between ranks, first at B0@0: rank 0 at B0@0 waits for B0@1 \(rank 1\); "
-     r"rank 1 at F1@1 waits for F1@0 \(rank 0\)"),
+     r"deadlocks: rank 0 at B0@0 \(waits for B0@1\); rank 1 at F1@1 \(waits for F1@0\): "
+     r"the ranks wait for each other, first at B0@0"),
     ([["F0@0", "I0@0", "F0@3", "I0@3", "W0@3", "W0@0"], ["F0@1", "F0@2", "I0@2", "I0@1", "W0@1", "W0@2"]],
-     r"deadlock between ranks, first at I0@0: rank 0 at I0@0 waits for I0@1 \(rank 1\); "
-     r"rank 1 at I0@2 waits for I0@3 \(rank 0\)"),
+     r"deadlocks: rank 0 at I0@0 \(waits for I0@1\); rank 1 at I0@2 \(waits for I0@3\)"),
     ([["F0@0", "B0@0", "F0@1"], ["B0@1"]], r"rank 1 runs B0@1 but stage 1 runs on rank 0 \(F0@1\)"),
     ([["F0@0", "X0@0"]], r"'X0@0' is not an action"),
     ([["F0@0", "B0@0"], ["F0@2", "B0@2"]], r"no rank runs stage 1"),
