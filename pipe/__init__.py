@@ -37,9 +37,10 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.core.sequential import PipeSequential
     from pipe.graph_split import SplitError, split
     from pipe.threads.call import PipeClosedError
+    from pipe.compile import CompileError
 
 __all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip",
-           "PipeClosedError", "SplitError"]
+           "PipeClosedError", "SplitError", "CompileError"]
 __version__ = "0.1.0"
 
 _NAMES = {
@@ -51,6 +52,7 @@ _NAMES = {
     "is_recomputing": ("pipe.core.checkpoint", "is_recomputing"),
     "PipeClosedError": ("pipe.threads.call", "PipeClosedError"),
     "SplitError": ("pipe.graph_split", "SplitError"),
+    "CompileError": ("pipe.compile", "CompileError"),
 }
 _SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads",
                "plan"}

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["CompileOption", "CompileError", "verify_compile", "compile_stages", "compiled_layers"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

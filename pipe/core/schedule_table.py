@@ -41,7 +41,7 @@ from pipe.core.schedule import Action, Phase, Schedule
 if TYPE_CHECKING:
     from os import PathLike
 
-__all__ = ["TableSchedule", "check_programs", "torch_order"]
+__all__: list[str] = []
 
 ActionLike = Union[str, Action, Sequence[Any]]
 

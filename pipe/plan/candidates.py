@@ -14,7 +14,7 @@ from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs
 from pipe.plan.predict import Candidate, predict_memory
 
-__all__ = ["RUNNERS", "candidates", "per_stage_recompute"]
+__all__: list[str] = []
 
 #: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``).
 RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),

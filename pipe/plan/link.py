@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from pipe.plan.timing import Link
 
-__all__ = ["cache_path", "cached_link", "link_key", "measure_link"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

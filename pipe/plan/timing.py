@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipe.plan.cost import Costs
     from pipe.plan.predict import Candidate
 
-__all__ = ["Link", "TimeModel", "fit"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
