@@ -231,9 +231,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     posted (its buffer allocated) before this action runs, and a sent tensor
     (an activation, or an input gradient) stays referenced by its pending
     send until the step's end at the latest; each message has a header of
-    ``HEADER_BYTES`` on the receiving side (a sender repeats a known header
-    with a shared stand-in in the steady state, :mod:`pipe.distributed.transport`).
-    In the zero-bubble schedules, I keeps the graph and
+    ``HEADER_BYTES``. In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
     sends the input gradient; W frees them.
     """
@@ -266,6 +264,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             lingering, latest = 0, action
             if runner == "processes" and action.stage == last_stage:
                 scalars = LOSS_SCALAR_BYTES
+            if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
+                sent += HEADER_BYTES
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes
             peak = max(peak, held + sent + posted + lingering + scalars)
             held -= kept.pop(key)
@@ -278,7 +278,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 held += memory.after_input
             if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
                 sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
-                    sizes[first - 1] if action.stage > 0 else 0)
+                    HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
             if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
                     latest.microbatch, latest.stage) == key:
                 # The runner's step loop still references the latest forward's output and loss until
