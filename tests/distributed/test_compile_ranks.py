@@ -74,10 +74,8 @@ def _split_gpt2(rank: int, world: int) -> int:
         expected.backward()
         if piped.is_last:
             torch.testing.assert_close(loss, expected)
-        for name, parameter in piped.named_parameters():
-            index, _, local = name.partition(".")
-            original = stages[int(index)].original_keys[local][0]
-            torch.testing.assert_close(parameter.grad, reference.get_parameter(original).grad, atol=1e-5,
+        for name, parameter in piped.named_parameters():  # the plain model's names
+            torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad, atol=1e-5,
                                        rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
         frames.append(counter.frame_count)
     assert frames[1] == frames[0] > 0
