@@ -302,3 +302,19 @@ def verify_gatherable(sizes: Sequence[int], batches: Sequence[Batch], producer: 
                 f"{producer} returned tensors of {rows} rows (dim 0) for micro-batches of {list(sizes)} samples, "
                 f"so its output does not follow the batch; {fix}"
             )
+
+
+def scatter_exactly(value: Any, chunks: int, what: str) -> list[Batch]:
+    """Splits ``value`` into exactly ``chunks`` micro-batches, as every rank of a multi-process pipeline
+    must know the count; ``what`` ("inputs" or "target") names the argument in errors."""
+    if value is None:
+        raise ValueError(f"this rank runs the {'first' if what == 'inputs' else 'last'} stage and needs {what}; "
+                         f"pass {what}= to step()")
+    batches = scatter(value, chunks)
+    if len(batches) != chunks:
+        raise ValueError(
+            f"{what} has batch size {len(batches)}, smaller than chunks={chunks}; a multi-process "
+            f"pipeline runs exactly chunks micro-batches per step (every rank must know the count), "
+            f"so pass at least {chunks} samples or use fewer chunks"
+        )
+    return batches

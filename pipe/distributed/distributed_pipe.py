@@ -9,19 +9,18 @@ mean what they mean for ``Pipe``, because they are the same code.
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipe.distributed.data_parallel import GradientAverager
-from pipe.distributed.fsdp import Shard, StageSharding, describe_shard, refuse_wrapped, shard_mesh, shard_stages, verify_shard
+from pipe.distributed.fsdp import Shard, describe_shard, refuse_wrapped, verify_shard
 from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
-from pipe.distributed.names import PlainNames
+from pipe.distributed.names import PlainNamed, PlainNames
+from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
 from pipe.distributed.loss import (LOSS_REDUCTIONS, CountedLoss, StepGradients, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
@@ -33,10 +32,9 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages, verify_compile
-from pipe.core.microbatch import Batch, gather, pack_inputs, scatter
+from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
-from pipe.distributed import tensor_parallel as tp
 from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
@@ -46,7 +44,7 @@ __all__ = ["DistributedPipe", "LOSS_REDUCTIONS"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(PlainNamed, nn.Module):
     """Trains an ``nn.Sequential`` as a pipeline over the ranks of a torchrun job.
 
     Usage (every rank runs the same script)::
@@ -161,15 +159,7 @@ class DistributedPipe(nn.Module):
         super().__init__()
         if data_parallel is not None:
             positive_int("data_parallel", data_parallel, "replicas of the pipeline")
-        if parallelize is not None and not callable(parallelize):
-            raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
-        if tensor_parallel is not None:
-            tensor_parallel = tp.verify_plan(tensor_parallel)
-            if mesh is None or mesh_size(mesh, "tp") == 1:
-                raise ValueError(
-                    f"tensor_parallel= needs a mesh with a 'tp' dimension of size 2 or more, got mesh "
-                    f"{None if mesh is None else mesh.mesh_dim_names!r}; pass mesh=make_mesh(pp=..., tp=...)"
-                )
+        tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
         compile_options = verify_compile(compile)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
@@ -239,35 +229,10 @@ class DistributedPipe(nn.Module):
         self.compiled_layers = compile_stages(self.partitions.values(), compile_options)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         self.plain_names = PlainNames(self, skeleton)  # named_parameters() and named_modules() as the plain model
-        # Tensor parallelism first, then FSDP, as torchtitan composes them.
-        if tensor_parallel is not None:
-            tp.apply(self.partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
-        elif parallelize is None and self.topology.tensor_parallel > 1:
-            warnings.warn(
-                f"the mesh has tp={self.topology.tensor_parallel} but neither tensor_parallel= nor parallelize= "
-                f"was given: the tensor-parallel ranks all run the whole stage on the same data (correct, but "
-                f"{self.topology.tensor_parallel}x the work); pass tensor_parallel={{module name: ParallelStyle}} "
-                f"to split them", stacklevel=2)
-        if parallelize is not None:
-            for stage in sorted(self.partitions):
-                parallelize(self.partitions[stage], mesh)
-        tp_mesh = tp.tp_submesh(mesh)
-        if tp_mesh is not None:  # DTensor stage outputs cross ranks as local shards (tensor_parallel.py)
-            tp.install_boundaries(self.partitions, self.schedule.stages - 1, tp_mesh)
+        # Tensor parallelism first, then FSDP (or the replicas' averager), as torchtitan composes them.
         self.shard = shard
-        sharding = averager = None
-        if shard is not None:
-            if self._tied.within_rank:  # said on every rank, not only where the stages live
-                raise ValueError(
-                    f"the tied weight {self._tied.within_rank[0]} is held by two stages of one rank, and FSDP "
-                    f"cannot shard one parameter for two stages; place those stages on different pipeline "
-                    f"ranks (schedule {schedule!r} puts them together), or untie the weights"
-                )
-            shard_stages(dict(self.partitions), shard, shard_mesh(mesh))
-            sharding = StageSharding(dict(self.partitions), shard)
-            self._tied.refresh()  # fully_shard replaced the parameters by DTensors
-        elif self.topology.replicate > 1:
-            averager = GradientAverager(dict(self.partitions), self.topology.replicate_group, self.topology.replicate)
+        sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,
+                                                parallelize, tensor_parallel, schedule)
         self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
                                 self.skips, averager, sharding)
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
@@ -301,24 +266,6 @@ class DistributedPipe(nn.Module):
     def is_last(self) -> bool:
         """Whether this rank runs the last stage (and takes the targets and computes the loss)."""
         return self.schedule.stages - 1 in self.partitions
-
-    # -- the plain model's names (pipe.distributed.names) ---------------------------------------
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the plain model's names (as ``state_dict()`` keys; a tied weight as
-        the plain model names it)."""
-        return self.plain_names.members(lambda m: m._parameters.items(), prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
-        """This rank's buffers under the plain model's names."""
-        return self.plain_names.members(lambda m: m._buffers.items(), prefix, recurse, remove_duplicate)
-
-    def named_modules(self, memo: Optional[set[nn.Module]] = None, prefix: str = "",
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
-        """This module and its submodules that the plain model has, under the plain model's names."""
-        return self.plain_names.modules(memo, prefix, remove_duplicate)
 
     # -- training and inference -----------------------------------------------------------------
 
@@ -426,11 +373,11 @@ class DistributedPipe(nn.Module):
         """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
         targets = weights = None
         try:  # a bad argument on one rank must not leave the others waiting: report it
-            batches = self._scatter(inputs, "inputs") if self.is_first else None
+            batches = scatter_exactly(inputs, self.chunks, "inputs") if self.is_first else None
             if self.is_last and need_target:
                 if loss_fn is None:
                     raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
-                targets = self._scatter(target, "target")
+                targets = scatter_exactly(target, self.chunks, "target")
                 weights = sample_weights(self.loss_reduction, targets)
                 if not self._warned_ignored_targets:
                     self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
@@ -471,7 +418,7 @@ class DistributedPipe(nn.Module):
 
         Every rank of the pipeline must call it; ``inputs`` matter on the first stage's rank.
         """
-        batches = self._scatter(pack_inputs(inputs) if inputs else None, "inputs") if self.is_first else None
+        batches = scatter_exactly(pack_inputs(inputs) if inputs else None, self.chunks, "inputs") if self.is_first else None
         for bn in self._deferred_batch_norms:
             bn.discard()
         with torch.no_grad():
@@ -493,29 +440,5 @@ class DistributedPipe(nn.Module):
         Returns:
             The total norm before clipping, on every rank.
         """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.parameters() if p.grad is not None and self._tied.counts(p)]
-        squares = tp.squared_norm(counted, self.device)  # a tied weight counts once
-        if self._pipeline_group is not None:
-            dist.all_reduce(squares, group=self._pipeline_group)
-        total = squares.sqrt()
-        scale = max_norm / (total + 1e-6)
-        if scale < 1:
-            factor = float(scale)  # a number: DTensor gradients take it as plain ones do
-            for grad in grads:
-                grad.mul_(factor)
-        return total.float()
-
-    def _scatter(self, value: Any, what: str) -> list[Batch]:
-        if value is None:
-            raise ValueError(f"this rank runs the {'first' if what == 'inputs' else 'last'} stage and needs {what}; "
-                             f"pass {what}= to step()")
-        batches = scatter(value, self.chunks)
-        if len(batches) != self.chunks:
-            raise ValueError(
-                f"{what} has batch size {len(batches)}, smaller than chunks={self.chunks}; a multi-process "
-                f"pipeline runs exactly chunks micro-batches per step (every rank must know the count), "
-                f"so pass at least {self.chunks} samples or use fewer chunks"
-            )
-        return batches
+        return clip_grad_norm(self.parameters(), self._tied, self._pipeline_group, self.device, max_norm)
 

@@ -113,3 +113,28 @@ class PlainNames:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+class PlainNamed:
+    """``named_parameters()``, ``named_buffers()`` and ``named_modules()`` under the plain model's names.
+
+    Mixed into an ``nn.Module`` that sets ``self.plain_names`` (a :class:`PlainNames`).
+    """
+
+    plain_names: PlainNames
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the plain model's names (as ``state_dict()`` keys; a tied weight as
+        the plain model names it)."""
+        return self.plain_names.members(lambda m: m._parameters.items(), prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """This rank's buffers under the plain model's names."""
+        return self.plain_names.members(lambda m: m._buffers.items(), prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: Optional[set[nn.Module]] = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """This module and its submodules that the plain model has, under the plain model's names."""
+        return self.plain_names.modules(memo, prefix, remove_duplicate)

@@ -1,0 +1,105 @@
+"""How a rank's stages are parallelized on the device mesh: tensor parallel, then FSDP or replicas.
+
+``DistributedPipe`` cuts the model into stages; this module applies torch's
+engines to the stages this rank holds, in torchtitan's order: tensor
+parallelism first (``parallelize_module`` on the mesh's ``"tp"`` dimension,
+or the user's ``parallelize=``), then FSDP2 over ``"dp_shard"`` (with HSDP when
+``"dp_replicate"`` is there too), or, without sharding, the gradient averager
+over ``"dp_replicate"``. It also holds the gradient norm over the whole model,
+across pipeline, shard and tensor-parallel ranks.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipe.distributed import tensor_parallel as tp
+from pipe.distributed.data_parallel import GradientAverager
+from pipe.distributed.fsdp import Shard, StageSharding, shard_mesh, shard_stages
+from pipe.distributed.group import Topology
+from pipe.distributed.mesh import mesh_size
+from pipe.distributed.tied_replicas import TiedReplicas
+
+__all__: list[str] = []
+
+Parallelize = Callable[[nn.Sequential, DeviceMesh], None]
+
+
+def verify_parallelism(parallelize: Optional[Parallelize], tensor_parallel: Optional[Mapping[str, Any]],
+                       mesh: Optional[DeviceMesh]) -> Optional[dict[str, Any]]:
+    """Checks ``parallelize=`` and ``tensor_parallel=`` before anything collective; returns the checked plan."""
+    if parallelize is not None and not callable(parallelize):
+        raise TypeError(f"parallelize must be a function (stage, mesh) -> None, got {parallelize!r}")
+    if tensor_parallel is None:
+        return None
+    plan = tp.verify_plan(tensor_parallel)
+    if mesh is None or mesh_size(mesh, "tp") == 1:
+        raise ValueError(
+            f"tensor_parallel= needs a mesh with a 'tp' dimension of size 2 or more, got mesh "
+            f"{None if mesh is None else mesh.mesh_dim_names!r}; pass mesh=make_mesh(pp=..., tp=...)"
+        )
+    return plan
+
+
+def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.Sequential], mesh: DeviceMesh,
+                       topology: Topology, tied: TiedReplicas, shard: Optional[Shard],
+                       parallelize: Optional[Parallelize], tensor_parallel: Optional[dict[str, Any]],
+                       schedule: Any) -> tuple[Optional[StageSharding], Optional[GradientAverager]]:
+    """Applies tensor parallelism, then FSDP (or the replicas' averager) to this rank's stages.
+
+    Returns what the runtime drives once per step: the FSDP stages, or the averager.
+    """
+    if tensor_parallel is not None:
+        tp.apply(partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
+    elif parallelize is None and topology.tensor_parallel > 1:
+        warnings.warn(
+            f"the mesh has tp={topology.tensor_parallel} but neither tensor_parallel= nor parallelize= "
+            f"was given: the tensor-parallel ranks all run the whole stage on the same data (correct, but "
+            f"{topology.tensor_parallel}x the work); pass tensor_parallel={{module name: ParallelStyle}} "
+            f"to split them", stacklevel=3)
+    if parallelize is not None:
+        for stage in sorted(partitions):
+            parallelize(partitions[stage], mesh)
+    tp_mesh = tp.tp_submesh(mesh)
+    if tp_mesh is not None:  # DTensor stage outputs cross ranks as local shards (tensor_parallel.py)
+        tp.install_boundaries(partitions, len(skeleton) - 1, tp_mesh)
+    if shard is not None:
+        if tied.within_rank:  # said on every rank, not only where the stages live
+            raise ValueError(
+                f"the tied weight {tied.within_rank[0]} is held by two stages of one rank, and FSDP "
+                f"cannot shard one parameter for two stages; place those stages on different pipeline "
+                f"ranks (schedule {schedule!r} puts them together), or untie the weights"
+            )
+        shard_stages(dict(partitions), shard, shard_mesh(mesh))
+        tied.refresh()  # fully_shard replaced the parameters by DTensors
+        return StageSharding(dict(partitions), shard), None
+    if topology.replicate > 1:
+        return None, GradientAverager(dict(partitions), topology.replicate_group, topology.replicate)
+    return None, None
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], tied: TiedReplicas, pipeline_group: Optional[dist.ProcessGroup],
+                   device: torch.device, max_norm: float) -> Tensor:
+    """Scales the gradients of ``parameters`` to a global norm of at most ``max_norm``; returns the norm.
+
+    Sharded (``DTensor``) gradients are summed over the mesh dimensions that
+    shard them, then everything over the pipeline ranks; a tied weight counts once.
+    """
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and tied.counts(p)]
+    squares = tp.squared_norm(counted, device)  # a tied weight counts once
+    if pipeline_group is not None:
+        dist.all_reduce(squares, group=pipeline_group)
+    total = squares.sqrt()
+    scale = max_norm / (total + 1e-6)
+    if scale < 1:
+        factor = float(scale)  # a number: DTensor gradients take it as plain ones do
+        for grad in grads:
+            grad.mul_(factor)
+    return total.float()
