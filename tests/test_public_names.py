@@ -16,14 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe"
 
 PUBLIC = {"pipe", "pipe.balance", "pipe.distributed", "pipe.plan", "pipe.recompute", "pipe.skip", "pipe.trace",
-          "pipe.viz", "pipe.batchnorm"}
-
-# Modules other branches were editing when issue 23 landed; they get __all__ = [] at the merge (see docs/design.md).
-PENDING = {"pipe.distributed.distributed_pipe", "pipe.distributed.runtime", "pipe.distributed.group",
-           "pipe.distributed.data_parallel", "pipe.distributed.state", "pipe.distributed.transport",
-           "pipe.core.schedule", "pipe.balance.profile", "pipe.plan.apply", "pipe.plan.cli", "pipe.plan.cost",
-           "pipe.plan.explain", "pipe.plan.measure", "pipe.plan.predict", "pipe.plan.search"}
-
+          "pipe.viz", "pipe.batchnorm", "pipe.distributed.state"}
 
 def declared_all(path: Path) -> object:
     for node in ast.parse(path.read_text()).body:
@@ -41,7 +34,7 @@ def internal_modules() -> list[tuple[str, Path]]:
         if parts[-1] == "__init__":
             parts.pop()
         name = ".".join(parts)
-        if name not in PUBLIC and name not in PENDING and parts[-1] != "__main__" and path.name != "__init__.py":
+        if name not in PUBLIC and parts[-1] != "__main__" and path.name != "__init__.py":
             found.append((name, path))
     return found
 

@@ -18,12 +18,12 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.balance.profile import profile_params, profile_sizes, profile_times
+from pipe.balance.profile import LayerTimes, profile_params, profile_sizes, profile_times, time_layers
 from pipe.balance.solver import solve
 from pipe.core.options import is_int, positive_int
 from pipe.core.partition import verify_module
 
-__all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost"]
+__all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost", "time_layers", "LayerTimes"]
 
 Device = Union[torch.device, int, str]
 

@@ -32,8 +32,7 @@ from pipe.skip.namespace import NamespaceOrNone
 from pipe.skip.tracker import SkipTracker, use_skip_tracker
 from pipe.core.stream import use_device
 
-__all__ = ["LayerTimes", "as_input", "detach", "layer_copies", "profile_params", "profile_sizes", "profile_times",
-           "sandbox", "synchronize", "time_layers"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

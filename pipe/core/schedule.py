@@ -26,7 +26,7 @@ from typing import Callable
 
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
 
-__all__ = ["SCHEDULE_KINDS", "Action", "Phase", "Schedule", "TimedAction"]
+__all__: list[str] = []
 
 SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
 

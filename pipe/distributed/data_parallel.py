@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["GradientAverager"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

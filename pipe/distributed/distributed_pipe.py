@@ -39,7 +39,7 @@ from pipe.graph_split import keep_original_names
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
-__all__ = ["DistributedPipe", "LOSS_REDUCTIONS"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipe.distributed.mesh import mesh_size
 from pipe.distributed.transport import Channel
 
-__all__ = ["Topology", "verify_same_config", "world_timeout"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from pipe.skip.layout import SkipLayout
 from pipe.skip.namespace import NamespaceOrNone, SkipKey
 from pipe.skip.tracker import SkipTracker, partition_function, use_skip_tracker
 
-__all__ = ["Runtime", "StageSkips", "MAIN"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from pipe.trace.events import Cell
 from pipe.core.message import HEADER_BYTES
 from pipe.core.microbatch import flatten, unflatten
 
-__all__ = ["HEADER_BYTES", "Channel", "Transport", "Incoming", "PeerError"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipe.plan.search import Budget, Plan, plan
 
-__all__ = ["plan_for_pipe", "plan_for_ranks"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pipe.plan.search import RUNNERS, PlanError, parse_bytes
 
-__all__ = ["main"]
+__all__: list[str] = []
 
 
 def _function(text: str) -> Callable[[], Any]:

@@ -41,7 +41,7 @@ from pipe.recompute.module import recompute as mark_recompute, unmark
 from pipe.skip.skippable import skippables_in
 from pipe.skip.tracker import partition_function
 
-__all__ = ["StageMemory", "StageTime", "Costs", "profile_costs"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pipe.core.schedule import Phase
 from pipe.viz.idle import CATEGORIES, Explanation, Idle, explain_timeline
 from pipe.viz.timeline import Span, Timeline
 
-__all__ = ["CATEGORIES", "Explanation", "Idle", "explain", "explain_prediction", "explain_timeline"]
+__all__: list[str] = []
 
 
 def explain(trace: Mapping[str, Any], step: Optional[int] = None) -> Explanation:

@@ -26,7 +26,7 @@ from pipe.recompute.memory import ActivationMemory
 if TYPE_CHECKING:  # pragma: no cover
     from pipe.plan.search import Plan
 
-__all__ = ["Measured", "measure_step", "verify_plan"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

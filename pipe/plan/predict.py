@@ -26,7 +26,7 @@ from pipe.plan.timing import TimeModel
 LOSS_SCALAR_BYTES = 3 * 4
 """What the process runner's step keeps of the loss on the last stage: three float32 scalars (measured)."""
 
-__all__ = ["Candidate", "Prediction", "busy_bound", "predict", "predict_memory"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ from pipe.plan.cost import Costs, profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
 from pipe.plan.timing import Link, TimeModel
 
-__all__ = ["Plan", "PlanError", "RUNNERS", "candidates", "format_bytes", "parse_bytes", "per_stage_recompute",
-           "plan", "search"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
