@@ -42,7 +42,6 @@ import shutil
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
-import torch
 from torch import nn
 
 __all__: list[str] = []

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from pipe.distributed import tensor_parallel as tp
 from pipe.distributed.data_parallel import GradientAverager
@@ -93,7 +94,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], tied: TiedReplicas, pipel
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and tied.counts(p)]
-    squares = tp.squared_norm(counted, device)  # a tied weight counts once
+    squares = squared_norm(counted, device)  # a tied weight counts once
     if pipeline_group is not None:
         dist.all_reduce(squares, group=pipeline_group)
     total = squares.sqrt()
@@ -103,3 +104,36 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], tied: TiedReplicas, pipel
         for grad in grads:
             grad.mul_(factor)
     return total.float()
+
+
+def squared_norm(grads: Iterable[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of ``grads`` over every rank that holds a shard of them (float64, on ``device``).
+
+    A plain tensor counts as it is. A ``DTensor`` counts its local shard, summed
+    over the mesh dimensions on which it is sharded (one all-reduce per group
+    of gradients with the same mesh and dimensions) and counted once over
+    those on which it is replicated; a ``Partial`` gradient is reduced first. The result is the
+    same on every rank of those groups; a pipeline then sums it over its stages.
+    """
+    plain = torch.zeros((), device=device, dtype=torch.float64)
+    sharded: dict[tuple[Any, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum()
+            continue
+        if any(placement.is_partial() for placement in grad.placements):
+            grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+        dims = tuple(d for d, placement in enumerate(grad.placements) if not placement.is_replicate())
+        local = grad.to_local().detach().double().pow(2).sum().to(device)
+        if not dims:
+            plain += local
+            continue
+        key = (grad.device_mesh.mesh_dim_names, dims)  # the same on every rank of the groups
+        if key not in sharded:
+            sharded[key] = (grad.device_mesh, torch.zeros((), device=device, dtype=torch.float64))
+        sharded[key][1].add_(local)
+    for (_, dims), (mesh, total) in sorted(sharded.items(), key=lambda item: repr(item[0])):
+        for d in dims:  # summing over one dimension after another sums over all of them
+            dist.all_reduce(total, group=mesh.get_group(d))
+        plain += total
+    return plain

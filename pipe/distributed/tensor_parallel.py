@@ -27,14 +27,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
@@ -186,39 +185,6 @@ def install_boundaries(partitions: Mapping[int, nn.Module], last_stage: int, tp_
 
 
 # -- gradient norms over sharded gradients ---------------------------------------------------------
-
-
-def squared_norm(grads: Iterable[Tensor], device: torch.device) -> Tensor:
-    """The sum of squares of ``grads`` over every rank that holds a shard of them (float64, on ``device``).
-
-    A plain tensor counts as it is. A ``DTensor`` counts its local shard, summed
-    over the mesh dimensions on which it is sharded (one all-reduce per group
-    of gradients with the same mesh and dimensions) and counted once over
-    those on which it is replicated; a ``Partial`` gradient is reduced first. The result is the
-    same on every rank of those groups; a pipeline then sums it over its stages.
-    """
-    plain = torch.zeros((), device=device, dtype=torch.float64)
-    sharded: dict[tuple[Any, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
-    for grad in grads:
-        if not isinstance(grad, DTensor):
-            plain += grad.detach().double().pow(2).sum()
-            continue
-        if any(placement.is_partial() for placement in grad.placements):
-            grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-        dims = tuple(d for d, placement in enumerate(grad.placements) if not placement.is_replicate())
-        local = grad.to_local().detach().double().pow(2).sum().to(device)
-        if not dims:
-            plain += local
-            continue
-        key = (grad.device_mesh.mesh_dim_names, dims)  # the same on every rank of the groups
-        if key not in sharded:
-            sharded[key] = (grad.device_mesh, torch.zeros((), device=device, dtype=torch.float64))
-        sharded[key][1].add_(local)
-    for (_, dims), (mesh, total) in sorted(sharded.items(), key=lambda item: repr(item[0])):
-        for d in dims:  # summing over one dimension after another sums over all of them
-            dist.all_reduce(total, group=mesh.get_group(d))
-        plain += total
-    return plain
 
 
 def tp_submesh(mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:

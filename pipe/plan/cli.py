@@ -26,7 +26,8 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from pipe.plan.search import RUNNERS, PlanError, parse_bytes
+from pipe.plan.candidates import RUNNERS
+from pipe.plan.search import PlanError, parse_bytes
 
 __all__: list[str] = []
 
@@ -100,8 +101,6 @@ def mean_loss(output: Any, target: Any) -> Any:
 def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     """Runs the plan; the measured figures beside the predicted ones."""
     import time
-
-    import torch
 
     from pipe.plan.measure import verify_plan
     from pipe.plan.search import format_bytes

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from pipe.core.schedule import Phase
-from pipe.viz.idle import CATEGORIES, Explanation, Idle, explain_timeline
+from pipe.viz.idle import Explanation, explain_timeline
 from pipe.viz.timeline import Span, Timeline
 
 __all__: list[str] = []

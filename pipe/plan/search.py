@@ -28,7 +28,7 @@ from torch import nn
 
 from pipe.core.partition import verify_module
 from pipe.core.schedule import Schedule
-from pipe.plan.candidates import RUNNERS, candidates, per_stage_recompute
+from pipe.plan.candidates import candidates, per_stage_recompute
 from pipe.plan.cost import Costs, profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
 from pipe.plan.timing import Link, TimeModel

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from pipe.core.deprecation import warn
 from pipe.recompute.module import Policy, mark, policy_of
-from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops, op_name
+from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops
 from pipe.recompute.scope import Scope
 
 __all__: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
-from pipe.plan.search import candidates
+from pipe.plan.candidates import candidates
 
 
 def table(forward: list[float], overhead: float = 0.0, batch: int = 8) -> Costs:

@@ -10,7 +10,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from pipe.recompute import SelectiveRecompute, policy_of, recompute, select_recompute
 from pipe.recompute import selective
-from pipe.recompute.selective import Selection, op_name
+from pipe.recompute.op_decisions import op_name
+from pipe.recompute.selective import Selection
 
 
 @pytest.mark.parametrize("names, ops", [
