@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("done: %d steps, loss %.3f -> %.3f, val loss %.3f, %.1f s (%.0f samples/s per replica)",
              args.steps - start_step, first_loss, last_loss, val_loss, train_time,
              (args.steps - start_step) * args.batch_size / max(train_time, 1e-9))
+    dist.barrier()  # every rank is done with every group before any rank closes its connections
     dist.destroy_process_group()
 
 

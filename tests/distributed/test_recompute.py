@@ -495,12 +495,18 @@ def test_the_distributed_example_takes_the_recompute_yaml() -> None:
     env = dict(os.environ, NPROC="2", THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(
-        ["bash", "launch/single_node.sh", "examples/transformer_lm_distributed.py", "--steps", "2", "--layers", "4",
-         "--width", "32", "--seq-len", "16", "--batch-size", "8", "--eval-batches", "1", "--checkpoint", "never",
-         "--recompute", "examples/recompute.yaml", "--memory"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=170, start_new_session=True)
+    command = ["bash", "launch/single_node.sh", "examples/transformer_lm_distributed.py", "--steps", "2", "--layers",
+               "4", "--width", "32", "--seq-len", "16", "--batch-size", "8", "--eval-batches", "1", "--checkpoint",
+               "never", "--recompute", "examples/recompute.yaml", "--memory"]
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=80, start_new_session=True)
     out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and "done: 2 steps" in out and "terminate called without an active exception" in out:
+        # Seen once in ~100 runs on a loaded machine: gloo's C++ threads abort the process while it exits, after
+        # the example has finished and destroyed its process groups. The example's own work is what this test
+        # checks, so one fresh run is allowed; a second failure of any kind fails the test.
+        proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=80,
+                              start_new_session=True)
+        out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "rank 0 (stages [0]): layer 0 (stage 0, 0): select_recompute" in out
     saved = [line for line in out.splitlines() if line.startswith("memory: rank")]
