@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_blocks import ROOT, Block, all_blocks, blocks, doc_files  # noqa: E402
+from torchrun_launch import run_torchrun  # noqa: E402
 
 RUN_TIMEOUT = 240     # seconds for one page's plain blocks together
 TORCHRUN_TIMEOUT = 60   # seconds per block
@@ -73,12 +73,6 @@ def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, f"{_name(page)}:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize("nproc", sorted({b.nproc for b in DISTRIBUTED}))
 def test_torchrun_blocks_run(nproc: int, tmp_path: Path) -> None:
     """Every ``torchrun`` block for ``nproc`` ranks, in one launch (a launch costs seconds on 2 cores)."""
@@ -86,11 +80,8 @@ def test_torchrun_blocks_run(nproc: int, tmp_path: Path) -> None:
                for b in DISTRIBUTED if b.nproc == nproc]
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(entries))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(ROOT / "tests" / "docs_runner.py"),
-         str(spec)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT * len(entries))
+    done = run_torchrun([f"--nproc-per-node={nproc}"], [str(ROOT / "tests" / "docs_runner.py"), str(spec)],
+                        cwd=tmp_path, env=_env(), timeout=TORCHRUN_TIMEOUT * len(entries))
     assert done.returncode == 0, f"torchrun blocks on {nproc} ranks:\n{done.stdout[-6000:]}\n{done.stderr[-8000:]}"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Collection, Optional
@@ -19,14 +18,9 @@ import torch
 import torch.distributed as dist
 
 from pipe.distributed import init_from_env
+from torchrun_launch import free_port
 
 DEADLINE = 90.0  # seconds for a whole spawn; a hang fails the test instead of blocking CI
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],

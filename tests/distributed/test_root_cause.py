@@ -132,20 +132,16 @@ main()
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_torchrun_root_cause_is_the_rank_that_died_or_stalled(how: str, tmp_path: "os.PathLike[str]") -> None:
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from spawn_ranks import free_port
+    from torchrun_launch import run_torchrun
 
     script = Path(tmp_path) / "dies.py"
     script.write_text(_SCRIPT)
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-                           f"--master-port={free_port()}", str(script), how],
-                          capture_output=True, text=True, timeout=150, env=env, start_new_session=True)
+    done = run_torchrun(["--nproc-per-node=3"], [str(script), how], timeout=150, env=env, start_new_session=True)
     seconds = time.monotonic() - start
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-3000:]

@@ -1,0 +1,32 @@
+"""Launch ``torchrun`` on 127.0.0.1 for a test, on a port that is free, with a deadline.
+
+A port found free can be taken by another test before torchrun binds it (the
+suite runs on several workers): a launch whose store fails with EADDRINUSE is
+retried on a new port, up to three times; any other failure is the test's.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from typing import Any
+
+_IN_USE = "EADDRINUSE"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_torchrun(torchrun_args: list[str], script_and_args: list[str], **run: Any) -> "subprocess.CompletedProcess[str]":
+    """``python -m torch.distributed.run ARGS --master-addr=127.0.0.1 --master-port=P SCRIPT...``, output captured."""
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--master-addr=127.0.0.1",
+             f"--master-port={free_port()}", *script_and_args],
+            capture_output=True, text=True, **run)
+        if done.returncode == 0 or _IN_USE not in done.stdout + done.stderr:
+            return done
+    return done
