@@ -52,11 +52,26 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
+    for _ in range(3):  # a port found free may be taken before rank 0's store binds it: spawn again on another
+        collected = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing)
+        if not any(not ok and "EADDRINUSE" in str(payload) for ok, payload in collected.values()):
+            break
+    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
+    missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
+    if failures or missing:
+        raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
+                                                     if missing else ""))
+    return [collected[rank][1] if rank in collected else None for rank in range(world)]
+
+
+def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,
+           env: dict[str, str], barrier: bool, expect_missing: Collection[int]) -> dict[int, tuple[bool, Any]]:
+    """One spawn of ``world`` ranks on a free port: each rank's (ok, result or traceback) that came back."""
     context = multiprocessing.get_context("fork")
     results: "multiprocessing.Queue[Any]" = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env or {}, barrier),
+        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env, barrier),
                         name=f"pipe-test-rank-{rank}", daemon=True)
         for rank in range(world)
     ]
@@ -85,9 +100,4 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
             if process.is_alive():
                 process.kill()  # only the processes this harness started, by their own handle
                 process.join()
-    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
-    missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
-    if failures or missing:
-        raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
-                                                     if missing else ""))
-    return [collected[rank][1] if rank in collected else None for rank in range(world)]
+    return collected
