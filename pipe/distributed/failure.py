@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pipe.distributed.mesh import spoil_reused
 from pipe.distributed.transport import PeerError
 
 __all__: list[str] = []
@@ -119,7 +120,7 @@ class Failures:
             raise PipelineFailure(
                 f"this DistributedPipe is broken: step {self.step} failed ({self.broken}). Its ranks are out of "
                 "step and messages of the failed step may still be in flight, so it runs no further step. "
-                "To go on, build a new DistributedPipe on every rank (its channels are new) and load the last "
+                "To go on, build a new DistributedPipe on every rank (its messages have tags of their own) and load the last "
                 "checkpoint into it (pipe.distributed.state.load), or restart the job"
             )
         self.step += 1
@@ -173,6 +174,7 @@ class Failures:
         """
         result = self._verdict(where, error)
         self.broken = str(result).splitlines()[0] if str(result) else type(result).__name__
+        spoil_reused()  # the next pipeline of this job starts on new groups
         return result
 
     def _verdict(self, where: str, error: BaseException) -> BaseException:

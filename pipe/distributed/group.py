@@ -14,6 +14,10 @@ dimensions average gradients and sum losses::
 Before anything else the ranks compare their configurations, so that a rank
 started with other chunks, balance or schedule fails at once with a message
 instead of hanging in its first receive.
+
+Groups are shared by the pipelines of one process (:func:`pipe.distributed.mesh.reuse`):
+a second ``DistributedPipe`` (a planner trying candidates, a memory measurement
+before training) reuses the groups of the same members and role.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipe.distributed.mesh import mesh_size
+from pipe.distributed.mesh import agree_on_reuse, mesh_size, reuse, reuse_spoiled
 from pipe.distributed.transport import Channel
 
 __all__: list[str] = []
@@ -126,16 +130,22 @@ class Topology:
         rows = self.mesh.mesh.permute(*others, *present).reshape(-1, size)
         mine: Optional[dist.ProcessGroup] = None
         for row in rows.tolist():
-            group = self.new_group(row)
+            group = self.new_group(row, "+".join(dims))
             if self.rank in row:
                 mine = group
         return mine
 
-    def new_group(self, members: list[int]) -> dist.ProcessGroup:
-        """A process group of ``members`` with the pipeline's timeout (collective over the world)."""
-        group = dist.new_group(members, timeout=self.timeout)
-        assert group is not None
-        return group
+    def new_group(self, members: list[int], role: str) -> dist.ProcessGroup:
+        """The process group of ``members`` for ``role``, with the pipeline's timeout.
+
+        Created on first use (collective over the world) and shared by every
+        pipeline of the process afterwards (:func:`pipe.distributed.mesh.reuse`).
+        """
+        def make() -> dist.ProcessGroup:
+            group = dist.new_group(members, timeout=self.timeout)
+            assert group is not None
+            return group
+        return reuse(("group", tuple(members), role, self.timeout.total_seconds()), make)
 
     def global_rank(self, pipeline_rank: int, pipeline: Optional[int] = None) -> int:
         """The global rank of ``pipeline_rank`` in ``pipeline`` (default: this rank's pipeline)."""
@@ -154,7 +164,7 @@ class Topology:
                     channel_group: Optional[dist.ProcessGroup] = None
                     if rank_a != rank_b:
                         members = sorted({self.global_rank(rank_a, replica), self.global_rank(rank_b, replica)})
-                        channel_group = self.new_group(members)
+                        channel_group = self.new_group(members, f"{kind} {name} {a}->{b}")
                     if replica != self.pipeline:
                         continue
                     label = f"{kind} {name} {a}->{b}"
@@ -175,12 +185,18 @@ class Topology:
 def verify_same_config(config: dict[str, Any]) -> None:
     """Checks that every rank was started with the same ``config``.
 
+    The same exchange tells every rank whether a step failed on any rank since
+    the process's shared groups were made; if so, every rank makes new ones
+    (:func:`pipe.distributed.mesh.agree_on_reuse`) before any is created.
+
     Raises:
         ValueError: naming the first field that differs, with each rank's value.
     """
     require_initialized()
-    configs: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(configs, config)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (config, reuse_spoiled()))
+    agree_on_reuse(any(spoiled for _, spoiled in gathered))
+    configs = [c for c, _ in gathered]
     for key in config:
         values = [c.get(key) if isinstance(c, dict) else None for c in configs]
         if any(v != values[0] for v in values):

@@ -20,12 +20,17 @@ varying coordinate and ``tp`` the fastest, as in torchtitan::
 Without a mesh, ``data_parallel=N`` builds ``("pp", "dp_replicate")`` itself
 with the layout ``DistributedPipe`` always had: consecutive ranks form one
 pipeline (world 4, N 2: pipelines {0, 1} and {2, 3}, replica groups {0, 2}, {1, 3}).
+
+Process groups (and the meshes that hold them) are created once per process
+and shared (:func:`reuse`): each gloo group keeps a connection and three
+threads until ``destroy_process_group``, so a group per ``DistributedPipe`` would
+leak them in a process that builds many (a planner trying candidates).
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,49 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+T = TypeVar("T")
+_reused: dict[str, Any] = {"world": None, "objects": {}, "spoiled": False}
+
+
+def reuse(key: tuple[Any, ...], make: Callable[[], T]) -> T:
+    """The object made for ``key`` in this process, made now (by ``make``) on first use.
+
+    For process groups and meshes: creating one is collective over the world,
+    so every rank asks for the same keys in the same order and so gets the same
+    answer. Forgotten when the default group is destroyed (a new world starts
+    afresh). Two pipelines of a process never communicate at the same time,
+    so they can share their groups.
+    """
+    world = dist.group.WORLD
+    if _reused["world"] is not world:
+        _reused["world"], _reused["objects"] = world, {}
+    objects: dict[tuple[Any, ...], Any] = _reused["objects"]
+    if key not in objects:
+        objects[key] = make()
+    made: T = objects[key]
+    return made
+
+
+def spoil_reused() -> None:
+    """Marks the groups of :func:`reuse` unfit for new pipelines: a step failed on this rank.
+
+    A failed step may have closed a connection (gloo closes a pair whose wait
+    timed out) or left messages in flight; the next pipeline must start on
+    new groups. Every rank must then make new ones alike: :func:`agree_on_reuse`.
+    """
+    _reused["spoiled"] = True
+
+
+def agree_on_reuse(spoiled_anywhere: bool) -> None:
+    """Forgets every reused group and mesh if any rank's were spoiled (every rank calls it alike)."""
+    if spoiled_anywhere:
+        _reused["objects"], _reused["spoiled"] = {}, False
+
+
+def reuse_spoiled() -> bool:
+    """Whether a step failed on this rank since the groups of :func:`reuse` were made."""
+    return bool(_reused["spoiled"])
 
 
 def _device_type() -> str:
@@ -90,8 +138,9 @@ def replica_mesh(data_parallel: int) -> DeviceMesh:
         )
     ranks = torch.arange(world).reshape(data_parallel, world // data_parallel).t().contiguous()
     if data_parallel == 1:
-        return DeviceMesh(_device_type(), ranks.reshape(-1), mesh_dim_names=("pp",))
-    return DeviceMesh(_device_type(), ranks, mesh_dim_names=("pp", "dp_replicate"))
+        return reuse(("mesh", "pp"), lambda: DeviceMesh(_device_type(), ranks.reshape(-1), mesh_dim_names=("pp",)))
+    return reuse(("mesh", "pp", "dp_replicate", data_parallel),
+                 lambda: DeviceMesh(_device_type(), ranks, mesh_dim_names=("pp", "dp_replicate")))
 
 
 def mesh_size(mesh: DeviceMesh, name: str) -> int:

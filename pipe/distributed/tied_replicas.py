@@ -76,7 +76,7 @@ class TiedReplicas:
                     "separate buffers, or balance the stages holding it onto one rank"
                 )
             for pipeline in range(topology.pipelines):
-                group = topology.new_group([topology.global_rank(r, pipeline) for r in ranks])
+                group = topology.new_group([topology.global_rank(r, pipeline) for r in ranks], f"tied {name}")
                 if pipeline == topology.pipeline and topology.pipeline_rank in ranks:
                     self._mine.append((name, tie.tensor, group))
                     mine = set(schedule.stages_of(topology.pipeline_rank))

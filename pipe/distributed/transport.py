@@ -26,7 +26,11 @@ batch size), the sender completes the guessed receives with empty messages
 Messages travel on *channels*: one process group per (pipeline replica,
 stage boundary or skip route, direction), so that backends that match
 messages in posting order (NCCL) see the same order on both ends; gloo also
-gets a distinct tag per micro-batch and slot. Sends are asynchronous
+gets a distinct tag per micro-batch and slot. The pipelines of one process
+share their groups (:func:`pipe.distributed.mesh.reuse`), so each transport
+(one per ``DistributedPipe``, numbered alike on every rank) has tags of its
+own: a pipeline rebuilt after a failed step never meets a message or a
+posted receive that the broken one left behind. Sends are asynchronous
 (``isend``) and complete in the background while the sender computes; the
 sender only waits for them at the end of a step. A message between two stages
 of one rank (interleaved schedules with one rank) never touches the network.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import logging
 import time
 import pickle
@@ -58,6 +63,9 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 _SLOTS = 4096  # messages (header, rest, tensors) per micro-batch on one channel
+_MICROBATCHES = 8192  # micro-batches per step a transport can tell apart
+_TRANSPORTS = (2**31) // (_SLOTS * _MICROBATCHES)  # transports with tags of their own (tags are C ints)
+_transports = itertools.count()
 _MISSED = 2 + (_SLOTS - 2) // 2  # first tag of the tensors when the receiver guessed another layout
 _LENGTH_BYTES = 8
 
@@ -118,7 +126,7 @@ class Incoming:
 
     def _failed(self, error: RuntimeError) -> RuntimeError:
         return PeerError(
-            f"receiving {self.channel.name} of micro-batch {self.tag // _SLOTS} from rank {self.channel.peer} "
+            f"receiving {self.channel.name} of micro-batch {(self.tag - self.transport._first_tag) // _SLOTS} from rank {self.channel.peer} "
             f"failed: {error}", self.channel.peer
         )
 
@@ -213,11 +221,19 @@ class Transport:
         self._received: dict[tuple[str, int], Layout] = {}
         self.stats: collections.defaultdict[str, float] = collections.defaultdict(float)
         """``messages``, ``headers``; ``send_s`` and ``wait_s`` (seconds), for the benchmarks' profiles."""
+        self._first_tag = (next(_transports) % _TRANSPORTS) * _MICROBATCHES * _SLOTS
 
-    @staticmethod
-    def tag(microbatch: int) -> int:
-        """The first tag of ``microbatch``'s message on a channel."""
-        return microbatch * _SLOTS
+    def tag(self, microbatch: int) -> int:
+        """The first tag of ``microbatch``'s message on a channel.
+
+        Raises:
+            ValueError: more micro-batches than a transport's tags tell apart.
+        """
+        if not 0 <= microbatch < _MICROBATCHES:
+            raise ValueError(
+                f"micro-batch {microbatch}: a step can have at most {_MICROBATCHES} micro-batches between ranks; "
+                "use fewer chunks")
+        return self._first_tag + microbatch * _SLOTS
 
     def send(self, value: Any, channel: Channel, microbatch: int, cell: Cell = None) -> None:
         """Starts sending ``value`` (tensors are detached); returns without waiting.

@@ -70,3 +70,32 @@ def test_values_arrive_whole_whether_the_layout_guess_holds_or_not() -> None:
     assert guess0 and guess1, "the receiver guesses layouts on gloo by default"
     assert received == [True] * 2 * len(_values())
     assert sent == [(len(_values()), len(_values())), (len(_values()), len(_values()))]  # a header per message
+
+
+def _many_pipelines(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pipe.distributed import DistributedPipe
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    threads, losses = [], []
+    for k in range(6):
+        for schedule in ("1f1b", "interleaved"):
+            model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+            piped = DistributedPipe(model, chunks=2, schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+            losses.append(float(piped.step(x, y, F.mse_loss, broadcast_loss=True)))
+            plain_loss = float(F.mse_loss(model(x), y))  # the same parameters, run plainly on this rank
+            assert abs(losses[-1] - plain_loss) < 1e-6, (losses[-1], plain_loss)
+        threads.append(len(os.listdir("/proc/self/task")))
+    return {"threads": threads}
+
+
+def test_pipelines_of_one_process_share_their_groups() -> None:
+    """Each gloo group holds threads until the process ends: the 12th pipeline of a process adds none."""
+    for result in run_ranks(_many_pipelines, 2):
+        threads = result["threads"]
+        assert threads[-1] == threads[0], threads
