@@ -260,6 +260,9 @@ class Runtime:
                                 state.split.backward_weight()
                     else:
                         self._backward(action, messages, state, weights)
+                    # Its output's graph was kept for W (I retains it): drop the last reference now, not when
+                    # the next B or W rebinds the name (that held one micro-batch's activations one W longer).
+                    del state
                     backwards_left[s] -= 1
                     if backwards_left[s] == 0 and self.averager is not None:
                         self.averager.start(s)  # overlaps with the backward of this rank's other stages
