@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipe import trace
 from pipe.core.checkpoint import Checkpointing, Function, cell
@@ -52,6 +53,7 @@ from pipe.distributed.failure import Failures
 from pipe.distributed.fsdp import StageSharding
 from pipe.distributed.group import Topology
 from pipe.distributed.recompute_ranks import RankSwap
+from pipe.distributed.tensor_parallel import from_wire, tp_submesh, to_wire
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch, flatten
 from pipe.core.schedule import Action, Phase, Schedule
@@ -111,12 +113,15 @@ class _CrossStageTracker(SkipTracker):
         return super().load(batch, ns, name)
 
 
-def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
+def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[DeviceMesh] = None) -> Function:
     """The function a cell of this stage runs (and a checkpoint replays).
 
     Without skips crossing the stage it is :func:`pipe.skip.tracker.partition_function`.
     Otherwise the input value is ``(value, arriving skips)`` and the output
     ``(value, leaving skips)``, so skips are ordinary inputs and outputs of the cell.
+    With tensor parallelism (``tp_mesh``), a skip that is a ``DTensor`` crosses
+    ranks as its local shard and is rebuilt on arrival, as a stage's main
+    value does (:mod:`pipe.distributed.tensor_parallel`).
     """
     if not skips.arriving and not skips.leaving:
         return partition_function(partition)
@@ -128,6 +133,8 @@ def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
         incoming: dict[SkipKey, Optional[Tensor]] = {}
         if arriving_keys:
             value, skip_values = value
+            if tp_mesh is not None:
+                skip_values = [from_wire(skip, tp_mesh) for skip in skip_values]
             incoming = dict(zip(arriving_keys, skip_values))
         tracker = _CrossStageTracker(incoming, set(leaving_keys))
         with use_skip_tracker(tracker):
@@ -136,7 +143,8 @@ def stage_function(partition: nn.Module, skips: StageSkips) -> Function:
             missing = [name for ns, name in leaving_keys if (ns, name) not in tracker.outgoing]
             if missing:
                 raise RuntimeError(f"skips {missing} are declared but were not stashed in this forward")
-            output = (output, tuple(tracker.outgoing[key] for key in leaving_keys))
+            leaving = tuple(tracker.outgoing[key] for key in leaving_keys)
+            output = (output, tuple(to_wire(skip) for skip in leaving) if tp_mesh is not None else leaving)
         return Batch(output)
 
     return function
@@ -182,7 +190,8 @@ class Runtime:
         self.skips = skips
         self.averager = averager
         self.sharding = sharding
-        self.functions = {s: stage_function(partition, skips[s]) for s, partition in stages.items()}
+        tp_mesh = tp_submesh(topology.mesh)
+        self.functions = {s: stage_function(partition, skips[s], tp_mesh) for s, partition in stages.items()}
         self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
                                            partition=partition) for s, partition in stages.items()}
         self.last = schedule.stages - 1

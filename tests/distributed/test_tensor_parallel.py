@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
 from pipe.distributed import DistributedPipe, make_mesh
 from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
+from pipe.skip import pop, skippable, stash
 from spawn_ranks import run_ranks
 
 CASES = [  # (sequence parallel, schedule, checkpoint, recompute config)
@@ -73,8 +74,50 @@ def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
             "arrived": sorted({t.__name__ for t in arrived}), "norm": float(norm)}
 
 
+@skippable(stash=["embedded"])
+class StashEmbedded(nn.Module):
+    """Passes the residual stream on and stashes it (a sequence-sharded DTensor under sequence parallelism)."""
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("embedded", x)
+        return x
+
+
+@skippable(pop=["embedded"])
+class AddEmbedded(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        embedded = yield pop("embedded")
+        return x + embedded
+
+
+def _skip_across_stages() -> dict[str, Any]:
+    """A skip that carries a sequence-sharded DTensor from stage 0 to stage 1, against the plain model."""
+    model = decoder(0)  # embedding, 2 blocks, head
+    model = nn.Sequential(model[0], StashEmbedded(), model[1], model[2], AddEmbedded(), model[3])
+    reference = copy.deepcopy(model)
+    piped = DistributedPipe(model, chunks=2, balance=[3, 3], schedule="1f1b", checkpoint="except_last",
+                            mesh=make_mesh(pp=2, tp=2), tensor_parallel=tensor_parallel_plan(True))
+    expected_parameters = dict(reference.named_parameters())
+    popped: list[type] = []
+    if 1 in piped.partitions:
+        piped.partitions[1][1].register_forward_hook(lambda module, args, out: popped.append(type(out)))
+    for step in range(2):
+        x, y = lm_data(step)
+        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"skip step {step} {name}: {m}")
+        piped.zero_grad()
+        reference.zero_grad()
+    return {"popped": sorted({t.__name__ for t in popped})}
+
+
 def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
     results = [_against_plain(*case) for case in CASES]
+    results.append(_skip_across_stages())
     # A plan entry naming no module of any stage is refused on every rank, naming it.
     with pytest.raises(ValueError, match=r"tensor_parallel entry '\*\.attn\.qkv' matches no module of any stage"):
         DistributedPipe(decoder(0), chunks=2, mesh=make_mesh(pp=2, tp=2), tensor_parallel={"*.attn.qkv": ColwiseParallel()})
@@ -96,6 +139,8 @@ def test_tensor_parallel_stages_against_the_plain_model() -> None:
         assert arrived == {"DTensor" if sequence_parallel else "Tensor"}, (schedule, arrived)
     for k in range(len(CASES)):
         assert len({r[k]["norm"] for r in results}) == 1  # the same on every rank
+    # The skip's sum on stage 1 is a DTensor again: the stashed DTensor crossed as its shard and was rebuilt.
+    assert {kind for r in results for kind in r[-1]["popped"]} == {"DTensor"}
 
 
 def test_plan_names_resolve_per_stage_and_overlaps_are_refused() -> None:
