@@ -248,6 +248,7 @@ class Runtime:
                             if loss_fn is not None and targets is not None and weights is not None:  # eval_step
                                 micro_loss = _loss(loss_fn, output.value, targets[i].value, i) * weights[i]
                                 loss = micro_loss if loss is None else loss + micro_loss
+                    del output  # a small output was copied to its send: free it with its cell
                 elif action.phase is Phase.INPUT:
                     self._backward(action, messages, cells[(i, s)], weights)
                 else:
