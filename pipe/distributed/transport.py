@@ -151,6 +151,23 @@ class Channel:
     group: Optional[dist.ProcessGroup]
     name: str
 
+    @functools.cached_property
+    def group_peer(self) -> int:
+        """The peer's rank within ``group``."""
+        if not isinstance(self.group, dist.ProcessGroup):
+            raise RuntimeError(f"channel {self.name}: this rank is not in the channel's group")
+        return dist.get_group_rank(self.group, self.peer)
+
+    def isend(self, tensor: Tensor, tag: int) -> dist.Work:
+        """``dist.isend(tensor, peer, group, tag)`` without its checks per call (the channel is this rank's)."""
+        assert self.group is not None
+        return self.group.send([torch.view_as_real(tensor) if tensor.is_complex() else tensor], self.group_peer, tag)
+
+    def irecv(self, tensor: Tensor, tag: int) -> dist.Work:
+        """``dist.irecv(tensor, peer, group, tag)`` without its checks per call."""
+        assert self.group is not None
+        return self.group.recv([torch.view_as_real(tensor) if tensor.is_complex() else tensor], self.group_peer, tag)
+
 
 class Incoming:
     """A message being received: header and guessed tensors are posted at once, the others when it arrives."""
@@ -170,11 +187,11 @@ class Incoming:
         if channel.group is not None:
             self._header = torch.empty(HEADER_BYTES + extra, dtype=torch.uint8, device=transport.device)
             try:
-                self._work = dist.irecv(self._header, channel.peer, group=channel.group, tag=tag)
+                self._work = channel.irecv(self._header, tag)
                 for k, (dtype, shape) in enumerate(self._guess if self._inline is None and self._guess else ()):
                     buffer = torch.empty(shape, dtype=dtype, device=transport.device)
                     self._guessed.append(
-                        (buffer, _work(dist.irecv(buffer, channel.peer, group=channel.group, tag=tag + 2 + k))))
+                        (buffer, channel.irecv(buffer, tag + 2 + k)))
             except RuntimeError as error:
                 raise self._failed(error) from error
 
@@ -217,7 +234,7 @@ class Incoming:
                 payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
                 if length > HEADER_BYTES - _LENGTH_BYTES:
                     rest = torch.empty(length - len(payload), dtype=torch.uint8, device=transport.device)
-                    _work(dist.irecv(rest, channel.peer, group=channel.group, tag=self.tag + 1)).wait(transport.timeout)
+                    channel.irecv(rest, self.tag + 1).wait(transport.timeout)
                     payload += rest.cpu().numpy().tobytes()
                 spec, leaves, metas, guessed, hit = pickle.loads(payload)
                 if transport.guess:
@@ -243,7 +260,7 @@ class Incoming:
                 buffers = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in layout]
                 first = self.tag + (_MISSED if guessed else 2)
                 works = [work for _, work in self._guessed] + [
-                    _work(dist.irecv(buffer, channel.peer, group=channel.group, tag=first + k))
+                    channel.irecv(buffer, first + k)
                     for k, buffer in enumerate(buffers)
                 ]
             del buffer, header
@@ -370,7 +387,7 @@ class Transport:
         with trace.span("send", cell, channel=channel.name):
             for tensor, message_tag in messages:
                 try:
-                    work = _work(dist.isend(tensor, channel.peer, group=channel.group, tag=message_tag))
+                    work = channel.isend(tensor, message_tag)
                 except RuntimeError as error:
                     raise PeerError(
                         f"sending {channel.name} of micro-batch {microbatch} to rank {channel.peer} failed: {error}",
@@ -401,13 +418,6 @@ class Transport:
             left = sorted(self._loopback)
             self._loopback.clear()
             raise RuntimeError(f"messages sent to this rank itself were never received: {left}")
-
-
-def _work(work: Optional[dist.Work]) -> dist.Work:
-    """The handle of an asynchronous op (``isend``/``irecv`` return one for ranks of the group)."""
-    if work is None:
-        raise RuntimeError("a point-to-point operation returned no handle: this rank is not in the channel's group")
-    return work
 
 
 def _loopback_leaf(leaf: Any) -> Any:
