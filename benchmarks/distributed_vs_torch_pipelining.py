@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating")
+    parser.add_argument("--repeats", type=int, help="runs per engine, alternating (default 2; --quick 1, --overhead 7)")
     parser.add_argument("--profile", action="store_true",
                         help="also time each engine's actions, sends, receives and headers (benchmarks/action_profile.py)")
     parser.add_argument("--overhead", action="store_true",
@@ -145,11 +145,13 @@ def main() -> None:
                         help="also run pipe from this checkout (PYTHONPATH=DIR), as engine pipe-baseline")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    repeats = args.repeats
     if args.overhead and not args.engine:
         args.width, args.layers, args.batch, args.microbatches = 32, 2, 16, 16
         args.steps, args.warmup, args.repeats = (30, 5, 2) if args.quick else (60, 10, 7)
     elif args.quick:
         args.width, args.batch, args.steps, args.warmup, args.repeats = 256, 512, 5, 1, 1
+    args.repeats = repeats or args.repeats or 2
     if args.engine:
         worker(args)
         return
@@ -196,15 +198,21 @@ def main() -> None:
     ratios = [min(p["steps_per_s"] for p in pipe_run) / min(t["steps_per_s"] for t in torch_run)
               for pipe_run, torch_run in zip(runs["pipe"], runs["torch"])]
     result["ratio_per_repeat"] = ratios
-    result["overhead_us_per_action"] = {engine: statistics.median(us_per_action(run) for run in runs[engine])
-                                        for engine in engines}
-    result["overhead_us_per_action_per_repeat"] = {engine: [us_per_action(run) for run in runs[engine]]
-                                                   for engine in engines}
-    # CPU time (all threads of the rank's process, gloo's included) per action: what a runtime burns around
-    # the compute, much less sensitive to other jobs than wall time. The busier rank's, median over repeats.
-    result["overhead_cpu_us_per_action"] = {
-        engine: statistics.median(1e6 * max(r["cpu_s_per_step"] for r in run) / actions for run in runs[engine])
-        for engine in engines}
+    if args.baseline:
+        result["throughput_ratio_pipe_over_baseline"] = throughput("pipe") / throughput("pipe-baseline")
+        result["throughput_ratio_baseline_over_torch"] = throughput("pipe-baseline") / throughput("torch")
+    if args.overhead:
+        result["overhead_us_per_action"] = {engine: statistics.median(us_per_action(run) for run in runs[engine])
+                                            for engine in engines}
+        result["overhead_us_per_action_per_repeat"] = {engine: [us_per_action(run) for run in runs[engine]]
+                                                       for engine in engines}
+        result["overhead_us_per_action_fastest_repeat"] = {
+            engine: min(result["overhead_us_per_action_per_repeat"][engine]) for engine in engines}
+        # CPU time (all threads of the rank's process, gloo's included) per action: what a runtime burns around
+        # the compute, much less sensitive to other jobs than wall time. The busier rank's, median over repeats.
+        result["overhead_cpu_us_per_action"] = {
+            engine: statistics.median(1e6 * max(r["cpu_s_per_step"] for r in run) / actions for run in runs[engine])
+            for engine in engines}
     if args.profile:  # the last repeat's, per rank
         result["profile"] = {engine: [rank.get("profile") for rank in runs[engine][-1]] for engine in runs}
     print(f"P5 (W={args.width} L={args.layers} B={args.batch} M={args.microbatches}, 2 ranks x 1 thread, 1F1B):")
@@ -214,11 +222,17 @@ def main() -> None:
           + ", ".join(f"rank {r}: {ratio:.3f}" for r, ratio in enumerate(result["memory_ratio_pipe_over_torch"]))
           + " (target <= 1)")
     print(f"  per repeat: {', '.join(f'{r:.3f}' for r in ratios)}; load average {result['load_average'][0]:.2f}")
-    print("  microseconds per action (median step / 2M actions; median over repeats, then each): " + ", ".join(
-        f"{engine} {us:.0f} ({'/'.join(f'{v:.0f}' for v in result['overhead_us_per_action_per_repeat'][engine])})"
-        for engine, us in result["overhead_us_per_action"].items()))
-    print("  CPU microseconds per action (busier rank, median over repeats): " + ", ".join(
-        f"{engine} {us:.0f}" for engine, us in result["overhead_cpu_us_per_action"].items()))
+    if args.baseline:
+        print(f"  pipe / pipe-baseline ({args.baseline}): {result['throughput_ratio_pipe_over_baseline']:.3f}; "
+              f"pipe-baseline / torch: {result['throughput_ratio_baseline_over_torch']:.3f}")
+    if args.overhead:
+        print("  microseconds per action (median step / 2M actions; median over repeats, then each): " + ", ".join(
+            f"{engine} {us:.0f} ({'/'.join(f'{v:.0f}' for v in result['overhead_us_per_action_per_repeat'][engine])})"
+            for engine, us in result["overhead_us_per_action"].items()))
+        print("  fastest repeat: " + ", ".join(
+            f"{engine} {us:.0f}" for engine, us in result["overhead_us_per_action_fastest_repeat"].items()))
+        print("  CPU microseconds per action (busier rank, median over repeats): " + ", ".join(
+            f"{engine} {us:.0f}" for engine, us in result["overhead_cpu_us_per_action"].items()))
     if args.profile:
         for engine in runs:
             for rank, profile in enumerate(result["profile"][engine]):
