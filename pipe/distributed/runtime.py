@@ -17,6 +17,7 @@ rank here, guards between worker threads there). A rank walks its program
             output -> message to s+1, or loss_fn(output, target) on the last stage
     B i@s   grad   <- message on the "grad" channel from s+1, or d(loss)/d(loss) on the last
             torch.autograd.backward(output, grad); input.grad -> message to s-1
+            (a checkpointed cell recomputes first, while its gradient is still on the way)
     I i@s   as B, but only the input gradient; the graph stays for W (zero-bubble
             schedules, :mod:`pipe.core.iw_backward`; a checkpointed cell recomputes here, once)
     W i@s   the weight gradients of the cell, from the graph I kept; then it is freed
@@ -225,8 +226,8 @@ class Runtime:
             for k, action in enumerate(program):
                 if sharding is not None:
                     sharding.before(k, action.stage)  # gathered (and the next stage prefetched)
-                if action.phase is Phase.INPUT:  # recompute a checkpointed cell while its gradient travels
-                    record = cells[(action.microbatch, action.stage)].record
+                if action.phase in (Phase.INPUT, Phase.BACKWARD):  # recompute a checkpointed cell while
+                    record = cells[(action.microbatch, action.stage)].record  # its gradient travels
                     if record is not None:
                         record.recompute_ahead()
                 messages = {name: incoming.wait() for name, incoming in posted.items()}
@@ -260,6 +261,9 @@ class Runtime:
                                 state.split.backward_weight()
                     else:
                         self._backward(action, messages, state, weights)
+                    # Its output's graph was kept for W (I retains it): drop the last reference now, not when
+                    # the next B or W rebinds the name (that held one micro-batch's activations one W longer).
+                    del state
                     backwards_left[s] -= 1
                     if backwards_left[s] == 0 and self.averager is not None:
                         self.averager.start(s)  # overlaps with the backward of this rank's other stages

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__: list[str] = []
@@ -46,10 +46,9 @@ class ActivationMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {leaf.untyped_storage().data_ptr()
-                  for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, Tensor)}
-        for leaf in tree_flatten(out)[0]:
-            if not isinstance(leaf, Tensor) or leaf.device.type == "meta":
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in plain_tensors(tree_flatten((args, kwargs))[0])}
+        for leaf in plain_tensors(tree_flatten(out)[0]):
+            if leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()
             address, size = storage.data_ptr(), storage.nbytes()
@@ -68,3 +67,15 @@ class ActivationMemory(TorchDispatchMode):
         with self._lock:
             size = self._live.pop(address, 0)
             self.live_bytes -= size
+
+
+def plain_tensors(leaves: Iterable[Any]) -> Iterator[Tensor]:
+    """The tensors among ``leaves`` that own storage: a wrapper subclass (a DTensor) stands for those it wraps."""
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            attributes, _ = leaf.__tensor_flatten__()
+            yield from plain_tensors(getattr(leaf, name) for name in attributes)
+        else:
+            yield leaf

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
+from pipe.recompute.memory import plain_tensors
 from pipe.recompute.scope import Scope, compile_pattern
 
 __all__: list[str] = []
@@ -217,10 +218,10 @@ class OpRecorder(TorchDispatchMode):
         self.buffers = {i for i, _ in self.storages(list(buffers))}
 
     def storages(self, value: Any) -> list[tuple[int, int]]:
-        """``(id, bytes)`` of the storages of the tensors in ``value``."""
+        """``(id, bytes)`` of the storages of the tensors in ``value`` (a DTensor's: its local shard's)."""
         out = []
-        for leaf in tree_flatten(value)[0]:
-            if isinstance(leaf, Tensor) and leaf.device.type != "meta":
+        for leaf in plain_tensors(tree_flatten(value)[0]):
+            if leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 size = storage.nbytes()
                 if size:

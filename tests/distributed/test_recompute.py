@@ -116,22 +116,33 @@ def _kept_bytes(layers: nn.Sequential, inputs: list[torch.Tensor]) -> int:
 
 
 def _measured_kept(pipe: DistributedPipe, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes alive on this rank when its first backward starts (gpipe: after every forward), second step."""
+    """Bytes alive on this rank when its first backward starts (gpipe: after every forward), second step,
+    less what a checkpointed cell recomputed ahead of its gradient (without offload it does; with, it does not)."""
+    from pipe.core.checkpoint import Checkpointing
+
     runtime = pipe._runtime
-    original = runtime._backward
+    originals = (runtime._backward, Checkpointing.recompute_ahead)
     for _ in range(2):  # the first step plans the selective layers
         seen: list[int] = []
+        recomputed = [0]
         pipe.zero_grad(set_to_none=True)
         with ActivationMemory() as memory:
-            def spy(*args: Any, **kwargs: Any) -> None:
-                seen.append(memory.live_bytes)
-                original(*args, **kwargs)
+            def backward(*args: Any, **kwargs: Any) -> None:
+                seen.append(memory.live_bytes - recomputed[0])
+                originals[0](*args, **kwargs)
 
-            runtime._backward = spy  # type: ignore[method-assign]
+            def recompute_ahead(record: Checkpointing) -> None:
+                before = memory.live_bytes
+                originals[1](record)
+                recomputed[0] += memory.live_bytes - before
+
+            runtime._backward = backward  # type: ignore[method-assign]
+            Checkpointing.recompute_ahead = recompute_ahead  # type: ignore[method-assign]
             try:
                 pipe.step(x, y, F.mse_loss)
             finally:
-                runtime._backward = original  # type: ignore[method-assign]
+                runtime._backward = originals[0]  # type: ignore[method-assign]
+                Checkpointing.recompute_ahead = originals[1]  # type: ignore[method-assign]
     return seen[0]
 
 

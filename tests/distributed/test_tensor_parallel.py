@@ -21,11 +21,13 @@ from pipe.distributed import DistributedPipe, make_mesh
 from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
 from spawn_ranks import run_ranks
 
-CASES = [  # (sequence parallel, schedule, checkpoint)
-    (False, "1f1b", "except_last"),
-    (False, "zbv", "except_last"),  # split backward: DTensor weights' gradients in W
-    (True, "gpipe", "always"),
-    (True, "interleaved", "except_last"),  # a reduce-scatter's output leaves a stage of one layer
+CASES = [  # (sequence parallel, schedule, checkpoint, recompute config)
+    (False, "1f1b", "except_last", None),
+    (False, "zbv", "except_last", None),  # split backward: DTensor weights' gradients in W
+    (True, "gpipe", "always", None),
+    (True, "interleaved", "except_last", None),  # a reduce-scatter's output leaves a stage of one layer
+    (False, "1f1b", "never", {"recompute_config": {"recompute": [2, 1]}}),  # tensor-parallel blocks replayed
+    (True, "1f1b", "never", {"recompute_config": {"select_recompute": {r"mlp\.fc": True}}}),  # per-op
 ]
 
 
@@ -33,13 +35,14 @@ def _full(tensor: Any) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str) -> dict[str, Any]:
+def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
+                   recompute: Any = None) -> dict[str, Any]:
     mesh = make_mesh(pp=2, tp=2)
     model = decoder(0)
     reference = copy.deepcopy(model)
     virtual = 2 if schedule in ("interleaved", "zbv") else 1
     piped = DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
-                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel))
+                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel), recompute=recompute)
     arrived: list[type] = []  # what stage 1's first layer received
     if 1 in piped.partitions:
         piped.partitions[1][0].register_forward_pre_hook(lambda module, args: arrived.append(type(args[0])))
@@ -83,7 +86,7 @@ def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
 
 def test_tensor_parallel_stages_against_the_plain_model() -> None:
     results = run_ranks(_tensor_parallel_ranks, 4, deadline=240)
-    for k, (sequence_parallel, schedule, _) in enumerate(CASES):
+    for k, (sequence_parallel, schedule, _, _) in enumerate(CASES):
         case = [r[k] for r in results]
         # Both blocks' attention and MLP weights are tp shards on the ranks that hold them.
         sharded = set().union(*(r["sharded"] for r in case))
