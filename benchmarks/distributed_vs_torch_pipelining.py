@@ -21,7 +21,7 @@ e.g. the main branch's) in the same alternation, as engine ``pipe-baseline``.
 Run:
     python benchmarks/distributed_vs_torch_pipelining.py            # W=1024 L=8 B=4096 M=8, a few minutes
     python benchmarks/distributed_vs_torch_pipelining.py --quick    # W=256 B=512, seconds
-    python benchmarks/distributed_vs_torch_pipelining.py --overhead # W=32 B=16 M=16, 7 repeats, about a minute
+    python benchmarks/distributed_vs_torch_pipelining.py --overhead # W=32 B=16 M=16, 7 repeats, about 3 minutes
     python benchmarks/distributed_vs_torch_pipelining.py --overhead --quick --baseline /path/to/main  # seconds
 """
 from __future__ import annotations
