@@ -10,7 +10,8 @@ and ``zero_bubble.py`` with ``--profile``:
 * pipe: ``forward`` and ``backward``/``input``/``weight`` compute (the
   runtime's per-action methods, sends they start excluded), ``send`` (the
   transport's Python and the posting of its isends), ``wait`` (blocked on
-  receives), and the header messages: whole (pickled) or repeated (8 bytes);
+  receives), and the header messages: whole (pickled) or repeated (8 bytes),
+  and the values that travelled behind their header (inline);
 * torch: ``forward_one_chunk``, ``backward_one_chunk`` and
   ``backward_weight_one_chunk`` of its ``PipelineStage`` (which include the
   stage's own bookkeeping), ``post`` (``batch_isend_irecv``) and ``wait``.
@@ -71,6 +72,7 @@ def report(profile: Profile, steps: int, transport_stats: dict[str, float] | Non
         out["transport"] = {"messages_per_step": transport_stats.get("messages", 0) / steps,
                             "whole_headers_per_step": transport_stats.get("headers", 0) / steps,
                             "repeated_headers_per_step": transport_stats.get("repeated_headers", 0) / steps,
+                            "inline_values_per_step": transport_stats.get("inline", 0) / steps,
                             "send_ms_per_step": send,
                             "wait_ms_per_step": 1e3 * transport_stats.get("wait_s", 0.0) / steps}
         compute = out["forward+send"]["ms_per_step"] + out.get("backward+send", {}).get("ms_per_step", 0.0)

@@ -10,9 +10,19 @@ ratio of the peak resident memory each rank gained over the run (pipe / torch,
 lower is better; glibc's MALLOC_MMAP_THRESHOLD_=65536 makes freed activations
 leave RSS), and saves them to benchmarks/results/.
 
+``--overhead`` measures the fixed cost of an action instead: a tiny model
+(W=32, L=2, one row per micro-batch, M=16), where compute is nearly nothing,
+so a step's time over the 2M actions of a rank is what each runtime spends per
+action around the compute (Python, bookkeeping, messages). It reports
+microseconds per action per engine (key ``overhead_us_per_action``).
+``--baseline DIR`` also runs ``pipe`` from another checkout (``PYTHONPATH=DIR``,
+e.g. the main branch's) in the same alternation, as engine ``pipe-baseline``.
+
 Run:
     python benchmarks/distributed_vs_torch_pipelining.py            # W=1024 L=8 B=4096 M=8, a few minutes
     python benchmarks/distributed_vs_torch_pipelining.py --quick    # W=256 B=512, seconds
+    python benchmarks/distributed_vs_torch_pipelining.py --overhead # W=32 B=16 M=16, 7 repeats, about 3 minutes
+    python benchmarks/distributed_vs_torch_pipelining.py --overhead --quick --baseline /path/to/main  # seconds
 """
 from __future__ import annotations
 
@@ -95,13 +105,17 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
         if stats is not None:
             stats.clear()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
+    times = []
     for _ in range(args.steps):
+        begun = time.perf_counter()
         step()
+        times.append(time.perf_counter() - begun)
     dist.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20}
+    result = {"rank": rank, "steps_per_s": args.steps / elapsed, "peak_gain_mb": (peak - before) / 2**20,
+              "median_step_s": statistics.median(times), "cpu_s_per_step": cpu / args.steps}
     if profile is not None:
         result["profile"] = report(profile, args.steps, stats)
     results.put(result)
@@ -122,26 +136,39 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per engine, alternating")
+    parser.add_argument("--repeats", type=int, help="runs per engine, alternating (default 2; --quick 1, --overhead 7)")
     parser.add_argument("--profile", action="store_true",
                         help="also time each engine's actions, sends, receives and headers (benchmarks/action_profile.py)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="the fixed cost per action: W=32 L=2 B=16 M=16, microseconds per action per engine")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also run pipe from this checkout (PYTHONPATH=DIR), as engine pipe-baseline")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.quick:
+    repeats = args.repeats
+    if args.overhead and not args.engine:
+        args.width, args.layers, args.batch, args.microbatches = 32, 2, 16, 16
+        args.steps, args.warmup, args.repeats = (30, 5, 2) if args.quick else (60, 10, 7)
+    elif args.quick:
         args.width, args.batch, args.steps, args.warmup, args.repeats = 256, 512, 5, 1, 1
+    args.repeats = repeats or args.repeats or 2
     if args.engine:
         worker(args)
         return
 
-    runs: dict[str, list[list[dict[str, float]]]] = {"pipe": [], "torch": []}
+    engines = ["pipe", "torch"] + (["pipe-baseline"] if args.baseline else [])
+    runs: dict[str, list[list[dict[str, float]]]] = {engine: [] for engine in engines}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
              "--microbatches", str(args.microbatches), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     flags += ["--profile"] if args.profile else []
     for _ in range(args.repeats):
-        for engine in ("pipe", "torch"):
-            out = subprocess.run([sys.executable, __file__, "--engine", engine, *flags], env=env, check=True,
-                                 capture_output=True, text=True).stdout
+        for engine in engines:
+            engine_env = env
+            if engine == "pipe-baseline":
+                engine_env = dict(env, PYTHONPATH=os.pathsep.join([args.baseline, env.get("PYTHONPATH", "")]))
+            out = subprocess.run([sys.executable, __file__, "--engine", engine.split("-")[0], *flags],
+                                 env=engine_env, check=True, capture_output=True, text=True).stdout
             runs[engine].append(json.loads(out.strip().splitlines()[-1]))
 
     def throughput(engine: str) -> float:  # samples/s of the slower rank, median over repeats
@@ -150,11 +177,17 @@ def main() -> None:
     def memory(engine: str, rank: int) -> float:
         return statistics.median(run[rank]["peak_gain_mb"] for run in runs[engine])
 
-    result = {
-        "figure": "P5",
+    actions = 2 * args.microbatches  # per rank per step: one stage each, a forward and a backward per micro-batch
+
+    def us_per_action(run: list[dict[str, float]]) -> float:  # the slower rank's median step over its actions
+        return 1e6 * max(r["median_step_s"] for r in run) / actions  # (the median: other jobs' bursts out)
+
+    result: dict[str, Any] = {
+        "figure": "P5-overhead" if args.overhead else "P5",
         "config": {"width": args.width, "layers": args.layers, "batch": args.batch,
                    "microbatches": args.microbatches, "ranks": 2, "threads_per_rank": 1, "schedule": "1f1b",
-                   "checkpoint": "never", "steps": args.steps, "repeats": args.repeats, "quick": args.quick},
+                   "checkpoint": "never", "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
+                   "baseline": args.baseline},
         "samples_per_s": {engine: throughput(engine) for engine in runs},
         "throughput_ratio_pipe_over_torch": throughput("pipe") / throughput("torch"),
         "peak_memory_gain_mb": {engine: [memory(engine, rank) for rank in (0, 1)] for engine in runs},
@@ -165,6 +198,21 @@ def main() -> None:
     ratios = [min(p["steps_per_s"] for p in pipe_run) / min(t["steps_per_s"] for t in torch_run)
               for pipe_run, torch_run in zip(runs["pipe"], runs["torch"])]
     result["ratio_per_repeat"] = ratios
+    if args.baseline:
+        result["throughput_ratio_pipe_over_baseline"] = throughput("pipe") / throughput("pipe-baseline")
+        result["throughput_ratio_baseline_over_torch"] = throughput("pipe-baseline") / throughput("torch")
+    if args.overhead:
+        result["overhead_us_per_action"] = {engine: statistics.median(us_per_action(run) for run in runs[engine])
+                                            for engine in engines}
+        result["overhead_us_per_action_per_repeat"] = {engine: [us_per_action(run) for run in runs[engine]]
+                                                       for engine in engines}
+        result["overhead_us_per_action_fastest_repeat"] = {
+            engine: min(result["overhead_us_per_action_per_repeat"][engine]) for engine in engines}
+        # CPU time (all threads of the rank's process, gloo's included) per action: what a runtime burns around
+        # the compute, much less sensitive to other jobs than wall time. The busier rank's, median over repeats.
+        result["overhead_cpu_us_per_action"] = {
+            engine: statistics.median(1e6 * max(r["cpu_s_per_step"] for r in run) / actions for run in runs[engine])
+            for engine in engines}
     if args.profile:  # the last repeat's, per rank
         result["profile"] = {engine: [rank.get("profile") for rank in runs[engine][-1]] for engine in runs}
     print(f"P5 (W={args.width} L={args.layers} B={args.batch} M={args.microbatches}, 2 ranks x 1 thread, 1F1B):")
@@ -174,6 +222,17 @@ def main() -> None:
           + ", ".join(f"rank {r}: {ratio:.3f}" for r, ratio in enumerate(result["memory_ratio_pipe_over_torch"]))
           + " (target <= 1)")
     print(f"  per repeat: {', '.join(f'{r:.3f}' for r in ratios)}; load average {result['load_average'][0]:.2f}")
+    if args.baseline:
+        print(f"  pipe / pipe-baseline ({args.baseline}): {result['throughput_ratio_pipe_over_baseline']:.3f}; "
+              f"pipe-baseline / torch: {result['throughput_ratio_baseline_over_torch']:.3f}")
+    if args.overhead:
+        print("  microseconds per action (median step / 2M actions; median over repeats, then each): " + ", ".join(
+            f"{engine} {us:.0f} ({'/'.join(f'{v:.0f}' for v in result['overhead_us_per_action_per_repeat'][engine])})"
+            for engine, us in result["overhead_us_per_action"].items()))
+        print("  fastest repeat: " + ", ".join(
+            f"{engine} {us:.0f}" for engine, us in result["overhead_us_per_action_fastest_repeat"].items()))
+        print("  CPU microseconds per action (busier rank, median over repeats): " + ", ".join(
+            f"{engine} {us:.0f}" for engine, us in result["overhead_cpu_us_per_action"].items()))
     if args.profile:
         for engine in runs:
             for rank, profile in enumerate(result["profile"][engine]):
@@ -181,7 +240,8 @@ def main() -> None:
                     f"{name} {value['ms_per_step']:.1f} ({value['calls_per_step']:g})" if "ms_per_step" in value
                     else f"{name} {value}" for name, value in profile.items() if isinstance(value, dict)))
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"distributed_vs_torch_pipelining{'-quick' if args.quick else ''}{'-profile' if args.profile else ''}.json"
+    name = "distributed_vs_torch_pipelining" + "-overhead" * args.overhead + "-quick" * args.quick
+    path = RESULTS / f"{name}{'-profile' if args.profile else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  saved {path.relative_to(HERE.parent)}")
 

@@ -181,14 +181,15 @@ class InputGuard:
 
     def _observe(self, tensors: list[Tensor], before: list[Optional[int]]) -> frozenset[int]:
         changed = frozenset(k for k, (t, v) in enumerate(zip(tensors, before)) if v is not None and _version(t) != v)
-        if changed and not (self.modified or frozenset()) >= changed:
+        mode = self._mode()  # once: it walks the partition's layers
+        known = self._learned.get(mode)
+        if known is not None and known >= changed:
+            return changed  # nothing new (every call after the first, for most partitions)
+        if changed and not (known or frozenset()) >= changed:
             logger.info("%s modifies its input tensor(s) %s in place: copies of them are kept for its "
                         "recomputation%s", self.where, sorted(changed),
                         ", and its micro-batches each modify a copy" if self.shared else "")
-        if self.modified is None:
-            self.modified = changed
-        else:
-            self.modified = self.modified | changed
+        self._learned[mode] = changed if known is None else known | changed
         return changed
 
     def _copy(self, batch: Batch, copied: Optional[frozenset[int]]) -> Batch:
@@ -201,8 +202,9 @@ class InputGuard:
         The partition gets owned inputs (:func:`own`); on the shared (first)
         partition, copies of the tensors it modifies (of all, until the guard knows).
         """
-        if self.shared and self.modified != frozenset():
-            batch = self._copy(batch, self.modified)
+        modified = self.modified if self.shared else None
+        if self.shared and modified != frozenset():
+            batch = self._copy(batch, modified)
         tensors = batch.tensors
         before = [_version(t) for t in tensors]
         output = function(own(batch))

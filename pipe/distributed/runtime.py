@@ -23,8 +23,9 @@ rank here, guards between worker threads there). A rank walks its program
     W i@s   the weight gradients of the cell, from the graph I kept; then it is freed
 
 While action k computes, the receives of action k+1's messages are already
-posted (the header, and on gloo the tensors of the layout it had last step),
-and sends complete in the background (see :mod:`pipe.distributed.transport`).
+posted (the header, and on gloo the tensors of the layout it had last step,
+behind the header when they are small), and sends complete in the background
+(see :mod:`pipe.distributed.transport`).
 
 Skip connections (:mod:`pipe.skip`) between non-adjacent stages travel the
 same way: a stage that stashes a skip popped on another stage returns it as
@@ -258,6 +259,7 @@ class Runtime:
                             if loss_fn is not None and targets is not None and weights is not None:  # eval_step
                                 micro_loss = _loss(loss_fn, output.value, targets[i].value, i) * weights[i]
                                 loss = micro_loss if loss is None else loss + micro_loss
+                    del output  # a small output was copied to its send: free it with its cell
                 elif action.phase is Phase.INPUT:
                     self._backward(action, messages, cells[(i, s)], weights)
                 else:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
-from pipe.core.message import HEADER_BYTES
+from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.plan.cost import Costs
 from pipe.plan.timing import TimeModel
 
@@ -231,7 +231,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     posted (its buffer allocated) before this action runs, and a sent tensor
     (an activation, or an input gradient) stays referenced by its pending
     send until the step's end at the latest; each message has a header of
-    ``HEADER_BYTES``. In the zero-bubble schedules, I keeps the graph and
+    ``HEADER_BYTES``, and a small value (``INLINE_BYTES``) is copied behind it
+    (then the send holds that copy instead). In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
     sends the input gradient; W frees them.
     """
@@ -265,7 +266,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             if runner == "processes" and action.stage == last_stage:
                 scalars = LOSS_SCALAR_BYTES
             if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
-                sent += HEADER_BYTES
+                sent += HEADER_BYTES + (sent_copy_bytes(sizes[last - 1]) if sizes else 0)  # small: a copy too
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes
             peak = max(peak, held + sent + posted + lingering + scalars)
             held -= kept.pop(key)
@@ -276,8 +277,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W
                 kept[key] += memory.after_input
                 held += memory.after_input
-            if runner == "processes" and sizes:  # the sent output (kept until now) and input gradient stay
-                sent += (sizes[last - 1] if action.stage < last_stage else 0) + (
+            if runner == "processes" and sizes:  # the sent output (kept until now, unless copied) and input
+                sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
+                         if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
             if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
                     latest.microbatch, latest.stage) == key:

@@ -33,6 +33,10 @@ def _values() -> list[tuple[int, Any]]:
         (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 2.0})),  # repeats, its Python leaf included
         (1, (randn(2, 4), {"ids": torch.arange(2), "scale": 3.0})),  # a new Python leaf: a whole header
         (1, (randn(2, 4).requires_grad_(), {"ids": torch.arange(2), "scale": 3.0})),  # requires_grad: whole
+        (2, randn(130, 128)),  # more than INLINE_BYTES
+        (2, randn(130, 128)),  # holds: a repeated header, the tensor in a message of its own
+        (3, (randn(2, 4), "a" * 2000)),  # a header longer than HEADER_BYTES: its rest in a second message
+        (3, (randn(2, 4), "b" * 2000)),  # holds, a new long Python leaf: header, its rest, the tensor inline
     ]
 
 
@@ -61,7 +65,8 @@ def _exchange(rank: int, world: int) -> tuple[bool, list[Any]]:
                 checked.append(_same(value, incoming.wait()))
         transport.flush()
         if rank == 0:
-            checked.append((transport.stats["messages"], transport.stats["headers"]))
+            checked.append({name: int(transport.stats[name])
+                            for name in ("messages", "headers", "repeated_headers", "inline")})
     return default, checked
 
 
@@ -69,7 +74,11 @@ def test_values_arrive_whole_whether_the_layout_guess_holds_or_not() -> None:
     (guess0, sent), (guess1, received) = run_ranks(_exchange, 2)
     assert guess0 and guess1, "the receiver guesses layouts on gloo by default"
     assert received == [True] * 2 * len(_values())
-    assert sent == [(len(_values()), len(_values())), (len(_values()), len(_values()))]  # a header per message
+    count = len(_values())
+    # With guesses: the 8 small values whose layout held travelled inline, in their header's message, and 4
+    # values repeated their channel's last header (8 bytes, no pickle). Without: a whole header per message.
+    assert sent == [{"messages": count, "headers": count - 4, "repeated_headers": 4, "inline": 8},
+                    {"messages": count, "headers": count, "repeated_headers": 0, "inline": 0}]
 
 
 def _many_pipelines(rank: int, world: int) -> dict[str, Any]:
