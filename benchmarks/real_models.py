@@ -64,7 +64,7 @@ from torch import nn
 import pipe
 from pipe import Pipe
 from forked_ranks import run_forked_ranks
-from thread_profile import profile
+from thread_profile import profile, table
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -273,6 +273,7 @@ def main() -> None:
                                           0 if args.quick else 6)
         result["r1_profile"]["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
         print(json.dumps(result["r1_profile"], indent=2))
+        print(table(result["r1_profile"]["configurations"]))
     if args.only == "r2" or args.profile:
         RESULTS.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,12 +10,13 @@ function and, for a ``Pipe``, the pipeline) it measures:
   OpenMP pools, autograd) and the time each waited for a core in the kernel's
   run queue, both from ``/proc/self/task/<tid>/schedstat``;
 * **overlap**: from ``pipe.trace.record``, the fraction of a step in which
-  both partitions compute at once (forward and backward spans; the backward
-  spans come from autograd node hooks, two Python calls per node, which add
-  work of their own: ``trace_overhead`` is traced / untraced step time);
+  both partitions compute at once (forward spans, and one backward span per
+  cell's ``torch.autograd.backward`` on its worker: :func:`backward_spans`,
+  lighter than the trace's per-node hooks; ``trace_overhead`` is traced /
+  untraced step time);
 * **stretch**: each partition's compute inside the pipeline (its spans) vs
   the same partition's forward and backward run alone in the main thread on
-  the same micro-batches under the same hooks, and the worker thread's
+  the same micro-batches, timed the same way, and the worker thread's
   time split into CPU, run-queue wait and the rest (blocked: waiting for the
   interpreter lock, or for another thread);
 * **GIL**: with ``py-spy`` (when installed and ptrace is allowed), the share
@@ -24,6 +25,7 @@ function and, for a ``Pipe``, the pipeline) it measures:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -32,7 +34,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -129,6 +131,95 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
+def _own_schedstat() -> tuple[int, int]:
+    """This thread's (ns on a CPU, ns waiting for one) so far."""
+    run, wait, _ = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()
+    return int(run), int(wait)
+
+
+class SpanClock:
+    """Per worker and kind (forward, backward): wall, CPU and run-queue seconds inside its compute.
+
+    What is left of the wall time when the thread neither ran nor waited for
+    a core is time it slept inside the compute: waiting for the interpreter
+    lock (or another lock).
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, dict[str, list[float]]] = {}
+
+    @contextlib.contextmanager
+    def measure(self, kind: str) -> Iterator[None]:
+        name = threading.current_thread().name
+        if not name.startswith("pipe-worker-"):
+            yield
+            return
+        (run0, wait0), t0 = _own_schedstat(), time.perf_counter()
+        try:
+            yield
+        finally:
+            wall = time.perf_counter() - t0
+            run, wait = _own_schedstat()
+            entry = self.seconds.setdefault(name.split("-")[2], {}).setdefault(kind, [0.0, 0.0, 0.0])
+            entry[0] += wall
+            entry[1] += (run - run0) / 1e9
+            entry[2] += (wait - wait0) / 1e9
+
+    def hook(self, partitions: list[torch.nn.Module]) -> list[Any]:
+        """Forward hooks that time each partition's forward on its worker."""
+        handles, open_spans = [], threading.local()
+
+        def pre(module: Any, args: Any) -> None:
+            open_spans.span = self.measure("forward")
+            open_spans.span.__enter__()
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            span = getattr(open_spans, "span", None)
+            if span is not None:
+                open_spans.span = None
+                span.__exit__(None, None, None)
+
+        for partition in partitions:
+            handles += [partition.register_forward_pre_hook(pre), partition.register_forward_hook(post)]
+        return handles
+
+    def summary(self, steps: int) -> dict[str, dict[str, dict[str, float]]]:
+        """Per worker and kind, seconds per step: wall, cpu, runqueue, and blocked (the rest)."""
+        return {j: {kind: {"wall": w / steps, "cpu": c / steps, "runqueue": q / steps,
+                           "blocked": max(0.0, w - c - q) / steps}
+                    for kind, (w, c, q) in sorted(kinds.items())}
+                for j, kinds in sorted(self.seconds.items())}
+
+
+@contextlib.contextmanager
+def backward_spans(clock: Optional[SpanClock] = None) -> Iterator[None]:
+    """One ``backward`` span per ``torch.autograd.backward`` call on a pipe worker, instead of per-node hooks.
+
+    ``pipe.trace`` times a cell's backward with two Python hooks on every
+    autograd node; each needs the interpreter lock, which is what this profile
+    looks at. Here each worker's back-propagation of a cell is one span (the
+    call that runs it, gradient accumulation included), and the node hooks are
+    off. The main thread's ``loss.backward()`` is not timed.
+    """
+    original_backward, original_watch = torch.autograd.backward, pipe.trace.watch_backward
+    counter = iter(range(1 << 30))
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        name = threading.current_thread().name
+        if not name.startswith("pipe-worker-"):
+            return original_backward(*args, **kwargs)
+        with pipe.trace.span("backward", (next(counter), int(name.split("-")[2]))), \
+                clock.measure("backward") if clock is not None else contextlib.nullcontext():
+            return original_backward(*args, **kwargs)
+
+    torch.autograd.backward = backward
+    pipe.trace.watch_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.autograd.backward, pipe.trace.watch_backward = original_backward, original_watch
+
+
 def compute_spans(trace: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Per stage: the merged compute intervals (seconds) and the summed span time per kind."""
     stages: dict[int, dict[str, Any]] = {}
@@ -160,9 +251,9 @@ def overlap(trace: dict[str, Any], wall: float) -> dict[str, Any]:
 def alone(model: Any, captured: list[list[tuple[Any, ...]]], threads: int) -> dict[str, dict[str, float]]:
     """Each partition's forward and backward spans run alone in this thread, on the captured micro-batches.
 
-    Same instrumentation as inside the pipeline (``trace.span`` around the
-    forward, ``trace.watch_backward`` hooks on its autograd nodes), one thread
-    at a time; also the thread's CPU time. Median over 3 repetitions.
+    Timed as inside the pipeline (a span around the forward, one around the
+    ``torch.autograd.backward`` call, as :func:`backward_spans` does), one
+    partition at a time; also the thread's CPU time. Median over 3 repetitions.
     """
     torch.set_num_threads(threads)
     out: dict[str, dict[str, float]] = {}
@@ -178,8 +269,9 @@ def alone(model: Any, captured: list[list[tuple[Any, ...]]], threads: int) -> di
                         output = partition(*inputs)
                     outputs = [t for t in (output if isinstance(output, tuple) else (output,))
                                if isinstance(t, torch.Tensor) and t.requires_grad]
-                    pipe.trace.watch_backward(inputs, outputs, (i, j))
-                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                    grads = [torch.ones_like(t) for t in outputs]
+                    with pipe.trace.span("backward", (i, j)):
+                        torch.autograd.backward(outputs, grads)
                 cpu.append(time.thread_time() - cpu0)
             seconds = compute_spans(recorder.trace())[j]["seconds"]
             forward.append(seconds.get("forward", 0.0))
@@ -227,17 +319,19 @@ def _py_spy(step: Callable[[], Any], seconds: float, rate: int, gil: bool) -> di
     while spy.poll() is None:
         step()
     log = spy.communicate()[0]
-    match = re.search(r"Samples: (\d+)", log)
-    if spy.returncode != 0 or match is None or not raw.exists():
+    if spy.returncode != 0 or not raw.exists():
         raise RuntimeError(f"py-spy failed: {log[-300:]}")
-    total = int(match.group(1))
+    # py-spy's "Samples" counts stack traces (one per thread and tick), so the share of time is out of the ticks.
+    total = rate * int(seconds)
     counts: dict[str, int] = {}
     for line in raw.read_text().splitlines():
         head, _, count = line.rpartition(" ")
-        tid = re.match(r"thread \((\d+)\)", head)
-        if tid is None:
+        thread = re.match(r"thread \((\d+)\): ([^;]*)", head)  # py-spy names Python threads by their name
+        if thread is None:
             continue
-        role = _role(int(tid.group(1)))
+        name = thread.group(2)
+        role = "main" if name == "MainThread" else name.rsplit("-", 1)[0] if name.startswith("pipe-worker-") \
+            else _role(int(thread.group(1)))
         counts[role] = counts.get(role, 0) + int(count)
     raw.unlink()
     return {role: c / total for role, c in sorted(counts.items())}
@@ -277,13 +371,19 @@ def profile(steps: dict[str, Callable[[], Any]], pipes: dict[str, Any], threads:
     why_no_spy = py_spy_available() if spy_seconds > 0 else "skipped (--quick)"
     for name, model in pipes.items():
         step, entry = steps[name], result[name]
-        traced_clock = ThreadClock()
+        traced_clock, span_clock = ThreadClock(), SpanClock()
         overlaps, traced_walls = [], []
-        for _ in range(traced):
-            with pipe.trace.record() as recorder:
-                wall = traced_clock.time(step)
-            traced_walls.append(wall)
-            overlaps.append(overlap(recorder.trace(), wall))
+        handles = span_clock.hook(model.partitions)
+        try:
+            for _ in range(traced):
+                with backward_spans(span_clock), pipe.trace.record() as recorder:
+                    wall = traced_clock.time(step)
+                traced_walls.append(wall)
+                overlaps.append(overlap(recorder.trace(), wall))
+        finally:
+            for handle in handles:
+                handle.remove()
+        inside = span_clock.summary(traced)
         entry["trace_overhead"] = statistics.median(traced_walls) / entry["step_s"]
         entry["both_compute_fraction"] = statistics.median(o["both_compute_fraction"] for o in overlaps)
         entry["busy_fraction"] = {j: statistics.median(o["busy_fraction"][j] for o in overlaps)
@@ -297,13 +397,15 @@ def profile(steps: dict[str, Callable[[], Any]], pipes: dict[str, Any], threads:
             spans = in_pipe[j]["forward"] + in_pipe[j]["backward"]
             solo = by_itself[j]["forward"] + by_itself[j]["backward"]
             worker_cpu = traced_summary["cpu_s_per_step"].get(f"pipe-worker-{j}", 0.0)
-            worker_wait = traced_summary["runqueue_wait_s_per_step"].get(f"pipe-worker-{j}", 0.0)
+            split = inside.get(j, {})
             entry["partitions"][j] = {
                 "in_pipeline_s": in_pipe[j], "alone_s": by_itself[j],
                 "stretch": spans / solo if solo else None,
-                # The worker's compute spans, split: on a CPU, waiting for a core, and the rest (blocked).
-                "worker_cpu_s": worker_cpu, "worker_runqueue_s": worker_wait,
-                "worker_blocked_s": max(0.0, spans - worker_cpu - worker_wait),
+                # The worker's compute (forward and backward) split: on a CPU, waiting for a core, blocked.
+                "inside_compute_s": split,
+                "blocked_s": sum(k["blocked"] for k in split.values()),
+                "runqueue_s": sum(k["runqueue"] for k in split.values()),
+                "worker_cpu_s": worker_cpu,
                 "cpu_stretch": worker_cpu / by_itself[j]["cpu"] if by_itself[j]["cpu"] else None,
             }
         torch.set_num_threads(1)
@@ -312,3 +414,31 @@ def profile(steps: dict[str, Callable[[], Any]], pipes: dict[str, Any], threads:
         else:
             entry["py_spy"] = why_no_spy
     return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The profile as a markdown table (the one docs/benchmarks.md shows)."""
+    rows = ["| configuration | step | / plain 1 thread | cores busy | both partitions compute | stretch p0, p1 "
+            "| blocked in compute p0, p1 | waiting for a core p0, p1 | GIL held: main, w0, w1 | on a CPU: w0, w1 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, entry in result.items():
+        speedup = entry.get("speedup_vs_plain_1thread")
+        cells = [name, f"{entry['step_s']:.3f} s", "" if speedup is None else f"{speedup:.2f}x",
+                 f"{entry['cores_busy']:.2f}"]
+        if "partitions" in entry:
+            parts = entry["partitions"]
+            cells.append(f"{entry['both_compute_fraction']:.0%}")
+            cells.append(", ".join(f"{parts[j]['stretch']:.2f}" for j in sorted(parts)))
+            cells.append(", ".join(f"{parts[j]['blocked_s'] * 1e3:.0f} ms" for j in sorted(parts)))
+            cells.append(", ".join(f"{parts[j]['runqueue_s'] * 1e3:.0f} ms" for j in sorted(parts)))
+            spy = entry.get("py_spy")
+            if isinstance(spy, dict):
+                gil, active = spy["gil"], spy["active"]
+                cells.append(", ".join(f"{gil.get(r, 0.0):.0%}" for r in ("main", "pipe-worker-0", "pipe-worker-1")))
+                cells.append(", ".join(f"{active.get(r, 0.0):.0%}" for r in ("pipe-worker-0", "pipe-worker-1")))
+            else:
+                cells += ["", ""]
+        else:
+            cells += [""] * 6
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
