@@ -53,6 +53,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -204,6 +205,33 @@ def stack_stepper(model: nn.Module, x: torch.Tensor, threads: int) -> Callable[[
     return step
 
 
+def halves_stepper(model: nn.Module, data: tuple[torch.Tensor, ...]) -> Callable[[], float]:
+    """The plain model on two threads of this process, half the batch each (no pipeline): what threads can overlap.
+
+    No schedule, no hand-offs, no bubble: each thread runs forward and backward
+    of its half, one intra-op thread each, and autograd accumulates both into
+    the same gradients. Its speed-up over one thread is the ceiling that the
+    interpreter lock and the cores leave for ``Pipe`` on this model.
+    """
+    halves = [tuple(t.chunk(2)[k] for t in data) for k in (0, 1)]
+
+    def half(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> None:
+        torch.set_num_threads(1)
+        (lm_loss(model(ids, attention_mask=mask).logits, labels) / 2).backward()
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=half, args=h, name=f"half-{k}") for k, h in enumerate(halves)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
+
+    return step
+
+
 def r1_profile(size: dict[str, int], stack: dict[str, int], compile_option: Any, repeat: int, traced: int,
                spy_seconds: float) -> dict[str, Any]:
     """R1's thread profile (benchmarks/thread_profile.py): why Pipe's partitions do or do not overlap."""
@@ -220,8 +248,20 @@ def r1_profile(size: dict[str, int], stack: dict[str, int], compile_option: Any,
         "pipe_compiled": Pipe(split(build(size)), **two, cpu_threads=1, compile=compile_option),
     }
     threads = {"pipe_eager": 1, "pipe_eager_cpu_threads2": 2, "pipe_compiled": 1, "stack_pipe": 1}
-    steps = {"plain_1thread": stepper(build(size), True, data, 1)}
+    routes: dict[str, Pipe] = {}
+    steps = {"plain_1thread": stepper(build(size), True, data, 1),
+             "plain_2threads_half_batch_each": halves_stepper(build(size), data)}
     steps.update({name: stepper(model, False, data, 1) for name, model in pipes.items()})
+    # Routes, timed (cores busy, no trace): chunks 2 and 8 eager and compiled, and the plain model compiled.
+    for chunks in (2, 8):
+        for compiled in (False, True):
+            routed = Pipe(split(build(size)), **{**two, "chunks": chunks}, cpu_threads=1,
+                          compile=compile_option if compiled else False)
+            routes[f"pipe_{'compiled' if compiled else 'eager'}_chunks{chunks}"] = routed
+            steps[f"pipe_{'compiled' if compiled else 'eager'}_chunks{chunks}"] = stepper(routed, False, data, 1)
+    plain_compiled = build(size)
+    plain_compiled.compile(**{k: v for k, v in compile_option.items() if k in ("backend",)})
+    steps["plain_1thread_compiled"] = stepper(plain_compiled, True, data, 1)
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(stack["layers"]):
@@ -232,10 +272,14 @@ def r1_profile(size: dict[str, int], stack: dict[str, int], compile_option: Any,
                                devices=["cpu", "cpu"], cpu_threads=1)
     steps["stack_pipe"] = stack_stepper(pipes["stack_pipe"], x, 1)
     result = profile(steps, pipes, threads, repeat, traced, spy_seconds)
-    for name, plain in (("pipe_eager", "plain_1thread"), ("pipe_eager_cpu_threads2", "plain_1thread"),
-                        ("pipe_compiled", "plain_1thread"), ("stack_pipe", "stack_plain_1thread")):
-        result[name]["speedup_vs_plain_1thread"] = result[plain]["step_s"] / result[name]["step_s"]
-    for model in pipes.values():
+    for name, entry in result.items():
+        if not name.startswith("plain_1thread") and name != "stack_plain_1thread":
+            plain = "stack_plain_1thread" if name.startswith("stack") else "plain_1thread"
+            entry["speedup_vs_plain_1thread"] = result[plain]["step_s"] / entry["step_s"]
+    for name in ("pipe_compiled", "pipe_compiled_chunks2", "pipe_compiled_chunks8"):
+        result[name]["speedup_vs_plain_1thread_compiled"] = \
+            result["plain_1thread_compiled"]["step_s"] / result[name]["step_s"]
+    for model in [*pipes.values(), *routes.values()]:
         model.close()
     return {"configurations": result, "size": size, "stack": stack, "compile": compile_option,
             "chunks": {"gpt2": 4, "stack": 8}}
