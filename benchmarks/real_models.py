@@ -41,8 +41,10 @@ R1: cores busy, the overlap of the two partitions' compute, each partition's
 stretch against running alone and, with py-spy, each thread's share of the
 interpreter lock, for the plain model, ``Pipe`` eager, compiled and with
 ``cpu_threads=2``, and for contrast P2's Linear(1024)+Tanh stack through
-``Pipe``. Saved under ``r1_profile``; about 4 minutes on 2 quiet cores
-(``--quick``: seconds, without py-spy).
+``Pipe``, and routes (chunks 2 and 8, eager and compiled; the plain model compiled;
+the plain model on two threads with half the batch each, which needs no pipeline). Saved under
+``r1_profile``; about 3 minutes on 2 cores
+(``--quick``: under a minute, without py-spy).
 """
 from __future__ import annotations
 
