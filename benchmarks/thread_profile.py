@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -75,17 +76,22 @@ class ThreadClock:
     def __init__(self) -> None:
         self.wall = 0.0
         self.process_cpu = 0.0
+        self.system_cpu = 0.0  # in the kernel (page faults of fresh allocations, futexes of hand-offs)
+        self.minor_faults = 0
         self.steps = 0
         self.cpu: dict[str, float] = {}
         self.runqueue: dict[str, float] = {}
 
     def time(self, step: Callable[[], Any]) -> float:
-        before, cpu0, t0 = _schedstat(), time.process_time(), time.perf_counter()
+        before, times0, faults0, t0 = _schedstat(), os.times(), resource.getrusage(resource.RUSAGE_SELF), \
+            time.perf_counter()
         step()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        wall, times1, faults1 = time.perf_counter() - t0, os.times(), resource.getrusage(resource.RUSAGE_SELF)
         after = _schedstat()
         self.wall += wall
-        self.process_cpu += cpu
+        self.process_cpu += (times1.user - times0.user) + (times1.system - times0.system)
+        self.system_cpu += times1.system - times0.system
+        self.minor_faults += faults1.ru_minflt - faults0.ru_minflt
         self.steps += 1
         for tid, (run, wait) in after.items():
             run0, wait0 = before.get(tid, (0, 0))
@@ -98,6 +104,7 @@ class ThreadClock:
         n = max(self.steps, 1)
         return {
             "cores_busy": self.process_cpu / self.wall if self.wall else 0.0,
+            "kernel_cpu_s_per_step": self.system_cpu / n, "minor_faults_per_step": self.minor_faults / n,
             "cpu_s_per_step": {k: v / n for k, v in sorted(self.cpu.items())},
             "runqueue_wait_s_per_step": {k: v / n for k, v in sorted(self.runqueue.items())},
         }
@@ -140,9 +147,8 @@ def _own_schedstat() -> tuple[int, int]:
 class SpanClock:
     """Per worker and kind (forward, backward): wall, CPU and run-queue seconds inside its compute.
 
-    What is left of the wall time when the thread neither ran nor waited for
-    a core is time it slept inside the compute: waiting for the interpreter
-    lock (or another lock).
+    The rest of the wall time, neither on a CPU nor waiting for one, the
+    thread slept inside its compute: waiting for the interpreter lock.
     """
 
     def __init__(self) -> None:
