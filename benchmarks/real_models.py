@@ -34,6 +34,17 @@ Run:
     python benchmarks/real_models.py            # ~5 minutes on 2 quiet cores (inductor compiles on every rank)
     python benchmarks/real_models.py --quick    # tiny sizes, a smoke run
     python benchmarks/real_models.py --only r2  # R2 alone
+    python benchmarks/real_models.py --only r1 --profile  # R1's thread profile (benchmarks/thread_profile.py)
+
+``--profile`` (with ``--only r1``) profiles the thread runner instead of timing
+R1: cores busy, the overlap of the two partitions' compute, each partition's
+stretch against running alone and, with py-spy, each thread's share of the
+interpreter lock, for the plain model, ``Pipe`` eager, compiled and with
+``cpu_threads=2``, and for contrast P2's Linear(1024)+Tanh stack through
+``Pipe``, and routes (chunks 2 and 8, eager and compiled; the plain model compiled;
+the plain model on two threads with half the batch each, which needs no pipeline). Saved under
+``r1_profile``; about 3 minutes on 2 cores
+(``--quick``: under a minute, without py-spy).
 """
 from __future__ import annotations
 
@@ -44,6 +55,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +67,7 @@ from torch import nn
 import pipe
 from pipe import Pipe
 from forked_ranks import run_forked_ranks
+from thread_profile import profile, table
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -182,10 +195,103 @@ def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> d
     }
 
 
+def stack_stepper(model: nn.Module, x: torch.Tensor, threads: int) -> Callable[[], float]:
+    """A step of P2's Linear+Tanh stack: forward, mean-square loss, backward."""
+    def step() -> float:
+        torch.set_num_threads(threads)
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        return time.perf_counter() - start
+
+    return step
+
+
+def halves_stepper(model: nn.Module, data: tuple[torch.Tensor, ...]) -> Callable[[], float]:
+    """The plain model on two threads of this process, half the batch each (no pipeline): what threads can overlap.
+
+    No schedule, no hand-offs, no bubble: each thread runs forward and backward
+    of its half, one intra-op thread each, and autograd accumulates both into
+    the same gradients. Its speed-up over one thread is the ceiling that the
+    interpreter lock and the cores leave for ``Pipe`` on this model.
+    """
+    halves = [tuple(t.chunk(2)[k] for t in data) for k in (0, 1)]
+
+    def half(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> None:
+        torch.set_num_threads(1)
+        (lm_loss(model(ids, attention_mask=mask).logits, labels) / 2).backward()
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=half, args=h, name=f"half-{k}") for k, h in enumerate(halves)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - start
+
+    return step
+
+
+def r1_profile(size: dict[str, int], stack: dict[str, int], compile_option: Any, repeat: int, traced: int,
+               spy_seconds: float) -> dict[str, Any]:
+    """R1's thread profile (benchmarks/thread_profile.py): why Pipe's partitions do or do not overlap."""
+    data = batch(size)
+    cut = [f"transformer.h.{size['layers'] // 2}"]
+
+    def split(model: nn.Module) -> nn.Sequential:
+        return pipe.split(model, (data[0],), {"attention_mask": data[1], "use_cache": False}, at=cut)
+
+    two = dict(chunks=4, checkpoint="never", balance=[1, 1], devices=["cpu", "cpu"])
+    pipes = {
+        "pipe_eager": Pipe(split(build(size)), **two, cpu_threads=1),
+        "pipe_eager_cpu_threads2": Pipe(split(build(size)), **two, cpu_threads=2),
+        "pipe_compiled": Pipe(split(build(size)), **two, cpu_threads=1, compile=compile_option),
+    }
+    threads = {"pipe_eager": 1, "pipe_eager_cpu_threads2": 2, "pipe_compiled": 1, "stack_pipe": 1}
+    routes: dict[str, Pipe] = {}
+    steps = {"plain_1thread": stepper(build(size), True, data, 1),
+             "plain_2threads_half_batch_each": halves_stepper(build(size), data)}
+    steps.update({name: stepper(model, False, data, 1) for name, model in pipes.items()})
+    # Routes, timed (cores busy, no trace): chunks 2 and 8 eager and compiled, and the plain model compiled.
+    for chunks in (2, 8):
+        for compiled in (False, True):
+            routed = Pipe(split(build(size)), **{**two, "chunks": chunks}, cpu_threads=1,
+                          compile=compile_option if compiled else False)
+            routes[f"pipe_{'compiled' if compiled else 'eager'}_chunks{chunks}"] = routed
+            steps[f"pipe_{'compiled' if compiled else 'eager'}_chunks{chunks}"] = stepper(routed, False, data, 1)
+    plain_compiled = build(size)
+    plain_compiled.compile(**{k: v for k, v in compile_option.items() if k in ("backend",)})
+    steps["plain_1thread_compiled"] = stepper(plain_compiled, True, data, 1)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(stack["layers"]):
+        layers += [nn.Linear(stack["width"], stack["width"]), nn.Tanh()]
+    x = torch.randn(stack["batch"], stack["width"])
+    steps["stack_plain_1thread"] = stack_stepper(nn.Sequential(*copy.deepcopy(layers)), x, 1)
+    pipes["stack_pipe"] = Pipe(nn.Sequential(*layers), chunks=8, checkpoint="never", balance=[stack["layers"]] * 2,
+                               devices=["cpu", "cpu"], cpu_threads=1)
+    steps["stack_pipe"] = stack_stepper(pipes["stack_pipe"], x, 1)
+    result = profile(steps, pipes, threads, repeat, traced, spy_seconds)
+    for name, entry in result.items():
+        if not name.startswith("plain_1thread") and name != "stack_plain_1thread":
+            plain = "stack_plain_1thread" if name.startswith("stack") else "plain_1thread"
+            entry["speedup_vs_plain_1thread"] = result[plain]["step_s"] / entry["step_s"]
+    for name in ("pipe_compiled", "pipe_compiled_chunks2", "pipe_compiled_chunks8"):
+        result[name]["speedup_vs_plain_1thread_compiled"] = \
+            result["plain_1thread_compiled"]["step_s"] / result[name]["step_s"]
+    for model in [*pipes.values(), *routes.values()]:
+        model.close()
+    return {"configurations": result, "size": size, "stack": stack, "compile": compile_option,
+            "chunks": {"gpt2": 4, "stack": 8}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--only", choices=["r1", "r2"], help="run one figure only")
+    parser.add_argument("--profile", action="store_true", help="with --only r1: profile the thread runner instead")
     args = parser.parse_args()
     if args.quick:
         size = {"layers": 4, "width": 64, "seq": 32, "batch": 8}
@@ -195,6 +301,8 @@ def main() -> None:
         size = {"layers": 4, "width": 256, "seq": 64, "batch": 16}
         warmup, repeat, grid = 2, 9, [2, 4, 8]
         compile_option = {"backend": "inductor"}
+    if args.profile and args.only != "r1":
+        parser.error("--profile profiles R1's thread runner: pass it with --only r1")
     load_before = os.getloadavg()[0]
     out = RESULTS / ("real_models-quick.json" if args.quick else "real_models.json")
     result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
@@ -205,7 +313,14 @@ def main() -> None:
         for key in ("r2_best_vs_plain", "r2_compiled_vs_eager"):
             result[key] = result["r2"][key]
         print(json.dumps(result["r2"], indent=2))
-    if args.only == "r2":
+    if args.profile:
+        stack = {"width": 256, "layers": 4, "batch": 256} if args.quick else {"width": 1024, "layers": 8, "batch": 2048}
+        result["r1_profile"] = r1_profile(size, stack, compile_option, repeat, 2 if args.quick else 5,
+                                          0 if args.quick else 6)
+        result["r1_profile"]["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+        print(json.dumps(result["r1_profile"], indent=2))
+        print(table(result["r1_profile"]["configurations"]))
+    if args.only == "r2" or args.profile:
         RESULTS.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {out.relative_to(HERE.parent)}")
