@@ -85,8 +85,9 @@ class Call:
         item = self.results[j].get()
         if isinstance(item, _Aborted):
             self.results[j].put(item)  # for every later get
-            assert self._abort is not None  # set before the marker is put
+        if self._abort is not None:  # set before the marker is put: a result that came with it is dropped
             raise self._abort
+        assert not isinstance(item, _Aborted)
         return item
 
     def abort(self, error: BaseException) -> None:

@@ -57,7 +57,14 @@ def test_ending_a_call_skips_what_has_not_started_and_waits_for_what_runs():
 def test_close_aborts_a_call_under_way():
     workers = Workers([CPU])
     call = workers.open_call()
-    workers.put(0, task(call, lambda: time.sleep(0.2) or Batch(torch.ones(1))))
+
+    def forward() -> Batch:  # runs until close() has aborted the call, however late the timer fires
+        deadline = time.monotonic() + 20
+        while call._abort is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return Batch(torch.ones(1))
+
+    workers.put(0, task(call, forward))
     threading.Timer(0.05, workers.close).start()
     with pytest.raises(PipeClosedError, match="Pipe.close\\(\\) was called while this forward ran"):
         call.get(0)
