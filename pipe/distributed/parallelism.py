@@ -66,9 +66,6 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
     if parallelize is not None:
         for stage in sorted(partitions):
             parallelize(partitions[stage], mesh)
-    tp_mesh = tp.tp_submesh(mesh)
-    if tp_mesh is not None:  # DTensor stage outputs cross ranks as local shards (tensor_parallel.py)
-        tp.install_boundaries(partitions, len(skeleton) - 1, tp_mesh)
     if shard is not None:
         if tied.within_rank:  # said on every rank, not only where the stages live
             raise ValueError(

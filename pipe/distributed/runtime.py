@@ -114,18 +114,31 @@ class _CrossStageTracker(SkipTracker):
         return super().load(batch, ns, name)
 
 
-def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[DeviceMesh] = None) -> Function:
+def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[DeviceMesh] = None,
+                   first: bool = True, last: bool = True) -> Function:
     """The function a cell of this stage runs (and a checkpoint replays).
 
     Without skips crossing the stage it is :func:`pipe.skip.tracker.partition_function`.
     Otherwise the input value is ``(value, arriving skips)`` and the output
     ``(value, leaving skips)``, so skips are ordinary inputs and outputs of the cell.
-    With tensor parallelism (``tp_mesh``), a skip that is a ``DTensor`` crosses
-    ranks as its local shard and is rebuilt on arrival, as a stage's main
-    value does (:mod:`pipe.distributed.tensor_parallel`).
+    With tensor parallelism (``tp_mesh``), every ``DTensor`` a stage sends (its
+    value and its skips) crosses ranks as its local shard and is rebuilt on the
+    receiving rank's mesh (:mod:`pipe.distributed.tensor_parallel`): the first
+    stage's input and the last stage's output stay as they are.
     """
-    if not skips.arriving and not skips.leaving:
-        return partition_function(partition)
+    function = partition_function(partition) if not skips.arriving and not skips.leaving \
+        else _with_skips(partition, skips)
+    if tp_mesh is None:
+        return function
+
+    def wired(batch: Batch) -> Batch:
+        output = function(batch if first else Batch(from_wire(batch.value, tp_mesh)))
+        return output if last else Batch(to_wire(output.value))
+
+    return wired
+
+
+def _with_skips(partition: nn.Module, skips: StageSkips) -> Function:
     arriving_keys = [key for _, key, _ in skips.arriving]
     leaving_keys = [key for _, key, _ in skips.leaving]
 
@@ -134,8 +147,6 @@ def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[De
         incoming: dict[SkipKey, Optional[Tensor]] = {}
         if arriving_keys:
             value, skip_values = value
-            if tp_mesh is not None:
-                skip_values = [from_wire(skip, tp_mesh) for skip in skip_values]
             incoming = dict(zip(arriving_keys, skip_values))
         tracker = _CrossStageTracker(incoming, set(leaving_keys))
         with use_skip_tracker(tracker):
@@ -144,8 +155,7 @@ def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[De
             missing = [name for ns, name in leaving_keys if (ns, name) not in tracker.outgoing]
             if missing:
                 raise RuntimeError(f"skips {missing} are declared but were not stashed in this forward")
-            leaving = tuple(tracker.outgoing[key] for key in leaving_keys)
-            output = (output, tuple(to_wire(skip) for skip in leaving) if tp_mesh is not None else leaving)
+            output = (output, tuple(tracker.outgoing[key] for key in leaving_keys))
         return Batch(output)
 
     return function
@@ -191,11 +201,12 @@ class Runtime:
         self.skips = skips
         self.averager = averager
         self.sharding = sharding
-        tp_mesh = tp_submesh(topology.mesh)
-        self.functions = {s: stage_function(partition, skips[s], tp_mesh) for s, partition in stages.items()}
+        self.last = schedule.stages - 1
+        tp_mesh = tp_submesh(topology.mesh)  # DTensors between stages travel as local shards
+        self.functions = {s: stage_function(partition, skips[s], tp_mesh, first=s == 0, last=s == self.last)
+                          for s, partition in stages.items()}
         self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
                                            partition=partition) for s, partition in stages.items()}
-        self.last = schedule.stages - 1
         # Offload of the recompute/swap config, prefetched from the program (pipe.distributed.recompute_ranks).
         self.swap: Optional[RankSwap] = None
         self.failures = Failures(topology.rank, topology.world, topology.timeout.total_seconds())

@@ -17,9 +17,10 @@ other. A stage whose output is a ``DTensor`` (sequence parallelism, or
     stage s (tp rank t)                        stage s+1 (tp rank t)
     out: DTensor(Shard(1)) ─ to_local() ─▶ (Layout, local) ─ from_local(mesh["tp"]) ─▶ DTensor(Shard(1))
 
-Both conversions are differentiable, so the gradient that comes back is the
-local shard's gradient, and nothing else in the runtime needs to know about
-DTensors. This is what torch's ``PipelineStage`` does with its ``get_mesh``
+Both conversions are differentiable and run inside the stage's cell
+(:func:`pipe.distributed.runtime.stage_function`, for the stage's value and
+its skips alike), so the gradient that comes back is the local shard's
+gradient, and nothing else in the runtime needs to know about DTensors. This is what torch's ``PipelineStage`` does with its ``get_mesh``
 callback; here the receiver's mesh is its own ``"tp"`` sub-mesh.
 """
 from __future__ import annotations
@@ -165,23 +166,6 @@ def from_wire(value: Any, mesh: DeviceMesh) -> Any:
     if isinstance(value, dict):
         return {key: from_wire(item, mesh) for key, item in value.items()}
     return value
-
-
-def install_boundaries(partitions: Mapping[int, nn.Module], last_stage: int, tp_mesh: DeviceMesh) -> list[Any]:
-    """Makes every owned stage send DTensor outputs as :func:`to_wire` and rebuild DTensor inputs.
-
-    A forward hook (also run when a checkpointed cell is recomputed) converts
-    the output of stages before the last; a pre-hook converts the input of
-    stages after the first. Returns the hook handles.
-    """
-    handles = []
-    for s, partition in partitions.items():
-        if s > 0:
-            handles.append(partition.register_forward_pre_hook(
-                lambda module, args: tuple(from_wire(arg, tp_mesh) for arg in args)))
-        if s < last_stage:
-            handles.append(partition.register_forward_hook(lambda module, args, output: to_wire(output)))
-    return handles
 
 
 # -- gradient norms over sharded gradients ---------------------------------------------------------

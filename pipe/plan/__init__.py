@@ -4,11 +4,11 @@ Usage::
 
     import pipe.plan
     plan = pipe.plan.plan(model, sample, memory_budget="2GiB", stages=4)
-    print(plan.table())
+    text = plan.table()                       # the chosen plan, the runners-up, the rejected
     model = Pipe(model, **plan.pipe_kwargs())
 
     report = pipe.plan.explain(pipe.trace.load("run.json"))   # a measured step
-    print(report.table())
+    text = report.table()                     # idle time per rank, by cause
 
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
 * :mod:`pipe.plan.timing`: the time model (messages, overhead per action,

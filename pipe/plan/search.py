@@ -4,7 +4,7 @@ Usage::
 
     import pipe.plan
     plan = pipe.plan.plan(model, sample, memory_budget="2GiB", stages=4)
-    print(plan.table())                       # chosen, runners-up, and why faster plans were rejected
+    text = plan.table()                       # chosen, runners-up, and why faster plans were rejected
     model = Pipe(model, **plan.pipe_kwargs()) # chunks, balance, checkpoint
 
 :func:`search` takes the candidates of :mod:`pipe.plan.candidates` (schedule,
