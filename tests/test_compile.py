@@ -60,24 +60,20 @@ def test_matches_eager_and_compiles_once(checkpoint: str) -> None:
                  compile={"backend": counter})
     assert piped.compiled_layers == ["0", "1", "2", "3"]
     assert list(piped.state_dict()) == list(plain.state_dict())  # no _orig_mod. in the keys
-    after_first = None
     # Batch sizes 8 (3+3+2), 11 (4+4+3; 3+3+1 is avoided: size 1 specialises), 6 and 10, and new sequence
-    # lengths. The two worker threads meet the block's variants in an order that depends on timing, so a
-    # variant may first appear in the second or third step (seen in loaded full-suite runs: 7 frames where
-    # 6 were expected, and 8 where 7); the variants are few and fixed, so over the five steps the frames
-    # stay within them, and the last two steps (new sequence lengths) compile nothing.
+    # lengths. The two worker threads meet the block's variants in an order that depends on timing (loaded
+    # runs met one first in step 2, 3 or 5), so what holds is the total: five steps of new batch sizes and
+    # sequence lengths compile no more graphs than the block has variants.
     for step, shape in enumerate([(8, 5, 16), (11, 5, 16), (6, 5, 16), (8, 9, 16), (10, 7, 16)]):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
         piped.zero_grad()
         plain.zero_grad()
         torch.testing.assert_close(_train(piped, x), _train(plain, x))
         assert_same_grads(piped, plain, atol=1e-5, rtol=1.3e-6)
-        if step == 2:
-            after_first = counter.frame_count
     # One block class: its grad-mode graph, the first micro-batch's (input at storage offset 0, no grad), and
-    # with checkpointing the no-grad forwards' graphs (pipe.compile lists the variants): 8 at most.
-    assert after_first is not None and 1 <= after_first <= 8
-    assert counter.frame_count == after_first, "a later step recompiled"
+    # with checkpointing the no-grad forwards' graphs (pipe.compile lists the variants): 8 at most, where a
+    # graph per shape would compile that many for every new batch size or sequence length.
+    assert 1 <= counter.frame_count <= 8, f"{counter.frame_count} graphs for 5 shapes: a shape recompiled"
 
 
 def test_checkpoint_replays_dropout_exactly() -> None:
