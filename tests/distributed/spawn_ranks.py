@@ -7,11 +7,14 @@ model itself and returns plain Python values (tensors are not sent back).
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import queue
+import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Collection, Optional
 
 import torch
@@ -20,11 +23,14 @@ import torch.distributed as dist
 from pipe.distributed import init_from_env
 from torchrun_launch import free_port
 
+CRASHED = "killed by signal"
 DEADLINE = 90.0  # seconds for a whole spawn; a hang fails the test instead of blocking CI
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           results: "multiprocessing.Queue[Any]", timeout: float, env: dict[str, str], barrier: bool) -> None:
+           results: "multiprocessing.Queue[Any]", timeout: float, env: dict[str, str], barrier: bool,
+           crash_log: str) -> None:
+    faulthandler.enable(open(crash_log, "w"), all_threads=True)  # a rank that dies in C++ leaves its stacks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **env)
     torch.set_num_threads(1)
@@ -52,32 +58,53 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
-    for _ in range(3):  # a port found free may be taken before rank 0's store binds it: spawn again on another
-        collected = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing)
-        if not any(not ok and "EADDRINUSE" in str(payload) for ok, payload in collected.values()):
-            break
+    crashed_before = False
+    for _ in range(3):
+        collected, deaths = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing)
+        # A port found free may be taken before rank 0's store binds it: spawn again on another.
+        if any(not ok and "EADDRINUSE" in str(payload) for ok, payload in collected.values()):
+            continue
+        # A rank that died inside the C++ of gloo or of the forked interpreter (a signal, not a Python error
+        # and not our deadline) was seen once in CI under load and never here in 70 runs: spawn once more,
+        # say so in the warnings summary, and fail if it happens again.
+        crashes = {rank: how for rank, how in deaths.items() if how.startswith(CRASHED) and rank not in expect_missing}
+        if crashes and not crashed_before:
+            crashed_before = True
+            warnings.warn(f"{getattr(fn, '__name__', fn)}: ranks crashed, spawning once more: {crashes}")
+            continue
+        break
     failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
     missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
     if failures or missing:
         raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
-                                                     if missing else ""))
+                                                     if missing else "")
+                             + "".join(f"\nrank {rank}: {deaths[rank]}" for rank in missing if rank in deaths))
     return [collected[rank][1] if rank in collected else None for rank in range(world)]
 
 
 def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,
-           env: dict[str, str], barrier: bool, expect_missing: Collection[int]) -> dict[int, tuple[bool, Any]]:
-    """One spawn of ``world`` ranks on a free port: each rank's (ok, result or traceback) that came back."""
+           env: dict[str, str], barrier: bool, expect_missing: Collection[int]
+           ) -> tuple[dict[int, tuple[bool, Any]], dict[int, str]]:
+    """One spawn of ``world`` ranks on a free port.
+
+    Returns each rank's (ok, result or traceback) that came back, and for each rank that ended without one,
+    how it ended (exit code or signal) and the stacks that Python's fault handler wrote, if any.
+    """
     context = multiprocessing.get_context("fork")
     results: "multiprocessing.Queue[Any]" = context.Queue()
     port = free_port()
+    logs = tempfile.TemporaryDirectory(prefix="pipe-ranks-")
+    crash_logs = [os.path.join(logs.name, f"rank{rank}.txt") for rank in range(world)]
     processes = [
-        context.Process(target=_child, args=(rank, world, port, fn, args, results, timeout, env, barrier),
+        context.Process(target=_child,
+                        args=(rank, world, port, fn, args, results, timeout, env, barrier, crash_logs[rank]),
                         name=f"pipe-test-rank-{rank}", daemon=True)
         for rank in range(world)
     ]
     for process in processes:
         process.start()
     collected: dict[int, tuple[bool, Any]] = {}
+    killed: set[int] = set()
     end = time.monotonic() + deadline
     try:
         while len(collected) < world:
@@ -95,9 +122,24 @@ def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: f
                                                                      if r not in expect_missing):
                 break
     finally:
-        for process in processes:
+        for rank, process in enumerate(processes):
             process.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
             if process.is_alive():
+                killed.add(rank)
                 process.kill()  # only the processes this harness started, by their own handle
                 process.join()
-    return collected
+    deaths = {}
+    for rank, process in enumerate(processes):
+        if rank not in collected:
+            code = process.exitcode
+            if rank in killed:
+                how = "still running at the deadline (hang): killed by the harness"
+            elif code is not None and code < 0:
+                how = f"{CRASHED} {-code}"
+            else:
+                how = f"exit code {code}"
+            with open(crash_logs[rank]) as log:
+                stacks = log.read().strip()
+            deaths[rank] = how + (f"; fault handler:\n{stacks}" if stacks else "")
+    logs.cleanup()
+    return collected, deaths

@@ -1,0 +1,36 @@
+"""The test harness itself: a rank that crashes in C++ is named with its signal and stacks, and spawned once more."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from spawn_ranks import run_ranks
+
+
+def _crash_once(rank: int, world: int, marker: str) -> int:
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return rank
+
+
+def _crash_always(rank: int, world: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return rank
+
+
+def test_a_rank_that_crashed_once_is_spawned_again_with_a_warning(tmp_path: "os.PathLike[str]") -> None:
+    with pytest.warns(UserWarning, match=r"_crash_once: ranks crashed, spawning once more: .*killed by signal 11"):
+        assert run_ranks(_crash_once, 2, os.path.join(tmp_path, "crashed"), barrier=False) == [0, 1]
+
+
+def test_a_rank_that_crashes_twice_fails_with_its_signal_and_stacks() -> None:
+    with pytest.warns(UserWarning), pytest.raises(AssertionError) as failure:
+        run_ranks(_crash_always, 2, barrier=False)
+    message = str(failure.value)
+    assert "ranks [1] returned nothing" in message
+    assert "rank 1: killed by signal 11; fault handler:" in message
+    assert "Segmentation fault" in message and "_crash_always" in message, message
