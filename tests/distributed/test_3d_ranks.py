@@ -1,0 +1,90 @@
+"""Pipeline x FSDP2 x tensor parallel on one (pp 2, dp_shard 2, tp 2) mesh: 8 gloo ranks against the plain decoder.
+
+torchtitan's 3-D layout: each stage's blocks split Megatron-style over the tp
+pair (with and without sequence parallelism), then sharded by FSDP2 over the
+dp_shard pair, each shard pair fed its half of the batch, the stages run by the
+pipeline. Each rank runs the plain decoder on the whole batch and compares the
+loss, every gradient gathered to a full tensor, the clipped norm and the
+weights after 3 AdamW steps.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import pipe.distributed as pd
+from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
+from spawn_ranks import run_ranks
+
+CASES = [  # (sequence parallel, schedule, checkpoint, reshard after forward)
+    (True, "1f1b", "except_last", True),
+    (False, "interleaved", "always", False),
+    (True, "zbv", "never", True),  # the split backward: W of weights sharded over both dimensions
+]
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: bool
+                   ) -> dict[str, Any]:
+    model = decoder(0, blocks=2 if schedule == "1f1b" else 6)
+    reference = copy.deepcopy(model)
+    virtual = 1 if schedule == "1f1b" else 2
+    piped = pd.DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
+                               mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel),
+                               shard=pd.Shard(reshard_after_forward=reshard))
+    parts, part = piped.topology.data_parallel, piped.topology.replica
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected_parameters = dict(reference.named_parameters())
+    label = f"sequence_parallel={sequence_parallel} {schedule} {checkpoint} reshard={reshard}"
+    for step in range(3):
+        x, y = lm_data(step, batch=8)
+        rows = slice(part * 8 // parts, (part + 1) * 8 // parts)
+        loss = piped.step(x[rows], y[rows], lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), msg=lambda m: f"{label} step {step} loss: {m}")
+        for name, parameter in piped.named_parameters():
+            assert parameter.grad is not None, f"{label}: {name} has no gradient"
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"{label} step {step} {name}: {m}")
+        norm = piped.clip_grad_norm_(0.5)
+        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 0.5), atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"{label} step {step} norm: {m}")
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    # AdamW divides each update by the gradient's running size, so an element whose gradient is near zero
+    # moves by up to lr whatever its last bits: the gradients are checked tightly above, the weights to 1e-4.
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter).detach(), expected_parameters[name].detach(), atol=1e-4,
+                                   rtol=1e-4, msg=lambda m: f"{label} weights {name}: {m}")
+    # Each block's weights are DTensors over both the shard and the tp dimension of the mesh.
+    layouts = {name: tuple(p.device_mesh.mesh_dim_names or ()) for name, p in piped.named_parameters()
+               if isinstance(p, DTensor) and ".mlp.fc." in name}
+    return {"layouts": sorted(set(layouts.values())), "replica": (parts, part), "norm": float(norm)}
+
+
+def _three_d(rank: int, world: int) -> list[dict[str, Any]]:
+    mesh = pd.make_mesh(pp=2, dp_shard=2, tp=2)
+    return [_against_plain(mesh, *case) for case in CASES]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_fsdp_and_tensor_parallel_on_one_mesh_match_the_plain_model() -> None:
+    results = run_ranks(_three_d, 8, deadline=280.0, timeout=120.0)
+    for k in range(len(CASES)):
+        case = [r[k] for r in results]
+        # Ranks 0-3 run pipeline rank 0, ranks 4-7 pipeline rank 1; tp pairs are consecutive, shard pairs 2 apart.
+        assert [c["replica"] for c in case] == [(2, 0), (2, 0), (2, 1), (2, 1)] * 2, case
+        assert all(c["layouts"] == [("dp_shard", "tp")] for c in case), case
+        assert len({round(c["norm"], 6) for c in case}) == 1, case
