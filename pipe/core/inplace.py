@@ -63,6 +63,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pipe.core.microbatch import Batch
 
@@ -102,6 +103,9 @@ def own(batch: Batch) -> Batch:
 
 
 def _storage(tensor: Tensor) -> Optional[int]:
+    if is_traceable_wrapper_subclass(tensor):  # a DTensor: the memory of the tensor it wraps
+        attributes, _ = tensor.__tensor_flatten__()
+        return _storage(getattr(tensor, attributes[0])) if attributes else None
     if tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
     return tensor.untyped_storage().data_ptr()

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
 from pipe.distributed import DistributedPipe, make_mesh
@@ -115,8 +116,48 @@ def _skip_across_stages() -> dict[str, Any]:
     return {"popped": sorted({t.__name__ for t in popped})}
 
 
+def _loss_parallel() -> dict[str, Any]:
+    """torchtitan's loss parallelism: logits stay sharded on the vocabulary into the loss, under ``loss_parallel``."""
+    plan = tensor_parallel_plan(True)
+    plan["*.out"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    model = decoder(0)
+    reference = copy.deepcopy(model)
+    piped = DistributedPipe(model, chunks=2, schedule="1f1b", checkpoint="except_last", mesh=make_mesh(pp=2, tp=2),
+                            tensor_parallel=plan)
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected_parameters = dict(reference.named_parameters())
+    for step in range(2):
+        x, y = lm_data(step)
+        with loss_parallel():
+            loss = piped.step(x, y, lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        assert type(loss) is torch.Tensor, type(loss)  # the reported loss is a plain number on every rank
+        torch.testing.assert_close(loss, expected.detach())
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"loss parallel step {step} {name}: {m}")
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    with loss_parallel():
+        evaluated = piped.eval_step(x, y, lm_loss, broadcast_loss=True)
+    torch.testing.assert_close(evaluated, lm_loss(reference(x), y).detach())
+    # Without the context, torch's cross entropy meets a sharded DTensor: the error says what to do.
+    try:
+        piped.step(x, y, lm_loss, broadcast_loss=True)
+        refused = "no error"
+    except Exception as error:  # the last stage's rank raises the cause, the others name that rank
+        refused = str(error)
+    return {"head sharded": isinstance(piped.get_parameter("3.out.weight"), DTensor) if piped.is_last else None,
+            "refused": refused}
+
+
 def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
     results = [_against_plain(*case) for case in CASES]
+    results.append(_loss_parallel())
     results.append(_skip_across_stages())
     # A plan entry naming no module of any stage is refused on every rank, naming it.
     with pytest.raises(ValueError, match=r"tensor_parallel entry '\*\.attn\.qkv' matches no module of any stage"):
@@ -139,6 +180,11 @@ def test_tensor_parallel_stages_against_the_plain_model() -> None:
         assert arrived == {"DTensor" if sequence_parallel else "Tensor"}, (schedule, arrived)
     for k in range(len(CASES)):
         assert len({r[k]["norm"] for r in results}) == 1  # the same on every rank
+    loss_parallel_results = [r[-2] for r in results]
+    assert [r["head sharded"] for r in loss_parallel_results] == [None, None, True, True], loss_parallel_results
+    for r in loss_parallel_results[2:]:  # the last stage's ranks compute the loss and name the fix
+        assert "loss_fn got the last stage's output as a DTensor" in r["refused"], r
+        assert "loss_parallel(): pipe.step(...)" in r["refused"], r
     # The skip's sum on stage 1 is a DTensor again: the stashed DTensor crossed as its shard and was rebuilt.
     assert {kind for r in results for kind in r[-1]["popped"]} == {"DTensor"}
 
