@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
+import pipe
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
 from pipe.distributed import DistributedPipe, make_mesh
 from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
@@ -199,3 +200,8 @@ def test_plan_names_resolve_per_stage_and_overlaps_are_refused() -> None:
         resolve_plan({"*.mlp.fc": ColwiseParallel(), "2.mlp.*": ColwiseParallel()}, stages)
     with pytest.raises(TypeError, match=r"tensor_parallel entry '\*\.mlp\.fc': 'colwise' must map a module name"):
         verify_plan({"*.mlp.fc": "colwise"})
+    # A pipe.split stage is a graph of aten ops on its weights: no ParallelStyle can split it, said at once.
+    split = pipe.split(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), (torch.randn(2, 4),), at=["2"])
+    with pytest.raises(ValueError, match=r"tensor_parallel= cannot split stage 0, a stage of pipe.split.*"
+                                         r"nn.Sequential or pipe.PipeSequential"):
+        resolve_plan({"*": ColwiseParallel()}, list(split))
