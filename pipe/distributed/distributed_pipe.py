@@ -36,6 +36,7 @@ from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
+from pipe.split_stage import refuse_tensor_parallel
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -160,6 +161,8 @@ class DistributedPipe(PlainNamed, nn.Module):
         if data_parallel is not None:
             positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
+        if tensor_parallel:
+            refuse_tensor_parallel(model)
         compile_options = verify_compile(compile)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
@@ -441,4 +444,3 @@ class DistributedPipe(PlainNamed, nn.Module):
             The total norm before clipping, on every rank.
         """
         return clip_grad_norm(self.parameters(), self._tied, self._pipeline_group, self.device, max_norm)
-

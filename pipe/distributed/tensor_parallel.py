@@ -39,7 +39,6 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from pipe.core.microbatch import flatten, unflatten
-from pipe.split_stage import SplitStage
 
 __all__: list[str] = []
 
@@ -85,13 +84,6 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
         ValueError: an entry matches no module of any stage, or one module is
             matched by two entries.
     """
-    split = [s for s, stage in enumerate(stages) if any(isinstance(module, SplitStage) for module in stage.modules())]
-    if plan and split:
-        raise ValueError(
-            f"tensor_parallel= cannot split stage {split[0]}, a stage of pipe.split: its graph calls aten ops on the "
-            f"weights directly, and torch's ParallelStyles split modules that call nn.Linear or nn.Embedding; "
-            f"give DistributedPipe the model as an nn.Sequential or pipe.PipeSequential of modules for tensor "
-            f"parallelism, or use pipe.split with data parallelism (dp_shard, dp_replicate) only")
     per_stage: list[dict[str, ParallelStyle]] = [{} for _ in stages]
     chosen_by: dict[str, str] = {}
     for pattern, style in plan.items():
