@@ -66,6 +66,9 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
     if parallelize is not None:
         for stage in sorted(partitions):
             parallelize(partitions[stage], mesh)
+    if tensor_parallel is not None or parallelize is not None:
+        tied.refresh()  # parallelize_module replaced the parameters by DTensors
+        tied.verify_layouts()  # the holders of a tie must hold the same shard of it to sum their gradients
     if shard is not None:
         if tied.within_rank:  # said on every rank, not only where the stages live
             raise ValueError(

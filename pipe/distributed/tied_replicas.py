@@ -100,6 +100,27 @@ class TiedReplicas:
             self._mine[k] = (name, module._parameters[attr], group)  # type: ignore[assignment]
         self._not_first = {id(self._mine[k][1]) for k in not_first}
 
+    def verify_layouts(self) -> None:
+        """Checks that every holder of a tie holds it alike (collective over each tie's ranks).
+
+        Tensor parallelism may shard the first stage's embedding and the last
+        stage's head differently; their gradients' local tensors could not be summed.
+
+        Raises:
+            ValueError: two holders differ; the message gives both layouts and the fix.
+        """
+        for name, tensor, group in self._mine:
+            layout = _layout(tensor)
+            layouts: list[object] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(layouts, layout, group=group)
+            different = [other for other in layouts if other != layout]
+            if different:
+                raise ValueError(
+                    f"the tied weight {name!r} is laid out differently on the ranks that hold it: {layout} here, "
+                    f"{different[0]} on another; their gradients cannot be summed. Shard it alike in every stage "
+                    f"that uses it (an embedding under RowwiseParallel and a head under ColwiseParallel both shard "
+                    f"the vocabulary, Shard(0)), or leave both replicated")
+
     def reduce_gradients(self) -> None:
         """Sums each tied parameter's gradient over its holders (every holding rank must call it).
 
@@ -109,9 +130,21 @@ class TiedReplicas:
             if tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
             grad = tensor.grad
+            if isinstance(grad, DTensor) and isinstance(tensor, DTensor) and grad.placements != tensor.placements:
+                # An embedding under RowwiseParallel gets a replicated gradient of its vocabulary-sharded weight:
+                # take this rank's shard (a slice, no communication), laid out as every holder's.
+                grad = tensor.grad = grad.redistribute(tensor.device_mesh, tensor.placements)
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
 
     def counts(self, parameter: Tensor) -> bool:
         """Whether ``parameter``'s gradient counts in a global norm on this rank (one holder counts a tie)."""
         return id(parameter) not in self._not_first
+
+
+def _layout(tensor: Tensor) -> str:
+    """A tensor's layout across its mesh, as text every rank can compare."""
+    if isinstance(tensor, DTensor):
+        return (f"DTensor{tuple(tensor.shape)} on mesh {tensor.device_mesh.mesh_dim_names} placements "
+                f"{tuple(tensor.placements)}, local {tuple(tensor.to_local().shape)}")
+    return f"a plain tensor of shape {tuple(tensor.shape)}"

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 import pipe
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
@@ -156,9 +156,51 @@ def _loss_parallel() -> dict[str, Any]:
             "refused": refused}
 
 
+def _tied_embedding_and_head(sequence_parallel: bool) -> float:
+    """The embedding of stage 0 tied to the head of stage 1, both vocabulary-sharded: the largest error."""
+    model = decoder(0)
+    model[3].out.weight = model[0].tok.weight
+    reference = copy.deepcopy(model)
+    plan = dict(tensor_parallel_plan(sequence_parallel))
+    if not sequence_parallel:
+        plan["0.tok"] = RowwiseParallel(input_layouts=Replicate())
+        plan["*.out"] = ColwiseParallel(output_layouts=Replicate())
+    piped = DistributedPipe(model, chunks=2, schedule="1f1b", mesh=make_mesh(pp=2, tp=2), tensor_parallel=plan)
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for step in range(3):
+        x, y = lm_data(step)
+        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"tied sp={sequence_parallel} step {step} {name}: {m}")
+            worst = max(worst, float((_full(parameter.grad) - expected_parameters[name].grad).abs().max()))
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    return worst
+
+
 def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
     results = [_against_plain(*case) for case in CASES]
     results.append(_loss_parallel())
+    tied = {"sp": _tied_embedding_and_head(True), "no sp": _tied_embedding_and_head(False)}
+    # A tie sharded on one stage and whole on the other cannot sum its gradients: refused on both holders.
+    model = decoder(0)
+    model[3].out.weight = model[0].tok.weight
+    try:
+        DistributedPipe(model, chunks=2, mesh=make_mesh(pp=2, tp=2),
+                        tensor_parallel={"0.tok": RowwiseParallel(input_layouts=Replicate())})
+        tied["mixed"] = "no error"
+    except ValueError as error:
+        tied["mixed"] = str(error)
+    results.append(tied)
     results.append(_skip_across_stages())
     # A plan entry naming no module of any stage is refused on every rank, naming it.
     with pytest.raises(ValueError, match=r"tensor_parallel entry '\*\.attn\.qkv' matches no module of any stage"):
@@ -186,7 +228,11 @@ def test_tensor_parallel_stages_against_the_plain_model() -> None:
         assert arrived == {"DTensor" if sequence_parallel else "Tensor"}, (schedule, arrived)
     for k in range(len(CASES)):
         assert len({r[k]["norm"] for r in results}) == 1  # the same on every rank
-    loss_parallel_results = [r[-2] for r in results]
+    for r in results:  # tied embedding and head, both vocabulary-sharded, exact; a mixed layout refused
+        tied = r[-2]
+        assert tied["sp"] <= 1e-5 and tied["no sp"] <= 1e-5, tied
+        assert "the tied weight '0.tok.weight' is laid out differently on the ranks that hold it" in tied["mixed"], tied
+    loss_parallel_results = [r[-3] for r in results]
     assert [r["head sharded"] for r in loss_parallel_results] == [None, None, True, True], loss_parallel_results
     for r in loss_parallel_results[2:]:  # the last stage's ranks compute the loss and name the fix
         assert "loss_fn got the last stage's output as a DTensor" in r["refused"], r
