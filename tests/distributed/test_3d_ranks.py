@@ -21,10 +21,11 @@ import pipe.distributed as pd
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
 from spawn_ranks import run_ranks
 
-CASES = [  # (sequence parallel, schedule, checkpoint, reshard after forward)
-    (True, "1f1b", "except_last", True),
-    (False, "interleaved", "always", False),
-    (True, "zbv", "never", True),  # the split backward: W of weights sharded over both dimensions
+CASES = [  # (sequence parallel, schedule, checkpoint, reshard after forward, embedding tied to the head)
+    (True, "1f1b", "except_last", True, False),
+    (False, "interleaved", "always", False, False),
+    (True, "zbv", "never", True, False),  # the split backward: W of weights sharded over both dimensions
+    (True, "1f1b", "never", True, True),  # a tie over the pipeline, sharded by tp and FSDP on both ends
 ]
 
 
@@ -32,9 +33,11 @@ def _full(tensor: Any) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: bool
+def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: bool, tied: bool
                    ) -> dict[str, Any]:
     model = decoder(0, blocks=2 if schedule == "1f1b" else 6)
+    if tied:
+        model[-1].out.weight = model[0].tok.weight
     reference = copy.deepcopy(model)
     virtual = 1 if schedule == "1f1b" else 2
     piped = pd.DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
@@ -43,8 +46,8 @@ def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint
     parts, part = piped.topology.data_parallel, piped.topology.replica
     optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters())
-    label = f"sequence_parallel={sequence_parallel} {schedule} {checkpoint} reshard={reshard}"
+    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
+    label = f"sequence_parallel={sequence_parallel} {schedule} {checkpoint} reshard={reshard} tied={tied}"
     for step in range(3):
         x, y = lm_data(step, batch=8)
         rows = slice(part * 8 // parts, (part + 1) * 8 // parts)
