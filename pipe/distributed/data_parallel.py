@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__: list[str] = []
 
@@ -41,7 +42,10 @@ class GradientAverager:
 
     def start(self, stage: int) -> None:
         """Starts averaging the gradients of ``stage`` (returns at once)."""
-        grads = [p.grad for p in self.stages[stage].parameters() if p.grad is not None]
+        # A tensor-parallel stage's gradients are DTensors: every replica holds the same shard of each, so
+        # the local shards are averaged (a view of each DTensor's memory, written back in place).
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.stages[stage].parameters() if p.grad is not None]
         bucket: list[Tensor] = []
         size = 0
         for grad in grads:

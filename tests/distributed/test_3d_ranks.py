@@ -5,12 +5,14 @@ pair (with and without sequence parallelism), then sharded by FSDP2 over the
 dp_shard pair, each shard pair fed its half of the batch, the stages run by the
 pipeline. Each rank runs the plain decoder on the whole batch and compares the
 loss, every gradient gathered to a full tensor, the clipped norm and the
-weights after 3 AdamW steps.
+weights after 3 AdamW steps. The same spawn runs replicas of tensor-parallel
+stages on (pp 2, dp_replicate 2, tp 2) and HSDP of them on (pp 1,
+dp_replicate 2, dp_shard 2, tp 2).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -33,8 +35,8 @@ def _full(tensor: Any) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: bool, tied: bool
-                   ) -> dict[str, Any]:
+def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: Optional[bool],
+                   tied: bool) -> dict[str, Any]:
     model = decoder(0, blocks=2 if schedule == "1f1b" else 6)
     if tied:
         model[-1].out.weight = model[0].tok.weight
@@ -42,7 +44,7 @@ def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint
     virtual = 1 if schedule == "1f1b" else 2
     piped = pd.DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
                                mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel),
-                               shard=pd.Shard(reshard_after_forward=reshard))
+                               shard=None if reshard is None else pd.Shard(reshard_after_forward=reshard))
     parts, part = piped.topology.data_parallel, piped.topology.replica
     optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
@@ -79,15 +81,27 @@ def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint
 
 def _three_d(rank: int, world: int) -> list[dict[str, Any]]:
     mesh = pd.make_mesh(pp=2, dp_shard=2, tp=2)
-    return [_against_plain(mesh, *case) for case in CASES]
+    results = [_against_plain(mesh, *case) for case in CASES]
+    # Replicas of tensor-parallel stages (the averager takes each DTensor gradient's local shard), tied too;
+    # HSDP of tensor-parallel stages on one pipeline rank.
+    replicas = pd.make_mesh(pp=2, dp_replicate=2, tp=2)
+    results.append(_against_plain(replicas, True, "1f1b", "except_last", None, False))
+    results.append(_against_plain(replicas, False, "1f1b", "never", None, True))
+    results.append(_against_plain(pd.make_mesh(pp=1, dp_replicate=2, dp_shard=2, tp=2), True, "1f1b", "except_last",
+                                  True, False))
+    return results
 
 
 @pytest.mark.timeout(300)
 def test_pipeline_fsdp_and_tensor_parallel_on_one_mesh_match_the_plain_model() -> None:
     results = run_ranks(_three_d, 8, deadline=280.0, timeout=120.0)
-    for k in range(len(CASES)):
+    for k in range(len(CASES) + 3):
         case = [r[k] for r in results]
-        # Ranks 0-3 run pipeline rank 0, ranks 4-7 pipeline rank 1; tp pairs are consecutive, shard pairs 2 apart.
-        assert [c["replica"] for c in case] == [(2, 0), (2, 0), (2, 1), (2, 1)] * 2, case
-        assert all(c["layouts"] == [("dp_shard", "tp")] for c in case), case
         assert len({round(c["norm"], 6) for c in case}) == 1, case
+        if k < len(CASES) + 2:
+            # Ranks 0-3 run pipeline rank 0, ranks 4-7 pipeline rank 1; tp pairs are consecutive, shard pairs 2 apart.
+            assert [c["replica"] for c in case] == [(2, 0), (2, 0), (2, 1), (2, 1)] * 2, case
+        # Sharded by FSDP and tp: DTensors on both dimensions; replicas: on tp only; HSDP: replicated, sharded, tp.
+        layout = [("dp_shard", "tp")] if k < len(CASES) else [("tp",)] if k < len(CASES) + 2 else \
+            [("dp_replicate", "dp_shard", "tp")]
+        assert all(c["layouts"] == layout for c in case), (k, case)
