@@ -13,10 +13,11 @@ on both sides, so the comparison is on the activations::
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
     for param in model.parameters():
         if param.grad is not None:
             param.grad.zero_()
-    with ActivationMemory() as counter:
+    with ActivationMemory() as counter, _resized_storages(counter):
         step(inputs, target, loss_fn)
         peak = counter.peak_bytes
     times = []
@@ -61,6 +62,50 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
         times.append(time.perf_counter() - begun)
     torch.distributed.barrier()
     return Measured(peak, min(times))
+
+
+@contextlib.contextmanager
+def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
+    """Counts the storages FSDP2 resizes in place (its unsharded parameters, gathered and freed by
+    ``storage.resize_``, which no dispatched op sees) into ``counter``.
+
+    FSDP2 allocates a parameter's unsharded storage once and then resizes it
+    to its full size at each all-gather and to 0 at each reshard; those bytes
+    are real but invisible to :class:`ActivationMemory`, so its two helpers
+    are wrapped here while a step is counted.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:  # pragma: no cover - no FSDP2 in this torch: nothing resized
+        yield
+        return
+    modules = [m for m in (_fsdp_param, _fsdp_param_group) if hasattr(m, "alloc_storage")]
+    saved = [(m, m.alloc_storage, getattr(m, "free_storage", None)) for m in modules]
+    if not hasattr(_fsdp_param, "alloc_storage") or not hasattr(_fsdp_param, "free_storage"):
+        raise RuntimeError("this torch's FSDP2 has no alloc_storage/free_storage helpers, so pipe.plan cannot count "
+                           "its gathered parameters; measure a sharded plan with the torch version pipe supports")
+
+    def alloc(tensor: Any) -> None:
+        before = tensor.untyped_storage().nbytes()
+        saved[0][1](tensor)
+        counter.adjust(tensor.untyped_storage().nbytes() - before)
+
+    def free(tensor: Any) -> None:
+        before = tensor.untyped_storage().nbytes()
+        saved[0][2](tensor)  # type: ignore[misc]
+        counter.adjust(tensor.untyped_storage().nbytes() - before)
+
+    for module in modules:
+        module.alloc_storage = alloc  # type: ignore[attr-defined]
+        if hasattr(module, "free_storage"):
+            module.free_storage = free  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, alloc_, free_ in saved:
+            module.alloc_storage = alloc_  # type: ignore[attr-defined]
+            if free_ is not None:
+                module.free_storage = free_  # type: ignore[attr-defined]
 
 
 def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], kwargs: dict[str, Any],

@@ -1,0 +1,161 @@
+"""Splitting ranks between pipeline and FSDP sharding: ``pp x dp_shard`` candidates, their memory and time.
+
+``DistributedPipe(..., mesh=make_mesh(pp=P, dp_shard=S), shard=Shard(...))``
+runs P pipeline ranks, each stage sharded over S ranks with FSDP2, and its
+runner (:class:`pipe.distributed.fsdp.StageSharding`) drives the gathers: a
+stage is gathered before its first action of the step (the next action's
+stage prefetched), kept gathered within a run of its actions, resharded when
+the program moves on (ZeRO-3, ``reshard_after_forward=True``) or after its
+last action (ZeRO-2), and its gradients are reduce-scattered once, after its
+last backward. The planner follows the very same per-action plan
+(:func:`pipe.distributed.fsdp.sharding_plan`):
+
+* **batch**: each of the S pipelines of a shard group gets B/S of the
+  mini-batch, so chunks c at ``dp_shard`` S run micro-batches of B/(S*c)
+  rows: the profile measured for chunks S*c (:func:`replica_costs`; no new
+  profiling, but S*c must be among the profiled chunk counts);
+* **memory** (:func:`sharded_static`, :func:`held_by_fsdp`): parameters,
+  gradients and optimiser state sharded (``param_scale x params / S``), plus
+  what the step holds unsharded on top of the activations: the full
+  parameters of each stage while gathered, a prefetch in flight (its gathered
+  buffer), and each stage's full gradients from its first
+  backward (``B``, or ``W`` in zero-bubble schedules) to its reduce-scatter;
+* **time** (:func:`collective_seconds`): one all-gather per gather and one
+  reduce-scatter per step of each FSDP group (each layer with parameters),
+  ``(S - 1) x (latency + group bytes / S x per_byte)`` over the link (a ring),
+  added to the action before which (after which, for the reduce-scatter) the
+  runner issues it: the overlap of prefetches with compute is not modelled.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from pipe.core.schedule import Action, Phase, Schedule
+from pipe.plan.cost import Costs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipe.plan.predict import Candidate
+    from pipe.plan.timing import Link
+
+__all__: list[str] = []
+
+#: ``reshard_after_forward`` of ``pipe.distributed.Shard`` by ZeRO stage.
+ZERO_MODES: dict[int, bool] = {3: True, 2: False}
+
+
+def divisor_splits(ranks: int) -> list[int]:
+    """The ``dp_shard`` sizes that split ``ranks`` into ``pp x dp_shard`` (every divisor)."""
+    return [s for s in range(1, ranks + 1) if ranks % s == 0]
+
+
+def replica_costs(costs: Costs, dp_shard: int) -> Costs:
+    """The costs one pipeline of a shard group sees: the same profile, on B / ``dp_shard`` samples.
+
+    Chunks c then mean micro-batches of B/(dp_shard*c) rows, the rows profiled
+    for chunks ``dp_shard*c``; counted bytes are shared with ``costs`` (cached once).
+
+    Raises:
+        ValueError: the batch does not divide by ``dp_shard``, or no profiled
+            micro-batch size fits (the message names the chunk counts to profile).
+    """
+    if dp_shard == 1:
+        return costs
+    cache: dict[int, Costs] = costs.__dict__.setdefault("_replicas", {})
+    if dp_shard in cache:
+        return cache[dp_shard]
+    if costs.batch % dp_shard:
+        raise ValueError(f"dp_shard={dp_shard} does not divide the mini-batch of {costs.batch} samples: each shard "
+                         f"rank takes batch / dp_shard of it; choose a batch that divides by {dp_shard}, or leave "
+                         f"dp_shard={dp_shard} out of the splits")
+    batch = costs.batch // dp_shard
+    kept = sorted(rows for rows in costs.forward if batch % rows == 0)
+    if not kept:
+        raise ValueError(
+            f"dp_shard={dp_shard} runs micro-batches of {batch} / chunks samples, but the profile has none of "
+            f"them (profiled chunk counts {costs.chunk_options()}); profile with chunks that include "
+            f"{[dp_shard * c for c in (1, 2, 4)]} (chunks c at dp_shard {dp_shard} is the profile of "
+            f"chunks {dp_shard}*c)")
+    view = Costs(batch, {r: costs.forward[r] for r in kept}, {r: costs.backward[r] for r in kept},
+                 costs._memory, costs.param_bytes, param_scale=costs.param_scale,
+                 output_bytes={r: b for r, b in costs.output_bytes.items() if r in kept},
+                 input_grad={r: costs.input_grad[r] for r in kept})
+    view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
+    cache[dp_shard] = view
+    return view
+
+
+def _stage_bytes(costs: Costs, bounds: list[tuple[int, int]], stage: int) -> int:
+    return sum(costs.param_bytes[bounds[stage][0]:bounds[stage][1]])
+
+
+def sharded_static(costs: Costs, bounds: list[tuple[int, int]], stages: Sequence[int], dp_shard: int) -> int:
+    """Bytes of a rank's parameters, gradients and optimiser state between steps: its shards (rounded up)."""
+    return sum(-(-int(costs.param_scale * _stage_bytes(costs, bounds, s)) // dp_shard) for s in stages)
+
+
+def _program(schedule: Schedule, rank: int) -> list[Action]:
+    return list(schedule.actions(rank))
+
+
+def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
+                 zero3: bool) -> Callable[[int], int]:
+    """``bytes(k)``: what FSDP holds unsharded during action ``k`` of ``rank``'s program (activations apart).
+
+    Follows the runner's plan (:func:`pipe.distributed.fsdp.sharding_plan`): a
+    stage's full parameters from the wait for its gather to its reshard; a
+    prefetch issued before action k and waited for before action k + 1 holds
+    its gathered buffer (the stage's bytes; the input shard is a view of it) during action k;
+    a stage's full gradients from its first backward (the action that creates
+    them included) to the reduce-scatter after its last.
+    """
+    from pipe.distributed.fsdp import sharding_plan
+
+    program = _program(schedule, rank)
+    events = sharding_plan(program, zero3, training=True)
+    weights = (Phase.WEIGHT,) if schedule.splits_backward else (Phase.BACKWARD,)
+    first_grad: dict[int, int] = {}
+    for k, action in enumerate(program):
+        if action.phase in weights:
+            first_grad.setdefault(action.stage, k)
+    reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
+    during: list[int] = []
+    gathered: set[int] = set()
+    for k, action in enumerate(program):
+        in_flight = [s for s in events[k].unshard if s != action.stage]  # the prefetch, waited for at k + 1
+        gathered.update(s for s in events[k].unshard if s == action.stage)
+        total = sum(_stage_bytes(costs, bounds, s) for s in gathered)
+        total += sum(_stage_bytes(costs, bounds, s) for s in in_flight)  # its input shard is a view of it
+        total += sum(_stage_bytes(costs, bounds, s) for s, first in first_grad.items()
+                     if first <= k <= reduced.get(s, len(program)))
+        during.append(total)
+        gathered.update(in_flight)  # waited for before action k + 1
+        gathered.difference_update(events[k].reshard)
+    return lambda k: during[k]
+
+
+def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
+                       zero3: bool, link: Optional["Link"]) -> dict[Action, float]:
+    """Seconds of the all-gathers issued before, and the reduce-scatters issued after, each action of ``rank``.
+
+    Each FSDP group (a layer with parameters) is gathered and reduce-scattered
+    over a ring of ``dp_shard`` ranks: ``dp_shard - 1`` messages of its bytes / ``dp_shard``.
+    """
+    if link is None or dp_shard == 1:
+        return {}
+    from pipe.distributed.fsdp import sharding_plan
+
+    def ring(stage: int) -> float:
+        first, stop = bounds[stage]
+        return sum((dp_shard - 1) * link.cost(-(-b // dp_shard)) for b in costs.param_bytes[first:stop] if b)
+
+    program = _program(schedule, rank)
+    events = sharding_plan(program, zero3, training=True)
+    return {action: sum(ring(s) for s in events[k].unshard) + sum(ring(s) for s in events[k].reduce)
+            for k, action in enumerate(program)}
+
+
+def split_text(candidate: "Candidate") -> str:
+    """``pp2 x dp_shard2 zero3``: how the candidate splits its ranks."""
+    if candidate.dp_shard == 1:
+        return f"pp{candidate.ranks} x dp_shard1"
+    return f"pp{candidate.ranks} x dp_shard{candidate.dp_shard} zero{3 if candidate.reshard_after_forward else 2}"
