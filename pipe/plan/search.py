@@ -31,6 +31,7 @@ from pipe.core.schedule import Schedule
 from pipe.plan.candidates import candidates, per_stage_recompute
 from pipe.plan.cost import Costs, profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
+from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
 
 __all__: list[str] = []
@@ -90,6 +91,8 @@ class Plan:
         considered: how many candidates were compared (memory predicted for all).
         simulated: how many of them had their step time simulated (the others could not win).
         model: the time model used (None: layer times alone).
+        splits: with ``dp_shard=``, one line per ``pp x dp_shard`` split and ZeRO mode: chosen,
+            or why it lost (and the splits left out, with the reason).
     """
 
     best: Prediction
@@ -101,6 +104,7 @@ class Plan:
     costs: Optional[Costs] = field(default=None, repr=False)
     simulated: int = 0
     model: Optional[TimeModel] = None
+    splits: list[str] = field(default_factory=list)
 
     @property
     def candidate(self) -> Candidate:
@@ -122,13 +126,27 @@ class Plan:
         return kwargs
 
     def distributed_kwargs(self) -> dict[str, Any]:
-        """Arguments of ``DistributedPipe(model, **kwargs)``."""
+        """Arguments of ``DistributedPipe(model, **kwargs)``; a sharded plan adds ``shard=Shard(...)`` and
+        needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on every rank)."""
         c = self.candidate
         kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
                                   "schedule": c.schedule, "virtual_stages": c.virtual_stages}
         if c.recompute_config() is not None:
             kwargs["recompute"] = c.recompute_config()
+        if c.dp_shard > 1:
+            from pipe.distributed.fsdp import Shard
+
+            kwargs["shard"] = Shard(reshard_after_forward=c.reshard_after_forward)
         return kwargs
+
+    def mesh_kwargs(self) -> dict[str, int]:
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_shard`` split.
+
+        The mesh is collective: every rank calls ``make_mesh`` after
+        ``init_process_group``; each rank then passes its share of the
+        mini-batch (part ``model.topology.replica`` of ``dp_shard``).
+        """
+        return {"pp": self.candidate.ranks, "dp_shard": self.candidate.dp_shard}
 
     def table(self, rejected: int = 8) -> str:
         """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
@@ -141,10 +159,14 @@ class Plan:
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
-            return f"{mark:2}{p.candidate.describe():<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
+            split = f" {split_text(p.candidate)}" if self.splits and p.candidate.dp_shard == 1 else ""
+            return f"{mark:2}{p.candidate.describe() + split:<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
                 f"  {why}" if why else "")
 
         lines.append(row("*", self.best, "chosen"))
+        if self.splits:
+            lines.append("splits of the ranks (pp x dp_shard):")
+            lines += [f"  {line}" for line in self.splits]
         if self.runners_up:
             lines.append("next best that fit:")
             lines += [row("", p, why) for p, why in self.runners_up]
@@ -160,7 +182,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
            runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
-           rejected: int = 8) -> Plan:
+           rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2)) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
 
     Candidates go best-first by a lower bound of their step
@@ -184,13 +206,26 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         model: the time model (:class:`pipe.plan.timing.TimeModel`).
         per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
         rejected: how many plans over budget to simulate and show.
+        dp_shard: plan ``ranks`` as ``pp x dp_shard`` (:mod:`pipe.plan.sharding`): ``"auto"``
+            every divisor of ``ranks``, or the sizes to try (1: no sharding); each pipeline then
+            runs on B / dp_shard samples, from the profiled micro-batch sizes (chunks c at
+            dp_shard S needs the profile of chunks S*c). None (default): every rank a pipeline rank.
+        zero: with ``dp_shard``, the ZeRO stages to compare: 3 (``Shard(reshard_after_forward=True)``), 2.
 
     Raises:
         PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
     """
     budget = _budget(memory_budget, ranks)
-    options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
-                         max_balances=max_balances, balances=balances)
+    skipped: list[str] = []
+    if dp_shard is None:
+        options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
+                             max_balances=max_balances, balances=balances)
+    else:
+        if len(set(budget)) > 1:
+            raise ValueError(f"memory_budget gives {len(budget)} different sizes, one per rank, but with dp_shard= the "
+                             f"ranks' roles depend on the split; give one size for every rank")
+        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, schedules=schedules,
+                                            checkpoints=checkpoints, max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
                          f"into {ranks} stages (or 2 x {ranks} for interleaved and zbv)")
@@ -203,7 +238,8 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
 
     # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
     # candidates that may still be among the fastest; a plan over budget spawns its per-stage variant.
-    queue = [(busy_bound(costs, c, model), k, c) for k, c in enumerate(options)]
+    bounds = {c: busy_bound(costs, c, model) for c in options}
+    queue = [(bounds[c], k, c) for k, c in enumerate(options)]
     heapq.heapify(queue)
     predictions: list[Prediction] = []
     fitting: list[float] = []
@@ -235,8 +271,10 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     best = fit[0]
     rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
+    splits = [] if dp_shard is None else split_summary(predictions, bounds, fits, best) + [
+        f"left out: {why}" for why in skipped]
     chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
-                  considered, costs, simulated=len(predictions), model=model)
+                  considered, costs, simulated=len(predictions), model=model, splits=splits)
     logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d walked, %d simulated)",
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
                 considered, len(memory), len(predictions))

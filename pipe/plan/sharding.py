@@ -28,13 +28,14 @@ last backward. The planner follows the very same per-action plan
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.plan.cost import Costs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipe.plan.predict import Candidate
+    from pipe.plan.predict import Candidate, Prediction
     from pipe.plan.timing import Link
 
 __all__: list[str] = []
@@ -159,3 +160,112 @@ def split_text(candidate: "Candidate") -> str:
     if candidate.dp_shard == 1:
         return f"pp{candidate.ranks} x dp_shard1"
     return f"pp{candidate.ranks} x dp_shard{candidate.dp_shard} zero{3 if candidate.reshard_after_forward else 2}"
+
+
+DpShard = Union[None, str, int, Sequence[int]]
+
+
+def shard_sizes(dp_shard: DpShard, ranks: int) -> list[int]:
+    """The ``dp_shard`` sizes to plan ``ranks`` ranks with: ``"auto"`` every divisor, or those given.
+
+    Raises:
+        ValueError: a size that does not divide ``ranks`` (named, with the divisors to choose from).
+    """
+    divisors = divisor_splits(ranks)
+    if dp_shard == "auto":
+        return divisors
+    given: list[object] = [dp_shard] if isinstance(dp_shard, int) else list(dp_shard or [])
+    sizes = [s for s in given if isinstance(s, int) and not isinstance(s, bool)]
+    if not sizes or len(sizes) != len(given):
+        raise ValueError(f"dp_shard must be 'auto', a size or a list of sizes dividing the {ranks} ranks, got "
+                         f"{dp_shard!r}; choose among {divisors}")
+    bad = [s for s in sizes if s < 1 or ranks % s]
+    if bad:
+        raise ValueError(f"dp_shard={bad} does not divide the {ranks} ranks into pp x dp_shard; choose sizes among "
+                         f"{divisors} (or plan with ranks a multiple of {bad[0]})")
+    return sorted(set(sizes))
+
+
+def zero_modes(zero: Sequence[int]) -> list[bool]:
+    """``reshard_after_forward`` for each ZeRO stage in ``zero`` (3 and/or 2).
+
+    Raises:
+        ValueError: a stage other than 2 or 3.
+    """
+    bad = [z for z in zero if z not in ZERO_MODES]
+    if bad or not zero:
+        raise ValueError(f"zero={list(zero)}: choose ZeRO stages among {sorted(ZERO_MODES)} (3: reshard_after_forward="
+                         f"True, 2: False)")
+    return [ZERO_MODES[z] for z in sorted(set(zero), reverse=True)]
+
+
+def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, zero: Sequence[int],
+                     **options: Any) -> tuple[list["Candidate"], list[str]]:
+    """The candidates of every ``pp x dp_shard`` split of ``ranks`` (:func:`pipe.plan.candidates.candidates`
+    on each pipeline's B / dp_shard samples), in each ZeRO mode; and why any split was left out.
+
+    With one stage per rank ZeRO-2 and ZeRO-3 are the same plan (the program never moves to another stage),
+    so only the ZeRO-3 candidate is kept there.
+
+    Raises:
+        ValueError: ``runner`` is not ``"processes"``, bad sizes or modes, a size given explicitly whose
+            micro-batches were not profiled, or no split left at all.
+    """
+    from pipe.plan.candidates import candidates
+
+    if runner != "processes":
+        raise ValueError(f"dp_shard={dp_shard!r} plans FSDP sharding, which only DistributedPipe runs; "
+                         f"pass runner='processes' (got runner={runner!r})")
+    explicit = dp_shard != "auto"
+    modes = zero_modes(zero)
+    found: list["Candidate"] = []
+    skipped: list[str] = []
+    for size in shard_sizes(dp_shard, ranks):
+        pp = ranks // size
+        try:
+            view = replica_costs(costs, size)
+            plans = candidates(view, pp, runner, **options)
+        except ValueError as error:
+            if explicit:
+                raise
+            skipped.append(f"pp{pp} x dp_shard{size}: {error}")
+            continue
+        for c in plans:
+            if size == 1:
+                found.append(c)
+                continue
+            for reshard in modes:
+                if c.virtual_stages == 1 and not reshard and True in modes:
+                    continue  # the same plan as ZeRO-3
+                found.append(replace(c, dp_shard=size, reshard_after_forward=reshard))
+    if not found:
+        raise ValueError(f"no pp x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
+    return found, skipped
+
+
+def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
+                  fits: Callable[["Candidate"], bool], best: "Prediction") -> list[str]:
+    """One line per split (``pp x dp_shard``, ZeRO mode): its best plan, or why it lost."""
+    from pipe.plan.search import format_bytes
+
+    keys = sorted({(c.dp_shard, c.reshard_after_forward, c.ranks) for c in bounds}, key=lambda k: (k[0], not k[1]))
+    lines = []
+    for size, reshard, pp in keys:
+        mine = [p for p in predictions if (p.candidate.dp_shard, p.candidate.reshard_after_forward) == (size, reshard)]
+        label = split_text(next(c for c in bounds if (c.dp_shard, c.reshard_after_forward) == (size, reshard)))
+        fitting = [p for p in mine if fits(p.candidate)]
+        if best.candidate in [p.candidate for p in fitting]:
+            why = f"chosen ({best.step_time * 1e3:.2f} ms)"
+        elif fitting:
+            top = min(fitting, key=lambda p: p.step_time)
+            why = f"best fitting plan {top.step_time * 1e3:.2f} ms, slower by {top.step_time / best.step_time - 1:+.1%}"
+        elif mine:
+            top = min(mine, key=lambda p: p.peak)
+            why = f"its simulated plans are over budget (smallest peak {format_bytes(top.peak)})"
+        else:
+            low = min(b for c, b in bounds.items() if (c.dp_shard, c.reshard_after_forward) == (size, reshard))
+            why = (f"not simulated: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) cannot beat "
+                   f"the plans found, or its plans are over budget")
+        lines.append(f"{label:<26} {why}")
+    return lines
+
