@@ -82,6 +82,28 @@ class Candidate:
             return None
         return {"recompute_config": {"recompute": list(self.recompute)}}
 
+    def distributed_kwargs(self) -> dict[str, Any]:
+        """Arguments of ``DistributedPipe(model, **kwargs)``; with ``dp_shard > 1`` also ``shard=Shard(...)``,
+        and the model needs ``mesh=make_mesh(**candidate.mesh_kwargs())`` too."""
+        kwargs: dict[str, Any] = {"chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint,
+                                  "schedule": self.schedule, "virtual_stages": self.virtual_stages}
+        if self.recompute_config() is not None:
+            kwargs["recompute"] = self.recompute_config()
+        if self.dp_shard > 1:
+            from pipe.distributed.fsdp import Shard
+
+            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward)
+        return kwargs
+
+    def mesh_kwargs(self) -> dict[str, int]:
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)``: ``{"pp": ranks, "dp_shard": dp_shard}``.
+
+        The mesh is collective: every rank calls ``make_mesh`` after
+        ``init_process_group``; each rank then passes its share of the
+        mini-batch (part ``model.topology.replica`` of ``dp_shard``).
+        """
+        return {"pp": self.ranks, "dp_shard": self.dp_shard}
+
     def describe(self) -> str:
         extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
         marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""

@@ -126,27 +126,14 @@ class Plan:
         return kwargs
 
     def distributed_kwargs(self) -> dict[str, Any]:
-        """Arguments of ``DistributedPipe(model, **kwargs)``; a sharded plan adds ``shard=Shard(...)`` and
-        needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on every rank)."""
-        c = self.candidate
-        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
-                                  "schedule": c.schedule, "virtual_stages": c.virtual_stages}
-        if c.recompute_config() is not None:
-            kwargs["recompute"] = c.recompute_config()
-        if c.dp_shard > 1:
-            from pipe.distributed.fsdp import Shard
-
-            kwargs["shard"] = Shard(reshard_after_forward=c.reshard_after_forward)
-        return kwargs
+        """Arguments of ``DistributedPipe(model, **kwargs)`` (:meth:`Candidate.distributed_kwargs`); a sharded
+        plan needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on every rank)."""
+        return self.candidate.distributed_kwargs()
 
     def mesh_kwargs(self) -> dict[str, int]:
-        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_shard`` split.
-
-        The mesh is collective: every rank calls ``make_mesh`` after
-        ``init_process_group``; each rank then passes its share of the
-        mini-batch (part ``model.topology.replica`` of ``dp_shard``).
-        """
-        return {"pp": self.candidate.ranks, "dp_shard": self.candidate.dp_shard}
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_shard`` split
+        (:meth:`Candidate.mesh_kwargs`)."""
+        return self.candidate.mesh_kwargs()
 
     def table(self, rejected: int = 8) -> str:
         """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
@@ -271,7 +258,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     best = fit[0]
     rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
-    splits = [] if dp_shard is None else split_summary(predictions, bounds, fits, best) + [
+    splits = [] if dp_shard is None else split_summary(predictions, bounds, fits, best, budget[0]) + [
         f"left out: {why}" for why in skipped]
     chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
                   considered, costs, simulated=len(predictions), model=model, splits=splits)

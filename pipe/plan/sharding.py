@@ -74,7 +74,7 @@ def replica_costs(costs: Costs, dp_shard: int) -> Costs:
         raise ValueError(
             f"dp_shard={dp_shard} runs micro-batches of {batch} / chunks samples, but the profile has none of "
             f"them (profiled chunk counts {costs.chunk_options()}); profile with chunks that include "
-            f"{[dp_shard * c for c in (1, 2, 4)]} (chunks c at dp_shard {dp_shard} is the profile of "
+            f"{[dp_shard * c for c in range(1, batch + 1) if batch % c == 0][:3]} (chunks c at dp_shard {dp_shard} is the profile of "
             f"chunks {dp_shard}*c)")
     view = Costs(batch, {r: costs.forward[r] for r in kept}, {r: costs.backward[r] for r in kept},
                  costs._memory, costs.param_bytes, param_scale=costs.param_scale,
@@ -244,7 +244,7 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
 
 
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
-                  fits: Callable[["Candidate"], bool], best: "Prediction") -> list[str]:
+                  fits: Callable[["Candidate"], bool], best: "Prediction", budget: int) -> list[str]:
     """One line per split (``pp x dp_shard``, ZeRO mode): its best plan, or why it lost."""
     from pipe.plan.search import format_bytes
 
@@ -261,7 +261,8 @@ def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate",
             why = f"best fitting plan {top.step_time * 1e3:.2f} ms, slower by {top.step_time / best.step_time - 1:+.1%}"
         elif mine:
             top = min(mine, key=lambda p: p.peak)
-            why = f"its simulated plans are over budget (smallest peak {format_bytes(top.peak)})"
+            why = (f"over budget: the smallest peak of its {len(mine)} simulated plans is {format_bytes(top.peak)} "
+                   f"> {format_bytes(budget)}")
         else:
             low = min(b for c, b in bounds.items() if (c.dp_shard, c.reshard_after_forward) == (size, reshard))
             why = (f"not simulated: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) cannot beat "
