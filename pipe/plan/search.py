@@ -311,7 +311,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
-         loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None) -> Plan:
+         loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
+         zero: Sequence[int] = (3, 2)) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -323,9 +324,11 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         model: the ``nn.Sequential`` (left untouched: layers are copied to profile).
         sample: one mini-batch, as the pipeline will get it.
         memory_budget: bytes per rank: ``"2GiB"``, a number, or one per rank.
-        stages: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks).
+        stages: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks); with
+            ``dp_shard``, the ranks to split as ``pp x dp_shard``.
         runner: ``"threads"`` for ``Pipe`` (GPipe), ``"processes"`` for ``DistributedPipe``.
-        chunks: micro-batch counts to consider (those that divide the batch).
+        chunks: micro-batch counts to profile and consider (those that divide the batch); a
+            split with ``dp_shard`` S plans chunks c from the profile of chunks S*c.
         schedules, checkpoints: restrict the candidates.
         param_scale: copies of the parameters training keeps: 2 for SGD,
             3 with momentum, 4 for Adam.
@@ -340,6 +343,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         per_stage: also plan per-stage recompute where the budget needs it.
         loss_fn, target: the loss and the mini-batch's targets, so the last
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
+        dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
+            ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
 
     Raises:
         PlanError: nothing fits (the message names the smallest peak and the rank holding it).
@@ -352,7 +357,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
-                  max_balances=max_balances, model=model_time, per_stage=per_stage)
+                  max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard, zero=zero)
 
 
 def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:
