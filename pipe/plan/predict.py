@@ -21,7 +21,7 @@ from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.plan.cost import Costs
-from pipe.plan.sharding import collective_seconds, held_by_fsdp, replica_costs, sharded_static, split_text
+from pipe.plan.sharding import Held, collective_seconds, held_by_fsdp, replica_costs, sharded_static, split_text
 from pipe.plan.timing import TimeModel
 
 LOSS_SCALAR_BYTES = 3 * 4
@@ -276,7 +276,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
                      stop: int, runner: str = "threads", candidate: Optional[Candidate] = None,
-                     extra: Optional[Callable[[int], int]] = None) -> int:
+                     fsdp: Optional[Held] = None) -> int:
     """The high-water mark of activation bytes along ``rank``'s program.
 
     With ``runner="processes"`` the process runner's buffers count too
@@ -287,8 +287,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     ``HEADER_BYTES``, and a small value (``INLINE_BYTES``) is copied behind it
     (then the send holds that copy instead). In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
-    sends the input gradient; W frees them. ``extra(k)``: bytes held besides
-    activations during action k (FSDP's unsharded parameters and gradients).
+    sends the input gradient; W frees them. ``fsdp``: bytes held besides
+    activations during each action (FSDP's unsharded parameters and gradients), and
+    the backwards that create a stage's gradients (counted with ``fresh``).
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -308,11 +309,13 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
+        fresh = fsdp is not None and k in fsdp.fresh
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
-                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward)
+                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
+                                    fresh)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
-        posted += extra(k) if extra is not None else 0
+        posted += fsdp.during[k] if fsdp is not None else 0
         if action.phase is Phase.FORWARD:
             peak = max(peak, held + sent + posted + lingering + scalars + memory.forward_peak)
             kept[key] = memory.kept

@@ -28,7 +28,7 @@ last backward. The planner follows the very same per-action plan
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.schedule import Action, Phase, Schedule
@@ -98,16 +98,32 @@ def _program(schedule: Schedule, rank: int) -> list[Action]:
     return list(schedule.actions(rank))
 
 
+@dataclass(frozen=True)
+class Held:
+    """What FSDP holds on one rank along its program (:func:`held_by_fsdp`).
+
+    Attributes:
+        during: bytes held unsharded during each action, activations apart.
+        fresh: the actions that create a stage's gradients (its first ``B``): their
+            backward peak is counted with the gradients created (``Costs.stage_memory(fresh=True)``),
+            so ``during`` leaves that stage's gradients out there.
+    """
+
+    during: list[int]
+    fresh: frozenset[int]
+
+
 def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
-                 zero3: bool) -> Callable[[int], int]:
-    """``bytes(k)``: what FSDP holds unsharded during action ``k`` of ``rank``'s program (activations apart).
+                 zero3: bool) -> Held:
+    """What FSDP holds unsharded during each action of ``rank``'s program (activations apart).
 
     Follows the runner's plan (:func:`pipe.distributed.fsdp.sharding_plan`): a
     stage's full parameters from the wait for its gather to its reshard; a
     prefetch issued before action k and waited for before action k + 1 holds
     its gathered buffer (the stage's bytes; the input shard is a view of it) during action k;
-    a stage's full gradients from its first backward (the action that creates
-    them included) to the reduce-scatter after its last.
+    a stage's full gradients from its first backward to the reduce-scatter
+    after its last (a first ``B`` counts those it creates in its own backward
+    peak; a first ``W``, whose bytes are not counted apart, holds them all).
     """
     from pipe.distributed.fsdp import sharding_plan
 
@@ -121,17 +137,19 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     during: list[int] = []
     gathered: set[int] = set()
+    fresh = frozenset(k for k in first_grad.values() if program[k].phase is Phase.BACKWARD)
     for k, action in enumerate(program):
+        fresh_b = k in fresh
         in_flight = [s for s in events[k].unshard if s != action.stage]  # the prefetch, waited for at k + 1
         gathered.update(s for s in events[k].unshard if s == action.stage)
         total = sum(_stage_bytes(costs, bounds, s) for s in gathered)
         total += sum(_stage_bytes(costs, bounds, s) for s in in_flight)  # its input shard is a view of it
         total += sum(_stage_bytes(costs, bounds, s) for s, first in first_grad.items()
-                     if first <= k <= reduced.get(s, len(program)))
+                     if first <= k <= reduced.get(s, len(program)) and not (first == k and fresh_b))
         during.append(total)
         gathered.update(in_flight)  # waited for before action k + 1
         gathered.difference_update(events[k].reshard)
-    return lambda k: during[k]
+    return Held(during, fresh)
 
 
 def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
