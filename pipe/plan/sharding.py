@@ -22,9 +22,12 @@ last backward. The planner follows the very same per-action plan
   backward (``B``, or ``W`` in zero-bubble schedules) to its reduce-scatter;
 * **time** (:func:`collective_seconds`): one all-gather per gather and one
   reduce-scatter per step of each FSDP group (each layer with parameters),
-  ``(S - 1) x (latency + group bytes / S x per_byte)`` over the link (a ring),
-  added to the action before which (after which, for the reduce-scatter) the
-  runner issues it: the overlap of prefetches with compute is not modelled.
+  ``(S - 1) x (latency + collective_overhead + group bytes / S x per_byte)``
+  over the link (a ring), plus ``shard_step_overhead`` per sharded stage and
+  step, added to the action before which (after which, for the
+  reduce-scatter) the runner issues it; both overheads are measured with the
+  link (:func:`pipe.plan.link.measure_link`, on 2 ranks). The overlap of
+  prefetches with compute is not modelled, nor ranks that outnumber the cores.
 """
 from __future__ import annotations
 
@@ -157,7 +160,8 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
     """Seconds of the all-gathers issued before, and the reduce-scatters issued after, each action of ``rank``.
 
     Each FSDP group (a layer with parameters) is gathered and reduce-scattered
-    over a ring of ``dp_shard`` ranks: ``dp_shard - 1`` messages of its bytes / ``dp_shard``.
+    over a ring of ``dp_shard`` ranks: ``dp_shard - 1`` messages of its bytes / ``dp_shard``,
+    each with the link's ``collective_overhead``; a stage's reduction adds ``shard_step_overhead``.
     """
     if link is None or dp_shard == 1:
         return {}
@@ -165,11 +169,13 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
 
     def ring(stage: int) -> float:
         first, stop = bounds[stage]
-        return sum((dp_shard - 1) * link.cost(-(-b // dp_shard)) for b in costs.param_bytes[first:stop] if b)
+        return sum((dp_shard - 1) * (link.cost(-(-b // dp_shard)) + link.collective_overhead)
+                   for b in costs.param_bytes[first:stop] if b)
 
     program = _program(schedule, rank)
     events = sharding_plan(program, zero3, training=True)
-    return {action: sum(ring(s) for s in events[k].unshard) + sum(ring(s) for s in events[k].reduce)
+    return {action: sum(ring(s) for s in events[k].unshard)
+            + sum(ring(s) + link.shard_step_overhead for s in events[k].reduce)
             for k, action in enumerate(program)}
 
 
