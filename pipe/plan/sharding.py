@@ -289,8 +289,9 @@ def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate",
                    f"> {format_bytes(budget)}")
         else:
             low = min(b for c, b in bounds.items() if (c.dp_shard, c.reshard_after_forward) == (size, reshard))
-            why = (f"not simulated: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) cannot beat "
-                   f"the plans found, or its plans are over budget")
+            why = (f"slower: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) > the chosen "
+                   f"{best.step_time * 1e3:.2f} ms" if low > best.step_time else
+                   "over budget: its plans that could be faster were walked and do not fit")
         lines.append(f"{label:<26} {why}")
     return lines
 
