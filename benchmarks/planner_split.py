@@ -17,9 +17,12 @@ For the MLP stack of benchmarks/planner.py, on 4 gloo ranks on the CPU:
 4. for budgets between the smallest and the largest predicted peak, the
    planner's chosen plan against the measured fastest plan whose measured peak fits.
 
-The time model is NOT fitted here (the measured link and overheads only):
-4 processes share 2 cores, which FSDP's ring collectives feel most (every
-rank of a ring must run for each of its steps).
+The time model is the measured link and overheads (``time_model``); then,
+to see whether its form holds where its constants do not, overhead per action
+and contention are fitted (:func:`pipe.plan.fit`) to the first plan of each
+split and every other plan predicted with them (``fitted``). 4 processes share
+2 cores, which FSDP's ring collectives feel most (every rank of a ring must
+run for each of its steps).
 
 Run:
     python benchmarks/planner_split.py            # full: width 512, 8 layers, 3 sweeps: about 2 minutes on 2 quiet cores
@@ -50,7 +53,7 @@ sys.path.insert(0, str(HERE))
 
 from planner import load, mlp_data, mlp_model  # noqa: E402
 
-from pipe.plan import Candidate, TimeModel, predict, profile_costs, search  # noqa: E402
+from pipe.plan import Candidate, TimeModel, fit, predict, profile_costs, search  # noqa: E402
 from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
 from pipe.plan.sharding import split_candidates  # noqa: E402
@@ -138,27 +141,47 @@ def main() -> None:
         choices.append({"budget": budget, "chosen": row["plan"], "chosen_ms": row["measured_ms"],
                         "fits": row["measured_peak"] <= budget,
                         "fastest_fitting": fastest["plan"] if fastest else None,
+                        "same_split": fastest is not None and fastest["split"] == row["split"],
                         "chosen_vs_fastest": row["measured_ms"] / fastest["measured_ms"] if fastest else None,
                         "splits": chosen.splits})
     errors = [abs(p["step_error"]) for p in plans]
+    first_of_split: dict[tuple[int, int], Candidate] = {}
+    for p in plans:
+        first_of_split.setdefault((p["candidate"].ranks, p["candidate"].dp_shard), p["candidate"])
+    calibration = list(first_of_split.values())
+    times = {p["candidate"]: p["measured_ms"] / 1e3 for p in plans}
+    fitted = fit(costs, {c: times[c] for c in calibration}, link=model.link)
+    fitted_errors = {p["plan"]: predict(costs, p["candidate"], runner="processes", timeline=False,
+                                        model=fitted).step_time / times[p["candidate"]] - 1
+                     for p in plans if p["candidate"] not in calibration}
     result = {"mode": kind, "size": size, "settings": {**mode, "chunks": list(mode["chunks"])},
               "ranks": RANKS, "time_model": model.describe(), "left_out": skipped,
               "plans": [{k: v for k, v in p.items() if k != "candidate"} for p in plans], "budgets": choices,
               "step_error_worst": max(errors), "step_error_median": statistics.median(errors),
+              "fitted": {"model": fitted.describe(), "fitted_on": [c.describe() for c in calibration],
+                         "errors": fitted_errors,
+                         "step_error_worst": max(abs(e) for e in fitted_errors.values()),
+                         "step_error_median": statistics.median(abs(e) for e in fitted_errors.values())},
               "peak_error_worst": max(p["peak_error"] for p in plans),
               "chosen_within_5pct": sum(1 for c in choices if c["chosen_vs_fastest"] is not None
                                         and c["chosen_vs_fastest"] <= 1.05) / len(choices),
               "fit_share": sum(1 for c in choices if c["fits"]) / len(choices),
+              "chosen_split_is_fastest_split": sum(1 for c in choices if c["same_split"]) / len(choices),
               "load_before": load_before, "load_after": load(), "seconds": time.perf_counter() - begun}
     for p in plans:
         print(f"  {p['plan']:<78} predicted {p['predicted_ms']:8.2f} ms  measured {p['measured_ms']:8.2f} ms  "
               f"error {p['step_error']:+6.1%}  peak error {p['peak_error']:.2%}")
     for c in choices:
         ratio = f"{c['chosen_vs_fastest']:.2f}x the fastest fitting" if c["chosen_vs_fastest"] else "nothing fits"
-        print(f"budget {c['budget']:>10} B: chosen {c['chosen']} ({'fits' if c['fits'] else 'OVER'}; {ratio})")
+        print(f"budget {c['budget']:>10} B: chosen {c['chosen']} ({'fits' if c['fits'] else 'OVER'}; {ratio}; "
+              f"fastest fitting: {c['fastest_fitting']})")
+    print(f"fitted on the first plan of each split ({fitted.describe()}): step error on the other "
+          f"{len(fitted_errors)} plans worst {result['fitted']['step_error_worst']:.1%}, median "
+          f"{result['fitted']['step_error_median']:.1%}")
     print(f"step error worst {result['step_error_worst']:.1%} (median {result['step_error_median']:.1%}); peak error "
           f"worst {result['peak_error_worst']:.2%}; chosen within 5%: {result['chosen_within_5pct']:.0%}; "
-          f"fit: {result['fit_share']:.0%}")
+          f"fit: {result['fit_share']:.0%}; chosen split = measured fastest fitting plan's split: "
+          f"{result['chosen_split_is_fastest_split']:.0%}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / ("planner_split-quick.json" if args.quick else "planner_split.json")
     path.write_text(json.dumps(result, indent=2))
