@@ -25,8 +25,8 @@ split and every other plan predicted with them (``fitted``). 4 processes share
 run for each of its steps).
 
 Run:
-    python benchmarks/planner_split.py            # full: width 512, 8 layers, 3 sweeps: about 2 minutes on 2 quiet cores
-    python benchmarks/planner_split.py --quick    # width 128, 4 layers, 1 sweep: about 20 seconds
+    python benchmarks/planner_split.py            # full: width 512, 8 blocks, 3 sweeps: about 40 s (2 cores, load 4-6)
+    python benchmarks/planner_split.py --quick    # width 128, 4 blocks, 1 sweep: about 6 s
 Results: benchmarks/results/planner_split.json (planner_split-quick.json with --quick).
 """
 from __future__ import annotations
