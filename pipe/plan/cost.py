@@ -128,6 +128,7 @@ class Costs:
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
+        self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
         for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "

@@ -64,7 +64,7 @@ def replica_costs(costs: Costs, dp_shard: int) -> Costs:
     """
     if dp_shard == 1:
         return costs
-    cache: dict[int, Costs] = costs.__dict__.setdefault("_replicas", {})
+    cache = costs._replicas
     if dp_shard in cache:
         return cache[dp_shard]
     if costs.batch % dp_shard:
