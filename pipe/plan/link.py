@@ -94,9 +94,22 @@ OVERHEAD_PLAN = ("gpipe", 8)
 """The plan whose step measures the runner's overhead per action: a model too small to take time."""
 
 
+def _fastest_step(model: Any, rows: int) -> float:
+    """The fastest of 6 steps (after 2 to warm up) of ``model`` on zeros of ``rows`` x 4."""
+    import torch
+    from torch import nn
+
+    x, y = torch.zeros(rows, 4), torch.zeros(rows, 4)
+    times = []
+    for _ in range(8):
+        begun = time.perf_counter()
+        model.step(x, y, nn.functional.mse_loss)
+        times.append(time.perf_counter() - begun)
+    return min(times[2:])
+
+
 def _empty_step(rank: int) -> float:
     """The fastest of a few steps of a 2-rank ``DistributedPipe`` whose layers take no time."""
-    import torch
     from torch import nn
 
     from pipe.distributed import DistributedPipe
@@ -104,13 +117,7 @@ def _empty_step(rank: int) -> float:
     kind, chunks = OVERHEAD_PLAN
     model = DistributedPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
                             checkpoint="never", schedule=kind)
-    x, y = torch.zeros(chunks, 4), torch.zeros(chunks, 4)
-    times = []
-    for _ in range(8):
-        begun = time.perf_counter()
-        model.step(x, y, nn.functional.mse_loss)
-        times.append(time.perf_counter() - begun)
-    return min(times[2:])
+    return _fastest_step(model, chunks)
 
 
 SHARDED_LAYERS = (2, 8)
@@ -120,20 +127,13 @@ _TINY_LAYER_BYTES = (4 * 4 + 4) * 4  # nn.Linear(4, 4) in float32
 
 def _sharded_step(layers: int) -> float:
     """The fastest of a few steps of ``layers`` tiny layers sharded over the 2 ranks (pp 1 x dp_shard 2)."""
-    import torch
     from torch import nn
 
     from pipe.distributed import DistributedPipe, make_mesh
 
     model = DistributedPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]), chunks=1, schedule="gpipe",
                             checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
-    x, y = torch.zeros(2, 4), torch.zeros(2, 4)
-    times = []
-    for _ in range(8):
-        begun = time.perf_counter()
-        model.step(x, y, nn.functional.mse_loss)
-        times.append(time.perf_counter() - begun)
-    return min(times[2:])
+    return _fastest_step(model, 1)
 
 
 def _sharding_overheads(link: Link, steps: dict[int, float]) -> tuple[float, float]:
