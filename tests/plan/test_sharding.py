@@ -87,10 +87,12 @@ def test_bad_splits_raise_with_the_value_and_the_fix() -> None:
     assert any(line.startswith("left out: pp1 x dp_shard4: dp_shard=4 runs micro-batches") for line in plan.splits)
 
 
-# pp, dp_shard, schedule, chunks, checkpoint, ZeRO-3: one 4-rank launch measures them all.
+# pp, dp_shard, schedule, chunks, checkpoint, ZeRO-3 (ZeRO-2 differs where a rank holds two stages: interleaved,
+# zbv): one 4-rank launch measures them all.
 CONFIGS = [(2, 2, "gpipe", 2, "never", True), (2, 2, "1f1b", 4, "never", True), (2, 2, "gpipe", 2, "always", True),
            (2, 2, "interleaved", 2, "never", True), (2, 2, "interleaved", 2, "never", False),
-           (2, 2, "zb-h1", 2, "never", True), (1, 4, "gpipe", 2, "never", True), (4, 1, "gpipe", 4, "never", True)]
+           (2, 2, "zb-h1", 2, "never", True), (2, 2, "zbv", 2, "never", True), (2, 2, "zbv", 2, "except_last", False),
+           (1, 4, "gpipe", 2, "never", True), (4, 1, "gpipe", 4, "never", True)]
 
 
 def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str, zero3: bool) -> Candidate:
@@ -127,9 +129,9 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
             # activations, buffers, and FSDP's unsharded parameters and gradients (resized storages included).
             predicted = prediction.peaks[pipeline_rank] - prediction.static[pipeline_rank]
             # Within 0.3% here. Zero bubble: I and W counted per stage (as for unsharded plans,
-            # tests/plan/test_cost.py), and its first W's gradients counted whole: 2.8% under on the last stage.
-            low = 0.97 if config[2].startswith("zb") else 0.99
+            # tests/plan/test_cost.py), and a first W's gradients counted whole: from -2.8% to +2.3% here.
+            low, high = (0.97, 1.03) if config[2].startswith("zb") else (0.99, 1.01)
             checked += 1
-            if not low * counted <= predicted <= 1.01 * counted:
+            if not low * counted <= predicted <= high * counted:
                 wrong.append((config, rank, predicted, counted))
     assert checked == 4 * len(CONFIGS) and not wrong
