@@ -275,10 +275,15 @@ def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate
     rank = max(range(len(peaks)), key=lambda r: peaks[r] - budget[r])
     need = peaks[rank]
     return (f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
-            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on rank {rank} "
+            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on {_rank_text(smallest)} {rank} "
             f"({_stages_text(smallest, rank)}; {format_bytes(memory[smallest][1][rank])} of it parameters, "
             f"gradients and optimiser state), reached by {smallest.describe()}; raise memory_budget to at least "
             f"{format_bytes(need)} or plan over more stages")
+
+
+def _rank_text(candidate: Candidate) -> str:
+    """"rank", or for a sharded plan "pipeline rank" (each of its dp_shard ranks holds the same)."""
+    return "pipeline rank" if candidate.dp_shard > 1 else "rank"
 
 
 def _stages_text(candidate: Candidate, rank: int) -> str:
@@ -293,7 +298,8 @@ def _stages_text(candidate: Candidate, rank: int) -> str:
 def _why(prediction: Prediction, budget: list[int], best: Prediction) -> str:
     over = [(r, peak, b) for r, (peak, b) in enumerate(zip(prediction.peaks, budget)) if peak > b]
     faster = f"{1 - prediction.step_time / best.step_time:.1%} faster, but " if best.step_time else ""
-    return faster + "; ".join(f"rank {r} ({_stages_text(prediction.candidate, r)}) needs {format_bytes(peak)} > "
+    return faster + "; ".join(f"{_rank_text(prediction.candidate)} {r} ({_stages_text(prediction.candidate, r)}) "
+                              f"needs {format_bytes(peak)} > "
                               f"{format_bytes(b)}" for r, peak, b in over)
 
 

@@ -63,6 +63,8 @@ def test_a_tight_budget_pipelines_and_a_loose_one_shards() -> None:
     assert "pp4 x dp_shard1            chosen" in text
     assert "pp1 x dp_shard4 zero3      over budget" in text, text
     assert "pp4 x dp_shard1" in next(line for line in text.splitlines() if line.startswith("* "))  # its split
+    sharded = [why for p, why in tight.rejected if p.candidate.dp_shard == 4]
+    assert sharded and all("faster, but pipeline rank 0 (stage 0: layers 0-" in why for why in sharded), sharded
     assert tight.mesh_kwargs() == {"pp": 4, "dp_shard": 1} and "shard" not in tight.distributed_kwargs()
 
 
