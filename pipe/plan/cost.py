@@ -346,8 +346,7 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         tensors = [t if first else t.clone() for t in given.tensors]
-        needs_input = not any(p.requires_grad for p in stage.parameters())  # else nothing to back-propagate
-        if (split or needs_input) and not first:  # a received input needs its gradient (I computes it for W)
+        if not first:  # a received input needs its gradient, as in the runner (it is sent back)
             tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
         batch = detach(given.with_tensors(tensors))
         compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
