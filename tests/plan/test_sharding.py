@@ -103,7 +103,7 @@ def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str,
                      dp_shard=shard, reshard_after_forward=zero3)
 
 
-def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> list[tuple[int, int]]:
+def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     import pipe.distributed as pd
 
     results = []
@@ -115,12 +115,21 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> 
         rows = slice(model.topology.replica * share, (model.topology.replica + 1) * share)
         measured = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1)
         results.append((model.topology.pipeline_rank, measured.activation_peak))
-    return results
+    # DistributedPipe(memory_budget=) plans pipeline ranks only: on a sharding mesh it refuses, on every rank.
+    try:
+        pd.DistributedPipe(mlp(), memory_budget="1GiB", sample=x, mesh=pd.make_mesh(pp=2, dp_shard=2))
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {"peaks": results, "refused": refused}
 
 
 def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> None:
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
-    measured = run_ranks(_measure_splits, 4, x, y, deadline=180, timeout=60)
+    reports = run_ranks(_measure_splits, 4, x, y, deadline=180, timeout=60)
+    measured = [r["peaks"] for r in reports]
+    assert all("plans pipeline ranks only, but the mesh shards each stage over dp_shard=2" in r["refused"]
+               for r in reports), reports[0]["refused"]
     costs = profile_costs(mlp(), x, (1, 2, 4, 8, 16), loss_fn=nn.functional.mse_loss, target=y)
     wrong, checked = [], 0
     for k, config in enumerate(CONFIGS):
