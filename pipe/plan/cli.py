@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--input-shape", type=_shape, metavar="B,...", help="a random float mini-batch of this shape")
     sample.add_argument("--input", type=_function, metavar="MODULE:FUNCTION", help="a function returning a mini-batch")
     parser.add_argument("--budget", type=_budget, required=True, help="memory per device, e.g. 2GiB or 512MB")
-    parser.add_argument("--stages", type=int, required=True, help="devices (Pipe partitions or pipeline ranks)")
+    parser.add_argument("--stages", type=int, required=True, help="devices (Pipe partitions or pipeline ranks; with --dp-shard, all the ranks to split)")
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="threads",
                         help="threads: Pipe (GPipe); processes: DistributedPipe (default: threads)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],

@@ -142,7 +142,8 @@ class Plan:
                  f"{self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
-        lines.append(f"{'':2}{'plan':<64} {'step':>10} {'peak per rank':>30}")
+        peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its dp_shard ranks alike
+        lines.append(f"{'':2}{'plan':<64} {'step':>10} {peaks:>30}")
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
