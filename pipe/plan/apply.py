@@ -52,10 +52,22 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any) -> dict[str, Any]:
-    """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective)."""
+                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any, shards: int = 1) -> dict[str, Any]:
+    """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
+
+    Raises:
+        ValueError: ``shards > 1`` (a mesh with "dp_shard"): the split is planned by
+            ``pipe.plan.plan(..., dp_shard=...)``, not here (every rank raises alike).
+    """
     import torch.distributed as dist
 
+    if shards > 1:
+        raise ValueError(
+            f"DistributedPipe(..., memory_budget=...) plans pipeline ranks only, but the mesh shards each stage over "
+            f"dp_shard={shards} ranks, whose memory it would not count; plan the split yourself: "
+            f"plan = pipe.plan.plan(model, global_batch, memory_budget=..., stages=<all ranks>, runner='processes', "
+            f"dp_shard=[{shards}]) on one rank, then DistributedPipe(model, mesh=make_mesh(**plan.mesh_kwargs()), "
+            f"**plan.distributed_kwargs()) (docs/planner.md)")
     _check(module, sample, balance, "DistributedPipe")
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "

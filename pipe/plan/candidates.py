@@ -13,6 +13,7 @@ from pipe.core.schedule import Schedule
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs
 from pipe.plan.predict import Candidate, predict_memory
+from pipe.plan.sharding import replica_costs
 
 __all__: list[str] = []
 
@@ -107,6 +108,7 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
     if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    view = replica_costs(costs, candidate.dp_shard)  # each pipeline's share of the batch
     counts = [0] * len(candidate.balance)
     peaks, _ = predict_memory(costs, candidate, runner=runner)
     if all(p <= b for p, b in zip(peaks, budget)):
@@ -125,7 +127,7 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
                 tried = replace(candidate, recompute=tuple(trial))
                 new_peak = predict_memory(costs, tried, runner=runner, ranks=[rank])[0][rank]
                 layer = first_of[s] + counts[s]
-                cost = costs.forward[costs.rows(candidate.chunks)][layer] * candidate.chunks or 1e-12
+                cost = view.forward[view.rows(candidate.chunks)][layer] * candidate.chunks or 1e-12
                 score = (peak - new_peak) / cost
                 if best is None or score > best[0]:
                     best = (score, s, new_peak)

@@ -4,6 +4,7 @@ Usage::
 
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
+              [--dp-shard auto | S [S ...]] [--zero 3 2]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -14,7 +15,11 @@ that were rejected with the rank (and its stages) over the budget;
 ``--explain`` adds where the chosen plan's idle time goes. ``--verify`` then
 runs the chosen plan (``--runner processes``: one local gloo process per rank;
 ``threads``: ``Pipe`` on the CPU) and prints the measured step and peaks
-beside the predicted ones; its loss is the mean of the output. Bad arguments
+beside the predicted ones; its loss is the mean of the output. ``--dp-shard``
+(with ``--runner processes``) plans the ``--stages`` ranks as ``pp x dp_shard``
+FSDP splits (``auto``: every divisor; :mod:`pipe.plan.sharding`), in the ZeRO
+stages of ``--zero``; the table then says, per split, whether it was chosen or
+why it lost, and the command prints the ``make_mesh`` arguments. Bad arguments
 exit with status 2; a budget that nothing fits exits with status 1 and names
 the smallest peak found and the rank holding it.
 """
@@ -74,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--input-shape", type=_shape, metavar="B,...", help="a random float mini-batch of this shape")
     sample.add_argument("--input", type=_function, metavar="MODULE:FUNCTION", help="a function returning a mini-batch")
     parser.add_argument("--budget", type=_budget, required=True, help="memory per device, e.g. 2GiB or 512MB")
-    parser.add_argument("--stages", type=int, required=True, help="devices (Pipe partitions or pipeline ranks)")
+    parser.add_argument("--stages", type=int, required=True, help="devices (Pipe partitions or pipeline ranks; with --dp-shard, all the ranks to split)")
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="threads",
                         help="threads: Pipe (GPipe); processes: DistributedPipe (default: threads)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
@@ -84,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--explain", action="store_true", help="also explain the chosen plan's idle time")
     parser.add_argument("--verify", action="store_true",
                         help="run the chosen plan and print the measured step and peaks beside the predicted")
+    parser.add_argument("--dp-shard", nargs="+", metavar="S", default=None,
+                        help="plan --stages ranks as pp x dp_shard (FSDP): 'auto' for every divisor, or the "
+                             "dp_shard sizes to try (needs --runner processes)")
+    parser.add_argument("--zero", type=int, nargs="+", choices=[2, 3], default=[3, 2],
+                        help="with --dp-shard: the ZeRO stages to compare (3: reshard after forward; default 3 2)")
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
                         help="transport cost between ranks (processes): auto measures it once per machine and "
                              "caches it; cached uses the cache only; none: free (default auto)")
@@ -113,8 +123,10 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
         lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
                      f"({predicted.step_time / step - 1:+.1%})")
         for rank, m in enumerate(measured):
-            lines.append(f"  rank {rank} peak  predicted {format_bytes(predicted.peaks[rank]):>12}  measured "
-                         f"{format_bytes(m.activation_peak):>12} ({predicted.peaks[rank] / m.activation_peak - 1:+.1%})")
+            peak = predicted.peaks[m.pipeline_rank]
+            where = f" (pipeline rank {m.pipeline_rank})" if chosen.candidate.dp_shard > 1 else ""
+            lines.append(f"  rank {rank}{where} peak  predicted {format_bytes(peak):>12}  measured "
+                         f"{format_bytes(m.activation_peak):>12} ({peak / m.activation_peak - 1:+.1%})")
         return "\n".join(lines)
     from pipe import Pipe
 
@@ -132,6 +144,26 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     return "\n".join(lines)
 
 
+class _Name(str):
+    """A name printed as is in the suggested call (``mesh=mesh``)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _dp_shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    if args.dp_shard is None:
+        return None
+    if args.runner != "processes":
+        parser.error("--dp-shard plans FSDP sharding, which only DistributedPipe runs: add --runner processes")
+    if args.dp_shard == ["auto"]:
+        return "auto"
+    try:
+        return [int(size) for size in args.dp_shard]
+    except ValueError:
+        parser.error(f"--dp-shard takes 'auto' or sizes such as 2 4, got {' '.join(args.dp_shard)}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command; returns the exit status."""
     import torch
@@ -144,11 +176,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = args.model()
     sample = torch.randn(*args.input_shape) if args.input_shape else args.input()
     with_loss = args.verify and args.runner == "processes"
+    dp_shard = _dp_shard(parser, args)
     try:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
                       chunks=args.chunks, param_scale=args.param_scale,
                       link=None if args.link == "none" else args.link, loss_fn=mean_loss if with_loss else None,
-                      target=sample if with_loss else None)
+                      target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1
@@ -160,6 +193,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.write(chosen.table() + "\n")
     kwargs = chosen.pipe_kwargs() if args.runner == "threads" else chosen.distributed_kwargs()
     front = "Pipe" if args.runner == "threads" else "DistributedPipe"
+    if dp_shard is not None:
+        front = f"mesh = make_mesh({', '.join(f'{k}={v}' for k, v in chosen.mesh_kwargs().items())})\n{front}"
+        kwargs = {**kwargs, "mesh": _Name("mesh")}
     sys.stdout.write(f"\n{front}(model, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")\n")
     if args.explain:
         sys.stdout.write("\n" + explain_prediction(chosen.best).table() + "\n")

@@ -88,7 +88,7 @@ class StageTime:
     weight_grad: float = 0.0
 
 
-MemoryFn = Callable[[int, int, int, bool, int, bool], StageMemory]
+MemoryFn = Callable[[int, int, int, bool, int, bool, bool], StageMemory]
 
 
 class Costs:
@@ -97,11 +97,13 @@ class Costs:
     Args:
         batch: samples per mini-batch.
         forward, backward: ``{micro-batch rows: seconds per layer}``.
-        memory: ``memory(first, stop, rows, checkpointed, recomputed, split)``: the
+        memory: ``memory(first, stop, rows, checkpointed, recomputed, split, fresh)``: the
             :class:`StageMemory` of layers ``first:stop`` for a micro-batch of
             ``rows`` samples, the cell checkpointed or not, its first
             ``recomputed`` layers marked for recompute (:func:`pipe.recompute.recompute`),
-            its backward split into I and W or not.
+            its backward split into I and W or not; ``fresh``: the backward creates the
+            parameters' gradients (none before it: FSDP's unsharded gradients at a stage's
+            first backward of the step), so its peak includes those created.
         param_bytes: bytes of each layer's parameters.
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
@@ -122,10 +124,11 @@ class Costs:
         self.backward = backward
         self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int, bool], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
+        self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
         for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
@@ -159,9 +162,9 @@ class Costs:
         return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
 
     def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
-                     split: bool = False) -> StageMemory:
+                     split: bool = False, fresh: bool = False) -> StageMemory:
         """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked;
-        ``split``: the backward run as I then W).
+        ``split``: the backward run as I then W; ``fresh``: the backward creates the gradients).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows.
@@ -170,16 +173,16 @@ class Costs:
         recomputed = 0 if checkpointed else recomputed  # a checkpointed cell replays all of it anyway
         low, high = min(self.forward), max(self.forward)
         if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed, recomputed, split)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split) for r in (low, high))
+            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
             (a.forward_peak, a.kept, a.backward_peak, a.after_input),
             (b.forward_peak, b.kept, b.backward_peak, b.after_input))))
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                 split: bool) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed, split)
+                 split: bool, fresh: bool = False) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split, fresh)
         if key not in self._memory_cache:
             self._memory_cache[key] = self._memory(*key)
         return self._memory_cache[key]
@@ -216,7 +219,7 @@ class Costs:
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                   split: bool) -> StageMemory:
+                   split: bool, fresh: bool = False) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
             marked = first + min(recomputed, stop - first)
@@ -224,8 +227,9 @@ class Costs:
             out = output[stop - 1] * rows
             kept = received + (out if checkpointed else kept_layers)
             replayed = max((activation[k] for k in range(first, marked)), default=0) * rows
+            grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0  # all at once: the safe side
             return StageMemory(forward_peak=received + full, kept=kept,
-                               backward_peak=out + (full - out if checkpointed else replayed),
+                               backward_peak=out + (full - out if checkpointed else replayed) + grads,
                                after_input=(full - out if checkpointed else 0) + out if split else 0)
 
         return cls(batch,
@@ -293,7 +297,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
             param.grad = torch.zeros_like(param)
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
-    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool) -> StageMemory:
+    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
+               fresh: bool = False) -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
@@ -301,7 +306,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
             with sandbox(device):
                 loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
                 return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
-                                    split)
+                                    split, fresh)
         finally:
             for layer in stage[:recomputed]:
                 unmark(layer)
@@ -325,9 +330,11 @@ def _monotone(times: Table) -> Table:
 
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
-                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False) -> StageMemory:
+                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False,
+                 fresh: bool = False) -> StageMemory:
     """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
-    its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it."""
+    its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it;
+    with ``fresh``, the parameters have no gradient before the backward (it creates them, counted)."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -339,7 +346,7 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         tensors = [t if first else t.clone() for t in given.tensors]
-        if split and not first:  # a received input needs its gradient (I computes it and records for W)
+        if not first:  # a received input needs its gradient, as in the runner (it is sent back)
             tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
         batch = detach(given.with_tensors(tensors))
         compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
@@ -349,6 +356,9 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
         value = loss[0](output.value, loss[1]) if loss is not None else None
         forward_peak, kept = counter.peak_bytes, counter.live_bytes
         counter.reset_peak()
+        saved = [(p, p.grad) for p in stage.parameters()] if fresh else []
+        for param, _ in saved:
+            param.grad = None  # the backward creates them, as at a sharded stage's first backward
         if split:
             outputs = list(output.tensors)
             ones: list[Optional[Tensor]] = [torch.ones_like(t) if t.requires_grad else None for t in outputs]
@@ -367,6 +377,8 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
                 torch.autograd.backward(roots, grads)
             del roots, grads
         backward_peak = counter.peak_bytes - kept
-        del output, value, batch, tensors
+        for param, grad in saved:
+            param.grad = grad
+        del output, value, batch, tensors, saved
     return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
                        after_input=max(after_input, 0))

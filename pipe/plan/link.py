@@ -8,7 +8,13 @@ processes is not the transport's cost), and a line ``latency + bytes x
 per_byte`` is fitted to them by least squares. The same two processes then
 time steps of a ``DistributedPipe`` whose layers take no time (GPipe, 8
 micro-batches): what is left is the runner's overhead per action
-(:attr:`Link.action_overhead`), the default of the time model.
+(:attr:`Link.action_overhead`), the default of the time model. Last, they
+time steps of the same kind of model sharded over both (``pp 1 x dp_shard
+2``) with 2 and 8 layers: the time per layer beyond the link's latency is
+FSDP's overhead per gather or reduce-scatter of a group
+(:attr:`Link.collective_overhead`), and what the 2-layer step takes beyond
+its collectives and actions its overhead per sharded stage and step
+(:attr:`Link.shard_step_overhead`).
 
 :func:`cached_link` returns the figures measured earlier on this machine, or
 measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
@@ -74,8 +80,12 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
                 elapsed = (time.perf_counter() - begun) / 2
                 best[size] = min(best.get(size, math.inf), elapsed)
         step = _empty_step(rank)
+        sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
+        import gc
+
+        gc.collect()  # the sharded pipelines' groups go before the default group
         dist.destroy_process_group()
-        queue.put((rank, (best, step)))
+        queue.put((rank, (best, step, sharded)))
     except BaseException as error:  # reported to the parent, which raises it
         queue.put((rank, f"{type(error).__name__}: {error}"))
 
@@ -84,9 +94,22 @@ OVERHEAD_PLAN = ("gpipe", 8)
 """The plan whose step measures the runner's overhead per action: a model too small to take time."""
 
 
+def _fastest_step(model: Any, rows: int) -> float:
+    """The fastest of 6 steps (after 2 to warm up) of ``model`` on zeros of ``rows`` x 4."""
+    import torch
+    from torch import nn
+
+    x, y = torch.zeros(rows, 4), torch.zeros(rows, 4)
+    times = []
+    for _ in range(8):
+        begun = time.perf_counter()
+        model.step(x, y, nn.functional.mse_loss)
+        times.append(time.perf_counter() - begun)
+    return min(times[2:])
+
+
 def _empty_step(rank: int) -> float:
     """The fastest of a few steps of a 2-rank ``DistributedPipe`` whose layers take no time."""
-    import torch
     from torch import nn
 
     from pipe.distributed import DistributedPipe
@@ -94,13 +117,36 @@ def _empty_step(rank: int) -> float:
     kind, chunks = OVERHEAD_PLAN
     model = DistributedPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
                             checkpoint="never", schedule=kind)
-    x, y = torch.zeros(chunks, 4), torch.zeros(chunks, 4)
-    times = []
-    for _ in range(8):
-        begun = time.perf_counter()
-        model.step(x, y, nn.functional.mse_loss)
-        times.append(time.perf_counter() - begun)
-    return min(times[2:])
+    return _fastest_step(model, chunks)
+
+
+SHARDED_LAYERS = (2, 8)
+"""Layers of the sharded models whose steps measure FSDP's overheads (``pp 1 x dp_shard 2``, GPipe, 1 micro-batch)."""
+_TINY_LAYER_BYTES = (4 * 4 + 4) * 4  # nn.Linear(4, 4) in float32
+
+
+def _sharded_step(layers: int) -> float:
+    """The fastest of a few steps of ``layers`` tiny layers sharded over the 2 ranks (pp 1 x dp_shard 2)."""
+    from torch import nn
+
+    from pipe.distributed import DistributedPipe, make_mesh
+
+    model = DistributedPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]), chunks=1, schedule="gpipe",
+                            checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
+    return _fastest_step(model, 1)
+
+
+def _sharding_overheads(link: Link, steps: dict[int, float]) -> tuple[float, float]:
+    """``(collective_overhead, shard_step_overhead)`` from the sharded steps of :data:`SHARDED_LAYERS` layers.
+
+    A layer adds one gather and one reduce-scatter of one ring step each (2 ranks); the step of the
+    fewest layers, less its collectives and its two actions, is the overhead per sharded stage and step.
+    """
+    few, many = SHARDED_LAYERS
+    per_layer = max(steps[many] - steps[few], 0.0) / (many - few)
+    collective = max(per_layer / 2 - link.cost(_TINY_LAYER_BYTES // 2), 0.0)
+    rest = steps[few] - few * 2 * (link.cost(_TINY_LAYER_BYTES // 2) + collective) - 2 * link.action_overhead
+    return collective, max(rest, 0.0)
 
 
 def _overhead(link: Link, step: float) -> float:
@@ -152,10 +198,13 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     best = {size: max(results[0][0][size], results[1][0][size]) for size in sizes}
     latency, per_byte = _line(best)
     link = Link(latency, per_byte, source=link_key())
-    overhead = _overhead(link, max(results[0][1], results[1][1]))
-    logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action",
-                latency * 1e6, per_byte * 1e9, overhead * 1e3)
-    return replace(link, action_overhead=overhead)
+    link = replace(link, action_overhead=_overhead(link, max(results[0][1], results[1][1])))
+    sharded = {layers: max(results[0][2][layers], results[1][2][layers]) for layers in SHARDED_LAYERS}
+    collective, per_step = _sharding_overheads(link, sharded)
+    logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action; "
+                "FSDP %.3f ms per collective step, %.3f ms per sharded stage and step", latency * 1e6,
+                per_byte * 1e9, link.action_overhead * 1e3, collective * 1e3, per_step * 1e3)
+    return replace(link, collective_overhead=collective, shard_step_overhead=per_step)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -176,14 +225,17 @@ def cached_link(measure: bool = True) -> Optional[Link]:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    if key in stored:
+    if key in stored and (not measure or "collective_overhead" in stored[key]):  # else measured before FSDP was
         entry = stored[key]
         return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
-                    action_overhead=float(entry.get("action_overhead", 0.0)))
+                    action_overhead=float(entry.get("action_overhead", 0.0)),
+                    collective_overhead=float(entry.get("collective_overhead", 0.0)),
+                    shard_step_overhead=float(entry.get("shard_step_overhead", 0.0)))
     if not measure:
         return None
     link = measure_link()
     stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
+                   "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,10 +13,11 @@ on both sides, so the comparison is on the activations::
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,10 +33,12 @@ __all__: list[str] = []
 @dataclass(frozen=True)
 class Measured:
     """One rank's measured step: counted peak (bytes; activations, plus the static bytes in
-    :func:`verify_plan`) and wall time (seconds)."""
+    :func:`verify_plan`) and wall time (seconds); ``pipeline_rank``: its rank in the pipeline
+    (its index in a prediction's ``peaks``; a sharded plan has ``dp_shard`` ranks per pipeline rank)."""
 
     activation_peak: int
     step_time: float
+    pipeline_rank: int = 0
 
 
 def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any],
@@ -51,7 +54,7 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
     for param in model.parameters():
         if param.grad is not None:
             param.grad.zero_()
-    with ActivationMemory() as counter:
+    with ActivationMemory() as counter, _resized_storages(counter):
         step(inputs, target, loss_fn)
         peak = counter.peak_bytes
     times = []
@@ -63,8 +66,52 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
     return Measured(peak, min(times))
 
 
+@contextlib.contextmanager
+def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
+    """Counts the storages FSDP2 resizes in place (its unsharded parameters, gathered and freed by
+    ``storage.resize_``, which no dispatched op sees) into ``counter``.
+
+    FSDP2 allocates a parameter's unsharded storage once and then resizes it
+    to its full size at each all-gather and to 0 at each reshard; those bytes
+    are real but invisible to :class:`ActivationMemory`, so its two helpers
+    are wrapped here while a step is counted.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:  # pragma: no cover - no FSDP2 in this torch: nothing resized
+        yield
+        return
+    modules = [m for m in (_fsdp_param, _fsdp_param_group) if hasattr(m, "alloc_storage")]
+    saved = [(m, m.alloc_storage, getattr(m, "free_storage", None)) for m in modules]
+    if not hasattr(_fsdp_param, "alloc_storage") or not hasattr(_fsdp_param, "free_storage"):
+        raise RuntimeError("this torch's FSDP2 has no alloc_storage/free_storage helpers, so pipe.plan cannot count "
+                           "its gathered parameters; measure a sharded plan with the torch version pipe supports")
+
+    def alloc(tensor: Any) -> None:
+        before = tensor.untyped_storage().nbytes()
+        saved[0][1](tensor)
+        counter.adjust(tensor.untyped_storage().nbytes() - before)
+
+    def free(tensor: Any) -> None:
+        before = tensor.untyped_storage().nbytes()
+        saved[0][2](tensor)  # type: ignore[misc]
+        counter.adjust(tensor.untyped_storage().nbytes() - before)
+
+    for module in modules:
+        module.alloc_storage = alloc  # type: ignore[attr-defined]
+        if hasattr(module, "free_storage"):
+            module.free_storage = free  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, alloc_, free_ in saved:
+            module.alloc_storage = alloc_  # type: ignore[attr-defined]
+            if free_ is not None:
+                module.free_storage = free_  # type: ignore[attr-defined]
+
+
 def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], kwargs: dict[str, Any],
-                 inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int,
+                 mesh: dict[str, int], inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int,
                  queue: "multiprocessing.Queue[Any]") -> None:
     import datetime
 
@@ -74,10 +121,17 @@ def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
-        from pipe.distributed import DistributedPipe
+        from pipe.core.microbatch import scatter
+        from pipe.distributed import DistributedPipe, make_mesh
 
+        if mesh["dp_shard"] > 1:
+            kwargs = dict(kwargs, mesh=make_mesh(**mesh))
         model = DistributedPipe(build(), **kwargs)
-        queue.put((rank, measure_step(model, inputs, target, loss_fn, repeat=repeat)))
+        parts, part = model.topology.data_parallel, model.topology.replica
+        if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
+            inputs, target = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
+        measured = measure_step(model, inputs, target, loss_fn, repeat=repeat)
+        queue.put((rank, Measured(measured.activation_peak, measured.step_time, model.topology.pipeline_rank)))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent
         queue.put((rank, f"{type(error).__name__}: {error}"))
@@ -87,6 +141,8 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
                 *, repeat: int = 3, timeout: float = 300.0) -> list[Measured]:
     """Runs ``plan`` (runner ``"processes"``) on as many local gloo processes as it has ranks; one
     :class:`Measured` per rank, the static bytes of the plan's prediction added to the counted peak.
+    A ``pp x dp_shard`` plan runs on ``pp x dp_shard`` processes, on the mesh of ``plan.mesh_kwargs()``,
+    each pipeline on its part of ``inputs`` and ``target``.
 
     ``build()`` returns a fresh model (the processes are forked, so any function works).
 
@@ -99,11 +155,12 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    world = plan.candidate.ranks
+    world = plan.candidate.world
     context = multiprocessing.get_context("fork")
     queue: "multiprocessing.Queue[Any]" = context.Queue()
     processes = [context.Process(target=_verify_rank, daemon=True, args=(
-        rank, world, port, build, plan.distributed_kwargs(), inputs, target, loss_fn, repeat, queue))
+        rank, world, port, build, plan.distributed_kwargs(), plan.mesh_kwargs(), inputs, target, loss_fn, repeat,
+        queue))
         for rank in range(world)]
     for process in processes:
         process.start()
@@ -119,4 +176,5 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
     failed = [f"rank {r}: {v}" for r, v in sorted(results.items()) if isinstance(v, str)]
     if failed:
         raise RuntimeError("running the plan failed: " + "; ".join(failed))
-    return [Measured(results[r].activation_peak + plan.best.static[r], results[r].step_time) for r in range(world)]
+    return [Measured(m.activation_peak + plan.best.static[m.pipeline_rank], m.step_time, m.pipeline_rank)
+            for m in (results[r] for r in range(world))]

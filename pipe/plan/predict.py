@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.plan.cost import Costs
+from pipe.plan.sharding import Held, collective_seconds, held_by_fsdp, replica_costs, sharded_static, split_text
 from pipe.plan.timing import TimeModel
 
 LOSS_SCALAR_BYTES = 3 * 4
@@ -45,6 +46,11 @@ class Candidate:
             ``{"recompute": [counts]}`` passed as ``recompute=``); empty: none.
             A per-stage choice between keeping everything and recomputing
             everything, as AdaPipe plans it.
+        dp_shard: ranks each stage is sharded over with FSDP2 (the mesh's
+            "dp_shard"; :mod:`pipe.plan.sharding`); the plan runs on
+            ``ranks x dp_shard`` ranks, each pipeline on B / dp_shard samples.
+        reshard_after_forward: with ``dp_shard > 1``, ``Shard(reshard_after_forward=...)``:
+            True is ZeRO-3, False ZeRO-2.
     """
 
     schedule: str
@@ -53,10 +59,18 @@ class Candidate:
     checkpoint: str
     virtual_stages: int = 1
     recompute: tuple[int, ...] = ()
+    dp_shard: int = 1
+    reshard_after_forward: bool = True
 
     @property
     def ranks(self) -> int:
+        """Pipeline ranks (the mesh's "pp")."""
         return len(self.balance) // self.virtual_stages
+
+    @property
+    def world(self) -> int:
+        """Ranks the plan runs on: ``ranks x dp_shard``."""
+        return self.ranks * self.dp_shard
 
     def recomputed(self, stage: int) -> int:
         """Layers of ``stage`` marked for recompute."""
@@ -68,11 +82,34 @@ class Candidate:
             return None
         return {"recompute_config": {"recompute": list(self.recompute)}}
 
+    def distributed_kwargs(self) -> dict[str, Any]:
+        """Arguments of ``DistributedPipe(model, **kwargs)``; with ``dp_shard > 1`` also ``shard=Shard(...)``,
+        and the model needs ``mesh=make_mesh(**candidate.mesh_kwargs())`` too."""
+        kwargs: dict[str, Any] = {"chunks": self.chunks, "balance": list(self.balance), "checkpoint": self.checkpoint,
+                                  "schedule": self.schedule, "virtual_stages": self.virtual_stages}
+        if self.recompute_config() is not None:
+            kwargs["recompute"] = self.recompute_config()
+        if self.dp_shard > 1:
+            from pipe.distributed.fsdp import Shard
+
+            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward)
+        return kwargs
+
+    def mesh_kwargs(self) -> dict[str, int]:
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)``: ``{"pp": ranks, "dp_shard": dp_shard}``.
+
+        The mesh is collective: every rank calls ``make_mesh`` after
+        ``init_process_group``; each rank then passes its share of the
+        mini-batch (part ``model.topology.replica`` of ``dp_shard``).
+        """
+        return {"pp": self.ranks, "dp_shard": self.dp_shard}
+
     def describe(self) -> str:
         extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
         marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""
+        split = f" {split_text(self)}" if self.dp_shard > 1 else ""
         return (f"{self.schedule}{extra} chunks={self.chunks} balance={list(self.balance)} "
-                f"checkpoint={self.checkpoint}{marks}")
+                f"checkpoint={self.checkpoint}{marks}{split}")
 
 
 @dataclass
@@ -121,6 +158,8 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         ValueError: the candidate does not fit the model (its balance does not
             cover the layers, or a schedule argument is out of range).
     """
+    peaks_static = memory or predict_memory(costs, candidate, runner=runner)
+    costs = replica_costs(costs, candidate.dp_shard)
     schedule = _schedule(costs, candidate)
     if candidate.recompute and len(candidate.recompute) != len(candidate.balance):
         raise ValueError(f"recompute={list(candidate.recompute)} needs one count per stage ({len(candidate.balance)})")
@@ -130,6 +169,10 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s))
              for s, (first, last) in enumerate(bounds)]
     scale, overhead = model.contention, model.action_overhead
+    collectives: dict[Action, float] = {}
+    for rank in range(schedule.ranks):  # FSDP's gathers and reduce-scatters, on the actions that issue them
+        collectives.update(collective_seconds(costs, schedule, rank, bounds, candidate.dp_shard,
+                                              candidate.reshard_after_forward, model.link))
 
     def duration(action: Action) -> float:
         t = times[action.stage]
@@ -137,7 +180,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             return t.recompute * scale
         seconds = {Phase.FORWARD: t.forward, Phase.BACKWARD: t.backward, Phase.INPUT: t.input_grad,
                    Phase.WEIGHT: t.weight_grad}[action.phase]
-        return seconds * scale + overhead
+        return seconds * scale + overhead + collectives.get(action, 0.0)
 
     rows = costs.rows(candidate.chunks)
     sizes = costs.output_bytes.get(rows, [])
@@ -157,7 +200,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
 
     simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
     step_time = max(t.end for t in simulated)
-    peaks, static = memory or predict_memory(costs, candidate, runner=runner)
+    peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
 
 
@@ -173,7 +216,10 @@ def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
 def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads",
                    ranks: Optional[list[int]] = None) -> tuple[list[int], list[int]]:
     """``(peaks, static)``: bytes per rank at its high-water mark, and of its parameters, gradients and
-    optimiser state; only ``ranks`` (the others get 0) when given."""
+    optimiser state; only ``ranks`` (the others get 0) when given. A sharded candidate (``dp_shard > 1``)
+    holds shards of the static bytes, and FSDP's unsharded parameters and gradients during the step
+    (:func:`pipe.plan.sharding.held_by_fsdp`)."""
+    costs = replica_costs(costs, candidate.dp_shard)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
@@ -183,8 +229,12 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
             peaks.append(0)
             static.append(0)
             continue
-        fixed = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank))
-        peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner, candidate))
+        if candidate.dp_shard > 1:
+            fixed = sharded_static(costs, bounds, schedule.stages_of(rank), candidate.dp_shard)
+            extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward)
+        else:
+            fixed, extra = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank)), None
+        peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner, candidate, extra))
         static.append(fixed)
     return peaks, static
 
@@ -201,6 +251,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     plans already found, so most candidates are never simulated.
     """
     model = model or TimeModel()
+    costs = replica_costs(costs, candidate.dp_shard)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
@@ -209,7 +260,8 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     busiest = 0.0
     for rank in range(schedule.ranks):
         mine = schedule.stages_of(rank)
-        total = 0.0
+        total = sum(collective_seconds(costs, schedule, rank, bounds, candidate.dp_shard,
+                                       candidate.reshard_after_forward, model.link).values())
         for s in mine:
             t = times[s]
             total += m * (t.forward + t.backward) * model.contention + min(stop, m) * t.recompute * model.contention
@@ -223,7 +275,8 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
-                     stop: int, runner: str = "threads", candidate: Optional[Candidate] = None) -> int:
+                     stop: int, runner: str = "threads", candidate: Optional[Candidate] = None,
+                     fsdp: Optional[Held] = None) -> int:
     """The high-water mark of activation bytes along ``rank``'s program.
 
     With ``runner="processes"`` the process runner's buffers count too
@@ -234,7 +287,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     ``HEADER_BYTES``, and a small value (``INLINE_BYTES``) is copied behind it
     (then the send holds that copy instead). In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
-    sends the input gradient; W frees them.
+    sends the input gradient; W frees them. ``fsdp``: bytes held besides
+    activations during each action (FSDP's unsharded parameters and gradients), and
+    the backwards that create a stage's gradients (counted with ``fresh``).
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -254,10 +309,13 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
+        fresh = fsdp is not None and k in fsdp.fresh
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
-                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward)
+                                    candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
+                                    fresh)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
+        posted += fsdp.during[k] if fsdp is not None else 0
         if action.phase is Phase.FORWARD:
             peak = max(peak, held + sent + posted + lingering + scalars + memory.forward_peak)
             kept[key] = memory.kept

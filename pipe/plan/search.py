@@ -31,6 +31,7 @@ from pipe.core.schedule import Schedule
 from pipe.plan.candidates import candidates, per_stage_recompute
 from pipe.plan.cost import Costs, profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
+from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
 
 __all__: list[str] = []
@@ -90,6 +91,8 @@ class Plan:
         considered: how many candidates were compared (memory predicted for all).
         simulated: how many of them had their step time simulated (the others could not win).
         model: the time model used (None: layer times alone).
+        splits: with ``dp_shard=``, one line per ``pp x dp_shard`` split and ZeRO mode: chosen,
+            or why it lost (and the splits left out, with the reason).
     """
 
     best: Prediction
@@ -101,6 +104,7 @@ class Plan:
     costs: Optional[Costs] = field(default=None, repr=False)
     simulated: int = 0
     model: Optional[TimeModel] = None
+    splits: list[str] = field(default_factory=list)
 
     @property
     def candidate(self) -> Candidate:
@@ -122,13 +126,14 @@ class Plan:
         return kwargs
 
     def distributed_kwargs(self) -> dict[str, Any]:
-        """Arguments of ``DistributedPipe(model, **kwargs)``."""
-        c = self.candidate
-        kwargs: dict[str, Any] = {"chunks": c.chunks, "balance": list(c.balance), "checkpoint": c.checkpoint,
-                                  "schedule": c.schedule, "virtual_stages": c.virtual_stages}
-        if c.recompute_config() is not None:
-            kwargs["recompute"] = c.recompute_config()
-        return kwargs
+        """Arguments of ``DistributedPipe(model, **kwargs)`` (:meth:`Candidate.distributed_kwargs`); a sharded
+        plan needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on every rank)."""
+        return self.candidate.distributed_kwargs()
+
+    def mesh_kwargs(self) -> dict[str, int]:
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_shard`` split
+        (:meth:`Candidate.mesh_kwargs`)."""
+        return self.candidate.mesh_kwargs()
 
     def table(self, rejected: int = 8) -> str:
         """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
@@ -137,14 +142,19 @@ class Plan:
                  f"{self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
-        lines.append(f"{'':2}{'plan':<64} {'step':>10} {'peak per rank':>30}")
+        peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its dp_shard ranks alike
+        lines.append(f"{'':2}{'plan':<64} {'step':>10} {peaks:>30}")
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
-            return f"{mark:2}{p.candidate.describe():<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
+            split = f" {split_text(p.candidate)}" if self.splits and p.candidate.dp_shard == 1 else ""
+            return f"{mark:2}{p.candidate.describe() + split:<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
                 f"  {why}" if why else "")
 
         lines.append(row("*", self.best, "chosen"))
+        if self.splits:
+            lines.append("splits of the ranks (pp x dp_shard):")
+            lines += [f"  {line}" for line in self.splits]
         if self.runners_up:
             lines.append("next best that fit:")
             lines += [row("", p, why) for p, why in self.runners_up]
@@ -160,7 +170,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
            runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
-           rejected: int = 8) -> Plan:
+           rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2)) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
 
     Candidates go best-first by a lower bound of their step
@@ -184,13 +194,26 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         model: the time model (:class:`pipe.plan.timing.TimeModel`).
         per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
         rejected: how many plans over budget to simulate and show.
+        dp_shard: plan ``ranks`` as ``pp x dp_shard`` (:mod:`pipe.plan.sharding`): ``"auto"``
+            every divisor of ``ranks``, or the sizes to try (1: no sharding); each pipeline then
+            runs on B / dp_shard samples, from the profiled micro-batch sizes (chunks c at
+            dp_shard S needs the profile of chunks S*c). None (default): every rank a pipeline rank.
+        zero: with ``dp_shard``, the ZeRO stages to compare: 3 (``Shard(reshard_after_forward=True)``), 2.
 
     Raises:
         PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
     """
     budget = _budget(memory_budget, ranks)
-    options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
-                         max_balances=max_balances, balances=balances)
+    skipped: list[str] = []
+    if dp_shard is None:
+        options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
+                             max_balances=max_balances, balances=balances)
+    else:
+        if len(set(budget)) > 1:
+            raise ValueError(f"memory_budget gives {len(budget)} different sizes, one per rank, but with dp_shard= the "
+                             f"ranks' roles depend on the split; give one size for every rank")
+        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, schedules=schedules,
+                                            checkpoints=checkpoints, max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
                          f"into {ranks} stages (or 2 x {ranks} for interleaved and zbv)")
@@ -203,7 +226,8 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
 
     # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
     # candidates that may still be among the fastest; a plan over budget spawns its per-stage variant.
-    queue = [(busy_bound(costs, c, model), k, c) for k, c in enumerate(options)]
+    bounds = {c: busy_bound(costs, c, model) for c in options}
+    queue = [(bounds[c], k, c) for k, c in enumerate(options)]
     heapq.heapify(queue)
     predictions: list[Prediction] = []
     fitting: list[float] = []
@@ -235,8 +259,10 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     best = fit[0]
     rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
+    splits = [] if dp_shard is None else split_summary(predictions, bounds, fits, best, budget[0]) + [
+        f"left out: {why}" for why in skipped]
     chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
-                  considered, costs, simulated=len(predictions), model=model)
+                  considered, costs, simulated=len(predictions), model=model, splits=splits)
     logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d walked, %d simulated)",
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
                 considered, len(memory), len(predictions))
@@ -250,10 +276,15 @@ def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate
     rank = max(range(len(peaks)), key=lambda r: peaks[r] - budget[r])
     need = peaks[rank]
     return (f"no plan fits memory_budget={', '.join(sorted({format_bytes(b) for b in budget}))} per rank: "
-            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on rank {rank} "
+            f"the smallest predicted peak is {format_bytes(need)} ({need} bytes) on {_rank_text(smallest)} {rank} "
             f"({_stages_text(smallest, rank)}; {format_bytes(memory[smallest][1][rank])} of it parameters, "
             f"gradients and optimiser state), reached by {smallest.describe()}; raise memory_budget to at least "
             f"{format_bytes(need)} or plan over more stages")
+
+
+def _rank_text(candidate: Candidate) -> str:
+    """"rank", or for a sharded plan "pipeline rank" (each of its dp_shard ranks holds the same)."""
+    return "pipeline rank" if candidate.dp_shard > 1 else "rank"
 
 
 def _stages_text(candidate: Candidate, rank: int) -> str:
@@ -268,7 +299,8 @@ def _stages_text(candidate: Candidate, rank: int) -> str:
 def _why(prediction: Prediction, budget: list[int], best: Prediction) -> str:
     over = [(r, peak, b) for r, (peak, b) in enumerate(zip(prediction.peaks, budget)) if peak > b]
     faster = f"{1 - prediction.step_time / best.step_time:.1%} faster, but " if best.step_time else ""
-    return faster + "; ".join(f"rank {r} ({_stages_text(prediction.candidate, r)}) needs {format_bytes(peak)} > "
+    return faster + "; ".join(f"{_rank_text(prediction.candidate)} {r} ({_stages_text(prediction.candidate, r)}) "
+                              f"needs {format_bytes(peak)} > "
                               f"{format_bytes(b)}" for r, peak, b in over)
 
 
@@ -286,7 +318,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
-         loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None) -> Plan:
+         loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
+         zero: Sequence[int] = (3, 2)) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -298,9 +331,11 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         model: the ``nn.Sequential`` (left untouched: layers are copied to profile).
         sample: one mini-batch, as the pipeline will get it.
         memory_budget: bytes per rank: ``"2GiB"``, a number, or one per rank.
-        stages: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks).
+        stages: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks); with
+            ``dp_shard``, the ranks to split as ``pp x dp_shard``.
         runner: ``"threads"`` for ``Pipe`` (GPipe), ``"processes"`` for ``DistributedPipe``.
-        chunks: micro-batch counts to consider (those that divide the batch).
+        chunks: micro-batch counts to profile and consider (those that divide the batch); a
+            split with ``dp_shard`` S plans chunks c from the profile of chunks S*c.
         schedules, checkpoints: restrict the candidates.
         param_scale: copies of the parameters training keeps: 2 for SGD,
             3 with momentum, 4 for Adam.
@@ -315,6 +350,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         per_stage: also plan per-stage recompute where the budget needs it.
         loss_fn, target: the loss and the mini-batch's targets, so the last
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
+        dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
+            ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
 
     Raises:
         PlanError: nothing fits (the message names the smallest peak and the rank holding it).
@@ -327,7 +364,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
-                  max_balances=max_balances, model=model_time, per_stage=per_stage)
+                  max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard, zero=zero)
 
 
 def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:

@@ -54,12 +54,18 @@ class Link:
         source: where the figures come from (the machine and library measured, or "given").
         action_overhead: the runner's seconds per action measured with the link
             (:func:`pipe.plan.link.measure_link`), the default of :class:`TimeModel`.
+        collective_overhead: FSDP's seconds per ring step of a gather or a reduce-scatter of
+            one group beyond ``latency`` (its hooks, copies in and out), measured with the link.
+        shard_step_overhead: FSDP's seconds per sharded stage and step (its root's
+            pre-forward and post-backward callbacks), measured with the link.
     """
 
     latency: float
     per_byte: float
     source: str = "given"
     action_overhead: float = 0.0
+    collective_overhead: float = 0.0
+    shard_step_overhead: float = 0.0
 
     def cost(self, nbytes: int) -> float:
         return self.latency + nbytes * self.per_byte
@@ -87,6 +93,9 @@ class TimeModel:
     def describe(self) -> str:
         link = (f"{self.link.latency * 1e6:.0f} us + {self.link.per_byte * 1e9:.3f} ns/B per message"
                 if self.link else "no transfer cost")
+        if self.link and (self.link.collective_overhead or self.link.shard_step_overhead):
+            link += (f" (FSDP: +{self.link.collective_overhead * 1e3:.3f} ms per collective step, "
+                     f"{self.link.shard_step_overhead * 1e3:.3f} ms per sharded stage and step)")
         return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action; "
                 f"compute x{self.contention:.3f} (contention)")
 

@@ -44,6 +44,12 @@ class ActivationMemory(TorchDispatchMode):
         """Starts a new high-water mark from the current live bytes."""
         self.peak_bytes = self.live_bytes
 
+    def adjust(self, nbytes: int) -> None:
+        """Adds ``nbytes`` (negative: frees them) that changed outside dispatch, e.g. a storage resized in place."""
+        with self._lock:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {leaf.untyped_storage().data_ptr() for leaf in plain_tensors(tree_flatten((args, kwargs))[0])}

@@ -79,3 +79,28 @@ def test_pipe_plan_verify_prints_measured_beside_predicted(factory: str, capsys:
         assert "verified (measured beside predicted):" in out and "measured" in out.split("verified")[1]
         assert ("rank 1 peak  predicted" in out) == (runner == "processes"), out
         assert "next best that fit:" in out and "slower by" in out
+
+
+def test_pipe_plan_splits_ranks_between_pipeline_and_sharding(factory: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # 2 ranks: pp2 x dp_shard1 or pp1 x dp_shard2, each split with its line.
+    common = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--chunks", "1", "2",
+              "4", "--runner", "processes", "--link", "none"]
+    assert plan_main(common + ["--dp-shard", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "splits of the ranks (pp x dp_shard):" in out and "pp2 x dp_shard1 " in out and "pp1 x dp_shard2 " in out
+    # --verify runs a sharded plan on 2 gloo processes, each rank against its pipeline rank's prediction.
+    assert plan_main(common + ["--dp-shard", "2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh = make_mesh(pp=1, dp_shard=2)" in out and "mesh=mesh" in out and "shard=Shard(" in out, out
+    measured = [line for line in out.splitlines() if " peak  predicted" in line]
+    assert len(measured) == 2 and all("(pipeline rank 0)" in line for line in measured), out
+    for bad, message in ((["--dp-shard", "3"], "dp_shard=[3] does not divide the 2 ranks"),
+                         (["--dp-shard", "two"], "--dp-shard takes 'auto' or sizes"),
+                         (["--dp-shard", "auto", "--runner", "threads"], "--dp-shard plans FSDP sharding")):
+        args = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--link", "none"]
+        if "--runner" not in bad:
+            args += ["--runner", "processes"]
+        with pytest.raises(SystemExit) as exited:
+            plan_main(args + bad)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
