@@ -60,8 +60,14 @@ class CompileError(RuntimeError):
     """A layer of a stage could not be compiled; the message names the layer and the fix."""
 
 
-def verify_compile(value: Any) -> Optional[dict[str, Any]]:
+def verify_compile(value: Any, tensor_parallel: bool = False) -> Optional[dict[str, Any]]:
     """The normalised ``compile=`` option: None (eager) or the ``torch.compile`` keywords plus ``exclude``.
+
+    With ``tensor_parallel`` (stages whose weights become DTensors) shapes are
+    static by default (``dynamic=False``: a new shape compiles once more), as
+    torch 2.13 fails on DTensors with symbolic shapes: AOT autograd recurses
+    without end under ``dynamic=True``, and a sharded embedding cannot hash a
+    symbolic size once ``dynamic=None`` makes a dimension dynamic.
 
     Raises:
         TypeError, ValueError: not a bool or a dict, an unknown key, a bad value,
@@ -79,6 +85,12 @@ def verify_compile(value: Any) -> Optional[dict[str, Any]]:
                          "(torch.compile's keywords, and exclude: layer names left eager)")
     options: dict[str, Any] = {"backend": "inductor", "fullgraph": False, "dynamic": True, "mode": None,
                                "options": None, "exclude": ()}
+    if tensor_parallel:
+        if value.get("dynamic") is True:
+            raise ValueError("compile={'dynamic': True} fails on tensor-parallel stages (AOT autograd recurses "
+                             "without end on DTensors with symbolic shapes, torch 2.13); leave 'dynamic' out "
+                             "(static shapes: a new shape compiles once more)")
+        options["dynamic"] = False
     options.update(value)
     for key in ("fullgraph",):
         if not isinstance(options[key], bool):

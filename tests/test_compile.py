@@ -157,6 +157,11 @@ def test_errors_name_the_layer_and_the_fix() -> None:
         Pipe(nn.Sequential(nn.Linear(2, 2)), compile="yes")
     with pytest.raises(TypeError, match=r"compile\['fullgraph'\] must be True or False"):
         verify_compile({"fullgraph": 1})
+    # Tensor-parallel stages compile with static shapes: torch 2.13 fails on DTensors with symbolic ones.
+    assert verify_compile({"backend": "aot_eager"})["dynamic"] is True  # type: ignore[index]
+    assert verify_compile({"backend": "aot_eager"}, tensor_parallel=True)["dynamic"] is False  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"compile=\{'dynamic': True\} fails on tensor-parallel stages"):
+        verify_compile({"backend": "aot_eager", "dynamic": True}, tensor_parallel=True)
 
 
 def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -163,7 +163,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
         if tensor_parallel:
             refuse_tensor_parallel(model)
-        compile_options = verify_compile(compile)
+        compile_options = verify_compile(compile, tensor_parallel is not None or parallelize is not None)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import plan_for_ranks
 

@@ -24,13 +24,14 @@ from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
 from pipe.skip import pop, skippable, stash
 from spawn_ranks import run_ranks
 
-CASES = [  # (sequence parallel, schedule, checkpoint, recompute config)
-    (False, "1f1b", "except_last", None),
-    (False, "zbv", "except_last", None),  # split backward: DTensor weights' gradients in W
-    (True, "gpipe", "always", None),
-    (True, "interleaved", "except_last", None),  # a reduce-scatter's output leaves a stage of one layer
-    (False, "1f1b", "never", {"recompute_config": {"recompute": [2, 1]}}),  # tensor-parallel blocks replayed
-    (True, "1f1b", "never", {"recompute_config": {"select_recompute": {r"mlp\.fc": True}}}),  # per-op
+CASES = [  # (sequence parallel, schedule, checkpoint, recompute config, compiled)
+    (False, "1f1b", "except_last", None, False),
+    (False, "zbv", "except_last", None, False),  # split backward: DTensor weights' gradients in W
+    (True, "gpipe", "always", None, False),
+    (True, "interleaved", "except_last", None, False),  # a reduce-scatter's output leaves a stage of one layer
+    (False, "1f1b", "never", {"recompute_config": {"recompute": [2, 1]}}, False),  # tensor-parallel blocks replayed
+    (True, "1f1b", "never", {"recompute_config": {"select_recompute": {r"mlp\.fc": True}}}, False),  # per-op
+    (True, "1f1b", "except_last", None, True),  # compiled tensor-parallel blocks (aot_eager: seconds)
 ]
 
 
@@ -39,13 +40,15 @@ def _full(tensor: Any) -> torch.Tensor:
 
 
 def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
-                   recompute: Any = None) -> dict[str, Any]:
+                   recompute: Any = None, compiled: bool = False) -> dict[str, Any]:
     mesh = make_mesh(pp=2, tp=2)
     model = decoder(0)
     reference = copy.deepcopy(model)
     virtual = 2 if schedule in ("interleaved", "zbv") else 1
     piped = DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
-                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel), recompute=recompute)
+                            mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel),
+                            recompute=recompute,
+                            compile={"backend": "aot_eager"} if compiled else False)
     arrived: list[type] = []  # what stage 1's first layer received
     if 1 in piped.partitions:
         piped.partitions[1][0].register_forward_pre_hook(lambda module, args: arrived.append(type(args[0])))
@@ -54,7 +57,7 @@ def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
     expected_parameters = dict(reference.named_parameters())
     label = f"sequence_parallel={sequence_parallel} {schedule}"
     for step in range(3):
-        x, y = lm_data(step)
+        x, y = lm_data(step, batch=6 if step == 2 else 4)  # a new batch size: dims become dynamic when compiled
         loss = piped.step(x, y, lm_loss, broadcast_loss=True)
         expected = lm_loss(reference(x), y)
         expected.backward()
@@ -218,7 +221,7 @@ def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
 
 def test_tensor_parallel_stages_against_the_plain_model() -> None:
     results = run_ranks(_tensor_parallel_ranks, 4, deadline=240)
-    for k, (sequence_parallel, schedule, _, _) in enumerate(CASES):
+    for k, (sequence_parallel, schedule, _, _, _) in enumerate(CASES):
         case = [r[k] for r in results]
         # Both blocks' attention and MLP weights are tp shards on the ranks that hold them.
         sharded = set().union(*(r["sharded"] for r in case))
