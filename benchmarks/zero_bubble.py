@@ -58,10 +58,13 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
+#: "zbv-torch-order": pipe's runner on torch's ZBV order, as a table (pipe.distributed.torch_order), so that
+#: the order and the runtime can be told apart.
 RUNS: tuple[tuple[str, str], ...] = (
-    ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"),
+    ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-torch-order"),
     ("torch", "1f1b"), ("torch", "zbv"),
 )
+SAME_ORDER = {"zbv-torch-order": "zbv"}  # the torch schedule a pipe row is compared with, where names differ
 
 
 class Counted(nn.Module):
@@ -96,7 +99,11 @@ def model(width: int, layers: int) -> nn.Sequential:
 def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
     from pipe.distributed import DistributedPipe
 
-    pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=args.schedule,
+    from pipe.distributed import torch_order
+
+    schedule = torch_order("ZBVZeroBubble", 2, args.microbatches) if args.schedule == "zbv-torch-order" \
+        else args.schedule
+    pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
                            virtual_stages=2 if args.schedule == "interleaved" else 1)
 
     def step() -> None:
@@ -304,8 +311,9 @@ def main() -> None:
             base = rows.get("pipe 1f1b", {}).get(stat)
             for name, row in rows.items():
                 row["vs_pipe_1f1b" + suffix] = row[stat] / base if base else None
-                if name.startswith("pipe ") and f"torch {name[5:]}" in rows:
-                    row["vs_torch_same_schedule" + suffix] = row[stat] / rows[f"torch {name[5:]}"][stat]
+                peer = f"torch {SAME_ORDER.get(name[5:], name[5:])}"
+                if name.startswith("pipe ") and peer in rows:
+                    row["vs_torch_same_schedule" + suffix] = row[stat] / rows[peer][stat]
         table.append({"microbatches": m, "checkpoint": checkpoint, "runs": rows})
 
     result = {

@@ -266,8 +266,10 @@ def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:
     """The table of torch's schedule ``schedule`` (``torch.distributed.pipelining``), computed by torch's code.
 
     Args:
-        schedule: ``"DualPipeV"`` (2 stages per rank in a V, B's and I/W's) or
-            ``"InterleavedZeroBubble"`` (2 stages per rank, looped, I/W).
+        schedule: ``"DualPipeV"`` (2 stages per rank in a V, B's and I/W's),
+            ``"InterleavedZeroBubble"`` (2 stages per rank, looped, I/W) or
+            ``"ZBVZeroBubble"`` (torch's ZB-V: 2 stages per rank in a V, I/W;
+            the order differs from pipe's ``schedule="zbv"``).
         ranks, microbatches: the pipeline ranks and micro-batches.
 
     Raises:
@@ -276,7 +278,8 @@ def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:
     from torch.distributed.pipelining import schedules
 
     classes = {"DualPipeV": schedules.ScheduleDualPipeV,
-               "InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble}
+               "InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
+               "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble}
     if schedule not in classes:
         raise ValueError(f"torch_order knows {sorted(classes)}, got {schedule!r}")
     if microbatches < 2 * ranks if schedule == "DualPipeV" else microbatches % max(1, microbatches // ranks):
@@ -284,7 +287,8 @@ def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:
                          "(DualPipeV: at least 2 * ranks; InterleavedZeroBubble: a multiple of the rounds)")
     order: Any = object.__new__(classes[schedule])  # the order needs the sizes only, not stages or a group
     order.pp_group_size, order._n_microbatches, order.n_local_stages = ranks, microbatches, 2
-    order._num_stages = 2 * ranks
+    order._num_stages = order.num_stages = 2 * ranks
+    order.stage_index_to_group_rank = {s: s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks)}  # a V
     order.number_of_rounds = max(1, microbatches // ranks)
     order.microbatches_per_round = microbatches // order.number_of_rounds
     table = []

@@ -29,12 +29,12 @@ def test_python_and_csv_forms_give_the_same_schedule() -> None:
     assert tuples == table
 
 
-@pytest.mark.parametrize("name", ["DualPipeV", "InterleavedZeroBubble"])
+@pytest.mark.parametrize("name", ["DualPipeV", "InterleavedZeroBubble", "ZBVZeroBubble"])
 @pytest.mark.parametrize("ranks,microbatches", [(2, 4), (4, 8)])
 def test_torch_orders_are_valid_tables(name: str, ranks: int, microbatches: int) -> None:
     table = torch_order(name, ranks, microbatches)
     assert table.stages == 2 * ranks and table.splits_backward
-    if name == "DualPipeV":  # a V: rank r holds stages r and 2p-1-r
+    if name in ("DualPipeV", "ZBVZeroBubble"):  # a V: rank r holds stages r and 2p-1-r
         assert table.placement == tuple(min(s, 2 * ranks - 1 - s) for s in range(2 * ranks))
     else:  # looped: stage s on rank s % p
         assert table.placement == tuple(s % ranks for s in range(2 * ranks))

@@ -17,6 +17,7 @@ from spawn_ranks import run_ranks
 def _tables(rank: int, world: int) -> list[str]:
     checked = []
     tables = [torch_order("DualPipeV", 2, 4), torch_order("InterleavedZeroBubble", 2, 4),
+              torch_order("ZBVZeroBubble", 2, 4),
               TableSchedule.from_table([["F0@0", "F1@0", "F2@0", "B0@0", "F3@0", "B1@0", "B2@0", "B3@0"],
                                         ["F0@1", "B0@1", "F1@1", "B1@1", "F2@1", "B2@1", "F3@1", "B3@1"]])]
     for table in tables:
@@ -37,6 +38,6 @@ def _tables(rank: int, world: int) -> list[str]:
 
 
 def test_tables_run_and_match_the_plain_module() -> None:
-    names = ["torch DualPipeV", "torch InterleavedZeroBubble", "table"]
+    names = ["torch DualPipeV", "torch InterleavedZeroBubble", "torch ZBVZeroBubble", "table"]
     expected = [f"{n}/{c}" for n in names for c in ("always", "except_last", "never")]
     assert run_ranks(_tables, 2, deadline=180) == [expected, expected]
