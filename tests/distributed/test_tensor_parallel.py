@@ -7,8 +7,9 @@ pipeline and tensor-parallel ranks, and the weights after 3 AdamW steps.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -120,6 +121,33 @@ def _skip_across_stages() -> dict[str, Any]:
     return {"popped": sorted({t.__name__ for t in popped})}
 
 
+def _train_against(piped: DistributedPipe, reference: nn.Module, steps: int, label: str,
+                   context: Callable[[], Any] = contextlib.nullcontext) -> float:
+    """``steps`` AdamW steps of ``piped`` (each under ``context()``) and of ``reference``: loss and gradients
+    compared every step; returns the largest gradient error."""
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for step in range(steps):
+        x, y = lm_data(step)
+        with context():
+            loss = piped.step(x, y, lm_loss, broadcast_loss=True)
+        expected = lm_loss(reference(x), y)
+        expected.backward()
+        assert type(loss) is torch.Tensor, type(loss)  # the reported loss is a plain number on every rank
+        torch.testing.assert_close(loss, expected.detach())
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m: f"{label} step {step} {name}: {m}")
+            worst = max(worst, float((_full(parameter.grad) - expected_parameters[name].grad).abs().max()))
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    return worst
+
+
 def _loss_parallel() -> dict[str, Any]:
     """torchtitan's loss parallelism: logits stay sharded on the vocabulary into the loss, under ``loss_parallel``."""
     plan = tensor_parallel_plan(True)
@@ -128,24 +156,8 @@ def _loss_parallel() -> dict[str, Any]:
     reference = copy.deepcopy(model)
     piped = DistributedPipe(model, chunks=2, schedule="1f1b", checkpoint="except_last", mesh=make_mesh(pp=2, tp=2),
                             tensor_parallel=plan)
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters())
-    for step in range(2):
-        x, y = lm_data(step)
-        with loss_parallel():
-            loss = piped.step(x, y, lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        assert type(loss) is torch.Tensor, type(loss)  # the reported loss is a plain number on every rank
-        torch.testing.assert_close(loss, expected.detach())
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"loss parallel step {step} {name}: {m}")
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
+    _train_against(piped, reference, 2, "loss parallel", loss_parallel)
+    x, y = lm_data(2)
     with loss_parallel():
         evaluated = piped.eval_step(x, y, lm_loss, broadcast_loss=True)
     torch.testing.assert_close(evaluated, lm_loss(reference(x), y).detach())
@@ -169,25 +181,7 @@ def _tied_embedding_and_head(sequence_parallel: bool) -> float:
         plan["0.tok"] = RowwiseParallel(input_layouts=Replicate())
         plan["*.out"] = ColwiseParallel(output_layouts=Replicate())
     piped = DistributedPipe(model, chunks=2, schedule="1f1b", mesh=make_mesh(pp=2, tp=2), tensor_parallel=plan)
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
-    worst = 0.0
-    for step in range(3):
-        x, y = lm_data(step)
-        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach())
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"tied sp={sequence_parallel} step {step} {name}: {m}")
-            worst = max(worst, float((_full(parameter.grad) - expected_parameters[name].grad).abs().max()))
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-    return worst
+    return _train_against(piped, reference, 3, f"tied sp={sequence_parallel}")
 
 
 def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
