@@ -28,6 +28,7 @@ leak them in a process that builds many (a planner trying candidates).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 from typing import Any, Callable, Optional, TypeVar
@@ -44,6 +45,20 @@ MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
 
 T = TypeVar("T")
 _reused: dict[str, Any] = {"world": None, "objects": {}, "spoiled": False}
+
+
+def _forget_reused() -> None:
+    """Drops the reused groups and meshes while the interpreter is still whole (at exit).
+
+    Held here, gloo groups outlive ``destroy_process_group`` and would be
+    destroyed during the interpreter's teardown, in no particular order with
+    the rest of torch; gloo has been seen to abort a process at exit
+    ("terminate called without an active exception"). At exit they go first.
+    """
+    _reused["world"], _reused["objects"] = None, {}
+
+
+atexit.register(_forget_reused)
 
 
 def reuse(key: tuple[Any, ...], make: Callable[[], T]) -> T:
