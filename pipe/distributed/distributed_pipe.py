@@ -21,9 +21,9 @@ from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
-from pipe.distributed.loss import (CountedLoss, StepGradients, divide_by_count, sample_weights,
+from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, broadcast_from, divide_by_count, sample_weights,
                                    verify_loss_reduction, warn_if_ignored_targets)
-from pipe.distributed.runtime import MAIN, LossFn, Runtime, StageSkips, broadcast_from
+from pipe.distributed.runtime import MAIN, Runtime, StageSkips
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute_ranks import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipe.core.microbatch import Batch, flatten
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 LOSS_REDUCTIONS = ("mean", "sum", "count")
 IGNORE_INDEX = -100  # the default ignore_index of F.cross_entropy and F.nll_loss
+LossFn = Callable[[Any, Any], Tensor]
 
 
 def verify_loss_reduction(value: Any) -> str:
@@ -224,3 +226,40 @@ def divide_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step
     scale = replicas / count
     step_grads.finish(scale)
     return loss * scale if loss is not None else None
+
+
+def micro_batch_loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
+    """``loss_fn(output, target)`` as a scalar, or a clear error (a tuple, many elements, sharded logits)."""
+    try:
+        loss = loss_fn(output, target)
+    except (RuntimeError, NotImplementedError) as error:
+        sharded = [leaf.placements for leaf in flatten(output)[0] if isinstance(leaf, DTensor)]
+        if not sharded:
+            raise
+        raise type(error)(
+            f"{error}\nloss_fn got the last stage's output as a DTensor (placements {sharded[0]}): for logits "
+            f"sharded on the vocabulary (Shard(-1)), run the step under torch's loss parallelism, `with "
+            f"torch.distributed.tensor.parallel.loss_parallel(): pipe.step(...)`; otherwise gather the output "
+            f"in the tensor-parallel plan (output_layouts=Replicate(), use_local_output=True)") from error
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        described = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        hint = (" (a loss returning (sum, count) needs loss_reduction='count')"
+                if isinstance(loss, (tuple, list)) else "")
+        raise TypeError(
+            f"loss_fn returned {described} for micro-batch {microbatch}; it must return a scalar tensor "
+            f"(reduce the loss, e.g. with reduction='mean'){hint}"
+        )
+    return loss.reshape(())
+
+
+def reported_loss(loss: Tensor) -> Tensor:
+    """A micro-batch's loss as a plain tensor (under torch's ``loss_parallel`` it is a replicated ``DTensor``)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def broadcast_from(value: Optional[Tensor], source: int, group: Optional[dist.ProcessGroup],
+                   device: torch.device) -> Tensor:
+    """``value`` from global rank ``source`` on every rank of ``group``, as float32 (a loss may be bfloat16)."""
+    buffer = value.detach().float().clone() if value is not None else torch.zeros((), device=device)
+    dist.broadcast(buffer, source, group=group)
+    return buffer

@@ -37,13 +37,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from pipe import trace
 from pipe.core.checkpoint import Checkpointing, Function, cell
@@ -54,6 +52,7 @@ from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import Failures
 from pipe.distributed.fsdp import StageSharding
 from pipe.distributed.group import Topology
+from pipe.distributed.loss import LossFn, micro_batch_loss, reported_loss
 from pipe.distributed.recompute_ranks import RankSwap
 from pipe.distributed.tensor_parallel import from_wire, tp_submesh, to_wire
 from pipe.distributed.transport import Incoming, Transport
@@ -69,7 +68,6 @@ logger = logging.getLogger(__name__)
 
 MAIN = "main"  # the channel name of the activations flowing stage to stage
 
-LossFn = Callable[[Any, Any], Tensor]
 
 
 @dataclass
@@ -262,14 +260,14 @@ class Runtime:
                     if s == self.last:
                         if training:
                             assert targets is not None and loss_fn is not None and weights is not None
-                            micro_loss = _loss(loss_fn, output.value, targets[i].value, i)
+                            micro_loss = micro_batch_loss(loss_fn, output.value, targets[i].value, i)
                             cells[(i, s)].loss = micro_loss
-                            scaled = _reported(micro_loss.detach()) * weights[i]
+                            scaled = reported_loss(micro_loss.detach()) * weights[i]
                             loss = scaled if loss is None else loss + scaled
                         else:
                             outputs[i] = output
                             if loss_fn is not None and targets is not None and weights is not None:  # eval_step
-                                micro_loss = _reported(_loss(loss_fn, output.value, targets[i].value, i)) * weights[i]
+                                micro_loss = reported_loss(micro_batch_loss(loss_fn, output.value, targets[i].value, i)) * weights[i]
                                 loss = micro_loss if loss is None else loss + micro_loss
                     del output  # a small output was copied to its send: free it with its cell
                 elif action.phase is Phase.INPUT:
@@ -427,39 +425,3 @@ def _split(items: list[Any], sizes: list[int]) -> list[list[Any]]:
         parts.append(items[start:start + size])
         start += size
     return parts
-
-
-def _loss(loss_fn: LossFn, output: Any, target: Any, microbatch: int) -> Tensor:
-    try:
-        loss = loss_fn(output, target)
-    except (RuntimeError, NotImplementedError) as error:
-        sharded = [leaf.placements for leaf in flatten(output)[0] if isinstance(leaf, DTensor)]
-        if not sharded:
-            raise
-        raise type(error)(
-            f"{error}\nloss_fn got the last stage's output as a DTensor (placements {sharded[0]}): for logits "
-            f"sharded on the vocabulary (Shard(-1)), run the step under torch's loss parallelism, `with "
-            f"torch.distributed.tensor.parallel.loss_parallel(): pipe.step(...)`; otherwise gather the output "
-            f"in the tensor-parallel plan (output_layouts=Replicate(), use_local_output=True)") from error
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        described = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
-        hint = (" (a loss returning (sum, count) needs loss_reduction='count')"
-                if isinstance(loss, (tuple, list)) else "")
-        raise TypeError(
-            f"loss_fn returned {described} for micro-batch {microbatch}; it must return a scalar tensor "
-            f"(reduce the loss, e.g. with reduction='mean'){hint}"
-        )
-    return loss.reshape(())
-
-
-def _reported(loss: Tensor) -> Tensor:
-    """A micro-batch's loss as a plain tensor (under torch's ``loss_parallel`` it is a replicated ``DTensor``)."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-def broadcast_from(value: Optional[Tensor], source: int, group: Optional[dist.ProcessGroup],
-                   device: torch.device) -> Tensor:
-    """``value`` from global rank ``source`` on every rank of ``group``, as float32 (a loss may be bfloat16)."""
-    buffer = value.detach().float().clone() if value is not None else torch.zeros((), device=device)
-    dist.broadcast(buffer, source, group=group)
-    return buffer

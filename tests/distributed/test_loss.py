@@ -170,9 +170,9 @@ def test_warns_only_for_mean_with_ignored_targets() -> None:
 
 
 def test_a_tuple_under_mean_names_count() -> None:
-    from pipe.distributed.runtime import _loss
+    from pipe.distributed.loss import micro_batch_loss
 
     logits = torch.randn(2, LENGTH, VOCAB)
     _, labels = padded_batch(2, 0)
     with pytest.raises(TypeError, match="loss_reduction='count'"):
-        _loss(token_sum, logits, labels, 0)
+        micro_batch_loss(token_sum, logits, labels, 0)
