@@ -59,7 +59,7 @@ therefore leaves the caller's input tensor unmodified.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -102,10 +102,20 @@ def own(batch: Batch) -> Batch:
     return batch.with_tensors(tensors)
 
 
+def plain_tensors(leaves: Iterable[Any]) -> Iterator[Tensor]:
+    """The tensors among ``leaves`` that own storage: a wrapper subclass (a DTensor) stands for those it wraps."""
+    for leaf in leaves:
+        if not isinstance(leaf, Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            attributes, _ = leaf.__tensor_flatten__()
+            yield from plain_tensors(getattr(leaf, name) for name in attributes)
+        else:
+            yield leaf
+
+
 def _storage(tensor: Tensor) -> Optional[int]:
-    if is_traceable_wrapper_subclass(tensor):  # a DTensor: the memory of the tensor it wraps
-        attributes, _ = tensor.__tensor_flatten__()
-        return _storage(getattr(tensor, attributes[0])) if attributes else None
+    tensor = next(plain_tensors([tensor]), tensor)  # a DTensor: the memory of the tensor it wraps
     if tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
     return tensor.untyped_storage().data_ptr()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from pipe.core.inplace import plain_tensors
 
 __all__: list[str] = []
 
@@ -73,15 +74,3 @@ class ActivationMemory(TorchDispatchMode):
         with self._lock:
             size = self._live.pop(address, 0)
             self.live_bytes -= size
-
-
-def plain_tensors(leaves: Iterable[Any]) -> Iterator[Tensor]:
-    """The tensors among ``leaves`` that own storage: a wrapper subclass (a DTensor) stands for those it wraps."""
-    for leaf in leaves:
-        if not isinstance(leaf, Tensor):
-            continue
-        if is_traceable_wrapper_subclass(leaf):
-            attributes, _ = leaf.__tensor_flatten__()
-            yield from plain_tensors(getattr(leaf, name) for name in attributes)
-        else:
-            yield leaf

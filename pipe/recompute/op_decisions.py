@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
-from pipe.recompute.memory import plain_tensors
+from pipe.core.inplace import plain_tensors
 from pipe.recompute.scope import Scope, compile_pattern
 
 __all__: list[str] = []
