@@ -66,9 +66,8 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
     if parallelize is not None:
         for stage in sorted(partitions):
             parallelize(partitions[stage], mesh)
-    if tensor_parallel is not None or parallelize is not None:
-        tied.refresh()  # parallelize_module replaced the parameters by DTensors
-        tied.verify_layouts()  # the holders of a tie must hold the same shard of it to sum their gradients
+    sharding: Optional[StageSharding] = None
+    averager: Optional[GradientAverager] = None
     if shard is not None:
         if tied.within_rank:  # said on every rank, not only where the stages live
             raise ValueError(
@@ -77,11 +76,12 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
                 f"ranks (schedule {schedule!r} puts them together), or untie the weights"
             )
         shard_stages(dict(partitions), shard, shard_mesh(mesh))
-        tied.refresh()  # fully_shard replaced the parameters by DTensors
-        return StageSharding(dict(partitions), shard), None
-    if topology.replicate > 1:
-        return None, GradientAverager(dict(partitions), topology.replicate_group, topology.replicate)
-    return None, None
+        sharding = StageSharding(dict(partitions), shard)
+    elif topology.replicate > 1:
+        averager = GradientAverager(dict(partitions), topology.replicate_group, topology.replicate)
+    tied.refresh()  # parallelize_module and fully_shard replace the parameters by DTensors
+    tied.verify_layouts()  # the holders of a tie must hold the same shard of it to sum their gradients
+    return sharding, averager
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], tied: TiedReplicas, pipeline_group: Optional[dist.ProcessGroup],
