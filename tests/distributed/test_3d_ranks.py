@@ -15,12 +15,10 @@ import copy
 from typing import Any, Optional
 
 import pytest
-import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pipe.distributed as pd
-from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
+from decoder import decoder, tensor_parallel_plan, train_against
 from spawn_ranks import run_ranks
 
 CASES = [  # (sequence parallel, schedule, checkpoint, reshard after forward, embedding tied to the head)
@@ -29,10 +27,6 @@ CASES = [  # (sequence parallel, schedule, checkpoint, reshard after forward, em
     (True, "zbv", "never", True, False),  # the split backward: W of weights sharded over both dimensions
     (True, "1f1b", "never", True, True),  # a tie over the pipeline, sharded by tp and FSDP on both ends
 ]
-
-
-def _full(tensor: Any) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint: str, reshard: Optional[bool],
@@ -45,38 +39,15 @@ def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint
     piped = pd.DistributedPipe(model, chunks=2, checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual,
                                mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel),
                                shard=None if reshard is None else pd.Shard(reshard_after_forward=reshard))
-    parts, part = piped.topology.data_parallel, piped.topology.replica
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
     label = f"sequence_parallel={sequence_parallel} {schedule} {checkpoint} reshard={reshard} tied={tied}"
-    for step in range(3):
-        x, y = lm_data(step, batch=8)
-        rows = slice(part * 8 // parts, (part + 1) * 8 // parts)
-        loss = piped.step(x[rows], y[rows], lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach(), msg=lambda m: f"{label} step {step} loss: {m}")
-        for name, parameter in piped.named_parameters():
-            assert parameter.grad is not None, f"{label}: {name} has no gradient"
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"{label} step {step} {name}: {m}")
-        norm = piped.clip_grad_norm_(0.5)
-        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 0.5), atol=1e-6, rtol=1e-5,
-                                   msg=lambda m: f"{label} step {step} norm: {m}")
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
     # AdamW divides each update by the gradient's running size, so an element whose gradient is near zero
-    # moves by up to lr whatever its last bits: the gradients are checked tightly above, the weights to 1e-4.
-    for name, parameter in piped.named_parameters():
-        torch.testing.assert_close(_full(parameter).detach(), expected_parameters[name].detach(), atol=1e-4,
-                                   rtol=1e-4, msg=lambda m: f"{label} weights {name}: {m}")
+    # moves by up to lr whatever its last bits: the gradients are checked to 1e-6, the weights to 1e-4.
+    trained = train_against(piped, reference, label, batch=lambda step: 8, clip=0.5, weights_atol=1e-4)
     # Each block's weights are DTensors over both the shard and the tp dimension of the mesh.
     layouts = {name: tuple(p.device_mesh.mesh_dim_names or ()) for name, p in piped.named_parameters()
                if isinstance(p, DTensor) and ".mlp.fc." in name}
-    return {"layouts": sorted(set(layouts.values())), "replica": (parts, part), "norm": float(norm)}
+    return {"layouts": sorted(set(layouts.values())),
+            "replica": (piped.topology.data_parallel, piped.topology.replica), "norm": trained["norm"]}
 
 
 def _three_d(rank: int, world: int) -> list[dict[str, Any]]:

@@ -7,9 +7,8 @@ pipeline and tensor-parallel ranks, and the weights after 3 AdamW steps.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 import pipe
-from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan
+from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan, train_against
 from pipe.distributed import DistributedPipe, make_mesh
 from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
 from pipe.skip import pop, skippable, stash
@@ -36,10 +35,6 @@ CASES = [  # (sequence parallel, schedule, checkpoint, recompute config, compile
 ]
 
 
-def _full(tensor: Any) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
                    recompute: Any = None, compiled: bool = False) -> dict[str, Any]:
     mesh = make_mesh(pp=2, tp=2)
@@ -53,31 +48,12 @@ def _against_plain(sequence_parallel: bool, schedule: str, checkpoint: str,
     arrived: list[type] = []  # what stage 1's first layer received
     if 1 in piped.partitions:
         piped.partitions[1][0].register_forward_pre_hook(lambda module, args: arrived.append(type(args[0])))
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters())
-    label = f"sequence_parallel={sequence_parallel} {schedule}"
-    for step in range(3):
-        x, y = lm_data(step, batch=6 if step == 2 else 4)  # a new batch size: dims become dynamic when compiled
-        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach(), msg=lambda m: f"{label} step {step} loss: {m}")
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"{label} step {step} {name}: {m}")
-        norm = piped.clip_grad_norm_(0.5)  # below the norm: gradients are scaled
-        torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 0.5), atol=1e-6, rtol=1e-5)
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-    for name, parameter in piped.named_parameters():
-        torch.testing.assert_close(_full(parameter).detach(), expected_parameters[name].detach(), atol=1e-6,
-                                   rtol=1e-4, msg=lambda m: f"{label} weights {name}: {m}")
+    trained = train_against(piped, reference, f"sequence_parallel={sequence_parallel} {schedule}", clip=0.5,
+                            weights_atol=1e-6, batch=lambda step: 6 if step == 2 else 4)  # a new batch size:
+    # its dimensions become dynamic when compiled
     return {"sharded": sorted(name for name, p in piped.named_parameters()
                               if isinstance(p, DTensor) and p.to_local().numel() < p.numel()),
-            "arrived": sorted({t.__name__ for t in arrived}), "norm": float(norm)}
+            "arrived": sorted({t.__name__ for t in arrived}), "norm": trained["norm"]}
 
 
 @skippable(stash=["embedded"])
@@ -103,49 +79,11 @@ def _skip_across_stages() -> dict[str, Any]:
     reference = copy.deepcopy(model)
     piped = DistributedPipe(model, chunks=2, balance=[3, 3], schedule="1f1b", checkpoint="except_last",
                             mesh=make_mesh(pp=2, tp=2), tensor_parallel=tensor_parallel_plan(True))
-    expected_parameters = dict(reference.named_parameters())
     popped: list[type] = []
     if 1 in piped.partitions:
         piped.partitions[1][1].register_forward_hook(lambda module, args, out: popped.append(type(out)))
-    for step in range(2):
-        x, y = lm_data(step)
-        loss = piped.step(x, y, lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach())
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"skip step {step} {name}: {m}")
-        piped.zero_grad()
-        reference.zero_grad()
+    train_against(piped, reference, "skip", steps=2)
     return {"popped": sorted({t.__name__ for t in popped})}
-
-
-def _train_against(piped: DistributedPipe, reference: nn.Module, steps: int, label: str,
-                   context: Callable[[], Any] = contextlib.nullcontext) -> float:
-    """``steps`` AdamW steps of ``piped`` (each under ``context()``) and of ``reference``: loss and gradients
-    compared every step; returns the largest gradient error."""
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    expected_parameters = dict(reference.named_parameters(remove_duplicate=False))
-    worst = 0.0
-    for step in range(steps):
-        x, y = lm_data(step)
-        with context():
-            loss = piped.step(x, y, lm_loss, broadcast_loss=True)
-        expected = lm_loss(reference(x), y)
-        expected.backward()
-        assert type(loss) is torch.Tensor, type(loss)  # the reported loss is a plain number on every rank
-        torch.testing.assert_close(loss, expected.detach())
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
-                                       msg=lambda m: f"{label} step {step} {name}: {m}")
-            worst = max(worst, float((_full(parameter.grad) - expected_parameters[name].grad).abs().max()))
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-    return worst
 
 
 def _loss_parallel() -> dict[str, Any]:
@@ -156,7 +94,7 @@ def _loss_parallel() -> dict[str, Any]:
     reference = copy.deepcopy(model)
     piped = DistributedPipe(model, chunks=2, schedule="1f1b", checkpoint="except_last", mesh=make_mesh(pp=2, tp=2),
                             tensor_parallel=plan)
-    _train_against(piped, reference, 2, "loss parallel", loss_parallel)
+    train_against(piped, reference, "loss parallel", steps=2, context=loss_parallel)
     x, y = lm_data(2)
     with loss_parallel():
         evaluated = piped.eval_step(x, y, lm_loss, broadcast_loss=True)
@@ -181,7 +119,7 @@ def _tied_embedding_and_head(sequence_parallel: bool) -> float:
         plan["0.tok"] = RowwiseParallel(input_layouts=Replicate())
         plan["*.out"] = ColwiseParallel(output_layouts=Replicate())
     piped = DistributedPipe(model, chunks=2, schedule="1f1b", mesh=make_mesh(pp=2, tp=2), tensor_parallel=plan)
-    return _train_against(piped, reference, 3, f"tied sp={sequence_parallel}")
+    return train_against(piped, reference, f"tied sp={sequence_parallel}")["worst"]
 
 
 def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
