@@ -61,12 +61,16 @@ class StageMemory:
             ``split=True``), the bytes above ``kept`` that stay from I until
             W: the gradients recorded at the branch nodes, the replayed graph
             of a checkpointed cell.
+        weight_peak: for a split backward, the high-water mark during W above
+            the bytes live before it: each weight's new gradient before it is
+            added to ``.grad``, and W's own temporaries.
     """
 
     forward_peak: int
     kept: int
     backward_peak: int
     after_input: int = 0
+    weight_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,8 @@ class Costs:
         a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
-            (a.forward_peak, a.kept, a.backward_peak, a.after_input),
-            (b.forward_peak, b.kept, b.backward_peak, b.after_input))))
+            (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak),
+            (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak))))
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
                  split: bool, fresh: bool = False) -> StageMemory:
@@ -228,9 +232,11 @@ class Costs:
             kept = received + (out if checkpointed else kept_layers)
             replayed = max((activation[k] for k in range(first, marked)), default=0) * rows
             grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0  # all at once: the safe side
+            largest = max(param_bytes[first:stop], default=0) if param_bytes else 0  # one weight's new gradient
             return StageMemory(forward_peak=received + full, kept=kept,
                                backward_peak=out + (full - out if checkpointed else replayed) + grads,
-                               after_input=(full - out if checkpointed else 0) + out if split else 0)
+                               after_input=(full - out if checkpointed else 0) + out if split else 0,
+                               weight_peak=max(largest, grads) if split else 0)
 
         return cls(batch,
                    {rows: [overhead + t * rows for t in forward] for rows in rows_of},
@@ -342,7 +348,7 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     guard = InputGuard("the profiled stage", shared=first, partition=stage)
     with torch.no_grad():
         guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
-    after_input = 0
+    after_input = weight_peak = input_peak = 0
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         tensors = [t if first else t.clone() for t in given.tensors]
@@ -366,7 +372,11 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             del ones, record
             halves.backward_input()
             after_input = counter.live_bytes - kept
+            input_peak = counter.peak_bytes  # I's high-water mark; W's is counted apart, from what I left
+            before_weight = counter.live_bytes
+            counter.reset_peak()
             halves.backward_weight()
+            weight_peak = counter.peak_bytes - before_weight
             del halves, outputs
         elif value is not None:
             value.backward()
@@ -376,9 +386,9 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             if roots:
                 torch.autograd.backward(roots, grads)
             del roots, grads
-        backward_peak = counter.peak_bytes - kept
+        backward_peak = (input_peak if split else counter.peak_bytes) - kept
         for param, grad in saved:
             param.grad = grad
         del output, value, batch, tensors, saved
     return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
-                       after_input=max(after_input, 0))
+                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0))

@@ -287,7 +287,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     ``HEADER_BYTES``, and a small value (``INLINE_BYTES``) is copied behind it
     (then the send holds that copy instead). In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
-    sends the input gradient; W frees them. ``fsdp``: bytes held besides
+    sends the input gradient; W adds its own high-water mark
+    (:attr:`StageMemory.weight_peak`), then frees them. ``fsdp``: bytes held besides
     activations during each action (FSDP's unsharded parameters and gradients), and
     the backwards that create a stage's gradients (counted with ``fresh``).
     """
@@ -325,9 +326,10 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 scalars = LOSS_SCALAR_BYTES
             if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
                 sent += HEADER_BYTES + (sent_copy_bytes(sizes[last - 1]) if sizes else 0)  # small: a copy too
-        elif action.phase is Phase.WEIGHT:  # the graph I kept goes
-            peak = max(peak, held + sent + posted + lingering + scalars)
+        elif action.phase is Phase.WEIGHT:  # the graph I kept goes, after W's own high-water mark
+            peak = max(peak, held + sent + posted + lingering + scalars + memory.weight_peak)
             held -= kept.pop(key)
+            lingering = _lingering(runner, sizes, action, latest, last_stage, bounds, lingering)
         else:
             peak = max(peak, held + sent + posted + lingering + scalars + memory.backward_peak)
             if action.phase is Phase.BACKWARD:
@@ -339,9 +341,17 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if action.stage < last_stage else 0) + (
                     HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
-            if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
-                    latest.microbatch, latest.stage) == key:
-                # The runner's step loop still references the latest forward's output and loss until
-                # the next forward; measured: two output-sized tensors outlive the backward.
-                lingering = 2 * sizes[last - 1]
+            if action.phase is Phase.BACKWARD:  # (after I they are still in kept, until W frees it)
+                lingering = _lingering(runner, sizes, action, latest, last_stage, bounds, lingering)
     return peak
+
+
+def _lingering(runner: str, sizes: list[int], action: Action, latest: Optional[Action], last_stage: int,
+               bounds: list[tuple[int, int]], lingering: int) -> int:
+    """Bytes that outlive the backward (B, or W) that freed a micro-batch's kept bytes: the process
+    runner's step loop still references the latest forward's output and loss until the next forward;
+    measured, two output-sized tensors."""
+    if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
+            latest.microbatch, latest.stage) == (action.microbatch, action.stage):
+        return 2 * sizes[bounds[action.stage][1] - 1]
+    return lingering
