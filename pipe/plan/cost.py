@@ -5,8 +5,9 @@ contiguous range of layers) and micro-batch size, how long the forward, the
 backward and the recomputation take, and how many bytes the stage holds:
 
 * **time** is measured per layer (forward and backward timed separately, the
-  fastest of a few rounds, as :mod:`pipe.balance.profile` times layers) and
-  added up over the stage's layers;
+  fastest of a few rounds, as :mod:`pipe.balance.profile` times layers, and
+  once more marked for recompute: what the mark adds) and added up over the
+  stage's layers;
 * **memory** is counted per stage, not estimated: the stage's layers run one
   micro-batch through the very cell the runners use
   (:func:`pipe.core.checkpoint.cell`, checkpointed or not) under
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_layers
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize, time_layers
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
@@ -114,6 +115,8 @@ class Costs:
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
         input_grad: ``{rows: seconds per layer}`` of the input-gradient half of
             each backward (default: half of it), for the zero-bubble schedules.
+        replay: ``{rows: seconds per layer}`` that marking a layer for recompute adds to its
+            step (its forward again, and the checkpoint's own work; default: its forward).
 
     How these become a step time (messages, overhead per action, contention)
     is :class:`pipe.plan.timing.TimeModel`'s part.
@@ -122,18 +125,20 @@ class Costs:
     def __init__(self, batch: int, forward: dict[int, list[float]], backward: dict[int, list[float]],
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
                  output_bytes: Optional[dict[int, list[int]]] = None,
-                 input_grad: Optional[dict[int, list[float]]] = None) -> None:
+                 input_grad: Optional[dict[int, list[float]]] = None,
+                 replay: Optional[dict[int, list[float]]] = None) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
         self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
+        self.replay = replay or forward
         self._memory = memory
         self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
-        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items()]:
+        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(), *self.replay.items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
                                  f"{len(self.param_bytes)}; give every table one entry per layer")
@@ -160,7 +165,7 @@ class Costs:
         of them replayed in backward (marked for recompute)."""
         rows = self.rows(chunks)
         forward = math.fsum(self.forward[rows][first:stop])
-        replay = math.fsum(self.forward[rows][first:first + recomputed])
+        replay = math.fsum(self.replay[rows][first:first + recomputed])
         backward = math.fsum(self.backward[rows][first:stop])
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
@@ -318,11 +323,43 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
-    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
-                 param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad))
+    forward, backward = _monotone(times.forward), _monotone(times.backward)
+    with sandbox(device):
+        replay = _replay_times(layers, inputs, forward, backward, device, rounds)
+    return Costs(batch, forward, backward, memory, param_bytes, param_scale=param_scale,
+                 output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad), replay=_monotone(replay))
 
 
 Table = dict[int, list[float]]
+
+
+def _replay_times(layers: list[nn.Module], inputs: dict[int, list[Batch]], forward: Table, backward: Table,
+                  device: torch.device, rounds: int) -> Table:
+    """What marking each layer for recompute adds to its forward and backward, per size: timed marked
+    (:func:`pipe.recompute.recompute`: a non-reentrant checkpoint, replayed in backward), the fastest
+    of ``rounds``, less the plain times; at least the layer's forward (the replay itself)."""
+    marked: Table = {rows: [math.inf] * len(layers) for rows in inputs}
+    for layer in layers:
+        mark_recompute(layer)
+    try:
+        for done in range(rounds + 1):  # one untimed round warms up
+            for rows, given in inputs.items():
+                for k, layer in enumerate(layers):
+                    batch = given[k].with_tensors([t.detach().requires_grad_(t.is_floating_point())
+                                                   for t in given[k].tensors])
+                    synchronize(device)
+                    tick = time.perf_counter()
+                    roots = [t for t in batch.call(layer).tensors if t.requires_grad]
+                    if roots:
+                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    synchronize(device)
+                    if done:
+                        marked[rows][k] = min(marked[rows][k], time.perf_counter() - tick)
+    finally:
+        for layer in layers:
+            unmark(layer)
+    return {rows: [max(m - f - b, f) for m, f, b in zip(marked[rows], forward[rows], backward[rows])]
+            for rows in marked}
 
 
 def _monotone(times: Table) -> Table:

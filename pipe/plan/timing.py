@@ -25,8 +25,11 @@ The last two are fitted by :func:`fit` to measured steps of a few plans
 (least squares on the relative error), then every other plan is predicted
 with them; ``benchmarks/planner.py`` validates them on more plans than were
 fitted. Recomputation and the I/W split need no parameter: their durations
-are measured layer times (a replayed layer costs its forward again; I and W
-are the two halves of the measured backward).
+are measured layer times (a checkpointed cell's replay costs its layers'
+forwards again; a layer marked for recompute costs what marking it added
+when it was timed marked, the forward again and the checkpoint's own work,
+20-30% more than the forward for a transformer block on the CPU; I and W are
+the two halves of the measured backward).
 """
 from __future__ import annotations
 

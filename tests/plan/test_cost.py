@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe
-from pipe.plan import Candidate, PlanError, plan, predict, profile_costs
+from pipe.plan import Candidate, Costs, PlanError, plan, predict, profile_costs
 from pipe.plan.measure import measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -35,6 +35,20 @@ def test_a_checkpointed_stage_keeps_its_input_and_output_only() -> None:
     assert costs.stage_memory(1, 3, 4, checkpointed=False).kept > kept
     # The first stage's input is a view of the mini-batch: not its memory.
     assert costs.stage_memory(0, 2, 4, checkpointed=True).kept == activation
+
+
+def test_a_marked_layer_costs_its_measured_replay_in_backward() -> None:
+    costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 4))
+    for rows in (4, 16):
+        # Timed marked (a checkpoint replayed in backward) less the plain times: at least the forward again.
+        assert all(r >= f > 0 for r, f in zip(costs.replay[rows], costs.forward[rows]))
+    plain, marked = costs.stage_time(0, 4, 4), costs.stage_time(0, 4, 4, recomputed=2)
+    assert marked.forward == plain.forward
+    assert marked.backward == pytest.approx(plain.backward + sum(costs.replay[4][:2]))
+    # Tabled costs have no timing of their own: a replay costs the layer's forward.
+    tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
+    assert tabled.replay == tabled.forward
+    assert tabled.stage_time(0, 3, 2, recomputed=1).backward == pytest.approx(3 * 8e-3 + 4e-3)
 
 
 def test_bytes_between_the_measured_sizes_are_interpolated_exactly_for_linear_layers() -> None:
