@@ -1,7 +1,8 @@
 """Planner validation: predicted vs measured step time and peak memory, chosen vs fastest fitting plan.
 
-For two models (the P2 MLP stack of benchmarks/core.py and the transformer of
-examples/transformer_lm.py), on 2 ranks of DistributedPipe over gloo on the CPU:
+For three models (the P2 MLP stack of benchmarks/core.py, the transformer of
+examples/transformer_lm.py, and a longer-sequence one whose micro-batches are
+fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
 
 1. the costs are profiled once (pipe.plan.profile_costs, with the loss), and
    the transport between two local gloo processes is measured once per
@@ -17,19 +18,23 @@ examples/transformer_lm.py), on 2 ranks of DistributedPipe over gloo on the CPU:
    measured steps of a few calibration plans (pipe.plan.fit; five, chunks 1 to 8), then every plan
    is predicted; the error is reported for every plan, and the worst is taken
    over the plans the model was NOT fitted on (`step_error_worst`);
-4. for 20 budgets spread between the smallest and the largest predicted peak,
+4. for 20 budgets spread between the smallest predicted peak and the peak of
+   the plan predicted fastest without a limit (above it every budget is one decision),
    pipe.plan.search chooses a plan from the same candidates; `fit_share` is
    the share whose measured peak stays under the budget, `chosen_within_5pct`
    the share whose measured time is within 5% of the fastest grid plan whose
-   measured peak fits;
+   measured peak fits (where the two differ, they are timed again head to head,
+   alternating, and that verdict counts; `chosen_within_5pct_grid` is the
+   grid's alone);
 5. `per_stage_vs_uniform`: at the tightest budget where a per-stage recompute
-   plan fits, the fastest fitting plan with one checkpoint mode for all
-   stages against the fastest fitting plan of all (measured, throughput ratio);
+   plan fits when run, the fastest fitting plan of all against the fastest
+   fitting plan with one checkpoint mode for all stages (measured, throughput
+   ratio; `per_stage_vs_uniform_max` the largest over the budgets);
 6. one step of a chosen plan is recorded (pipe.trace) and explained;
 7. planning time as the model grows (tabled costs, 25 to 100 layers, 4 and 8 stages).
 
 Run:
-    python benchmarks/planner.py            # full: about 10 minutes on 2 quiet cores (much longer loaded)
+    python benchmarks/planner.py            # full: about 15 minutes on 2 quiet cores (much longer loaded)
     python benchmarks/planner.py --quick    # smaller models, fewer chunks and budgets: a few minutes
 Results: benchmarks/results/planner.json (planner-quick.json with --quick).
 """
@@ -67,10 +72,15 @@ from pipe.plan.search import candidates, per_stage_recompute  # noqa: E402
 
 SIZES = {
     "full": {"mlp": dict(width=512, layers=8, batch=64),
-             "transformer": dict(width=128, layers=4, heads=4, seq=64, vocab=96, batch=16)},
+             "transformer": dict(width=128, layers=4, heads=4, seq=64, vocab=96, batch=16),
+             "transformer-long": dict(width=128, layers=8, heads=4, seq=256, vocab=96, batch=8)},
     "quick": {"mlp": dict(width=256, layers=4, batch=32),
-              "transformer": dict(width=64, layers=2, heads=2, seq=32, vocab=64, batch=8)},
+              "transformer": dict(width=64, layers=2, heads=2, seq=32, vocab=64, batch=8),
+              "transformer-long": dict(width=64, layers=4, heads=2, seq=128, vocab=64, batch=4)},
 }
+#: Models whose micro-batch is fixed: one sequence each, as language models are trained when activations
+#: fill the memory. More micro-batches cannot shrink them, so a tight budget is met by recomputation alone.
+FIXED_CHUNKS = {"transformer-long": "batch"}
 MODES = {"full": dict(chunks=(1, 2, 4, 8), sweeps=3, budgets=20),
          "quick": dict(chunks=(1, 2, 4), sweeps=2, budgets=8)}
 
@@ -106,6 +116,7 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 MODELS: dict[str, tuple[Callable[..., nn.Sequential], Callable[..., Any], Callable[..., torch.Tensor]]] = {
     "mlp": (mlp_model, mlp_data, F.mse_loss),
     "transformer": (transformer_model, transformer_data, lm_loss),
+    "transformer-long": (transformer_model, transformer_data, lm_loss),
 }
 
 
@@ -189,11 +200,17 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     torch.set_num_threads(1)  # as each rank runs (one intra-op thread per rank)
     link = cached_link()
     begun = time.perf_counter()
-    costs = planner.profile_costs(model, x, mode["chunks"], loss_fn=loss_fn, target=y)
+    chunks = (size["batch"],) if name in FIXED_CHUNKS else mode["chunks"]
+    costs = planner.profile_costs(model, x, chunks, loss_fn=loss_fn, target=y)
     balances = balances_for(len(model))
     base = candidates(costs, 2, "processes", balances=balances)
     memory = {c: planner.predict(costs, c, runner="processes", timeline=False).peaks for c in base}
-    lo, hi = min(max(p) for p in memory.values()), max(max(p) for p in memory.values())
+    default_model = planner.TimeModel.measured(link)  # the link and overhead measured once on the machine
+    # The budgets run from the smallest peak to the peak of the plan predicted fastest without a limit:
+    # above it every budget is the same decision, below it memory decides.
+    lo, most = min(max(p) for p in memory.values()), max(max(p) for p in memory.values())
+    hi = planner.search(costs, 2, most, runner="processes", balances=balances, model=default_model).best.peak
+    hi = hi if hi > lo else most
     budgets = [int(lo + (hi - lo) * k / (budgets_count - 1)) for k in range(budgets_count)]
     # The per-stage recompute plans the search derives for these budgets (the same function it calls).
     grid = list(base)
@@ -203,7 +220,6 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
             if marked is not None and marked not in grid:
                 grid.append(marked)
     planning_s = time.perf_counter() - begun
-    default_model = planner.TimeModel.measured(link)  # the link and overhead measured once on the machine
     recorded = planner.search(costs, 2, budgets[budgets_count // 2], runner="processes", balances=balances,
                               model=default_model)
 
@@ -257,18 +273,40 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
             "slower_than_best": measured_time[chosen] / measured_time[best] - 1 if best else None,
         })
     planned_rows = [r for r in rows if r["plan"] is not None]
+    slower_grid = [r["slower_than_best"] for r in planned_rows if r["slower_than_best"] is not None]
+    # Where the chosen plan is not the fastest the grid measured, the two are timed again head to head
+    # (alternating, more sweeps): plans a few percent apart swap places between sweeps of the grid.
+    duels = sorted({(r["plan"], r["best_grid_plan"]) for r in planned_rows
+                    if r["best_grid_plan"] not in (None, r["plan"])})
+    by_name = {c.describe(): c for c in grid}
+    dueling = sorted({by_name[plan] for pair in duels for plan in pair}, key=lambda c: c.describe())
+    duel_time: dict[str, float] = {}
+    if dueling:
+        print(f"[{name}] {len(duels)} chosen plans differ from the grid's fastest: timing {len(dueling)} plans "
+              f"head to head, {mode['sweeps'] + 2} sweeps ...", flush=True)
+        again = run_ranks(name, size, dueling, recorded.candidate, mode["sweeps"] + 2)
+        duel_time = {c.describe(): max(again[r]["measured"][k][1] for r in range(2)) for k, c in enumerate(dueling)}
+    for r in planned_rows:
+        r["slower_than_best_grid"] = r["slower_than_best"]
+        if r["best_grid_plan"] not in (None, r["plan"]):
+            r["duel_ms"] = [duel_time[r["plan"]] * 1e3, duel_time[r["best_grid_plan"]] * 1e3]
+            r["slower_than_best"] = duel_time[r["plan"]] / duel_time[r["best_grid_plan"]] - 1
     slower = [r["slower_than_best"] for r in planned_rows if r["slower_than_best"] is not None]
 
-    # Per-stage recompute against one checkpoint mode for every stage, at the tightest budget where it fits.
+    # Per-stage recompute against one checkpoint mode for every stage, measured: at each budget where both
+    # kinds of plan fit when run, the fastest fitting plan of all against the fastest uniform one.
     uniform = [c for c in grid if not any(c.recompute)]
-    per_stage = None
+    per_stage_rows = []
     for budget in budgets:
-        every, one_mode = fastest(grid, budget), fastest(uniform, budget)
-        if every is not None and one_mode is not None and any(every.recompute):
-            per_stage = {"budget": budget, "best_plan": every.describe(), "best_ms": measured_time[every] * 1e3,
-                         "best_uniform_plan": one_mode.describe(), "best_uniform_ms": measured_time[one_mode] * 1e3,
-                         "throughput_ratio": measured_time[one_mode] / measured_time[every]}
-            break
+        every, one_mode, staged = fastest(grid, budget), fastest(uniform, budget), fastest(
+            [c for c in grid if any(c.recompute)], budget)
+        if every is not None and one_mode is not None and staged is not None:
+            per_stage_rows.append({
+                "budget": budget, "best_plan": every.describe(), "best_ms": measured_time[every] * 1e3,
+                "best_uniform_plan": one_mode.describe(), "best_uniform_ms": measured_time[one_mode] * 1e3,
+                "best_per_stage_plan": staged.describe(), "best_per_stage_ms": measured_time[staged] * 1e3,
+                "throughput_ratio": measured_time[one_mode] / measured_time[every]})
+    per_stage = per_stage_rows[0] if per_stage_rows else None  # the tightest budget where a per-stage plan fits
 
     middle = planner.search(costs, 2, budgets[budgets_count // 2], runner="processes", balances=balances,
                             model=fitted)
@@ -289,10 +327,15 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         "step_error_worst_unfitted_model": max(abs(t["unfitted_error"]) for t in plan_times),
         "step_error_median_unfitted_model": statistics.median(abs(t["unfitted_error"]) for t in plan_times),
         "chosen_within_5pct": sum(s_ <= 0.05 for s_ in slower) / len(slower) if slower else None,
+        "chosen_within_5pct_grid": sum(s_ <= 0.05 for s_ in slower_grid) / len(slower_grid) if slower_grid else None,
+        "duels": [{"chosen": a, "fastest_in_grid": b, "chosen_ms": duel_time[a] * 1e3, "fastest_in_grid_ms": duel_time[b] * 1e3}
+                  for a, b in duels],
         "chosen_slower_than_best_max": max(slower) if slower else None,
         "fit_share": sum(r["under_budget"] for r in planned_rows) / len(planned_rows) if planned_rows else None,
         "per_stage_vs_uniform": per_stage["throughput_ratio"] if per_stage else None,
         "per_stage_detail": per_stage,
+        "per_stage_vs_uniform_max": max(r["throughput_ratio"] for r in per_stage_rows) if per_stage_rows else None,
+        "per_stage_budgets": per_stage_rows,
         "peak_error_max_all_plans": max(abs(e) for e in memory_errors),
         "peak_error_median_all_plans": statistics.median(abs(e) for e in memory_errors),
         "peak_error_worst": [{"error": e, "plan": d, "rank": r, "predicted": p, "measured": m}
@@ -364,7 +407,11 @@ def main() -> None:
         print(f"step_error_worst {r['step_error_worst']:.1%} (median {r['step_error_median']:.1%}) over "
               f"{r['candidates'] - len(r['time_model']['fitted_on'])} plans not fitted on; "
               f"chosen_within_5pct {r['chosen_within_5pct']:.0%}; fit_share {r['fit_share']:.0%}; "
-              f"per_stage_vs_uniform {r['per_stage_vs_uniform']}")
+              f"per_stage_vs_uniform {r['per_stage_vs_uniform']} (max over budgets {r['per_stage_vs_uniform_max']})")
+        for duel in r["duels"]:
+            print(f"head to head: chosen {duel['chosen']} {duel['chosen_ms']:.2f} ms, the grid's fastest "
+                  f"{duel['fastest_in_grid']} {duel['fastest_in_grid_ms']:.2f} ms")
+        print(f"chosen within 5% by the grid's times alone: {r['chosen_within_5pct_grid']:.0%}")
         print(f"slowest sweep's best vs fastest, per plan: median +{r['sweep_spread_median']:.0%}, "
               f"max +{r['sweep_spread_max']:.0%} (the measurement's own spread)")
         print(f"predicted vs measured peak, all plans and ranks: max {r['peak_error_max_all_plans']:.2%}, "
