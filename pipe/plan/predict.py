@@ -299,11 +299,14 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     sizes = costs.output_bytes.get(rows, [])
     last_stage = schedule.stages - 1
 
+    def remote(stage: int) -> bool:  # a neighbour on another rank: a message (on this rank, the tensor itself)
+        return 0 <= stage <= last_stage and schedule.rank_of(stage) != rank
+
     def incoming(action: Action) -> int:  # bytes of the message an action waits for, with its header
         first, stop_ = bounds[action.stage]
         if action.phase is Phase.FORWARD:
-            return HEADER_BYTES + sizes[first - 1] if action.stage > 0 and sizes else 0
-        return HEADER_BYTES + sizes[stop_ - 1] if action.stage < last_stage and sizes else 0
+            return HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) and sizes else 0
+        return HEADER_BYTES + sizes[stop_ - 1] if remote(action.stage + 1) and sizes else 0
 
     sent = lingering = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
@@ -324,7 +327,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             lingering, latest = 0, action
             if runner == "processes" and action.stage == last_stage:
                 scalars = LOSS_SCALAR_BYTES
-            if runner == "processes" and action.stage < last_stage:  # the output is sent: its header now
+            if runner == "processes" and remote(action.stage + 1):  # the output is sent: its header now
                 sent += HEADER_BYTES + (sent_copy_bytes(sizes[last - 1]) if sizes else 0)  # small: a copy too
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes, after W's own high-water mark
             peak = max(peak, held + sent + posted + lingering + scalars + memory.weight_peak)
@@ -339,8 +342,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 held += memory.after_input
             if runner == "processes" and sizes:  # the sent output (kept until now, unless copied) and input
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
-                         if action.stage < last_stage else 0) + (
-                    HEADER_BYTES + sizes[first - 1] if action.stage > 0 else 0)
+                         if remote(action.stage + 1) else 0) + (
+                    HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) else 0)
             if action.phase is Phase.BACKWARD:  # (after I they are still in kept, until W frees it)
                 lingering = _lingering(runner, sizes, action, latest, last_stage, bounds, lingering)
     return peak

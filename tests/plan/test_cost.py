@@ -129,10 +129,10 @@ def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            # Zero bubble: what I keeps for W is counted per stage, and W's own high-water mark (each weight's
-            # new gradient); a checkpointed cell's replayed graph and W's mark are over-counted by up to 30%
-            # on the V's middle rank at this tiny width (the safe side: plans fit; 3-5% at the benchmark's).
-            low, high = (0.95, 1.3) if candidate.schedule.startswith("zb") else (0.98, 1.02)
+            # Every schedule within 2%: zero bubble's I and W counted per stage, with W's own high-water mark
+            # (each weight's new gradient); the V's turn (two stages of one rank) hands tensors over without a
+            # message. Here: interleaved -1.2% on rank 1, ZB-V +1.1% (its turn's input counted twice).
+            low, high = 0.98, 1.02
             if not low * measured[rank][k] <= predicted <= high * measured[rank][k]:
                 wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
     assert not wrong
