@@ -337,29 +337,39 @@ def _replay_times(layers: list[nn.Module], inputs: dict[int, list[Batch]], forwa
                   device: torch.device, rounds: int) -> Table:
     """What marking each layer for recompute adds to its forward and backward, per size: timed marked
     (:func:`pipe.recompute.recompute`: a non-reentrant checkpoint, replayed in backward), the fastest
-    of ``rounds``, less the plain times; at least the layer's forward (the replay itself)."""
+    of ``rounds``, less the plain times; at least the layer's forward (the replay itself). A layer
+    that fails marked keeps its forward as its replay (it is logged)."""
     marked: Table = {rows: [math.inf] * len(layers) for rows in inputs}
+    failed: set[int] = set()
     for layer in layers:
         mark_recompute(layer)
     try:
         for done in range(rounds + 1):  # one untimed round warms up
             for rows, given in inputs.items():
                 for k, layer in enumerate(layers):
+                    if k in failed:
+                        continue
                     batch = given[k].with_tensors([t.detach().requires_grad_(t.is_floating_point())
                                                    for t in given[k].tensors])
                     synchronize(device)
                     tick = time.perf_counter()
-                    roots = [t for t in batch.call(layer).tensors if t.requires_grad]
-                    if roots:
-                        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    try:
+                        roots = [t for t in batch.call(layer).tensors if t.requires_grad]
+                        if roots:
+                            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                    except Exception as error:  # the mark's own limits: the forward stands for its replay
+                        logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its "
+                                    "forward", k, type(error).__name__, error)
+                        failed.add(k)
+                        continue
                     synchronize(device)
                     if done:
                         marked[rows][k] = min(marked[rows][k], time.perf_counter() - tick)
     finally:
         for layer in layers:
             unmark(layer)
-    return {rows: [max(m - f - b, f) for m, f, b in zip(marked[rows], forward[rows], backward[rows])]
-            for rows in marked}
+    return {rows: [f if math.isinf(m) else max(m - f - b, f)
+                   for m, f, b in zip(marked[rows], forward[rows], backward[rows])] for rows in marked}
 
 
 def _monotone(times: Table) -> Table:

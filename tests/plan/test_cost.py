@@ -51,6 +51,24 @@ def test_a_marked_layer_costs_its_measured_replay_in_backward() -> None:
     assert tabled.stage_time(0, 3, 2, recomputed=1).backward == pytest.approx(3 * 8e-3 + 4e-3)
 
 
+class _RefusesToBeMarked(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipe.recompute.module import in_region
+
+        if in_region():
+            raise RuntimeError("this layer cannot run under a recompute mark")
+        return super().forward(x)
+
+
+def test_a_layer_that_fails_marked_keeps_its_forward_as_its_replay(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _RefusesToBeMarked(WIDTH, WIDTH))
+    with caplog.at_level("INFO", logger="pipe.plan.cost"):
+        costs = profile_costs(model, torch.randn(8, WIDTH), (2,))
+    assert "layer 1 fails marked for recompute (RuntimeError: this layer cannot run" in caplog.text
+    assert costs.replay[4][1] == costs.forward[4][1]
+    assert costs.replay[4][0] >= costs.forward[4][0]
+
+
 def test_bytes_between_the_measured_sizes_are_interpolated_exactly_for_linear_layers() -> None:
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 2, 8))
     for checkpointed in (False, True):
