@@ -80,7 +80,7 @@ SIZES = {
 }
 #: Models whose micro-batch is fixed: one sequence each, as language models are trained when activations
 #: fill the memory. More micro-batches cannot shrink them, so a tight budget is met by recomputation alone.
-FIXED_CHUNKS = {"transformer-long": "batch"}
+FIXED_CHUNKS = frozenset({"transformer-long"})
 MODES = {"full": dict(chunks=(1, 2, 4, 8), sweeps=3, budgets=20),
          "quick": dict(chunks=(1, 2, 4), sweeps=2, budgets=8)}
 
