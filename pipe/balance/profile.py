@@ -19,7 +19,7 @@ import copy
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -109,6 +109,9 @@ class LayerTimes:
             half (W) is ``backward - input_grad``.
         output_bytes: bytes of each layer's output.
         rounds: timed rounds run.
+        replay: seconds that marking each layer for recompute adds to its
+            forward and backward (the forward again, and the checkpoint's own
+            work), at least its forward; empty unless ``recompute=True``.
     """
 
     forward: dict[int, list[float]]
@@ -116,6 +119,7 @@ class LayerTimes:
     input_grad: dict[int, list[float]]
     output_bytes: dict[int, list[int]]
     rounds: int
+    replay: dict[int, list[float]] = field(default_factory=dict)
 
     def total(self, rows: int) -> list[float]:
         """Forward plus backward seconds of each layer at ``rows`` rows."""
@@ -123,7 +127,7 @@ class LayerTimes:
 
 
 def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch.device, *, rounds: int = 5,
-                timeout: float = 0.0, split: bool = False) -> LayerTimes:
+                timeout: float = 0.0, split: bool = False, recompute: bool = False) -> LayerTimes:
     """Times each layer's forward and backward on copies of the layers, for each sample size.
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
@@ -144,6 +148,10 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         timeout: keep running rounds until this many seconds have passed.
         split: also time the input-gradient half of each backward
             (:attr:`LayerTimes.input_grad`).
+        recompute: also time each layer marked for recompute
+            (:func:`pipe.recompute.recompute`), right after it runs plainly in
+            the same round (:attr:`LayerTimes.replay`). A layer that fails
+            marked keeps its forward as its replay (logged).
 
     Raises:
         RuntimeError: a layer failed; the message names it (index and name) and the cause.
@@ -154,6 +162,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     backwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     inputs = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     output_bytes = {rows: [0] * len(names) for rows in sizes}
+    marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    refused: set[int] = set()  # layers that fail marked for recompute
     done = 0
     with sandbox(device):
         layers = list(layer_copies(module, device))
@@ -162,21 +172,45 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
             for rows in sizes:
                 batch = as_input(samples[rows], device)
                 for k, layer in enumerate(layers):
+                    given = batch
                     try:
-                        batch = _time_one(layer, detach(batch), device, split, done > 0, forwards[rows][k],
+                        batch = _time_one(layer, detach(given), device, split, done > 0, forwards[rows][k],
                                           backwards[rows][k], inputs[rows][k])
                     except Exception as error:
                         raise RuntimeError(f"cannot time layer {k} ({names[k]!r}: {type(next(iter(layer.children()), layer)).__name__}) on "
                                            f"{rows} rows: {type(error).__name__}: {error}; the layer must run "
                                            f"forward and backward on a detached input of a micro-batch") from error
                     output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
+                    if recompute and k not in refused:
+                        _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
             done += 1
     _check_proportional(names, layers, output_bytes)
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
-    return LayerTimes({rows: [min(t) for t in per] for rows, per in forwards.items()},
-                      {rows: [min(t) for t in per] for rows, per in backwards.items()},
-                      {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
-                      output_bytes, done - 1)
+    forward = {rows: [min(t) for t in per] for rows, per in forwards.items()}
+    backward = {rows: [min(t) for t in per] for rows, per in backwards.items()}
+    replay = {rows: [f if k in refused else max(min(marked[rows][k]) - f - b, f)
+                     for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))] for rows in sizes} if recompute else {}
+    return LayerTimes(forward, backward, {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
+                      output_bytes, done - 1, replay)
+
+
+def _time_marked(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],
+                 refused: set[int], k: int) -> None:
+    """Runs ``layer`` marked for recompute, forward then backward; appends the time when ``timed``."""
+    from pipe.recompute.module import recompute, unmark
+
+    recompute(layer)
+    try:
+        forwards: list[float] = []
+        backwards: list[float] = []
+        _time_one(layer, batch, device, False, timed, forwards, backwards, [])
+        times.extend(f + b for f, b in zip(forwards, backwards))
+    except Exception as error:  # the mark's own limits: the forward stands for its replay
+        logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its forward",
+                    k, type(error).__name__, error)
+        refused.add(k)
+    finally:
+        unmark(layer)
 
 
 def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize, time_layers
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_layers
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
@@ -284,7 +284,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     targets = {batch // c: as_input(scatter(target, c)[0].value, device).value for c in usable} \
         if loss_fn is not None else {}
     begun = time.perf_counter()
-    times = time_layers(module, micro, device, rounds=rounds, split=True)
+    times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True)
     names = [name for name, _ in module.named_children()]
     with sandbox(device):
         layers = list(layer_copies(module, device))
@@ -323,53 +323,12 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
-    forward, backward = _monotone(times.forward), _monotone(times.backward)
-    with sandbox(device):
-        replay = _replay_times(layers, inputs, forward, backward, device, rounds)
-    return Costs(batch, forward, backward, memory, param_bytes, param_scale=param_scale,
-                 output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad), replay=_monotone(replay))
+    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
+                 param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad),
+                 replay=_monotone(times.replay))
 
 
 Table = dict[int, list[float]]
-
-
-def _replay_times(layers: list[nn.Module], inputs: dict[int, list[Batch]], forward: Table, backward: Table,
-                  device: torch.device, rounds: int) -> Table:
-    """What marking each layer for recompute adds to its forward and backward, per size: timed marked
-    (:func:`pipe.recompute.recompute`: a non-reentrant checkpoint, replayed in backward), the fastest
-    of ``rounds``, less the plain times; at least the layer's forward (the replay itself). A layer
-    that fails marked keeps its forward as its replay (it is logged)."""
-    marked: Table = {rows: [math.inf] * len(layers) for rows in inputs}
-    failed: set[int] = set()
-    for layer in layers:
-        mark_recompute(layer)
-    try:
-        for done in range(rounds + 1):  # one untimed round warms up
-            for rows, given in inputs.items():
-                for k, layer in enumerate(layers):
-                    if k in failed:
-                        continue
-                    batch = given[k].with_tensors([t.detach().requires_grad_(t.is_floating_point())
-                                                   for t in given[k].tensors])
-                    synchronize(device)
-                    tick = time.perf_counter()
-                    try:
-                        roots = [t for t in batch.call(layer).tensors if t.requires_grad]
-                        if roots:
-                            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-                    except Exception as error:  # the mark's own limits: the forward stands for its replay
-                        logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its "
-                                    "forward", k, type(error).__name__, error)
-                        failed.add(k)
-                        continue
-                    synchronize(device)
-                    if done:
-                        marked[rows][k] = min(marked[rows][k], time.perf_counter() - tick)
-    finally:
-        for layer in layers:
-            unmark(layer)
-    return {rows: [f if math.isinf(m) else max(m - f - b, f)
-                   for m, f, b in zip(marked[rows], forward[rows], backward[rows])] for rows in marked}
 
 
 def _monotone(times: Table) -> Table:

@@ -28,7 +28,7 @@ fitted. Recomputation and the I/W split need no parameter: their durations
 are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
 when it was timed marked, the forward again and the checkpoint's own work,
-20-30% more than the forward for a transformer block on the CPU; I and W are
+about 30% more than the forward for a transformer block on the CPU; I and W are
 the two halves of the measured backward).
 """
 from __future__ import annotations
