@@ -308,6 +308,13 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             return HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) and sizes else 0
         return HEADER_BYTES + sizes[stop_ - 1] if remote(action.stage + 1) and sizes else 0
 
+    def lingers(action: Action) -> bool:
+        """The backward (B, or W) that freed the last stage's latest forward: the process runner's step loop
+        still references that forward's output and loss until the next forward (measured: two output-sized
+        tensors outlive it)."""
+        return runner == "processes" and bool(sizes) and action.stage == last_stage and latest is not None and (
+            latest.microbatch, latest.stage) == (action.microbatch, action.stage)
+
     sent = lingering = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
     latest: Action | None = None  # the rank's latest forward
@@ -332,7 +339,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes, after W's own high-water mark
             peak = max(peak, held + sent + posted + lingering + scalars + memory.weight_peak)
             held -= kept.pop(key)
-            lingering = _lingering(runner, sizes, action, latest, last_stage, bounds, lingering)
+            lingering = 2 * sizes[last - 1] if lingers(action) else lingering
         else:
             peak = max(peak, held + sent + posted + lingering + scalars + memory.backward_peak)
             if action.phase is Phase.BACKWARD:
@@ -344,17 +351,6 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if remote(action.stage + 1) else 0) + (
                     HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) else 0)
-            if action.phase is Phase.BACKWARD:  # (after I they are still in kept, until W frees it)
-                lingering = _lingering(runner, sizes, action, latest, last_stage, bounds, lingering)
+            if action.phase is Phase.BACKWARD and lingers(action):  # (after I they stay in kept until W)
+                lingering = 2 * sizes[last - 1]
     return peak
-
-
-def _lingering(runner: str, sizes: list[int], action: Action, latest: Optional[Action], last_stage: int,
-               bounds: list[tuple[int, int]], lingering: int) -> int:
-    """Bytes that outlive the backward (B, or W) that freed a micro-batch's kept bytes: the process
-    runner's step loop still references the latest forward's output and loss until the next forward;
-    measured, two output-sized tensors."""
-    if runner == "processes" and sizes and action.stage == last_stage and latest is not None and (
-            latest.microbatch, latest.stage) == (action.microbatch, action.stage):
-        return 2 * sizes[bounds[action.stage][1] - 1]
-    return lingering
