@@ -26,6 +26,13 @@ measured in this process after the ranks run (two alternating rounds). Keys
 ``r2_best_vs_plain`` (the fastest pipeline / plain eager on 1 thread) and
 ``r2_compiled_vs_eager`` (compiled / eager pipeline on the schedule that is
 fastest compiled; per schedule in ``r2_compiled_vs_eager_per_schedule``).
+R2 also measures the two bounds of those ratios: the ranks, in the same
+alternation, each run the plain model on half the batch (no bubble, no
+message: ``r2_bound_halves_vs_plain``, and ``r2_best_of_bound``, the best
+pipeline's share of it), and this process runs the split stages in turn,
+micro-batch by micro-batch on one thread, eager and compiled
+(``compiled_vs_eager_stages_alone``: what compiling gains a pipeline's own
+compute).
 Compiled configurations use inductor (a C++ compiler is needed); ``--quick``
 uses ``aot_eager`` (graphs without code generation) so that it runs in seconds,
 which makes its compiled figures a smoke test only.
@@ -66,6 +73,7 @@ from torch import nn
 
 import pipe
 from pipe import Pipe
+from pipe.compile import compile_stages, verify_compile
 from forked_ranks import run_forked_ranks
 from thread_profile import profile, table
 
@@ -122,6 +130,7 @@ def measure(steps: dict[str, Callable[[], float]], warmup: int, repeat: int) -> 
 
 
 R2_SCHEDULES = ("1f1b", "zb-h1", "zbv")
+R2_CHUNKS = 4
 
 
 def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, warmup: int, repeat: int,
@@ -146,7 +155,7 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
         for compiled in (False, True):
             model = build(size)
             stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=cuts)
-            piped = DistributedPipe(stages, chunks=4, checkpoint="never", schedule=schedule, loss_fn=lm_loss,
+            piped = DistributedPipe(stages, chunks=R2_CHUNKS, checkpoint="never", schedule=schedule, loss_fn=lm_loss,
                                     compile=compile_option if compiled else False)
 
             def step(piped: DistributedPipe = piped) -> float:
@@ -158,13 +167,42 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
                 return time.perf_counter() - start
 
             steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = step
+    # The bound of any 2-rank schedule: each rank runs the plain model on its half of the batch, with no
+    # message and no bubble (data parallelism without its gradient all-reduce), in the same alternation.
+    half = slice(rank * size["batch"] // 2, (rank + 1) * size["batch"] // 2)
+    alone = build(size)
+
+    def halves() -> float:
+        alone.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        lm_loss(alone(ids[half], attention_mask=mask[half]).logits, labels[half]).backward()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    steps["halves_no_pipeline"] = halves
     seconds = measure(steps, warmup, repeat)
     results.put({"rank": rank, "seconds": seconds})
     dist.destroy_process_group()
 
 
+def microbatched_stepper(model: nn.Module, data: tuple[torch.Tensor, ...], chunks: int) -> Callable[[], float]:
+    """A step of split stages run in turn on one thread, micro-batch by micro-batch: a pipeline's compute alone."""
+    parts = [tensor.chunk(chunks) for tensor in data]
+
+    def step() -> float:
+        torch.set_num_threads(1)
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        for ids, mask, labels in zip(*parts):
+            lm_loss(model(ids, mask), labels).backward()
+        return time.perf_counter() - start
+
+    return step
+
+
 def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> dict[str, Any]:
-    """R2's figures: seconds per step of each pipeline and of the plain model, and the ratios."""
+    """R2's figures: seconds per step of each pipeline and of the plain model, the ratios and their bounds."""
     # The ranks fork first: a process that compiled with inductor holds a pool of compile workers,
     # which a forked child cannot use (it waits on it forever).
     ranks = run_forked_ranks(_r2_rank, size, compile_option, warmup, repeat)
@@ -172,13 +210,20 @@ def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> d
     eager = build(size)
     compiled = build(size)
     compiled.compile(**{k: v for k, v in compile_option.items() if k in ("backend",)})
+    cut = {"attention_mask": data[1], "use_cache": False}, [f"transformer.h.{size['layers'] // 2}"]
+    stages_eager = pipe.split(build(size), (data[0],), cut[0], at=cut[1])
+    stages_compiled = pipe.split(build(size), (data[0],), cut[0], at=cut[1])
+    compile_stages([stages_compiled], verify_compile(compile_option))  # as compile= does to a pipeline's stages
     plain = {"plain_1thread_eager": stepper(eager, True, data, 1),
-             "plain_1thread_compiled": stepper(compiled, True, data, 1)}
+             "plain_1thread_compiled": stepper(compiled, True, data, 1),
+             "stages_alone_eager": microbatched_stepper(stages_eager, data, R2_CHUNKS),
+             "stages_alone_compiled": microbatched_stepper(stages_compiled, data, R2_CHUNKS)}
     before = measure(plain, warmup, repeat)
     after = measure(plain, 0, repeat)
     seconds = {name: statistics.median([before[name], after[name]]) for name in plain}
     seconds.update(ranks[0]["seconds"])
-    pipelines = {name: value for name, value in seconds.items() if not name.startswith("plain")}
+    bound = seconds.pop("halves_no_pipeline")
+    pipelines = {name: value for name, value in seconds.items() if not name.startswith(("plain", "stages"))}
     best = min(pipelines, key=pipelines.__getitem__)
     per_schedule = {s: seconds[f"{s}_eager"] / seconds[f"{s}_compiled"] for s in R2_SCHEDULES}
     fastest_compiled = min(R2_SCHEDULES, key=lambda s: seconds[f"{s}_compiled"])
@@ -190,6 +235,12 @@ def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> d
         "r2_best_vs_plain_compiled": seconds["plain_1thread_compiled"] / pipelines[best],
         "r2_compiled_vs_eager": per_schedule[fastest_compiled],
         "r2_compiled_vs_eager_per_schedule": per_schedule,
+        # The bounds: 2 ranks each running the plain model on half the batch (no bubble, no message), and
+        # what compiling gains the split stages' own compute at the pipeline's micro-batch size, on one thread.
+        "r2_bound_halves_vs_plain": seconds["plain_1thread_eager"] / bound,
+        "halves_no_pipeline_s": bound,
+        "r2_best_of_bound": bound / pipelines[best],
+        "compiled_vs_eager_stages_alone": seconds["stages_alone_eager"] / seconds["stages_alone_compiled"],
         "speedup_vs_plain_1thread_eager": {name: seconds["plain_1thread_eager"] / value
                                            for name, value in pipelines.items()},
     }
