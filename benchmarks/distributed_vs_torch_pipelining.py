@@ -122,6 +122,36 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     dist.destroy_process_group()
 
 
+#: The compute of a forward and of a backward in each engine's profile (pipe's include posting the sends).
+_COMPUTE = {"pipe": ("forward+send", "backward+send"), "torch": ("forward_one_chunk", "backward_one_chunk")}
+
+
+def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, float]]]],
+          microbatches: int) -> dict[str, Any]:
+    """The fastest step any runtime could take on 1F1B with the compute each engine measured per action.
+
+    Each rank's forward and backward per micro-batch are its profile's means, laid out by pipe's schedule
+    simulator with free messages and no work between actions (pipe.core.schedule.Schedule.simulate).
+    Against torch's measured step (the slower rank's median), this is the ceiling of pipe / torch on this
+    schedule: whatever a runtime saves, the compute and the fill and drain stay.
+    """
+    from pipe.core.schedule import Phase, Schedule
+
+    schedule = Schedule("1f1b", ranks=2, microbatches=microbatches)
+    ideal = {}
+    for engine in ("pipe", "torch"):
+        forward, backward = _COMPUTE[engine]
+        per_action = [{Phase.FORWARD: rank[forward]["ms_per_step"] / rank[forward]["calls_per_step"],
+                       Phase.BACKWARD: rank[backward]["ms_per_step"] / rank[backward]["calls_per_step"]}
+                      for rank in profiles[engine]]
+        timed = schedule.simulate(checkpoint_stop=0, durations=lambda action, per_action=per_action:
+                                  per_action[action.stage].get(action.phase, 0.0))
+        ideal[engine] = max(t.end for t in timed)
+    measured = {engine: 1e3 * max(r["median_step_s"] for r in runs[engine][-1]) for engine in ("pipe", "torch")}
+    return {"ideal_step_ms": ideal, "measured_step_ms": measured,
+            "ceiling_pipe_over_torch": measured["torch"] / min(ideal.values())}
+
+
 def worker(args: argparse.Namespace) -> None:
     """One engine, 2 ranks forked from this process; prints one JSON line."""
     print(json.dumps(run_forked_ranks(_rank, args)))
@@ -215,6 +245,7 @@ def main() -> None:
             for engine in engines}
     if args.profile:  # the last repeat's, per rank
         result["profile"] = {engine: [rank.get("profile") for rank in runs[engine][-1]] for engine in runs}
+        result["bound"] = bound(result["profile"], runs, args.microbatches)
     print(f"P5 (W={args.width} L={args.layers} B={args.batch} M={args.microbatches}, 2 ranks x 1 thread, 1F1B):")
     print(f"  throughput pipe / torch.distributed.pipelining: {result['throughput_ratio_pipe_over_torch']:.3f} "
           f"({result['samples_per_s']['pipe']:.0f} vs {result['samples_per_s']['torch']:.0f} samples/s; target >= 1)")
@@ -234,6 +265,11 @@ def main() -> None:
         print("  CPU microseconds per action (busier rank, median over repeats): " + ", ".join(
             f"{engine} {us:.0f}" for engine, us in result["overhead_cpu_us_per_action"].items()))
     if args.profile:
+        b = result["bound"]
+        print(f"  1F1B with free messages and no runtime work, on the compute each engine measured: "
+              f"{b['ideal_step_ms']['pipe']:.0f} ms (pipe's compute), {b['ideal_step_ms']['torch']:.0f} ms (torch's); "
+              f"torch measured {b['measured_step_ms']['torch']:.0f} ms, pipe {b['measured_step_ms']['pipe']:.0f} ms: "
+              f"no runtime can beat torch by more than {b['ceiling_pipe_over_torch']:.3f}x on this schedule")
         for engine in runs:
             for rank, profile in enumerate(result["profile"][engine]):
                 print(f"  {engine} rank {rank} ms/step: " + ", ".join(
