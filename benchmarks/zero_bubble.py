@@ -57,6 +57,11 @@ from forked_ranks import run_forked_ranks
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
+#: What a rank computes, in each engine's profile (benchmarks/action_profile.py): with no bubble at all, a step
+#: takes at least the busier rank's sum of these.
+_COMPUTE = ("forward+send", "backward+send", "weight", "forward_one_chunk", "backward_one_chunk",
+            "backward_weight_one_chunk")
+
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
 #: "zbv-torch-order": pipe's runner on torch's ZBV order, as a table (pipe.distributed.torch_order), so that
 #: the order and the runtime can be told apart.
@@ -305,8 +310,12 @@ def main() -> None:
                     statistics.fmean(r["forwards_per_block_per_microbatch"] for r in run) for run in repeats),
                 "ratio_runs": speeds,
             }
-            if args.profile:  # the last repeat's, per rank
-                rows[f"{engine} {schedule}"]["profile"] = [r.get("profile") for r in repeats[-1]]
+            if args.profile:  # the last repeat's, per rank, and the step no schedule can beat on its compute
+                profiles = [r.get("profile") or {} for r in repeats[-1]]
+                rows[f"{engine} {schedule}"].update(
+                    profile=profiles, step_ms_last_repeat=1e3 / min(r["steps_per_s"] for r in repeats[-1]),
+                    no_bubble_step_ms=max(sum(profile.get(name, {}).get("ms_per_step", 0.0) for name in _COMPUTE)
+                                          for profile in profiles))
         for stat, suffix in (("samples_per_s", ""), ("best_samples_per_s", "_best")):
             base = rows.get("pipe 1f1b", {}).get(stat)
             for name, row in rows.items():
@@ -314,6 +323,9 @@ def main() -> None:
                 peer = f"torch {SAME_ORDER.get(name[5:], name[5:])}"
                 if name.startswith("pipe ") and peer in rows:
                     row["vs_torch_same_schedule" + suffix] = row[stat] / rows[peer][stat]
+                    if args.profile and not suffix:  # torch's step over the busier rank's compute, whichever is less
+                        row["ceiling_vs_torch"] = rows[peer]["step_ms_last_repeat"] / min(
+                            row["no_bubble_step_ms"], rows[peer]["no_bubble_step_ms"])
         table.append({"microbatches": m, "checkpoint": checkpoint, "runs": rows})
 
     result = {
@@ -337,6 +349,10 @@ def main() -> None:
                   + (f"  x{versus:.2f} (best x{best:.2f}) of torch" if versus and best else "")
                   + f"  peak +{row['peak_memory_gain_mb'][0]:.0f}/{row['peak_memory_gain_mb'][1]:.0f} MB"
                   + f"  forwards/block/micro-batch {row['forwards_per_block_per_microbatch']:.2f}")
+            if "ceiling_vs_torch" in row:
+                print(f"      no schedule and no runtime beats torch by more than x{row['ceiling_vs_torch']:.3f} "
+                      f"(torch's step {entry['runs'][f'torch {SAME_ORDER.get(name[5:], name[5:])}']['step_ms_last_repeat']:.0f} ms; "
+                      f"the busier rank's compute {row['no_bubble_step_ms']:.0f} ms)")
             for rank, profile in enumerate(row.get("profile") or []):
                 print(f"      rank {rank} ms/step: " + ", ".join(
                     f"{key} {value['ms_per_step']:.1f} ({value['calls_per_step']:g})"
