@@ -264,6 +264,7 @@ class Runtime:
                             cells[(i, s)].loss = micro_loss
                             scaled = reported_loss(micro_loss.detach()) * weights[i]
                             loss = scaled if loss is None else loss + scaled
+                            del micro_loss  # its cell holds it: its graph goes with the cell's W (or B)
                         else:
                             outputs[i] = output
                             if loss_fn is not None and targets is not None and weights is not None:  # eval_step

@@ -304,20 +304,14 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
 
     def incoming(action: Action) -> int:  # bytes of the message an action waits for, with its header
         first, stop_ = bounds[action.stage]
+        if action.phase is Phase.WEIGHT:  # W waits for nothing: no receive is posted for it
+            return 0
         if action.phase is Phase.FORWARD:
             return HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) and sizes else 0
         return HEADER_BYTES + sizes[stop_ - 1] if remote(action.stage + 1) and sizes else 0
 
-    def lingers(action: Action) -> bool:
-        """The backward (B, or W) that freed the last stage's latest forward: the process runner's step loop
-        still references that forward's output and loss until the next forward (measured: two output-sized
-        tensors outlive it)."""
-        return runner == "processes" and bool(sizes) and action.stage == last_stage and latest is not None and (
-            latest.microbatch, latest.stage) == (action.microbatch, action.stage)
-
-    sent = lingering = 0
+    sent = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
-    latest: Action | None = None  # the rank's latest forward
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
         fresh = fsdp is not None and k in fsdp.fresh
@@ -328,20 +322,18 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         posted += fsdp.during[k] if fsdp is not None else 0
         if action.phase is Phase.FORWARD:
-            peak = max(peak, held + sent + posted + lingering + scalars + memory.forward_peak)
+            peak = max(peak, held + sent + posted + scalars + memory.forward_peak)
             kept[key] = memory.kept
             held += memory.kept
-            lingering, latest = 0, action
             if runner == "processes" and action.stage == last_stage:
                 scalars = LOSS_SCALAR_BYTES
             if runner == "processes" and remote(action.stage + 1):  # the output is sent: its header now
                 sent += HEADER_BYTES + (sent_copy_bytes(sizes[last - 1]) if sizes else 0)  # small: a copy too
         elif action.phase is Phase.WEIGHT:  # the graph I kept goes, after W's own high-water mark
-            peak = max(peak, held + sent + posted + lingering + scalars + memory.weight_peak)
+            peak = max(peak, held + sent + posted + scalars + memory.weight_peak)
             held -= kept.pop(key)
-            lingering = 2 * sizes[last - 1] if lingers(action) else lingering
         else:
-            peak = max(peak, held + sent + posted + lingering + scalars + memory.backward_peak)
+            peak = max(peak, held + sent + posted + scalars + memory.backward_peak)
             if action.phase is Phase.BACKWARD:
                 held -= kept.pop(key)
             else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W
@@ -351,6 +343,4 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if remote(action.stage + 1) else 0) + (
                     HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) else 0)
-            if action.phase is Phase.BACKWARD and lingers(action):  # (after I they stay in kept until W)
-                lingering = 2 * sizes[last - 1]
     return peak
