@@ -169,3 +169,30 @@ def test_zbv_bubble_on_more_ranks_stays_below_zb_h1(ranks: int) -> None:
         v = idle(Schedule("zbv", ranks, microbatches), 0.5, 0.5, 0.5)
         h1 = idle(Schedule("zb-h1", ranks, microbatches), 1.0, 1.0, 1.0)
         assert max(v) <= 0.5 * (ranks + 1) < max(h1)
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (2, 8), (3, 6), (3, 9), (4, 8), (4, 16), (8, 16)])
+def test_zbv_runs_the_papers_v_once_the_v_fills(ranks: int, microbatches: int) -> None:
+    # The handcrafted V of the paper, which torch's ScheduleZBVZeroBubble runs too: its order, computed by torch.
+    from pipe.core.schedule_table import torch_order
+
+    ours, torchs = Schedule("zbv", ranks, microbatches), torch_order("ZBVZeroBubble", ranks, microbatches)
+    for rank in range(ranks):
+        assert ours.actions(rank) == torchs.actions(rank)
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(2, 2), (4, 2), (4, 4), (8, 8)])
+def test_zbv_keeps_the_rule_of_thumb_when_the_v_cannot_fill(ranks: int, microbatches: int) -> None:
+    # With no more micro-batches than ranks the pattern leaves holes that the rule of thumb fills.
+    from pipe.core.schedule_table import TableSchedule
+
+    ours = Schedule("zbv", ranks, microbatches)
+    programs = [pipe.core.zero_bubble._v_pattern(rank, ranks, microbatches) for rank in range(ranks)]
+    pattern = TableSchedule.from_table([[f"{p}{i}@{s}" for p, i, s in program] for program in programs])
+    assert max(idle(ours, 1.0, 1.0, 1.0)) < max(idle(pattern, 1.0, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_zbv_idles_ranks_minus_one_phases_once_the_v_fills(ranks: int) -> None:
+    for microbatches in range(2 * ranks - 1, 4 * ranks + 1):
+        assert max(idle(Schedule("zbv", ranks, microbatches), 1.0, 1.0, 1.0)) == pytest.approx(ranks - 1)

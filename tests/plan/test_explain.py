@@ -98,7 +98,10 @@ def test_a_zero_bubble_plan_is_explained_with_its_i_and_w() -> None:
     from pipe.plan import Candidate, Costs, explain_prediction, predict
 
     costs = Costs.from_table(8, [1e-3] * 4, [2e-3] * 4, [10] * 4, [4] * 4)
+    explained = {}
     for candidate in (Candidate("zb-h1", 4, (2, 2), "never"), Candidate("zbv", 4, (1, 1, 1, 1), "always", 2)):
-        explanation = explain_prediction(predict(costs, candidate, runner="processes"))
+        explanation = explained[candidate.schedule] = explain_prediction(predict(costs, candidate, runner="processes"))
         assert all(i.category == "bubble" for i in explanation.idle), explanation.table()
-        assert "waiting for I" in explanation.table()
+    # ZB-H1's first rank waits for the input gradient of the second (an I, not a B); ZB-V's V idles less.
+    assert "waiting for I0@1 from rank 1" in explained["zb-h1"].table()
+    assert sum(i.end - i.start for i in explained["zbv"].idle) < sum(i.end - i.start for i in explained["zb-h1"].idle)
