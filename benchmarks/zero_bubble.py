@@ -63,13 +63,13 @@ _COMPUTE = ("forward+send", "backward+send", "weight", "forward_one_chunk", "bac
             "backward_weight_one_chunk")
 
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
-#: "zbv-torch-order": pipe's runner on torch's ZBV order, as a table (pipe.distributed.torch_order), so that
-#: the order and the runtime can be told apart.
+#: "zbv-rule": pipe's runner on the rule-of-thumb ZB-V order (pipe.core.zero_bubble; what "zbv" ran before it
+#: took the paper's V, which is torch's ZBV order), as a table, so that the two orders compare in one run.
 RUNS: tuple[tuple[str, str], ...] = (
-    ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-torch-order"),
+    ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-rule"),
     ("torch", "1f1b"), ("torch", "zbv"),
 )
-SAME_ORDER = {"zbv-torch-order": "zbv"}  # the torch schedule a pipe row is compared with, where names differ
+SAME_ORDER = {"zbv-rule": "zbv"}  # the torch schedule a pipe row is compared with, where names differ
 
 
 class Counted(nn.Module):
@@ -104,10 +104,13 @@ def model(width: int, layers: int) -> nn.Sequential:
 def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
     from pipe.distributed import DistributedPipe
 
-    from pipe.distributed import torch_order
+    schedule: Any = args.schedule
+    if args.schedule == "zbv-rule":
+        from pipe.core.schedule_table import TableSchedule
+        from pipe.core.zero_bubble import _v_rule
 
-    schedule = torch_order("ZBVZeroBubble", 2, args.microbatches) if args.schedule == "zbv-torch-order" \
-        else args.schedule
+        schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
+                                             for program in _v_rule(2, args.microbatches)], name="zbv-rule")
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
                            virtual_stages=2 if args.schedule == "interleaved" else 1)
 

@@ -269,7 +269,8 @@ def torch_order(schedule: str, ranks: int, microbatches: int) -> TableSchedule:
         schedule: ``"DualPipeV"`` (2 stages per rank in a V, B's and I/W's),
             ``"InterleavedZeroBubble"`` (2 stages per rank, looped, I/W) or
             ``"ZBVZeroBubble"`` (torch's ZB-V: 2 stages per rank in a V, I/W;
-            the order differs from pipe's ``schedule="zbv"``).
+            pipe's ``schedule="zbv"`` runs the same order once there are
+            more micro-batches than ranks).
         ranks, microbatches: the pipeline ranks and micro-batches.
 
     Raises:
