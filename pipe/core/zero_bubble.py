@@ -39,8 +39,8 @@ V, and the actions of micro-batches past M are left out. Each I is followed
 by its W in the steady state, so a rank holds at most ``2p`` cells (half a
 stage each: 1F1B's peak of ``p`` stages).
 
-With fewer micro-batches than ranks the V is never full, and the *rule of
-thumb* does better: played out on a unit-time clock (F = I = W = 1 per stage,
+With few micro-batches the V never fills (it takes ``2p - 1``), and the
+*rule of thumb* can do better: played out on a unit-time clock (F = I = W = 1 per stage,
 transfers free), a free rank runs
 
 1. an I whose gradient has arrived (oldest micro-batch first, it unblocks
@@ -56,9 +56,9 @@ pattern ends first once there are a few more micro-batches than ranks (on
 2 ranks from 4, on 4 ranks from 6, on 8 ranks from 10), and the rule of thumb
 below that. With F = I = W everywhere and at least ``2p - 1`` micro-batches,
 the chosen order idles ``p - 1`` phase-lengths per rank on 1 to 8 ranks
-(half of ZB-H1's time). Measured on 2 ranks, the pattern's steps were
-3-10% shorter than the rule of thumb's, and its rank 0 held less
-(docs/benchmarks.md). The result is a fixed table: the runners execute it
+(half of ZB-H1's time). Measured on 2 ranks with 4 micro-batches, the
+pattern's steps were 7-8% shorter than the rule of thumb's without
+checkpointing and level with it, and its ranks held less (docs/benchmarks.md). The result is a fixed table: the runners execute it
 whatever the real durations, and
 :meth:`pipe.core.schedule.Schedule.simulate` replays it with any durations.
 The module imports no torch.
