@@ -147,10 +147,11 @@ def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            # Every schedule within 2%: zero bubble's I and W counted per stage, with W's own high-water mark
-            # (each weight's new gradient); the V's turn (two stages of one rank) hands tensors over without a
-            # message. Here: interleaved -1.2% on rank 1, ZB-V +1.1% (its turn's input counted twice).
-            low, high = 0.98, 1.02
+            # Every schedule within 1% below and 2% above: zero bubble's I and W counted per stage, with W's own
+            # high-water mark (each weight's new gradient); the V's turn (two stages of one rank) hands tensors
+            # over without a message; the runner frees the last stage's graph with its W or B. Here every plan
+            # is exact to 0.01% but ZB-V's rank 1, +1.1% (its turn's input counted twice).
+            low, high = 0.99, 1.02
             if not low * measured[rank][k] <= predicted <= high * measured[rank][k]:
                 wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
     assert not wrong
