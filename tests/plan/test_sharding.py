@@ -139,7 +139,7 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
             # The step's bytes above the static ones (sharded: param_scale x params / dp_shard), counted alike:
             # activations, buffers, and FSDP's unsharded parameters and gradients (resized storages included).
             predicted = prediction.peaks[pipeline_rank] - prediction.static[pipeline_rank]
-            # Within 0.3% here. Zero bubble: I and W counted per stage (as for unsharded plans,
+            # Within 0.01% here. Zero bubble: I and W counted per stage (as for unsharded plans,
             # tests/plan/test_cost.py), W's own high-water mark as measured unsharded, and a first W's
             # gradients counted whole: up to +6.8% here (the safe side: W's mark is measured unsharded, where
             # each weight's new gradient is added to an existing one, a large share of this tiny width's bytes).
