@@ -107,9 +107,9 @@ class Held:
 
     Attributes:
         during: bytes held unsharded during each action, activations apart.
-        fresh: the actions that create a stage's gradients (its first ``B``): their
-            backward peak is counted with the gradients created (``Costs.stage_memory(fresh=True)``),
-            so ``during`` leaves that stage's gradients out there.
+        fresh: the actions that create a stage's gradients (its first ``B``, or its first ``W``
+            in a zero-bubble schedule): their peak is counted with the gradients created
+            (``Costs.stage_memory(fresh=True)``), so ``during`` leaves that stage's gradients out there.
     """
 
     during: list[int]
@@ -125,8 +125,9 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     prefetch issued before action k and waited for before action k + 1 holds
     its gathered buffer (the stage's bytes; the input shard is a view of it) during action k;
     a stage's full gradients from its first backward to the reduce-scatter
-    after its last (a first ``B`` counts those it creates in its own backward
-    peak; a first ``W``, whose bytes are not counted apart, holds them all).
+    after its last (the first ``B`` or ``W`` of a stage counts those it
+    creates in its own peak: each weight's new gradient becomes its
+    ``.grad``, where a later one is added to it).
     """
     from pipe.distributed.fsdp import sharding_plan
 
@@ -140,7 +141,7 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     during: list[int] = []
     gathered: set[int] = set()
-    fresh = frozenset(k for k in first_grad.values() if program[k].phase is Phase.BACKWARD)
+    fresh = frozenset(first_grad.values())
     for k, action in enumerate(program):
         fresh_b = k in fresh
         in_flight = [s for s in events[k].unshard if s != action.stage]  # the prefetch, waited for at k + 1

@@ -140,10 +140,9 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
             # activations, buffers, and FSDP's unsharded parameters and gradients (resized storages included).
             predicted = prediction.peaks[pipeline_rank] - prediction.static[pipeline_rank]
             # Within 0.01% here. Zero bubble: I and W counted per stage (as for unsharded plans,
-            # tests/plan/test_cost.py), W's own high-water mark as measured unsharded, and a first W's
-            # gradients counted whole: up to +6.8% here (the safe side: W's mark is measured unsharded, where
-            # each weight's new gradient is added to an existing one, a large share of this tiny width's bytes).
-            low, high = (0.97, 1.08) if config[2].startswith("zb") else (0.99, 1.01)
+            # tests/plan/test_cost.py), and a stage's first W creates its gradients (counted fresh, as a first
+            # B): ZB-H1 exact, ZB-V +0.3% on its middle rank (the V's turn's input counted twice).
+            low, high = (0.99, 1.02) if config[2].startswith("zb") else (0.99, 1.01)
             checked += 1
             if not low * counted <= predicted <= high * counted:
                 wrong.append((config, rank, predicted, counted))
