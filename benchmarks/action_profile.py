@@ -39,6 +39,13 @@ def _timed(profile: Profile, name: str, function: Callable[..., Any]) -> Callabl
     return wrapper
 
 
+#: Per engine, the profiled names that are compute: a forward, a backward (pipe: B or I), a weight gradient.
+COMPUTE: dict[str, tuple[str, str, str]] = {
+    "pipe": ("forward+send", "backward+send", "weight"),
+    "torch": ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"),
+}
+
+
 def instrument(engine: str) -> Profile:
     """Wraps ``engine``'s per-action functions in this process; the returned dict fills as steps run."""
     profile: Profile = collections.defaultdict(lambda: [0.0, 0])

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from action_profile import instrument, report
+from action_profile import COMPUTE, instrument, report
 from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -122,10 +122,6 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     dist.destroy_process_group()
 
 
-#: The compute of a forward and of a backward in each engine's profile (pipe's include posting the sends).
-_COMPUTE = {"pipe": ("forward+send", "backward+send"), "torch": ("forward_one_chunk", "backward_one_chunk")}
-
-
 def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, float]]]],
           microbatches: int) -> dict[str, Any]:
     """The fastest step any runtime could take on 1F1B with the compute each engine measured per action.
@@ -140,7 +136,7 @@ def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, fl
     schedule = Schedule("1f1b", ranks=2, microbatches=microbatches)
     ideal = {}
     for engine in ("pipe", "torch"):
-        forward, backward = _COMPUTE[engine]
+        forward, backward, _ = COMPUTE[engine]  # pipe's include posting the sends
         per_action = [{Phase.FORWARD: rank[forward]["ms_per_step"] / rank[forward]["calls_per_step"],
                        Phase.BACKWARD: rank[backward]["ms_per_step"] / rank[backward]["calls_per_step"]}
                       for rank in profiles[engine]]

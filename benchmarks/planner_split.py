@@ -35,7 +35,6 @@ import argparse
 import datetime
 import json
 import multiprocessing
-import os
 import socket
 import statistics
 import sys

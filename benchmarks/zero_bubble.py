@@ -51,16 +51,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed_vs_torch_pipelining import _rss_bytes
-from action_profile import instrument, report
+from action_profile import COMPUTE, instrument, report
 from forked_ranks import run_forked_ranks
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-
-#: What a rank computes, in each engine's profile (benchmarks/action_profile.py): with no bubble at all, a step
-#: takes at least the busier rank's sum of these.
-_COMPUTE = ("forward+send", "backward+send", "weight", "forward_one_chunk", "backward_one_chunk",
-            "backward_weight_one_chunk")
 
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
 #: "zbv-rule": pipe's runner on the rule-of-thumb ZB-V order (pipe.core.zero_bubble; what "zbv" ran before it
@@ -317,7 +312,7 @@ def main() -> None:
                 profiles = [r.get("profile") or {} for r in repeats[-1]]
                 rows[f"{engine} {schedule}"].update(
                     profile=profiles, step_ms_last_repeat=1e3 / min(r["steps_per_s"] for r in repeats[-1]),
-                    no_bubble_step_ms=max(sum(profile.get(name, {}).get("ms_per_step", 0.0) for name in _COMPUTE)
+                    no_bubble_step_ms=max(sum(profile.get(name, {}).get("ms_per_step", 0.0) for name in COMPUTE[engine])
                                           for profile in profiles))
         for stat, suffix in (("samples_per_s", ""), ("best_samples_per_s", "_best")):
             base = rows.get("pipe 1f1b", {}).get(stat)

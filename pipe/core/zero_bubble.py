@@ -40,8 +40,8 @@ by its W in the steady state, so a rank holds at most ``2p`` cells (half a
 stage each: 1F1B's peak of ``p`` stages).
 
 With few micro-batches the V never fills (it takes ``2p - 1``), and the
-*rule of thumb* can do better: played out on a unit-time clock (F = I = W = 1 per stage,
-transfers free), a free rank runs
+*rule of thumb* can do better: played out on a unit-time clock (F = I = W = 1
+per stage, transfers free), a free rank runs
 
 1. an I whose gradient has arrived (oldest micro-batch first, it unblocks
    the previous stage),
@@ -58,7 +58,8 @@ below that. With F = I = W everywhere and at least ``2p - 1`` micro-batches,
 the chosen order idles ``p - 1`` phase-lengths per rank on 1 to 8 ranks
 (half of ZB-H1's time). Measured on 2 ranks with 4 micro-batches, the
 pattern's steps were 7-8% shorter than the rule of thumb's without
-checkpointing and level with it, and its ranks held less (docs/benchmarks.md). The result is a fixed table: the runners execute it
+checkpointing and level with it, and its ranks held less
+(docs/benchmarks.md). The result is a fixed table: the runners execute it
 whatever the real durations, and
 :meth:`pipe.core.schedule.Schedule.simulate` replays it with any durations.
 The module imports no torch.
@@ -131,7 +132,8 @@ def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
 
     The reference clock gives every phase of every stage one unit, except the
     first stage's: its input needs no gradient, so its I does nothing and its
-    W does the whole backward (0 and 2 units). The pattern wins a tie.
+    W does the whole backward (0 and 2 units). On a tie the rule of thumb is
+    kept: it idles less on a clock of equal phases where the V cannot fill.
     """
     from pipe.core.schedule import Phase  # imported here: pipe.core.schedule imports this module
     from pipe.core.schedule_table import TableSchedule

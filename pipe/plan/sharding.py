@@ -143,13 +143,13 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     gathered: set[int] = set()
     fresh = frozenset(first_grad.values())
     for k, action in enumerate(program):
-        fresh_b = k in fresh
+        creates = k in fresh  # this action creates its stage's gradients (counted in its own peak)
         in_flight = [s for s in events[k].unshard if s != action.stage]  # the prefetch, waited for at k + 1
         gathered.update(s for s in events[k].unshard if s == action.stage)
         total = sum(_stage_bytes(costs, bounds, s) for s in gathered)
         total += sum(_stage_bytes(costs, bounds, s) for s in in_flight)  # its input shard is a view of it
         total += sum(_stage_bytes(costs, bounds, s) for s, first in first_grad.items()
-                     if first <= k <= reduced.get(s, len(program)) and not (first == k and fresh_b))
+                     if first <= k <= reduced.get(s, len(program)) and not (first == k and creates))
         during.append(total)
         gathered.update(in_flight)  # waited for before action k + 1
         gathered.difference_update(events[k].reshard)
