@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +113,10 @@ class LayerTimes:
         replay: seconds that marking each layer for recompute adds to its
             forward and backward (the forward again, and the checkpoint's own
             work), at least its forward; empty unless ``recompute=True``.
+        select_replay: seconds that marking each layer for selective recompute
+            (:func:`pipe.recompute.select_recompute` with the ``select`` names)
+            adds to its forward and backward; ``inf`` for a layer that fails so
+            marked; empty unless ``select`` was given.
     """
 
     forward: dict[int, list[float]]
@@ -120,6 +125,7 @@ class LayerTimes:
     output_bytes: dict[int, list[int]]
     rounds: int
     replay: dict[int, list[float]] = field(default_factory=dict)
+    select_replay: dict[int, list[float]] = field(default_factory=dict)
 
     def total(self, rows: int) -> list[float]:
         """Forward plus backward seconds of each layer at ``rows`` rows."""
@@ -127,7 +133,8 @@ class LayerTimes:
 
 
 def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch.device, *, rounds: int = 5,
-                timeout: float = 0.0, split: bool = False, recompute: bool = False) -> LayerTimes:
+                timeout: float = 0.0, split: bool = False, recompute: bool = False,
+                select: Sequence[str] = ()) -> LayerTimes:
     """Times each layer's forward and backward on copies of the layers, for each sample size.
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
@@ -164,11 +171,15 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     output_bytes = {rows: [0] * len(names) for rows in sizes}
     marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     refused: set[int] = set()  # layers that fail marked for recompute
+    chosen = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    failed: set[int] = set()  # layers that fail marked for selective recompute
     done = 0
     with sandbox(device):
         layers = list(layer_copies(module, device))
+        selective = [_select_marked(layer, select) for layer in layer_copies(module, device)] if select else []
         begun = time.perf_counter()
-        while done < rounds + 1 or time.perf_counter() - begun < timeout:
+        warm = 2 if selective else 1  # untimed rounds: the selective marks plan on their first two calls
+        while done < rounds + warm or time.perf_counter() - begun < timeout:
             for rows in sizes:
                 batch = as_input(samples[rows], device)
                 for k, layer in enumerate(layers):
@@ -183,6 +194,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                     output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
                     if recompute and k not in refused:
                         _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
+                    if selective and k not in failed:
+                        _time_selective(selective[k], detach(given), device, done > 1, chosen[rows][k], failed, k)
             done += 1
     _check_proportional(names, layers, output_bytes)
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
@@ -190,8 +203,36 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     backward = {rows: [min(t) for t in per] for rows, per in backwards.items()}
     replay = {rows: [f if k in refused else max(min(marked[rows][k]) - f - b, f)
                      for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))] for rows in sizes} if recompute else {}
+    select_replay = {rows: [math.inf if k in failed else max(min(chosen[rows][k]) - f - b, 0.0)
+                            for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))]
+                     for rows in sizes} if select else {}
     return LayerTimes(forward, backward, {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
-                      output_bytes, done - 1, replay)
+                      output_bytes, done - 1, replay, select_replay)
+
+
+def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
+    """``container``'s layer marked for selective recompute with ``names``, quietly: a layer
+    where they choose nothing is a finding of the profile, not the user's typo."""
+    from pipe.recompute.module import mark
+    from pipe.recompute.selective import SelectiveRecompute, Usage
+
+    layer = next(iter(container.children()), container)
+    mark(layer, SelectiveRecompute(layer, names, (), usage=Usage(warn=False)))
+    return container
+
+
+def _time_selective(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],
+                    failed: set[int], k: int) -> None:
+    """Runs ``layer`` (marked for selective recompute) forward then backward; appends the time when ``timed``."""
+    try:
+        forwards: list[float] = []
+        backwards: list[float] = []
+        _time_one(layer, batch, device, False, timed, forwards, backwards, [])
+        times.extend(f + b for f, b in zip(forwards, backwards))
+    except Exception as error:  # the mark's own limits: the layer is not planned with it
+        logger.info("layer %d fails marked for selective recompute (%s: %s); it is not planned so",
+                    k, type(error).__name__, error)
+        failed.add(k)
 
 
 def _time_marked(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],

@@ -95,44 +95,65 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
 
 def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"
                         ) -> Optional[Candidate]:
-    """``candidate`` (checkpoint "never") with the fewest layers marked for recompute per stage that fit ``budget``.
+    """``candidate`` (checkpoint "never") with the cheapest recompute marks per stage that fit ``budget``.
 
     A rank's peak depends only on its own stages' marks, and marking one more
     layer never makes a step faster, so each rank is settled on its own: its
-    stages take one more marked layer at a time, where it saves the most
-    bytes per second of replay, until the rank fits (AdaPipe's per-stage
-    choice, without simulating the combinations). None when marking every
-    layer does not fit, or the plan already fits without marks.
+    stages take one more mark at a time, where it saves the most bytes per
+    second of replay, until the rank fits (AdaPipe's per-stage choice, without
+    simulating the combinations). A mark is full recompute of the stage's next
+    layer (:func:`pipe.recompute.recompute`) or, where the costs measured it
+    (``Costs.select``), selective recompute of it (the chosen operations only,
+    :func:`pipe.recompute.select_recompute`), later raised to full where that
+    pays. None when marking every layer does not fit, or the plan already fits
+    without marks.
     Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W.
     """
     if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
     view = replica_costs(costs, candidate.dp_shard)  # each pipeline's share of the batch
-    counts = [0] * len(candidate.balance)
+    rows = view.rows(candidate.chunks)
+    full, select = [0] * len(candidate.balance), [0] * len(candidate.balance)
     peaks, _ = predict_memory(costs, candidate, runner=runner)
     if all(p <= b for p, b in zip(peaks, budget)):
         return None
-    rows_of_stage = candidate.balance
-    first_of = [sum(rows_of_stage[:s]) for s in range(len(rows_of_stage))]
+    first_of = [sum(candidate.balance[:s]) for s in range(len(candidate.balance))]
+
+    def replay(layer: int, selective: bool) -> float:  # seconds a mark adds per micro-batch
+        table = view.select_replay if selective else view.replay
+        return table[rows][layer] if table is not None else math.inf
+
+    def moves(s: int) -> Iterable[tuple[list[int], list[int], float]]:  # (full, select, seconds added)
+        f, g = full[s], select[s]
+        if f < candidate.balance[s]:  # layer f recomputes fully (if it was selective, that replay goes)
+            yield ([*full[:s], f + 1, *full[s + 1:]], [*select[:s], max(g, f + 1), *select[s + 1:]],
+                   replay(first_of[s] + f, False) - (replay(first_of[s] + f, True) if g > f else 0.0))
+        if costs.select and g < candidate.balance[s]:  # layer g recomputes selectively
+            yield full, [*select[:s], g + 1, *select[s + 1:]], replay(first_of[s] + g, True)
+
+    def marked(f: list[int], g: list[int]) -> Candidate:
+        if all(b <= a for a, b in zip(f, g)):  # every selective mark raised to full: none left
+            return replace(candidate, recompute=tuple(f))
+        return replace(candidate, recompute=tuple(f), select=tuple(g), select_names=costs.select)
+
     for rank in range(schedule.ranks):
         peak = peaks[rank]
         while peak > budget[rank]:
-            best: Optional[tuple[float, int, int]] = None
+            best: Optional[tuple[float, list[int], list[int], int]] = None
+            unlock: Optional[tuple[float, list[int], list[int], int]] = None  # the cheapest full mark saving nothing
             for s in schedule.stages_of(rank):
-                if counts[s] >= candidate.balance[s]:
-                    continue
-                trial = counts.copy()
-                trial[s] += 1
-                tried = replace(candidate, recompute=tuple(trial))
-                new_peak = predict_memory(costs, tried, runner=runner, ranks=[rank])[0][rank]
-                layer = first_of[s] + counts[s]
-                cost = view.forward[view.rows(candidate.chunks)][layer] * candidate.chunks or 1e-12
-                score = (peak - new_peak) / cost
-                if best is None or score > best[0]:
-                    best = (score, s, new_peak)
+                for f, g, seconds in moves(s):
+                    if math.isinf(seconds):
+                        continue
+                    new_peak = predict_memory(costs, marked(f, g), runner=runner, ranks=[rank])[0][rank]
+                    score = (peak - new_peak) / max(seconds * candidate.chunks, 1e-12)
+                    if new_peak < peak and (best is None or score > best[0]):
+                        best = (score, f, g, new_peak)
+                    elif new_peak >= peak and sum(f) > sum(full) and (unlock is None or seconds < unlock[0]):
+                        unlock = (seconds, f, g, new_peak)  # marks count from a stage's first layer: the next may
+            best = best or unlock
             if best is None:
                 return None  # every layer of the rank marked, still over
-            counts[best[1]] += 1
-            peak = best[2]
-    return replace(candidate, recompute=tuple(counts))
+            _, full, select, peak = best
+    return marked(full, select)

@@ -4,7 +4,7 @@ Usage::
 
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
-              [--dp-shard auto | S [S ...]] [--zero 3 2]
+              [--dp-shard auto | S [S ...]] [--zero 3 2] [--select [REGEX ...]]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -21,7 +21,9 @@ FSDP splits (``auto``: every divisor; :mod:`pipe.plan.sharding`), in the ZeRO
 stages of ``--zero``; the table then says, per split, whether it was chosen or
 why it lost, and the command prints the ``make_mesh`` arguments. Bad arguments
 exit with status 2; a budget that nothing fits exits with status 1 and names
-the smallest peak found and the rank holding it.
+the smallest peak found and the rank holding it. ``--select`` gives the name
+regexes of the selective recompute the planner weighs per stage against full
+recompute (default: ``pipe.recompute.DEFAULT_SELECT``; none given: full only).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from pipe.plan.candidates import RUNNERS
+from pipe.recompute.scope import compile_pattern
+from pipe.recompute.selective import DEFAULT_SELECT
 from pipe.plan.search import PlanError, parse_bytes
 
 __all__: list[str] = []
@@ -70,6 +74,14 @@ def _budget(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _regex(text: str) -> str:
+    try:
+        compile_pattern(text, "--select")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipe-plan", description="Measure a model and print the fastest pipeline plans that fit a memory budget.")
@@ -97,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
                         help="transport cost between ranks (processes): auto measures it once per machine and "
                              "caches it; cached uses the cache only; none: free (default auto)")
+    parser.add_argument("--select", nargs="*", type=_regex, metavar="REGEX", default=None,
+                        help="name regexes of selective recompute to plan per stage, as select_recompute(names=...) "
+                             "takes them (default: pipe.recompute.DEFAULT_SELECT, the activations and softmax; "
+                             "--select alone: plan full recompute only)")
     return parser
 
 
@@ -181,7 +197,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
                       chunks=args.chunks, param_scale=args.param_scale,
                       link=None if args.link == "none" else args.link, loss_fn=mean_loss if with_loss else None,
-                      target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero)
+                      target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero,
+                      select=DEFAULT_SELECT if args.select is None else args.select)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1

@@ -38,7 +38,9 @@ from pipe.core.inplace import InputGuard
 from pipe.core.microbatch import Batch, scatter
 from pipe.core.iw_backward import backward_input_first
 from pipe.recompute.memory import ActivationMemory
-from pipe.recompute.module import recompute as mark_recompute, unmark
+from pipe.recompute.module import mark, recompute as mark_recompute, unmark
+from pipe.recompute.scope import compile_pattern
+from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
 from pipe.skip.skippable import skippables_in
 from pipe.skip.tracker import partition_function
 
@@ -93,7 +95,7 @@ class StageTime:
     weight_grad: float = 0.0
 
 
-MemoryFn = Callable[[int, int, int, bool, int, bool, bool], StageMemory]
+MemoryFn = Callable[[int, int, int, bool, int, bool, bool, int], StageMemory]
 
 
 class Costs:
@@ -102,13 +104,15 @@ class Costs:
     Args:
         batch: samples per mini-batch.
         forward, backward: ``{micro-batch rows: seconds per layer}``.
-        memory: ``memory(first, stop, rows, checkpointed, recomputed, split, fresh)``: the
-            :class:`StageMemory` of layers ``first:stop`` for a micro-batch of
+        memory: ``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected)``:
+            the :class:`StageMemory` of layers ``first:stop`` for a micro-batch of
             ``rows`` samples, the cell checkpointed or not, its first
             ``recomputed`` layers marked for recompute (:func:`pipe.recompute.recompute`),
             its backward split into I and W or not; ``fresh``: the backward creates the
             parameters' gradients (none before it: FSDP's unsharded gradients at a stage's
-            first backward of the step), so its peak includes those created.
+            first backward of the step), so its peak includes those created; ``selected``:
+            its layers from ``recomputed`` up to ``selected`` marked for selective recompute
+            (:func:`pipe.recompute.select_recompute` with the ``select`` names; 0: none).
         param_bytes: bytes of each layer's parameters.
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
@@ -117,6 +121,11 @@ class Costs:
             each backward (default: half of it), for the zero-bubble schedules.
         replay: ``{rows: seconds per layer}`` that marking a layer for recompute adds to its
             step (its forward again, and the checkpoint's own work; default: its forward).
+        select_replay: ``{rows: seconds per layer}`` that marking a layer for selective
+            recompute with the ``select`` names adds to its step (``inf``: it cannot be
+            so marked); None: selective recompute was not measured, and is not planned.
+        select: the name regexes of :func:`pipe.recompute.select_recompute` that
+            ``select_replay`` and ``memory`` were measured with.
 
     How these become a step time (messages, overhead per action, contention)
     is :class:`pipe.plan.timing.TimeModel`'s part.
@@ -126,19 +135,25 @@ class Costs:
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
                  output_bytes: Optional[dict[int, list[int]]] = None,
                  input_grad: Optional[dict[int, list[float]]] = None,
-                 replay: Optional[dict[int, list[float]]] = None) -> None:
+                 replay: Optional[dict[int, list[float]]] = None,
+                 select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = ()) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
         self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
         self.replay = replay or forward
+        self.select_replay = select_replay
+        self.select = tuple(select)
+        if select_replay is not None and not self.select:
+            raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
-        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(), *self.replay.items()]:
+        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(), *self.replay.items(),
+                            *(select_replay or {}).items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
                                  f"{len(self.param_bytes)}; give every table one entry per layer")
@@ -160,38 +175,59 @@ class Costs:
             )
         return rows
 
-    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0) -> StageTime:
+    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0, selected: int = 0) -> StageTime:
         """Seconds of one micro-batch on layers ``first:stop``, the first ``recomputed``
-        of them replayed in backward (marked for recompute)."""
+        of them replayed in backward (marked for recompute), and the next ones up to
+        ``selected`` replayed in part (marked for selective recompute)."""
         rows = self.rows(chunks)
         forward = math.fsum(self.forward[rows][first:stop])
         replay = math.fsum(self.replay[rows][first:first + recomputed])
+        if self.selective(recomputed, selected):
+            assert self.select_replay is not None
+            replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
 
+    def selective(self, recomputed: int, selected: int) -> bool:
+        """Whether a stage whose first ``recomputed`` layers recompute fully has layers marked for
+        selective recompute (up to ``selected``).
+
+        Raises:
+            ValueError: it has, but these costs did not measure selective recompute.
+        """
+        if selected <= recomputed:
+            return False
+        if self.select_replay is None:
+            raise ValueError(f"selected={selected} marks layers for selective recompute, but these costs did not "
+                             f"measure it: profile with pipe.plan.profile_costs(select=[...name regexes])")
+        return True
+
     def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
-                     split: bool = False, fresh: bool = False) -> StageMemory:
-        """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked;
-        ``split``: the backward run as I then W; ``fresh``: the backward creates the gradients).
+                     split: bool = False, fresh: bool = False, selected: int = 0) -> StageMemory:
+        """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked,
+        the next up to ``selected`` marked for selective recompute; ``split``: the backward run as
+        I then W; ``fresh``: the backward creates the gradients).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows.
         """
         rows = self.rows(chunks)
-        recomputed = 0 if checkpointed else recomputed  # a checkpointed cell replays all of it anyway
+        # A checkpointed cell replays all of it anyway.
+        selected = selected if not checkpointed and self.selective(recomputed, selected) else 0
+        recomputed = 0 if checkpointed else recomputed
         low, high = min(self.forward), max(self.forward)
         if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh) for r in (low, high))
+            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
             (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak),
             (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak))))
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                 split: bool, fresh: bool = False) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed, split, fresh)
+                 split: bool, fresh: bool = False, selected: int = 0) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected)
         if key not in self._memory_cache:
             self._memory_cache[key] = self._memory(*key)
         return self._memory_cache[key]
@@ -203,7 +239,9 @@ class Costs:
     @classmethod
     def from_table(cls, batch: int, forward: Sequence[float], backward: Sequence[float],
                    activation: Sequence[int], output: Sequence[int], *, param_bytes: Optional[Sequence[int]] = None,
-                   chunks: Sequence[int] = (1, 2, 4, 8), overhead: float = 0.0, param_scale: float = 2.0) -> "Costs":
+                   chunks: Sequence[int] = (1, 2, 4, 8), overhead: float = 0.0, param_scale: float = 2.0,
+                   select_activation: Optional[Sequence[int]] = None, select_replay: Optional[Sequence[float]] = None,
+                   select: Sequence[str] = DEFAULT_SELECT) -> "Costs":
         """Costs from numbers per layer and per sample (no model is run).
 
         Args:
@@ -215,27 +253,40 @@ class Costs:
             chunks: the micro-batch counts to plan for.
             overhead: seconds per layer and micro-batch, whatever its size
                 (what makes many small micro-batches slower).
+            select_activation, select_replay: bytes per sample each layer keeps,
+                and seconds per sample its replay adds, marked for selective
+                recompute (with the name regexes ``select``); both or neither
+                (then selective recompute is not planned).
 
         A checkpointed stage keeps its input and output; its backward peak is
         the recomputed activations plus one output-sized gradient. A layer
-        marked for recompute keeps only its output (the next layer's input).
+        marked for recompute keeps only its output (the next layer's input);
+        one marked selectively keeps its ``select_activation``; either replays
+        the rest of its activation in its own backward.
         """
         n = len(forward)
-        tables = {"backward": backward, "activation": activation, "output": output}
+        if (select_activation is None) != (select_replay is None):
+            raise ValueError("give select_activation and select_replay together (selective recompute's bytes "
+                             "kept and seconds added per sample), or neither")
+        tables = {"backward": backward, "activation": activation, "output": output,
+                  "select_activation": select_activation or activation, "select_replay": select_replay or forward}
         for name, table in tables.items():
             if len(table) != n:
                 raise ValueError(f"{name} has {len(table)} layers but forward has {n}; give one entry per layer")
+        chosen = select_activation or activation
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                   split: bool, fresh: bool = False) -> StageMemory:
+                   split: bool, fresh: bool = False, selected: int = 0) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
             marked = first + min(recomputed, stop - first)
-            kept_layers = sum(output[first:marked]) * rows + sum(activation[marked:stop]) * rows
+            partly = max(marked, first + min(selected, stop - first))
+            kept_layers = (sum(output[first:marked]) + sum(chosen[marked:partly]) + sum(activation[partly:stop])) * rows
             out = output[stop - 1] * rows
             kept = received + (out if checkpointed else kept_layers)
-            replayed = max((activation[k] for k in range(first, marked)), default=0) * rows
+            replayed = max([activation[k] for k in range(first, marked)]
+                           + [activation[k] - chosen[k] for k in range(marked, partly)], default=0) * rows
             grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0  # all at once: the safe side
             largest = max(param_bytes[first:stop], default=0) if param_bytes else 0  # one weight's new gradient
             return StageMemory(forward_peak=received + full, kept=kept,
@@ -247,12 +298,15 @@ class Costs:
                    {rows: [overhead + t * rows for t in forward] for rows in rows_of},
                    {rows: [overhead + t * rows for t in backward] for rows in rows_of},
                    memory, param_bytes or [0] * n, param_scale=param_scale,
-                   output_bytes={rows: [o * rows for o in output] for rows in rows_of})
+                   output_bytes={rows: [o * rows for o in output] for rows in rows_of},
+                   select_replay={rows: [t * rows for t in select_replay] for rows in rows_of}
+                   if select_replay is not None else None, select=select if select_replay is not None else ())
 
 
 def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
                   rounds: int = 5, device: Optional[torch.device] = None,
-                  loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None) -> Costs:
+                  loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None,
+                  select: Sequence[str] = DEFAULT_SELECT) -> Costs:
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
 
     Layers are copied (the module is left as it was, random state included), as
@@ -263,9 +317,17 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     the last stage's bytes include the loss, as ``DistributedPipe.step``
     computes it; else its backward starts from a gradient of ones.
 
+    Each layer is also timed and counted marked for selective recompute with
+    the name regexes ``select`` (:func:`pipe.recompute.select_recompute`;
+    default: its ``DEFAULT_SELECT``, the activations and softmax), so that the
+    planner can weigh it per stage against full recompute; ``select=()``
+    leaves it out. A layer where they choose nothing saves nothing so marked,
+    and is never planned with it.
+
     Raises:
         ValueError: no chunk count divides the batch; the model has skip connections
-            (``@skippable`` layers), which the planner does not model yet.
+            (``@skippable`` layers), which the planner does not model yet; a ``select``
+            entry is not a valid regex.
         RuntimeError: a layer cannot be measured (it fails, or fails under
             ``torch.no_grad``); the message names the layer.
     """
@@ -284,7 +346,10 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     targets = {batch // c: as_input(scatter(target, c)[0].value, device).value for c in usable} \
         if loss_fn is not None else {}
     begun = time.perf_counter()
-    times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True)
+    select = (select,) if isinstance(select, str) else tuple(select)
+    for pattern in select:
+        compile_pattern(pattern, "profile_costs(select=...)")
+    times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select)
     names = [name for name, _ in module.named_children()]
     with sandbox(device):
         layers = list(layer_copies(module, device))
@@ -309,23 +374,40 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
     def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
-               fresh: bool = False) -> StageMemory:
+               fresh: bool = False, selected: int = 0) -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
+        chosen = [next(iter(layer.children()), layer) for layer in stage[recomputed:selected]]
+        for layer in chosen:  # the layer itself, as a recompute config marks it (its names are the patterns')
+            mark(layer, SelectiveRecompute(layer, select, (), usage=Usage(warn=False)))
         try:
             with sandbox(device):
+                if chosen:  # the marks plan on their first two calls (the second where they narrow)
+                    _warm_up(nn.Sequential(*stage), inputs[rows][first], first == 0, calls=2)
                 loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
                 return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
                                     split, fresh)
         finally:
-            for layer in stage[:recomputed]:
+            for layer in [*stage[:recomputed], *chosen]:
                 unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
     return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
                  param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad),
-                 replay=_monotone(times.replay))
+                 replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
+                 select=select)
+
+
+def _warm_up(stage: nn.Sequential, given: Batch, first: bool, calls: int) -> None:
+    """Runs ``stage`` forward and backward ``calls`` times on a copy of ``given`` (gradients accumulate),
+    its input needing a gradient unless ``first``, as in :func:`_count_stage`."""
+    for _ in range(calls):
+        tensors = [t.clone().requires_grad_(not first and t.is_floating_point()) for t in given.tensors]
+        output = given.with_tensors(tensors).call(stage)
+        roots = [t for t in output.tensors if t.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
 
 Table = dict[int, list[float]]

@@ -1,7 +1,8 @@
 """Measurement: what a plan really costs on this rank, to check a prediction against.
 
 Run inside each rank of a ``DistributedPipe``: a first step warms up and
-allocates the gradients; then one step is timed and its activation bytes
+allocates the gradients (two, where layers recompute selectively: their marks
+plan on their first two calls, running plainly); then one step is timed and its activation bytes
 counted with :class:`pipe.recompute.ActivationMemory` (the rank's forwards and
 backwards run on its main thread, so every storage they create is counted).
 The static part (parameters, gradients, optimiser state) is the same formula
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from pipe.recompute.memory import ActivationMemory
+from pipe.recompute.module import policy_of
+from pipe.recompute.selective import SelectiveRecompute
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipe.plan.search import Plan
@@ -45,12 +48,15 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
                  repeat: int = 3) -> Measured:
     """Counts and times ``model.step(inputs, target, loss_fn)`` on this rank (every rank must call it).
 
-    The step time is the fastest of ``repeat`` steps; the peak is that of the first counted step.
+    The step time is the fastest of ``repeat`` steps; the peak is that of the first counted step,
+    after one step of warm-up (two with layers marked for selective recompute, which plan meanwhile).
     """
     step = getattr(model, "step", None)
     if step is None:
         raise TypeError(f"measure_step needs a DistributedPipe (a model with step()), got {type(model).__name__}")
-    step(inputs, target, loss_fn)  # warm-up; allocates .grad
+    selective = any(isinstance(policy_of(m), SelectiveRecompute) for m in model.modules())
+    for _ in range(2 if selective else 1):
+        step(inputs, target, loss_fn)  # warm-up; allocates .grad
     for param in model.parameters():
         if param.grad is not None:
             param.grad.zero_()

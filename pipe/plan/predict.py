@@ -46,6 +46,12 @@ class Candidate:
             ``{"recompute": [counts]}`` passed as ``recompute=``); empty: none.
             A per-stage choice between keeping everything and recomputing
             everything, as AdaPipe plans it.
+        select: per stage, how many of its first layers are marked for
+            selective recompute with the name regexes ``select_names``
+            (:func:`pipe.recompute.select_recompute`; the config's
+            ``select_recompute``); full recompute wins on a layer marked both,
+            so layers ``recompute[s]`` to ``select[s]`` recompute selectively.
+        select_names: the regexes of those marks (the profile's, ``Costs.select``).
         dp_shard: ranks each stage is sharded over with FSDP2 (the mesh's
             "dp_shard"; :mod:`pipe.plan.sharding`); the plan runs on
             ``ranks x dp_shard`` ranks, each pipeline on B / dp_shard samples.
@@ -61,6 +67,8 @@ class Candidate:
     recompute: tuple[int, ...] = ()
     dp_shard: int = 1
     reshard_after_forward: bool = True
+    select: tuple[int, ...] = ()
+    select_names: tuple[str, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -76,11 +84,22 @@ class Candidate:
         """Layers of ``stage`` marked for recompute."""
         return self.recompute[stage] if self.recompute else 0
 
+    def selected(self, stage: int) -> int:
+        """Layers of ``stage`` marked for selective recompute or more (the first ones recompute fully)."""
+        return self.select[stage] if self.select else 0
+
+    def selective(self) -> bool:
+        """Whether some layer recomputes selectively (not covered by a full mark)."""
+        return any(self.selected(s) > self.recomputed(s) for s in range(len(self.balance)))
+
     def recompute_config(self) -> Optional[dict[str, Any]]:
         """The ``recompute=`` config of ``Pipe``/``DistributedPipe`` for the per-stage counts (None: none)."""
-        if not any(self.recompute):
-            return None
-        return {"recompute_config": {"recompute": list(self.recompute)}}
+        config: dict[str, Any] = {}
+        if any(self.recompute):
+            config["recompute"] = list(self.recompute)
+        if self.selective():
+            config["select_recompute"] = {name: list(self.select) for name in self.select_names}
+        return {"recompute_config": config} if config else None
 
     def distributed_kwargs(self) -> dict[str, Any]:
         """Arguments of ``DistributedPipe(model, **kwargs)``; with ``dp_shard > 1`` also ``shard=Shard(...)``,
@@ -107,6 +126,7 @@ class Candidate:
     def describe(self) -> str:
         extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
         marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""
+        marks += f" select={list(self.select)}" if self.selective() else ""
         split = f" {split_text(self)}" if self.dp_shard > 1 else ""
         return (f"{self.schedule}{extra} chunks={self.chunks} balance={list(self.balance)} "
                 f"checkpoint={self.checkpoint}{marks}{split}")
@@ -161,12 +181,10 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     peaks_static = memory or predict_memory(costs, candidate, runner=runner)
     costs = replica_costs(costs, candidate.dp_shard)
     schedule = _schedule(costs, candidate)
-    if candidate.recompute and len(candidate.recompute) != len(candidate.balance):
-        raise ValueError(f"recompute={list(candidate.recompute)} needs one count per stage ({len(candidate.balance)})")
     model = model or TimeModel()
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
-    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s))
+    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s), candidate.selected(s))
              for s, (first, last) in enumerate(bounds)]
     scale, overhead = model.contention, model.action_overhead
     collectives: dict[Action, float] = {}
@@ -210,6 +228,14 @@ def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
     if sum(candidate.balance) != costs.layers or min(candidate.balance) < 1:
         raise ValueError(f"balance {list(candidate.balance)} does not split {costs.layers} layers into non-empty "
                          f"stages; its entries must be >= 1 and sum to {costs.layers}")
+    for name, counts in (("recompute", candidate.recompute), ("select", candidate.select)):
+        if counts and (len(counts) != len(candidate.balance)
+                       or any(not 0 <= c <= n for c, n in zip(counts, candidate.balance))):
+            raise ValueError(f"{name}={list(counts)} needs one count per stage ({len(candidate.balance)}), "
+                             f"each between 0 and the stage's layers {list(candidate.balance)}")
+    if candidate.selective() and not candidate.select_names:
+        raise ValueError(f"select={list(candidate.select)} needs select_names, the name regexes to mark with "
+                         f"(the profile's Costs.select)")
     return schedule
 
 
@@ -256,7 +282,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     m = candidate.chunks
-    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s)) for s in range(len(bounds))]
+    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s), candidate.selected(s)) for s in range(len(bounds))]
     busiest = 0.0
     for rank in range(schedule.ranks):
         mine = schedule.stages_of(rank)
@@ -317,7 +343,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         fresh = fsdp is not None and k in fsdp.fresh
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
                                     candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
-                                    fresh)
+                                    fresh, candidate.selected(action.stage) if candidate else 0)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         posted += fsdp.during[k] if fsdp is not None else 0

@@ -9,7 +9,7 @@ Usage::
 
 :func:`search` takes the candidates of :mod:`pipe.plan.candidates` (schedule,
 micro-batch count, balance, checkpoint mode, virtual stages, per-stage
-recompute), visits them best-first by a lower bound of their step, and keeps
+recompute, full or selective), visits them best-first by a lower bound of their step, and keeps
 the fastest whose predicted peak (:func:`pipe.plan.predict.predict`) fits
 every rank's budget; :func:`plan` first measures the costs of a model
 (:func:`pipe.plan.cost.profile_costs`).
@@ -33,6 +33,7 @@ from pipe.plan.cost import Costs, profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
+from pipe.recompute.selective import DEFAULT_SELECT
 
 __all__: list[str] = []
 
@@ -319,7 +320,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
-         zero: Sequence[int] = (3, 2)) -> Plan:
+         zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -352,6 +353,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
         dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
+        select: name regexes of the selective recompute weighed per stage
+            against full recompute (:func:`pipe.plan.profile_costs`); ``()``: full only.
 
     Raises:
         PlanError: nothing fits (the message names the smallest peak and the rank holding it).
@@ -362,7 +365,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     if model_time is None:  # the link and the overhead per action measured on this machine
         model_time = TimeModel.measured(_link(link, runner))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          loss_fn=loss_fn, target=target)
+                          loss_fn=loss_fn, target=target, select=select)
     return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                   max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard, zero=zero)
 

@@ -66,10 +66,13 @@ class Usage:
 
     Args:
         layers: per pattern, how many layers use it (default: 1 each).
+        warn: False: count, never warn (the planner's profile, which tries
+            the patterns on every layer to learn where they free memory).
     """
 
-    def __init__(self, layers: Optional[dict[str, int]] = None) -> None:
+    def __init__(self, layers: Optional[dict[str, int]] = None, warn: bool = True) -> None:
         self.layers = dict(layers or {})
+        self.warn = warn
         self._probed: dict[str, set[int]] = {}
         self._chosen: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -87,7 +90,7 @@ class Usage:
                 self._probed.setdefault(source, set()).add(layer)
                 self._chosen[source] = self._chosen.get(source, 0) + chosen.get(source, 0)
                 done = len(self._probed[source]) >= self.layers.get(source, 1)
-                if done and not self._chosen[source]:
+                if done and not self._chosen[source] and self.warn:
                     idle.append(source)
         for source in idle:
             with _warned_lock:
@@ -97,10 +100,10 @@ class Usage:
             warnings.warn(_nothing_chosen(source, names, seen), UserWarning, stacklevel=2)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"layers": self.layers}
+        return {"layers": self.layers, "warn": self.warn}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["layers"])  # type: ignore[misc]
+        self.__init__(state["layers"], state.get("warn", True))  # type: ignore[misc]
 
 
 def _nothing_chosen(source: str, names: list[str], seen: Sequence[str]) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 from pipe import Pipe, trace
 from pipe.plan.cli import main as plan_main
+from pipe.recompute import DEFAULT_SELECT
 from pipe.viz.cli import main as viz_main
 
 FACTORY = '''
@@ -35,6 +37,48 @@ def test_pipe_plan_prints_the_table_and_the_arguments(factory: str, capsys: pyte
     out = capsys.readouterr().out
     assert status == 0
     assert "chosen" in out and "Pipe(model, chunks=" in out and "idle time explained" in out
+
+
+GELU_FACTORY = '''
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.proj(nn.functional.gelu(self.fc(x)))
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(4)])
+'''
+
+
+def test_pipe_plan_select_names_the_selective_recompute_to_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "gelu_models.py").write_text(GELU_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs["select"])
+        return real(*args, **kwargs)
+
+    searching = sys.modules["pipe.plan.search"]  # the module (pipe.plan.search is also its function)
+    real = searching.profile_costs
+    monkeypatch.setattr(searching, "profile_costs", spy)
+    common = ["--model", "gelu_models:build", "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
+              "--chunks", "2"]
+    for extra, expected in (([], DEFAULT_SELECT), (["--select"], ()), (["--select", r"fc", r"(.*\.)?gelu"],
+                                                                       ("fc", r"(.*\.)?gelu"))):
+        assert plan_main(common + extra) == 0
+        assert tuple(seen[-1]) == expected
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(common + ["--select", "mlp.("])
+    assert exit_.value.code == 2 and "--select regex 'mlp.(' is not a valid regular expression" in capsys.readouterr().err
 
 
 def test_pipe_plan_names_the_smallest_budget(factory: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from pipe import Pipe
 from pipe.plan import Candidate, Costs, PlanError, plan, predict, profile_costs
 from pipe.plan.measure import measure_step
+from pipe.recompute import DEFAULT_SELECT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from spawn_ranks import run_ranks  # noqa: E402
@@ -155,6 +156,105 @@ def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
             if not low * measured[rank][k] <= predicted <= high * measured[rank][k]:
                 wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
     assert not wrong
+
+
+class Ffn(nn.Module):
+    """A residual GELU feed-forward block: selective recompute of its GELU frees the 4x-wide activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(nn.functional.gelu(self.fc(x)))
+
+
+def ffn(layers: int = 4, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Ffn() for _ in range(layers)])
+
+
+def test_selective_recompute_is_timed_and_counted_per_layer() -> None:
+    costs = profile_costs(ffn(), torch.randn(16, WIDTH), (1, 4))
+    assert costs.select == DEFAULT_SELECT and costs.select_replay is not None
+    plain = costs.stage_memory(1, 3, 4, False)
+    selective = costs.stage_memory(1, 3, 4, False, selected=2)
+    full = costs.stage_memory(1, 3, 4, False, recomputed=2)
+    gelu_input = 4 * 4 * WIDTH * 4  # the fc output GELU's backward needs: no longer kept
+    assert plain.kept - selective.kept == 2 * gelu_input
+    assert full.kept < selective.kept
+    # Layer 1 selective, layer 2 full: full wins on a layer marked both, as in a recompute config.
+    mixed = costs.stage_memory(1, 3, 4, False, recomputed=1, selected=2)
+    assert full.kept < mixed.kept < selective.kept
+    timed = costs.stage_time(0, 4, 4, recomputed=1, selected=3)
+    assert timed.backward == pytest.approx(costs.stage_time(0, 4, 4).backward + costs.replay[4][0]
+                                           + sum(costs.select_replay[4][1:3]))
+    # Without selective costs (select=()), a selective plan is refused with the fix.
+    quiet = profile_costs(ffn(), torch.randn(16, WIDTH), (4,), select=())
+    with pytest.raises(ValueError, match=r"profile_costs\(select="):
+        quiet.stage_time(0, 4, 4, selected=1)
+    with pytest.raises(ValueError, match="select_names"):
+        predict(costs, Candidate("1f1b", 4, (2, 2), "never", select=(1, 0)))
+    with pytest.raises(ValueError, match="between 0 and the stage's layers"):
+        predict(costs, Candidate("1f1b", 4, (2, 2), "never", select=(3, 0), select_names=DEFAULT_SELECT))
+
+
+SELECTIVE = [Candidate("1f1b", 4, (2, 2), "never", select=(1, 2), select_names=DEFAULT_SELECT),
+             Candidate("gpipe", 2, (1, 3), "never", recompute=(0, 1), select=(1, 3), select_names=DEFAULT_SELECT),
+             Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2, select=(1, 0, 1, 1), select_names=DEFAULT_SELECT)]
+
+
+def _measure_selective(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
+    from pipe.distributed import DistributedPipe
+
+    results = []
+    for candidate in SELECTIVE:
+        model = DistributedPipe(ffn(), **candidate.distributed_kwargs())
+        results.append(measure_step(model, x, y, nn.functional.mse_loss, repeat=1).activation_peak)
+        reference = ffn()
+        nn.functional.mse_loss(reference(x), y).backward()
+        mine = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            if name in mine:
+                assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
+    return results
+
+
+def test_predicted_peaks_of_selective_plans_match_counted_peaks() -> None:
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    measured = run_ranks(_measure_selective, 2, x, y, deadline=180)
+    costs = profile_costs(ffn(), x, (1, 2, 4), loss_fn=nn.functional.mse_loss, target=y)
+    wrong = []
+    for k, candidate in enumerate(SELECTIVE):
+        assert candidate.distributed_kwargs()["recompute"]["recompute_config"]["select_recompute"] == {
+            DEFAULT_SELECT[0]: list(candidate.select)}
+        prediction = predict(costs, candidate, runner="processes")
+        for rank in range(2):
+            predicted = prediction.peaks[rank] - prediction.static[rank]
+            if not 0.99 * measured[rank][k] <= predicted <= 1.02 * measured[rank][k]:
+                wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
+    assert not wrong
+
+
+def test_a_selective_plan_runs_in_pipe_and_matches_the_plain_model() -> None:
+    from pipe.plan import Plan
+
+    candidate = Candidate("gpipe", 4, (2, 2), "never", recompute=(1, 0), select=(2, 1), select_names=DEFAULT_SELECT)
+    x = torch.randn(16, WIDTH)
+    costs = profile_costs(ffn(), x, (4,))
+    kwargs = Plan(predict(costs, candidate), [], [], [1 << 30] * 2, "threads", 1).pipe_kwargs()
+    assert kwargs["recompute"] == {"recompute_config": {"recompute": [1, 0],
+                                                        "select_recompute": {DEFAULT_SELECT[0]: [2, 1]}}}
+    piped, reference = Pipe(ffn(), **kwargs, devices=["cpu", "cpu"]), ffn()
+    for _ in range(3):  # the selective marks plan on the first two steps
+        piped.zero_grad()
+        out = piped(x)
+        out.square().mean().backward()
+    reference(x).square().mean().backward()
+    piped.close()
+    assert torch.allclose(out, reference(x), atol=1e-6)
+    for a, b in zip(piped.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
 def test_a_layer_that_fails_without_a_graph_is_named() -> None:

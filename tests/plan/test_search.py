@@ -5,6 +5,7 @@ import pytest
 
 from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
 from pipe.plan.candidates import candidates
+from pipe.recompute import DEFAULT_SELECT
 
 
 def table(forward: list[float], overhead: float = 0.0, batch: int = 8) -> Costs:
@@ -108,6 +109,35 @@ def test_a_budget_between_never_and_always_gets_per_stage_recompute() -> None:
     assert plan.best.step_time < uniform.best.step_time  # recomputing some layers of one stage beats a mode for all
     assert plan.distributed_kwargs()["recompute"] == {"recompute_config": {"recompute": list(chosen.recompute)}}
     assert "recompute=" in plan.table()
+
+
+def _selective_table(select_replay: float) -> Costs:
+    # Each layer keeps 1000 B per sample, 400 of them (the cheap ops' outputs) when marked selectively.
+    return Costs.from_table(8, [1e-3] * 8, [2e-3] * 8, [1000] * 8, [40] * 8, param_bytes=[100] * 8,
+                            select_activation=[400] * 8, select_replay=[select_replay] * 8)
+
+
+def test_selective_recompute_is_planned_where_it_frees_bytes_for_less_time() -> None:
+    never = predict(_selective_table(1e-4), Candidate("1f1b", 8, (4, 4), "never"), runner="processes")
+    budget = [never.peaks[0] - 600 * 2, never.peaks[1]]  # what two selective marks of one micro-batch free
+    options = dict(runner="processes", schedules=["1f1b"], balances=[(4, 4)])
+    # Selective replay a tenth of the forward: 600 B for 0.1 ms beats 960 B for 1 ms.
+    cheap = search(_selective_table(1e-4), 2, budget, **options).candidate
+    assert not any(cheap.recompute) and cheap.selective() and cheap.select[1] == 0, cheap.describe()
+    assert cheap.select_names == DEFAULT_SELECT and "select=" in cheap.describe()
+    assert cheap.distributed_kwargs()["recompute"] == {
+        "recompute_config": {"select_recompute": {DEFAULT_SELECT[0]: list(cheap.select)}}}
+    # Selective replay as long as the forward: full recompute frees more per second.
+    dear = search(_selective_table(1e-3), 2, budget, **options).candidate
+    assert any(dear.recompute) and not dear.selective(), dear.describe()
+    # A budget only full marks reach: selective first where it pays, then raised to full.
+    tight = [never.peaks[0] - 4000, never.peaks[1]]  # more than every selective mark frees (3504 B)
+    both = search(_selective_table(1e-4), 2, tight, **options)
+    assert any(both.candidate.recompute) and all(p <= b for p, b in zip(both.best.peaks, tight))
+    # Tabled costs without selective numbers never plan it; half of them is refused.
+    assert not search(table([1e-3] * 8), 2, budget, **options).candidate.selective()
+    with pytest.raises(ValueError, match="select_activation and select_replay together"):
+        Costs.from_table(8, [1e-3], [2e-3], [1000], [40], select_replay=[1e-4])
 
 
 def test_the_search_simulates_only_candidates_that_can_win() -> None:
