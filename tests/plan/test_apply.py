@@ -1,7 +1,6 @@
 """``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)``: planned, fitting, same gradients."""
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 from typing import Any
