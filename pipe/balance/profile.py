@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from pipe.core.inplace import own
+from pipe.core.iw_backward import IWBackward
 from pipe.core.microbatch import Batch, scatter
 from pipe.core.sequential import sequential_like
 from pipe.skip.namespace import NamespaceOrNone
@@ -104,10 +105,12 @@ class LayerTimes:
 
     Attributes:
         forward, backward: seconds, the fastest of the timed rounds.
-        input_grad: seconds of the input-gradient half of each backward (the
-            I of a zero-bubble schedule: ``autograd.grad`` to the layer's
-            inputs only); empty unless ``split=True``. The weight-gradient
-            half (W) is ``backward - input_grad``.
+        input_grad, weight_grad: seconds of the input-gradient and the
+            weight-gradient halves of each backward (the I and the W of a
+            zero-bubble schedule), run apart as the runners run them
+            (:class:`pipe.core.iw_backward.IWBackward`); empty unless
+            ``split=True``. Apart they cost more than ``backward`` (a fifth
+            more for a transformer block on the CPU): W replays part of the graph.
         output_bytes: bytes of each layer's output.
         rounds: timed rounds run.
         replay: seconds that marking each layer for recompute adds to its
@@ -126,6 +129,7 @@ class LayerTimes:
     rounds: int
     replay: dict[int, list[float]] = field(default_factory=dict)
     select_replay: dict[int, list[float]] = field(default_factory=dict)
+    weight_grad: dict[int, list[float]] = field(default_factory=dict)
 
     def total(self, rows: int) -> list[float]:
         """Forward plus backward seconds of each layer at ``rows`` rows."""
@@ -153,8 +157,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         device: where to run.
         rounds: timed rounds at least.
         timeout: keep running rounds until this many seconds have passed.
-        split: also time the input-gradient half of each backward
-            (:attr:`LayerTimes.input_grad`).
+        split: also time each backward split into I and W
+            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`).
         recompute: also time each layer marked for recompute
             (:func:`pipe.recompute.recompute`), right after it runs plainly in
             the same round (:attr:`LayerTimes.replay`). A layer that fails
@@ -168,6 +172,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     forwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     backwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     inputs = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
+    weights = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     output_bytes = {rows: [0] * len(names) for rows in sizes}
     marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     refused: set[int] = set()  # layers that fail marked for recompute
@@ -186,7 +191,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                     given = batch
                     try:
                         batch = _time_one(layer, detach(given), device, split, done > 0, forwards[rows][k],
-                                          backwards[rows][k], inputs[rows][k])
+                                          backwards[rows][k], inputs[rows][k], weights[rows][k])
                     except Exception as error:
                         raise RuntimeError(f"cannot time layer {k} ({names[k]!r}: {type(next(iter(layer.children()), layer)).__name__}) on "
                                            f"{rows} rows: {type(error).__name__}: {error}; the layer must run "
@@ -206,8 +211,10 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     select_replay = {rows: [math.inf if k in failed else max(min(chosen[rows][k]) - f - b, 0.0)
                             for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))]
                      for rows in sizes} if select else {}
-    return LayerTimes(forward, backward, {rows: [min(t) for t in per] for rows, per in inputs.items()} if split else {},
-                      output_bytes, done - 1, replay, select_replay)
+    halves = ({rows: [min(t) for t in per] for rows, per in table.items()} if split else {}
+              for table in (inputs, weights))
+    input_grad, weight_grad = halves
+    return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad)
 
 
 def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
@@ -274,8 +281,11 @@ def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes:
 
 
 def _time_one(layer: nn.Module, batch: Batch, device: torch.device, split: bool, timed: bool,
-              forwards: list[float], backwards: list[float], inputs: list[float]) -> Batch:
-    """Runs one layer forward then backward; appends the times when ``timed``."""
+              forwards: list[float], backwards: list[float], inputs: list[float],
+              weights: Optional[list[float]] = None) -> Batch:
+    """Runs one layer forward then backward; appends the times when ``timed``. With ``split``, a
+    second forward's backward runs as I then W (:class:`pipe.core.iw_backward.IWBackward`), as the
+    zero-bubble schedules run it, and both halves are timed: apart, they cost more than the backward."""
     synchronize(device)
     tick = time.perf_counter()
     output = batch.call(layer)
@@ -284,20 +294,29 @@ def _time_one(layer: nn.Module, batch: Batch, device: torch.device, split: bool,
     forward = tock - tick
     roots = [t for t in output.tensors if t.requires_grad]
     grads = [torch.ones_like(t) for t in roots]
-    leaves = [t for t in batch.tensors if t.requires_grad]
-    input_grad = 0.0
-    if split and roots and leaves:
-        torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
-        synchronize(device)
-        input_grad = time.perf_counter() - tock
-        tock = time.perf_counter()
     if roots:
         torch.autograd.backward(roots, grads)
     synchronize(device)
+    backward = time.perf_counter() - tock
+    input_grad = weight_grad = 0.0
+    if split and roots:
+        again = [t for t in batch.call(layer).tensors if t.requires_grad]
+        leaves = [t for t in batch.tensors if t.requires_grad]
+        halves = IWBackward(again, grads, leaves, list(layer.parameters()))
+        synchronize(device)
+        tick = time.perf_counter()
+        halves.backward_input()
+        synchronize(device)
+        tock = time.perf_counter()
+        halves.backward_weight()
+        synchronize(device)
+        input_grad, weight_grad = tock - tick, time.perf_counter() - tock
     if timed:
         forwards.append(forward)
-        backwards.append(time.perf_counter() - tock)
-        inputs.append(min(input_grad, backwards[-1]))
+        backwards.append(backward)
+        inputs.append(input_grad)
+        if weights is not None:
+            weights.append(weight_grad)
     return output
 
 

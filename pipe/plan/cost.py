@@ -84,8 +84,8 @@ class StageTime:
         forward, backward: the stage's layers (a backward includes the replay
             of layers marked for recompute).
         recompute: replaying the whole stage (a checkpointed cell).
-        input_grad, weight_grad: the two halves of ``backward`` that a
-            zero-bubble schedule runs apart (I, then W).
+        input_grad, weight_grad: ``backward`` as a zero-bubble schedule runs it,
+            apart (I, then W; together longer than ``backward``).
     """
 
     forward: float
@@ -117,8 +117,9 @@ class Costs:
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
-        input_grad: ``{rows: seconds per layer}`` of the input-gradient half of
-            each backward (default: half of it), for the zero-bubble schedules.
+        input_grad, weight_grad: ``{rows: seconds per layer}`` of the input-gradient and the
+            weight-gradient halves of each backward run apart, for the zero-bubble schedules
+            (default: half of it each; ``weight_grad`` alone: the rest of the backward).
         replay: ``{rows: seconds per layer}`` that marking a layer for recompute adds to its
             step (its forward again, and the checkpoint's own work; default: its forward).
         select_replay: ``{rows: seconds per layer}`` that marking a layer for selective
@@ -135,12 +136,15 @@ class Costs:
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
                  output_bytes: Optional[dict[int, list[int]]] = None,
                  input_grad: Optional[dict[int, list[float]]] = None,
+                 weight_grad: Optional[dict[int, list[float]]] = None,
                  replay: Optional[dict[int, list[float]]] = None,
                  select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = ()) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
         self.input_grad = input_grad or {rows: [b / 2 for b in times] for rows, times in backward.items()}
+        self.weight_grad = weight_grad or {rows: [max(b - i, 0.0) for b, i in zip(times, self.input_grad[rows])]
+                                           for rows, times in backward.items()}
         self.replay = replay or forward
         self.select_replay = select_replay
         self.select = tuple(select)
@@ -152,7 +156,8 @@ class Costs:
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
-        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(), *self.replay.items(),
+        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(),
+                            *self.weight_grad.items(), *self.replay.items(),
                             *(select_replay or {}).items()]:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
@@ -187,7 +192,8 @@ class Costs:
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
         input_grad = math.fsum(self.input_grad[rows][first:stop])
-        return StageTime(forward, backward + replay, forward, input_grad + replay, max(backward - input_grad, 0.0))
+        weight_grad = math.fsum(self.weight_grad[rows][first:stop])
+        return StageTime(forward, backward + replay, forward, input_grad + replay, weight_grad)
 
     def selective(self, recomputed: int, selected: int) -> bool:
         """Whether a stage whose first ``recomputed`` layers recompute fully has layers marked for
@@ -395,6 +401,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
     return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
                  param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad),
+                 weight_grad=_monotone(times.weight_grad),
                  replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
                  select=select)
 

@@ -29,7 +29,8 @@ are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
 when it was timed marked, the forward again and the checkpoint's own work,
 about 30% more than the forward for a transformer block on the CPU; I and W are
-the two halves of the measured backward).
+timed apart as the runners split them, a fifth longer together than the
+backward for a transformer block on the CPU).
 """
 from __future__ import annotations
 

@@ -52,6 +52,35 @@ def test_a_marked_layer_costs_its_measured_replay_in_backward() -> None:
     assert tabled.stage_time(0, 3, 2, recomputed=1).backward == pytest.approx(3 * 8e-3 + 4e-3)
 
 
+def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipe.core.iw_backward import IWBackward
+
+    calls = {"input": 0, "weight": 0}
+    run_input, run_weight = IWBackward.backward_input, IWBackward.backward_weight
+
+    def backward_input(self: IWBackward) -> Any:
+        calls["input"] += 1
+        return run_input(self)
+
+    def backward_weight(self: IWBackward) -> None:
+        calls["weight"] += 1
+        run_weight(self)
+
+    monkeypatch.setattr(IWBackward, "backward_input", backward_input)
+    monkeypatch.setattr(IWBackward, "backward_weight", backward_weight)
+    costs = profile_costs(mlp(), torch.randn(16, WIDTH), (4,), rounds=2, select=())
+    # Every layer, every round (a warm-up and 2 timed), runs I then W as the zero-bubble runners do.
+    assert calls == {"input": 4 * 3, "weight": 4 * 3}
+    assert costs.input_grad[4][0] < costs.input_grad[4][1]  # the first layer's input needs no gradient: I is ~empty
+    assert all(w > 0 for w in costs.weight_grad[4])
+    stage = costs.stage_time(0, 4, 4)
+    assert stage.input_grad == pytest.approx(sum(costs.input_grad[4]))
+    assert stage.weight_grad == pytest.approx(sum(costs.weight_grad[4]))
+    # Tabled costs split each backward in halves.
+    tabled = Costs.from_table(8, [1e-3] * 2, [2e-3] * 2, [100] * 2, [10] * 2, chunks=(2,))
+    assert tabled.stage_time(0, 2, 2).weight_grad == pytest.approx(2 * 4e-3)
+
+
 class _RefusesToBeMarked(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pipe.recompute.module import in_region
