@@ -54,8 +54,11 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
     step = getattr(model, "step", None)
     if step is None:
         raise TypeError(f"measure_step needs a DistributedPipe (a model with step()), got {type(model).__name__}")
-    selective = any(isinstance(policy_of(m), SelectiveRecompute) for m in model.modules())
-    for _ in range(2 if selective else 1):
+    # Every rank runs as many steps: warm up twice if any rank's stages recompute selectively.
+    selective = torch.tensor([any(isinstance(policy_of(m), SelectiveRecompute) for m in model.modules())],
+                             dtype=torch.int32)
+    torch.distributed.all_reduce(selective, op=torch.distributed.ReduceOp.MAX)
+    for _ in range(2 if selective.item() else 1):
         step(inputs, target, loss_fn)  # warm-up; allocates .grad
     for param in model.parameters():
         if param.grad is not None:

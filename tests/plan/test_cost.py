@@ -230,7 +230,9 @@ def test_selective_recompute_is_timed_and_counted_per_layer() -> None:
 
 SELECTIVE = [Candidate("1f1b", 4, (2, 2), "never", select=(1, 2), select_names=DEFAULT_SELECT),
              Candidate("gpipe", 2, (1, 3), "never", recompute=(0, 1), select=(1, 3), select_names=DEFAULT_SELECT),
-             Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2, select=(1, 0, 1, 1), select_names=DEFAULT_SELECT)]
+             Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2, select=(1, 0, 1, 1), select_names=DEFAULT_SELECT),
+             # only rank 0 marked: measure_step must still warm up as many steps on both ranks
+             Candidate("1f1b", 4, (2, 2), "never", select=(2, 0), select_names=DEFAULT_SELECT)]
 
 
 def _measure_selective(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> list[Any]:
