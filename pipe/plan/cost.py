@@ -85,7 +85,9 @@ class StageTime:
             of layers marked for recompute).
         recompute: replaying the whole stage (a checkpointed cell).
         input_grad, weight_grad: ``backward`` as a zero-bubble schedule runs it,
-            apart (I, then W; together longer than ``backward``).
+            apart (I, then W; together longer than ``backward``). On the first
+            stage, whose input (the mini-batch) needs no gradient, I is empty and
+            W is the plain backward, as :class:`pipe.core.iw_backward.IWBackward` runs it.
     """
 
     forward: float
@@ -191,6 +193,8 @@ class Costs:
             assert self.select_replay is not None
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
+        if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
+            return StageTime(forward, backward + replay, forward, replay, backward)
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         weight_grad = math.fsum(self.weight_grad[rows][first:stop])
         return StageTime(forward, backward + replay, forward, input_grad + replay, weight_grad)

@@ -73,12 +73,15 @@ def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pyt
     assert calls == {"input": 4 * 3, "weight": 4 * 3}
     assert costs.input_grad[4][0] < costs.input_grad[4][1]  # the first layer's input needs no gradient: I is ~empty
     assert all(w > 0 for w in costs.weight_grad[4])
-    stage = costs.stage_time(0, 4, 4)
-    assert stage.input_grad == pytest.approx(sum(costs.input_grad[4]))
-    assert stage.weight_grad == pytest.approx(sum(costs.weight_grad[4]))
+    stage = costs.stage_time(1, 4, 4)
+    assert stage.input_grad == pytest.approx(sum(costs.input_grad[4][1:]))
+    assert stage.weight_grad == pytest.approx(sum(costs.weight_grad[4][1:]))
+    # The first stage's input (the mini-batch) needs no gradient: I is empty, W the plain backward.
+    first = costs.stage_time(0, 2, 4)
+    assert first.input_grad == 0 and first.weight_grad == first.backward == pytest.approx(sum(costs.backward[4][:2]))
     # Tabled costs split each backward in halves.
-    tabled = Costs.from_table(8, [1e-3] * 2, [2e-3] * 2, [100] * 2, [10] * 2, chunks=(2,))
-    assert tabled.stage_time(0, 2, 2).weight_grad == pytest.approx(2 * 4e-3)
+    tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
+    assert tabled.stage_time(1, 3, 2).weight_grad == pytest.approx(2 * 4e-3)
 
 
 class _RefusesToBeMarked(nn.Linear):
