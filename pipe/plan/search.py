@@ -139,8 +139,9 @@ class Plan:
     def table(self, rejected: int = 8) -> str:
         """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
         and the ``rejected`` fastest plans over budget with the rank over it."""
-        lines = [f"memory budget {', '.join(sorted({format_bytes(b) for b in self.budget}))} per rank; "
-                 f"{self.considered} candidates, {self.simulated} simulated ({self.runner})"]
+        sizes = [format_bytes(b) for b in self.budget]
+        budget = f"{sizes[0]} per rank" if len(set(sizes)) == 1 else f"{', '.join(sizes)} on ranks 0 to {len(sizes) - 1}"
+        lines = [f"memory budget {budget}; {self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
         peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its dp_shard ranks alike

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
+from pipe.plan.search import format_bytes
 from pipe.plan.candidates import candidates
 from pipe.recompute import DEFAULT_SELECT
 
@@ -109,6 +110,8 @@ def test_a_budget_between_never_and_always_gets_per_stage_recompute() -> None:
     assert plan.best.step_time < uniform.best.step_time  # recomputing some layers of one stage beats a mode for all
     assert plan.distributed_kwargs()["recompute"] == {"recompute_config": {"recompute": list(chosen.recompute)}}
     assert "recompute=" in plan.table()
+    # Budgets that differ per rank are printed in rank order.
+    assert plan.table().startswith(f"memory budget {format_bytes(budget[0])}, {format_bytes(budget[1])} on ranks 0 to 1;")
 
 
 def _selective_table(select_replay: float) -> Costs:
