@@ -142,7 +142,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     """Times each layer's forward and backward on copies of the layers, for each sample size.
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
-    and the planner (:func:`pipe.plan.cost.profile_costs`): each layer runs
+    and the planner (:func:`pipe.plan.profile.profile_costs`): each layer runs
     on a detached input (its own backward only), synchronised before and
     after on CUDA. One untimed round warms up (allocations, kernels, autograd
     threads); then at least ``rounds`` timed rounds, and more until ``timeout``
@@ -200,7 +200,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                     if recompute and k not in refused:
                         _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
                     if selective and k not in failed:
-                        _time_selective(selective[k], detach(given), device, done > 1, chosen[rows][k], failed, k)
+                        _time_marked(selective[k], detach(given), device, done > 1, chosen[rows][k], failed, k,
+                                     selective=True)
             done += 1
     _check_proportional(names, layers, output_bytes)
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
@@ -219,7 +220,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
 
 def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
     """``container``'s layer marked for selective recompute with ``names``, quietly: a layer
-    where they choose nothing is a finding of the profile, not the user's typo."""
+    where they choose nothing is a finding of the profile, not the user's typo. The mark stays
+    (it plans on its first two calls), so these are copies of their own."""
     from pipe.recompute.module import mark
     from pipe.recompute.selective import SelectiveRecompute, Usage
 
@@ -228,37 +230,28 @@ def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
     return container
 
 
-def _time_selective(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],
-                    failed: set[int], k: int) -> None:
-    """Runs ``layer`` (marked for selective recompute) forward then backward; appends the time when ``timed``."""
-    try:
-        forwards: list[float] = []
-        backwards: list[float] = []
-        _time_one(layer, batch, device, False, timed, forwards, backwards, [])
-        times.extend(f + b for f, b in zip(forwards, backwards))
-    except Exception as error:  # the mark's own limits: the layer is not planned with it
-        logger.info("layer %d fails marked for selective recompute (%s: %s); it is not planned so",
-                    k, type(error).__name__, error)
-        failed.add(k)
-
-
 def _time_marked(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],
-                 refused: set[int], k: int) -> None:
-    """Runs ``layer`` marked for recompute, forward then backward; appends the time when ``timed``."""
+                 refused: set[int], k: int, selective: bool = False) -> None:
+    """Runs ``layer`` marked for recompute (marked here, for the run) or for selective recompute
+    (marked already), forward then backward; appends the time when ``timed``. A layer that fails so
+    marked joins ``refused``."""
     from pipe.recompute.module import recompute, unmark
 
-    recompute(layer)
+    if not selective:
+        recompute(layer)
     try:
         forwards: list[float] = []
         backwards: list[float] = []
         _time_one(layer, batch, device, False, timed, forwards, backwards, [])
         times.extend(f + b for f, b in zip(forwards, backwards))
-    except Exception as error:  # the mark's own limits: the forward stands for its replay
-        logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its forward",
-                    k, type(error).__name__, error)
+    except Exception as error:  # the mark's own limits
+        logger.info("layer %d fails marked for %s (%s: %s); %s", k, "selective recompute" if selective else "recompute",
+                    type(error).__name__, error,
+                    "it is not planned so" if selective else "its replay is taken as its forward")
         refused.add(k)
     finally:
-        unmark(layer)
+        if not selective:
+            unmark(layer)
 
 
 def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:

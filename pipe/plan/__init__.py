@@ -23,7 +23,8 @@ Usage::
 """
 from __future__ import annotations
 
-from pipe.plan.cost import Costs, StageMemory, StageTime, profile_costs
+from pipe.plan.cost import Costs, StageMemory, StageTime
+from pipe.plan.profile import profile_costs
 from pipe.plan.explain import Explanation, explain, explain_prediction
 from pipe.viz.idle import Idle
 from pipe.plan.predict import Candidate, Prediction, predict

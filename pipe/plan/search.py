@@ -12,7 +12,7 @@ micro-batch count, balance, checkpoint mode, virtual stages, per-stage
 recompute, full or selective), visits them best-first by a lower bound of their step, and keeps
 the fastest whose predicted peak (:func:`pipe.plan.predict.predict`) fits
 every rank's budget; :func:`plan` first measures the costs of a model
-(:func:`pipe.plan.cost.profile_costs`).
+(:func:`pipe.plan.profile.profile_costs`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from torch import nn
 from pipe.core.partition import verify_module
 from pipe.core.schedule import Schedule
 from pipe.plan.candidates import candidates, per_stage_recompute
-from pipe.plan.cost import Costs, profile_costs
+from pipe.plan.cost import Costs
+from pipe.plan.profile import profile_costs
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
@@ -185,7 +186,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     fitting plans found, so most candidates are never simulated.
 
     Args:
-        costs: measured (:func:`pipe.plan.cost.profile_costs`) or tabled costs.
+        costs: measured (:func:`pipe.plan.profile.profile_costs`) or tabled costs.
         ranks: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks).
         memory_budget: bytes per rank (``"2GiB"``, a number, or one per rank).
         runner: ``"threads"`` (``Pipe``: GPipe) or ``"processes"`` (``DistributedPipe``).

@@ -1,0 +1,219 @@
+"""Measuring a model's :class:`pipe.plan.cost.Costs`: per-layer times and per-stage counted bytes.
+
+* **time** is measured per layer (forward and backward timed separately, the
+  fastest of a few rounds, as :mod:`pipe.balance.profile` times layers; the
+  backward once more split into I and W as the zero-bubble runners split it;
+  once more marked for recompute and once marked for selective recompute:
+  what each mark adds);
+* **memory** is counted per stage, not estimated: the stage's layers run one
+  micro-batch through the very cell the runners use
+  (:func:`pipe.core.checkpoint.cell`, checkpointed or not) under
+  :class:`pipe.recompute.ActivationMemory`, on the thread that called, so the
+  bytes kept for backward and the high-water marks of forward and backward
+  are exact on any device. Ranges are measured when first asked for and cached.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_layers
+from pipe.core.checkpoint import cell
+from pipe.core.inplace import InputGuard
+from pipe.core.iw_backward import backward_input_first
+from pipe.core.microbatch import Batch, scatter
+from pipe.plan.cost import Costs, StageMemory
+from pipe.recompute.memory import ActivationMemory
+from pipe.recompute.module import mark, recompute as mark_recompute, unmark
+from pipe.recompute.scope import compile_pattern
+from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
+from pipe.skip.skippable import skippables_in
+from pipe.skip.tracker import partition_function
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
+                  rounds: int = 5, device: Optional[torch.device] = None,
+                  loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None,
+                  select: Sequence[str] = DEFAULT_SELECT) -> Costs:
+    """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
+
+    Layers are copied (the module is left as it was, random state included), as
+    :mod:`pipe.balance.profile` does; times come from its
+    :func:`~pipe.balance.profile.time_layers`, with the input-gradient half of
+    each backward (for zero-bubble schedules). Only ``chunks`` that divide
+    the batch are kept. With ``loss_fn`` and ``target`` (the mini-batch's),
+    the last stage's bytes include the loss, as ``DistributedPipe.step``
+    computes it; else its backward starts from a gradient of ones.
+
+    Each layer is also timed and counted marked for selective recompute with
+    the name regexes ``select`` (:func:`pipe.recompute.select_recompute`;
+    default: its ``DEFAULT_SELECT``, the activations and softmax), so that the
+    planner can weigh it per stage against full recompute; ``select=()``
+    leaves it out. A layer where they choose nothing saves nothing so marked,
+    and is never planned with it.
+
+    Raises:
+        ValueError: no chunk count divides the batch; the model has skip connections
+            (``@skippable`` layers), which the planner does not model yet; a ``select``
+            entry is not a valid regex.
+        RuntimeError: a layer cannot be measured (it fails, or fails under
+            ``torch.no_grad``); the message names the layer.
+    """
+    device = device or torch.device("cpu")
+    if any(True for _ in skippables_in(module)):
+        raise ValueError("pipe.plan does not model skip connections (@skippable layers) yet; "
+                         "choose balance, chunks and checkpoint by hand for this model")
+    batch = scatter(sample, 1)[0].tensors[0].size(0)
+    usable = sorted({c for c in chunks if c >= 1 and batch % c == 0})
+    if not usable:
+        raise ValueError(f"none of chunks={list(chunks)} divides the batch of {batch} samples; "
+                         f"pass chunk counts that divide it, such as 1, 2 or {batch}")
+    micro = {batch // c: scatter(sample, c)[0].value for c in usable}
+    if loss_fn is not None and target is None:
+        raise ValueError("profile_costs(loss_fn=...) needs target=, the mini-batch's targets, to compute the loss")
+    targets = {batch // c: as_input(scatter(target, c)[0].value, device).value for c in usable} \
+        if loss_fn is not None else {}
+    begun = time.perf_counter()
+    select = (select,) if isinstance(select, str) else tuple(select)
+    for pattern in select:
+        compile_pattern(pattern, "profile_costs(select=...)")
+    times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select)
+    names = [name for name, _ in module.named_children()]
+    with sandbox(device):
+        layers = list(layer_copies(module, device))
+        # Inputs of every layer for every size, computed once without a graph, for the memory counts.
+        inputs: dict[int, list[Batch]] = {}
+        with torch.no_grad():
+            for rows, value in micro.items():
+                batch_ = as_input(value, device)
+                inputs[rows] = []
+                for k, layer in enumerate(layers):
+                    inputs[rows].append(batch_)
+                    try:
+                        batch_ = batch_.call(layer)
+                    except Exception as error:
+                        raise RuntimeError(
+                            f"cannot measure layer {k} ({names[k]!r}) under torch.no_grad on {rows} rows: "
+                            f"{type(error).__name__}: {error}; pipe.plan runs each layer without a graph to "
+                            f"count a stage's bytes: make the layer run under no_grad, or plan by hand") from error
+    for layer in layers:  # gradients exist before counting: they are static, not activations
+        for param in layer.parameters():
+            param.grad = torch.zeros_like(param)
+    logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
+
+    def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
+               fresh: bool = False, selected: int = 0) -> StageMemory:
+        stage = layers[first:stop]
+        for layer in stage[:recomputed]:
+            mark_recompute(layer)
+        chosen = [next(iter(layer.children()), layer) for layer in stage[recomputed:selected]]
+        for layer in chosen:  # the layer itself, as a recompute config marks it (its names are the patterns')
+            mark(layer, SelectiveRecompute(layer, select, (), usage=Usage(warn=False)))
+        try:
+            with sandbox(device):
+                if chosen:  # the marks plan on their first two calls (the second where they narrow)
+                    _warm_up(nn.Sequential(*stage), inputs[rows][first], first == 0, calls=2)
+                loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
+                return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
+                                    split, fresh)
+        finally:
+            for layer in [*stage[:recomputed], *chosen]:
+                unmark(layer)
+
+    param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
+    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
+                 param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad),
+                 weight_grad=_monotone(times.weight_grad),
+                 replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
+                 select=select)
+
+
+def _warm_up(stage: nn.Sequential, given: Batch, first: bool, calls: int) -> None:
+    """Runs ``stage`` forward and backward ``calls`` times on a copy of ``given`` (gradients accumulate),
+    its input needing a gradient unless ``first``, as in :func:`_count_stage`."""
+    for _ in range(calls):
+        tensors = [t.clone().requires_grad_(not first and t.is_floating_point()) for t in given.tensors]
+        output = given.with_tensors(tensors).call(stage)
+        roots = [t for t in output.tensors if t.requires_grad]
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+Table = dict[int, list[float]]
+
+
+def _monotone(times: Table) -> Table:
+    """A layer takes no longer on fewer rows: a slow measurement at a small size (preempted
+    in every round) is replaced by the time measured on more rows."""
+    sizes = sorted(times, reverse=True)
+    result = {sizes[0]: list(times[sizes[0]])}
+    for larger, rows in zip(sizes, sizes[1:]):
+        result[rows] = [min(t, bound) for t, bound in zip(times[rows], result[larger])]
+    return result
+
+
+def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
+                 loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False,
+                 fresh: bool = False) -> StageMemory:
+    """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
+    its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it;
+    with ``fresh``, the parameters have no gradient before the backward (it creates them, counted)."""
+
+    function = partition_function(stage)
+    # As in the runners' steady state: the stage's guard already knows what it modifies in place
+    # (until it knows, a checkpointed cell keeps copies of all its inputs).
+    guard = InputGuard("the profiled stage", shared=first, partition=stage)
+    with torch.no_grad():
+        guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
+    after_input = weight_peak = input_peak = 0
+    with ActivationMemory() as counter:
+        # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
+        tensors = [t if first else t.clone() for t in given.tensors]
+        if not first:  # a received input needs its gradient, as in the runner (it is sent back)
+            tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+        batch = detach(given.with_tensors(tensors))
+        compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
+        output = compute()
+        if not split:  # split: I replays a checkpointed cell itself
+            finalize(output)
+        value = loss[0](output.value, loss[1]) if loss is not None else None
+        forward_peak, kept = counter.peak_bytes, counter.live_bytes
+        counter.reset_peak()
+        saved = [(p, p.grad) for p in stage.parameters()] if fresh else []
+        for param, _ in saved:
+            param.grad = None  # the backward creates them, as at a sharded stage's first backward
+        if split:
+            outputs = list(output.tensors)
+            ones: list[Optional[Tensor]] = [torch.ones_like(t) if t.requires_grad else None for t in outputs]
+            halves, _ = backward_input_first(outputs, ones, list(batch.tensors), list(stage.parameters()), record, value)
+            del ones, record
+            halves.backward_input()
+            after_input = counter.live_bytes - kept
+            input_peak = counter.peak_bytes  # I's high-water mark; W's is counted apart, from what I left
+            before_weight = counter.live_bytes
+            counter.reset_peak()
+            halves.backward_weight()
+            weight_peak = counter.peak_bytes - before_weight
+            del halves, outputs
+        elif value is not None:
+            value.backward()
+        else:
+            roots = [t for t in output.tensors if t.requires_grad]
+            grads: list[Tensor] = [torch.ones_like(t) for t in roots]  # the gradient that arrives
+            if roots:
+                torch.autograd.backward(roots, grads)
+            del roots, grads
+        backward_peak = (input_peak if split else counter.peak_bytes) - kept
+        for param, grad in saved:
+            param.grad = grad
+        del output, value, batch, tensors, saved
+    return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
+                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0))
