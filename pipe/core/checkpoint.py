@@ -119,6 +119,8 @@ class Checkpointing:
         self.offload = offload
         self.guard = guard if guard is not None else InputGuard(f"the cell {tag}")
         self.requires_grad = [t.requires_grad for t in batch.tensors]  # kept copies do not
+        # Which outputs the first forward let need a gradient (None: every floating-point one).
+        self.differentiable: Optional[tuple[bool, ...]] = None
         self.kept_versions: list[Optional[int]] = []  # of the kept input after the first forward
         self.device = batch.device
         self.rng_state: Optional[RNGState] = None
@@ -149,6 +151,16 @@ class Checkpointing:
                 trace.span("recompute", self.tag):
             # Owned inputs: an in-place layer at the partition's start works on them (pipe.core.inplace).
             output = self.function(self.guard.replay(self.batch.with_tensors(inputs)))
+        self.guard.learn_differentiable(self.requires_grad, output.tensors)
+        assumed = self.differentiable
+        late = [k for k, t in enumerate(output.tensors) if t.requires_grad and assumed is not None and not assumed[k]]
+        if late:
+            raise RuntimeError(
+                f"{self.guard.where} recomputed output tensor(s) {late} of micro-batch {self.tag} needing a "
+                "gradient, which its earlier forwards with grad on made without one, so its checkpointed "
+                "forward passed them on as needing none and their gradient cannot come back; this step is "
+                "refused. Run the step again (the partition now knows they need one), or use "
+                "checkpoint='never' for a partition whose outputs need a gradient only for some inputs")
         return output.tensors, inputs
 
     def recompute_ahead(self) -> None:
@@ -231,7 +243,11 @@ class Checkpoint(torch.autograd.Function):
         chk.kept_versions = versions_of(chk.batch.tensors)
         chk._output = output
         tensors = output.tensors
-        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point() and not t.is_complex()])
+        # Outputs that the partition's forwards with grad on made without a gradient (tables made from
+        # buffers) get none here either: the next partition would compute one for nothing.
+        chk.differentiable = known = chk.guard.differentiable(chk.requires_grad, len(tensors))
+        ctx.mark_non_differentiable(*[t for k, t in enumerate(tensors) if not (t.is_floating_point() or t.is_complex())
+                                      or (known is not None and not known[k])])
         return tuple(tensors)
 
     @staticmethod

@@ -178,6 +178,8 @@ class InputGuard:
         self.partition = partition
         # Per training mode: positions of the input tensors the partition modifies in place; absent until it ran.
         self._learned: dict[tuple[bool, ...], frozenset[int]] = {}
+        # Per training mode and input tensors needing a gradient: which outputs need one (seen with grad on).
+        self._differentiable: dict[tuple[tuple[bool, ...], tuple[bool, ...]], tuple[bool, ...]] = {}
 
     def _mode(self) -> tuple[bool, ...]:
         if self.partition is None:
@@ -206,6 +208,28 @@ class InputGuard:
         self._learned[mode] = changed if known is None else known | changed
         return changed
 
+    def differentiable(self, needs: Sequence[bool], outputs: int) -> Optional[tuple[bool, ...]]:
+        """Which of the partition's ``outputs`` tensors need a gradient when its input tensors need one as
+        ``needs`` says, as learned from its forwards with grad on; None until one ran.
+
+        A checkpointed cell's first forward runs without grad, so autograd cannot tell it; without
+        this, every floating-point output of it would need a gradient, and the next partition would
+        compute and send back gradients for tensors made from buffers alone (LLaMA's rotary tables,
+        GPT-2's additive mask) that the replay then drops.
+        """
+        known = self._differentiable.get((self._mode(), tuple(needs)))
+        return known if known is not None and len(known) == outputs else None
+
+    def learn_differentiable(self, needs: Sequence[bool], outputs: Sequence[Tensor]) -> None:
+        """Records which ``outputs`` of a forward with grad on need a gradient (an output once seen
+        needing one is taken to need one always)."""
+        key = (self._mode(), tuple(needs))
+        seen = tuple(t.requires_grad for t in outputs)
+        known = self._differentiable.get(key)
+        if known is not None and len(known) == len(seen):
+            seen = tuple(a or b for a, b in zip(known, seen))
+        self._differentiable[key] = seen
+
     def _copy(self, batch: Batch, copied: Optional[frozenset[int]]) -> Batch:
         return batch.with_tensors([t.clone() if copied is None or k in copied else t
                                    for k, t in enumerate(batch.tensors)])
@@ -223,6 +247,8 @@ class InputGuard:
         before = [_version(t) for t in tensors]
         output = function(own(batch))
         self._observe(tensors, before)
+        if torch.is_grad_enabled():
+            self.learn_differentiable([t.requires_grad for t in tensors], output.tensors)
         # An output sharing a slice's memory would let the next partition modify the caller's tensor.
         return unalias(output, tensors) if self.shared else output
 

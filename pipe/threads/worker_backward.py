@@ -225,8 +225,10 @@ class Boundary(torch.autograd.Function):
         weakref.finalize(token, cell.release)
         assert cell.inner_output is not None  # set by connect()
         tensors = cell.inner_output.tensors
-        ctx.mark_non_differentiable(*[t for t in tensors if not (t.is_floating_point() or t.is_complex())])
-        return tuple(t.detach() for t in tensors)
+        outputs = tuple(t.detach() for t in tensors)
+        # An output the cell made without a gradient (a table made from buffers) gets none here either.
+        ctx.mark_non_differentiable(*[o for o, t in zip(outputs, tensors) if not t.requires_grad])
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:

@@ -159,3 +159,67 @@ def test_dropout_is_reproducible_with_concurrent_partitions():
         outs, grads = run()
         assert torch.equal(outs, reference[0])
         assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+
+
+class WithTable(nn.Module):
+    """A linear layer that also returns a table made from a buffer, as LLaMA's first stage passes on its
+    rotary cos and sin; with ``from_weight``, the table is made from the weight (it needs a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+        self.from_weight = False
+
+    def forward(self, x):
+        source = self.lin.weight[0] if self.from_weight else self.table
+        return self.lin(x), source.expand(x.size(0), 4) * 1.0
+
+
+class UseTable(nn.Module):
+    """Multiplies by the table; records whether the table it got needs a gradient, outside replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.needs: list[bool] = []
+
+    def forward(self, pair):
+        x, table = pair
+        if not is_recomputing():
+            self.needs.append(table.requires_grad)
+        return self.lin(x) * table
+
+
+def test_a_checkpointed_partition_passes_tables_made_from_buffers_without_a_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(WithTable(), UseTable())
+    reference = copy.deepcopy(model)
+    piped = Pipe(model, balance=[1, 1], chunks=2, checkpoint="always")
+    for step in range(2):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+        model[1].needs.clear()
+        piped(x).sum().backward()
+        reference(x).sum().backward()
+        for (name, got), expected in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad, expected.grad, msg=name)
+    # The first step's checkpointed forwards cannot know; its replays (with grad on) tell the partition.
+    assert model[1].needs == [False, False]
+
+
+def test_an_output_that_starts_needing_a_gradient_is_refused_not_dropped():
+    torch.manual_seed(0)
+    model = nn.Sequential(WithTable(), UseTable())
+    piped = Pipe(model, balance=[1, 1], chunks=2, checkpoint="always")
+    piped(torch.randn(4, 4)).sum().backward()  # learns: the table needs no gradient
+    model[0].from_weight = True  # now it does: the checkpointed forward passed it on without one
+    with pytest.raises(RuntimeError, match=r"recomputed output tensor\(s\) \[1\].*needing a gradient.*refused"):
+        piped(torch.randn(4, 4)).sum().backward()
+    model.zero_grad()
+    x = torch.randn(4, 4)
+    piped(x).sum().backward()  # the next step knows, and is exact
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    reference(x).sum().backward()
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
