@@ -120,6 +120,9 @@ class LayerTimes:
             (:func:`pipe.recompute.select_recompute` with the ``select`` names)
             adds to its forward and backward; ``inf`` for a layer that fails so
             marked; empty unless ``select`` was given.
+        needs_grad: whether each tensor of each layer's output requires a
+            gradient (a table computed from buffers, such as LLaMA's rotary
+            cos and sin, does not), as a stage receives it.
     """
 
     forward: dict[int, list[float]]
@@ -130,6 +133,7 @@ class LayerTimes:
     replay: dict[int, list[float]] = field(default_factory=dict)
     select_replay: dict[int, list[float]] = field(default_factory=dict)
     weight_grad: dict[int, list[float]] = field(default_factory=dict)
+    needs_grad: list[list[bool]] = field(default_factory=list)
 
     def total(self, rows: int) -> list[float]:
         """Forward plus backward seconds of each layer at ``rows`` rows."""
@@ -174,6 +178,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     inputs = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     weights = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     output_bytes = {rows: [0] * len(names) for rows in sizes}
+    needs_grad: list[list[bool]] = [[] for _ in names]
     marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     refused: set[int] = set()  # layers that fail marked for recompute
     chosen = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
@@ -197,13 +202,14 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                                            f"{rows} rows: {type(error).__name__}: {error}; the layer must run "
                                            f"forward and backward on a detached input of a micro-batch") from error
                     output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
+                    needs_grad[k] = [t.requires_grad for t in batch.tensors]
                     if recompute and k not in refused:
                         _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
                     if selective and k not in failed:
                         _time_marked(selective[k], detach(given), device, done > 1, chosen[rows][k], failed, k,
                                      selective=True)
             done += 1
-    _check_proportional(names, layers, output_bytes)
+        _check_affine(names, layers, _with_probe(layers, samples, output_bytes, device))
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
     forward = {rows: [min(t) for t in per] for rows, per in forwards.items()}
     backward = {rows: [min(t) for t in per] for rows, per in backwards.items()}
@@ -215,7 +221,8 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     halves = ({rows: [min(t) for t in per] for rows, per in table.items()} if split else {}
               for table in (inputs, weights))
     input_grad, weight_grad = halves
-    return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad)
+    return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad,
+                      needs_grad)
 
 
 def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
@@ -254,21 +261,54 @@ def _time_marked(layer: nn.Module, batch: Batch, device: torch.device, timed: bo
             unmark(layer)
 
 
-def _check_proportional(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
-    """Each layer's output must grow with the micro-batch: bytes per sample the same at every size.
+def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_bytes: dict[int, list[int]],
+                device: torch.device) -> dict[int, list[int]]:
+    """``output_bytes`` and, where fewer than three sizes were timed, the bytes of each layer's output at one
+    more size (a slice of the largest sample, run once without a graph), so that :func:`_check_affine` has
+    three points to check a line through."""
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) >= 3 or not sizes:
+        return output_bytes
+    largest = sizes[-1]
+    probe = next((largest // k for k in range(2, largest + 1) if largest % k == 0 and largest // k not in sizes), 0)
+    if not probe:
+        return output_bytes
+    counted = []
+    try:
+        with torch.no_grad():
+            batch = as_input(scatter(samples[largest], largest // probe)[0].value, device)
+            for layer in layers:
+                batch = batch.call(layer)
+                counted.append(sum(t.numel() * t.element_size() for t in batch.tensors))
+    except Exception as error:  # a layer that needs autograd: the planner's own pass without a graph names it
+        logger.debug("no probe of output sizes at %d rows (%s: %s)", probe, type(error).__name__, error)
+        return output_bytes
+    return {**output_bytes, probe: counted}
+
+
+def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
+    """Each layer's output must be a fixed part plus a part per sample, the same at every size: the
+    fixed part holds what does not grow with the micro-batch (LLaMA's rotary tables, a mask broadcast
+    over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
+    and are only checked for a fixed part and a part per sample that are not negative.
 
     Raises:
-        RuntimeError: a layer's output per sample differs between sizes (data-dependent shapes: control
-            flow on the values, boolean masking), which no per-sample cost can describe; names the layer.
+        RuntimeError: a layer's output bytes are off the line (data-dependent shapes: control flow on
+            the values, boolean masking), which no per-sample cost can describe; names the layer.
     """
     sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) < 2:
+        return
     for k, name in enumerate(names):
-        per_sample = {rows: output_bytes[rows][k] / rows for rows in sizes}
-        if len(set(per_sample.values())) > 1:
-            seen = ", ".join(f"{b:g} B/sample at {rows} rows" for rows, b in per_sample.items())
+        (r0, b0), (r1, b1) = ((rows, output_bytes[rows][k]) for rows in sizes[:2])
+        # On the line through the first two points, with slope (b1 - b0) / (r1 - r0) and a fixed part >= 0.
+        off = b1 < b0 or b0 * (r1 - r0) < r0 * (b1 - b0) or any(
+            (output_bytes[rows][k] - b0) * (r1 - r0) != (b1 - b0) * (rows - r0) for rows in sizes[2:])
+        if off:
+            seen = ", ".join(f"{output_bytes[rows][k]} B at {rows} rows" for rows in sizes)
             raise RuntimeError(
                 f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
-                f"its output per sample differs between micro-batch sizes ({seen}); its shapes depend on the "
+                f"its output is not a fixed size plus a size per sample ({seen}); its shapes depend on the "
                 f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
                 f"hand, or keep such a layer's output size fixed")
 

@@ -96,6 +96,9 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 batch_ = as_input(value, device)
                 inputs[rows] = []
                 for k, layer in enumerate(layers):
+                    if k:  # a received input needs a gradient where the sender's output did
+                        batch_ = batch_.with_tensors([t.requires_grad_(needs) for t, needs
+                                                      in zip(batch_.tensors, times.needs_grad[k - 1])])
                     inputs[rows].append(batch_)
                     try:
                         batch_ = batch_.call(layer)
@@ -138,9 +141,9 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
 
 def _warm_up(stage: nn.Sequential, given: Batch, first: bool, calls: int) -> None:
     """Runs ``stage`` forward and backward ``calls`` times on a copy of ``given`` (gradients accumulate),
-    its input needing a gradient unless ``first``, as in :func:`_count_stage`."""
+    its input needing a gradient as ``given``'s does unless ``first``, as in :func:`_count_stage`."""
     for _ in range(calls):
-        tensors = [t.clone().requires_grad_(not first and t.is_floating_point()) for t in given.tensors]
+        tensors = [t.detach().clone().requires_grad_(not first and t.requires_grad) for t in given.tensors]
         output = given.with_tensors(tensors).call(stage)
         roots = [t for t in output.tensors if t.requires_grad]
         if roots:
@@ -169,16 +172,14 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
-    # (until it knows, a checkpointed cell keeps copies of all its inputs).
+    # (until it knows, a checkpointed cell keeps copies of all its inputs) and which outputs need a gradient.
     guard = InputGuard("the profiled stage", shared=first, partition=stage)
-    with torch.no_grad():
-        guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
+    guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
     after_input = weight_peak = input_peak = 0
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
-        tensors = [t if first else t.clone() for t in given.tensors]
-        if not first:  # a received input needs its gradient, as in the runner (it is sent back)
-            tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+        # A received input needs its gradient where the sender's output did (it is sent back).
+        tensors = [t if first else t.detach().clone().requires_grad_(t.requires_grad) for t in given.tensors]
         batch = detach(given.with_tensors(tensors))
         compute, finalize, record = cell(function, batch, checkpointed, (0, 0), guard=guard)
         output = compute()

@@ -194,6 +194,53 @@ def test_predicted_peaks_match_counted_peaks_of_distributed_runs() -> None:
     assert not _peaks_off(mlp, CANDIDATES, (1, 2, 4, 8))
 
 
+def _split_llama() -> nn.Module:
+    """A 4-layer LLaMA cut by pipe.split into 4 stages; its first stage passes on the rotary cos and sin,
+    tables made from buffers, which need no gradient (a micro-batch size's fixed part of a message)."""
+    import pipe
+    from split_models import lm_batch, llama
+
+    torch.manual_seed(0)
+    ids, mask, _ = lm_batch(8, 8)
+    return pipe.split(llama(layers=4), (ids,), {"attention_mask": mask, "use_cache": False},
+                      at=[f"model.layers.{k}" for k in (1, 2, 3)])
+
+
+def _measure_lm(rank: int, world: int, plans: list[Candidate]) -> list[int]:
+    from pipe.distributed import DistributedPipe
+    from split_models import lm_batch, lm_loss
+
+    ids, mask, labels = lm_batch(8, 8)
+    return [measure_step(DistributedPipe(_split_llama(), **candidate.distributed_kwargs()), (ids, mask), labels,
+                         lm_loss, repeat=1).activation_peak for candidate in plans]
+
+
+def test_predicted_peaks_of_a_split_llama_match_counted_peaks() -> None:
+    # A real model through pipe.split (exact against the plain model over ranks: tests/distributed/
+    # test_split_ranks.py). Its outputs hold tables of a fixed size (the profile fits a fixed part plus a
+    # part per sample), and checkpointed stages pass them on without a gradient once they know.
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from split_models import lm_batch, lm_loss
+
+    plans = [Candidate("1f1b", 4, (2, 2), "except_last"), Candidate("zb-h1", 4, (2, 2), "never"),
+             Candidate("zbv", 4, (1, 1, 1, 1), "except_last", 2),
+             Candidate("1f1b", 4, (2, 2), "never", recompute=(1, 1))]
+    measured = run_ranks(_measure_lm, 2, plans, deadline=300)
+    ids, mask, labels = lm_batch(8, 8)
+    costs = profile_costs(_split_llama(), (ids, mask), (1, 2, 4), loss_fn=lm_loss, target=labels)
+    wrong = []
+    for k, candidate in enumerate(plans):
+        prediction = predict(costs, candidate, runner="processes")
+        for rank in range(2):
+            predicted = prediction.peaks[rank] - prediction.static[rank]
+            # Within 1% below and 5% above: over by 0.5-4.3% here, as on GPT-2 (0.1-2.8%); not yet
+            # explained, and on the safe side (under by 8% before outputs made from buffers were counted
+            # without a gradient).
+            if not 0.99 * measured[rank][k] <= predicted <= 1.05 * measured[rank][k]:
+                wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
+    assert not wrong
+
 class Ffn(nn.Module):
     """A residual GELU feed-forward block: selective recompute of its GELU frees the 4x-wide activation."""
 
@@ -296,5 +343,5 @@ def test_a_layer_whose_shapes_depend_on_the_data_is_named() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Masking(), nn.Linear(WIDTH, WIDTH))
-    with pytest.raises(RuntimeError, match=r"layer 1 \('1': Masking\).*differs between micro-batch sizes"):
+    with pytest.raises(RuntimeError, match=r"layer 1 \('1': Masking\).*not a fixed size plus a size per sample"):
         profile_costs(model, torch.randn(64, WIDTH), (1, 2))
