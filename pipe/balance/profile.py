@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -213,16 +214,24 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
     forward = {rows: [min(t) for t in per] for rows, per in forwards.items()}
     backward = {rows: [min(t) for t in per] for rows, per in backwards.items()}
-    replay = {rows: [f if k in refused else max(min(marked[rows][k]) - f - b, f)
-                     for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))] for rows in sizes} if recompute else {}
-    select_replay = {rows: [math.inf if k in failed else max(min(chosen[rows][k]) - f - b, 0.0)
-                            for k, (f, b) in enumerate(zip(forward[rows], backward[rows]))]
-                     for rows in sizes} if select else {}
+    replay = {rows: [f if k in refused else max(_added(marked[rows][k], forwards[rows][k], backwards[rows][k]), f)
+                     for k, f in enumerate(forward[rows])] for rows in sizes} if recompute else {}
+    select_replay = {rows: [math.inf if k in failed else
+                            max(_added(chosen[rows][k], forwards[rows][k], backwards[rows][k]), 0.0)
+                            for k in range(len(names))] for rows in sizes} if select else {}
     halves = ({rows: [min(t) for t in per] for rows, per in table.items()} if split else {}
               for table in (inputs, weights))
     input_grad, weight_grad = halves
     return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad,
                       needs_grad)
+
+
+def _added(marked: Sequence[float], forwards: Sequence[float], backwards: Sequence[float]) -> float:
+    """Seconds a mark adds to a layer's forward and backward: the median over rounds of the marked run
+    less the plain run just before it. Paired in a round, a slow spell of the machine slows both; a
+    difference of the fastest of each (of different rounds) swung by a third between profiles."""
+    paired = [m - f - b for m, f, b in zip(reversed(marked), reversed(forwards), reversed(backwards))]
+    return statistics.median(paired)
 
 
 def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
