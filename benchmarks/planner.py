@@ -317,7 +317,8 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         "link": {"latency_us": link.latency * 1e6 if link else None, "ns_per_byte": link.per_byte * 1e9 if link else None,
                  "action_overhead_ms": link.action_overhead * 1e3 if link else None,
                  "source": link.source if link else None},
-        "time_model": {"action_overhead_ms": fitted.action_overhead * 1e3, "contention": fitted.contention,
+        "time_model": {"action_overhead_ms": fitted.action_overhead * 1e3,
+                       "message_overhead_ms": fitted.message_overhead * 1e3, "contention": fitted.contention,
                        "fitted_on": [c.describe() for c in fitted_on]},
         "step_error_worst": max(validation_errors) if validation_errors else None,
         "step_error_median": statistics.median(validation_errors) if validation_errors else None,
@@ -399,7 +400,8 @@ def main() -> None:
         print(f"\n== {name}: {r['layers']} layers, {r['candidates']} candidates, profiled in {r['planning_s']:.1f} s, "
               f"run in {r['run_s']:.0f} s")
         print(f"time model: link {r['link']['latency_us']:.1f} us + {r['link']['ns_per_byte']:.3f} ns/B; overhead "
-              f"{r['time_model']['action_overhead_ms']:.3f} ms/action, contention x{r['time_model']['contention']:.3f} "
+              f"{r['time_model']['action_overhead_ms']:.3f} ms/action, "
+              f"{r['time_model']['message_overhead_ms']:.3f} ms/message, contention x{r['time_model']['contention']:.3f} "
               f"(fitted on {len(r['time_model']['fitted_on'])} plans)")
         for t in r["plan_times"]:
             print(f"  {t['plan']:<70} predicted {t['predicted_ms']:8.2f} ms  measured {t['measured_ms']:8.2f} ms  "

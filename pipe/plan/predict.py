@@ -192,13 +192,20 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         collectives.update(collective_seconds(costs, schedule, rank, bounds, candidate.dp_shard,
                                               candidate.reshard_after_forward, model.link))
 
+    def messages(action: Action) -> int:  # sent and received to and from other ranks
+        s, here = action.stage, schedule.rank_of(action.stage)
+        before = s > 0 and schedule.rank_of(s - 1) != here
+        after = s < schedule.stages - 1 and schedule.rank_of(s + 1) != here
+        return int(before) + int(after) if action.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT) else 0
+
     def duration(action: Action) -> float:
         t = times[action.stage]
         if action.phase is Phase.RECOMPUTE:
             return t.recompute * scale
         seconds = {Phase.FORWARD: t.forward, Phase.BACKWARD: t.backward, Phase.INPUT: t.input_grad,
                    Phase.WEIGHT: t.weight_grad}[action.phase]
-        return seconds * scale + overhead + collectives.get(action, 0.0)
+        return (seconds * scale + overhead + model.message_overhead * messages(action)
+                + collectives.get(action, 0.0))
 
     rows = costs.rows(candidate.chunks)
     sizes = costs.output_bytes.get(rows, [])

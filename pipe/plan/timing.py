@@ -4,7 +4,7 @@ A step is more than its layers' times (:class:`pipe.plan.cost.Costs`). The
 simulator (:meth:`pipe.core.schedule.Schedule.simulate`) places every action
 of every rank, each lasting::
 
-    compute x contention + action_overhead
+    compute x contention + action_overhead + messages x message_overhead
 
 and an action that waits for another rank's action starts only once that
 action's message has arrived::
@@ -17,11 +17,17 @@ action's message has arrived::
   runner, whose stages hand tensors over in one process;
 * ``action_overhead``: what a runner spends per forward or backward beyond
   the layers (posting receives, sending, bookkeeping, Python);
+* ``message_overhead``: what each message that an action sends or receives
+  to or from another rank costs the action's own rank (the transport's
+  copies and threads run on the cores the stages compute on, which a
+  ping-pong between idle ranks does not see). An interleaved plan's middle
+  stages send and receive twice per action, so without it, such plans were
+  predicted 4-16% fast (median per model) in every benchmark run;
 * ``contention``: how much slower compute runs when the ranks compute at once
   on cores they share (memory bandwidth, the transport's own threads, other
   processes); 1 when every rank has a core to itself and nothing else runs.
 
-The last two are fitted by :func:`fit` to measured steps of a few plans
+The last three are fitted by :func:`fit` to measured steps of a few plans
 (least squares on the relative error), then every other plan is predicted
 with them; ``benchmarks/planner.py`` validates them on more plans than were
 fitted. Recomputation and the I/W split need no parameter: their durations
@@ -37,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipe.plan.cost import Costs
@@ -82,6 +88,7 @@ class TimeModel:
     link: Optional[Link] = None
     action_overhead: float = 0.0
     contention: float = 1.0
+    message_overhead: float = 0.0
 
     @classmethod
     def measured(cls, link: Optional[Link]) -> "TimeModel":
@@ -89,7 +96,7 @@ class TimeModel:
         return cls(link=link, action_overhead=link.action_overhead if link else 0.0)
 
     def __post_init__(self) -> None:
-        for name in ("action_overhead", "contention"):
+        for name in ("action_overhead", "contention", "message_overhead"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0, got {value!r}")
@@ -100,17 +107,25 @@ class TimeModel:
         if self.link and (self.link.collective_overhead or self.link.shard_step_overhead):
             link += (f" (FSDP: +{self.link.collective_overhead * 1e3:.3f} ms per collective step, "
                      f"{self.link.shard_step_overhead * 1e3:.3f} ms per sharded stage and step)")
-        return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action; "
+        message = f", {self.message_overhead * 1e3:.3f} ms per message sent or received" \
+            if self.message_overhead else ""
+        return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action{message}; "
                 f"compute x{self.contention:.3f} (contention)")
 
 
 def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = "processes",
         link: Optional[Link] = None, rounds: int = 3) -> TimeModel:
-    """Fits ``action_overhead`` and ``contention`` to measured step times (seconds) of a few plans.
+    """Fits ``action_overhead``, ``message_overhead`` (with a ``link``) and ``contention`` to
+    measured step times (seconds) of a few plans.
 
     The fit minimises the sum of squared relative errors over ``measured``: a
-    grid over both parameters, refined ``rounds`` times around the best point.
-    Every other plan is then predicted with the result.
+    grid over the parameters, refined ``rounds`` times around the best point,
+    then polished by damped Gauss-Newton steps (a step time is piecewise linear
+    in the parameters). Every other plan is then predicted with the result.
+    The cost per message is told from the cost per action only by plans whose
+    actions send or receive different numbers of messages (interleaved and
+    zero-bubble plans, or stages in the middle of the pipeline); fitted on
+    others, it trades against the cost per action and both predict alike.
 
     Raises:
         ValueError: nothing measured, or a measured time that is not positive.
@@ -126,30 +141,67 @@ def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = 
     base = TimeModel(link=link)
     actions = max(2 * c.chunks * c.virtual_stages for c, _ in plans)
 
-    def loss(model: TimeModel) -> float:
-        return math.fsum((predict(costs, c, runner=runner, timeline=False, model=model).step_time / t - 1) ** 2
-                         for c, t in plans)
+    def errors(model: TimeModel) -> list[float]:
+        return [predict(costs, c, runner=runner, timeline=False, model=model).step_time / t - 1 for c, t in plans]
 
-    overhead_span = (0.0, max(t for _, t in plans) / actions)
+    def loss(model: TimeModel) -> float:
+        return math.fsum(e * e for e in errors(model))
+
+    overhead_span = message_span = (0.0, max(t for _, t in plans) / actions)
     contention_span = (0.5, 3.0)
     best = (loss(base), base)
     for _ in range(rounds):
-        overheads = _grid(*overhead_span, 9)
-        contentions = _grid(*contention_span, 9)
-        for overhead in overheads:
-            for contention in contentions:
-                model = replace(base, action_overhead=overhead, contention=contention)
-                value = loss(model)
-                if value < best[0]:
-                    best = (value, model)
+        for overhead in _grid(*overhead_span, 9):
+            for contention in _grid(*contention_span, 9):
+                for message in _grid(*message_span, 5) if link is not None else [0.0]:
+                    model = replace(base, action_overhead=overhead, contention=contention, message_overhead=message)
+                    value = loss(model)
+                    if value < best[0]:
+                        best = (value, model)
         step_o = (overhead_span[1] - overhead_span[0]) / 8
         step_c = (contention_span[1] - contention_span[0]) / 8
-        o, c = best[1].action_overhead, best[1].contention
+        step_m = (message_span[1] - message_span[0]) / 4
+        o, c, m = best[1].action_overhead, best[1].contention, best[1].message_overhead
         overhead_span = (max(0.0, o - step_o), o + step_o)
         contention_span = (max(0.5, c - step_c), c + step_c)
+        message_span = (max(0.0, m - step_m), m + step_m)
+    best = _polish(best, errors, fit_message=link is not None)
     logger.info("fitted time model on %d plans: %s (rms error %.1f%%)", len(plans), best[1].describe(),
                 100 * math.sqrt(best[0] / len(plans)))
     return best[1]
+
+
+def _polish(best: tuple[float, TimeModel], errors: Callable[[TimeModel], list[float]], fit_message: bool,
+            steps: int = 20) -> tuple[float, TimeModel]:
+    """Levenberg-Marquardt steps from the grid's best ``(loss, model)``: the Jacobian of the relative
+    errors by finite differences, the parameters kept in range (overheads >= 0, contention >= 0.5)."""
+    import torch
+
+    names = ["action_overhead", "contention"] + (["message_overhead"] if fit_message else [])
+    scales = {"action_overhead": 1e-3, "contention": 1.0, "message_overhead": 1e-3}  # to comparable units
+    floors = {"action_overhead": 0.0, "contention": 0.5, "message_overhead": 0.0}
+    damping = 1e-3
+    value, model = best
+    for _ in range(steps):
+        here = torch.tensor(errors(model), dtype=torch.float64)
+        columns = []
+        for name in names:
+            delta = 1e-4 * scales[name]
+            moved = replace(model, **{name: getattr(model, name) + delta})
+            columns.append((torch.tensor(errors(moved), dtype=torch.float64) - here) / (delta / scales[name]))
+        jacobian = torch.stack(columns, dim=1)
+        normal = jacobian.T @ jacobian
+        step = torch.linalg.solve(normal + damping * torch.diag(normal.diagonal() + 1e-12), -jacobian.T @ here)
+        trial = replace(model, **{name: max(floors[name], getattr(model, name) + float(d) * scales[name])
+                                  for name, d in zip(names, step)})
+        trial_value = math.fsum(e * e for e in errors(trial))
+        if trial_value < value:
+            value, model, damping = trial_value, trial, damping / 10
+        else:
+            damping *= 10
+            if damping > 1e6:
+                break
+    return value, model
 
 
 def _grid(low: float, high: float, points: int) -> list[float]:

@@ -73,17 +73,21 @@ def test_a_balance_that_does_not_cover_the_layers_is_refused() -> None:
         predict(uniform(), Candidate("gpipe", 3, (2, 2), "never"))
 
 
-def test_the_time_model_fitted_on_three_plans_predicts_others() -> None:
+def test_the_time_model_fitted_on_four_plans_predicts_others() -> None:
     from pipe.plan import Link, TimeModel, fit
 
     costs = uniform()
-    truth = TimeModel(link=Link(2e-4, 1e-9), action_overhead=1e-3, contention=1.3)
+    truth = TimeModel(link=Link(2e-4, 1e-9), action_overhead=1e-3, contention=1.3, message_overhead=5e-4)
+    # Two stages send or receive one message per action: the interleaved plan's middle stages (two each)
+    # tell the cost per message from the cost per action.
     fitted_on = [Candidate("gpipe", 2, (2, 2), "never"), Candidate("1f1b", 4, (2, 2), "always"),
-                 Candidate("gpipe", 4, (1, 3), "except_last")]
+                 Candidate("gpipe", 4, (1, 3), "except_last"), Candidate("interleaved", 2, (1, 1, 1, 1), "never", 2)]
     measured = {c: predict(costs, c, model=truth, runner="processes").step_time for c in fitted_on}
     model = fit(costs, measured, link=truth.link)
     assert model.action_overhead == pytest.approx(1e-3, rel=0.05)
     assert model.contention == pytest.approx(1.3, rel=0.02)
+    assert model.message_overhead == pytest.approx(5e-4, rel=0.1)
+    assert "0.500 ms per message" in model.describe()
     for other in (Candidate("1f1b", 4, (3, 1), "never"), Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2),
                   Candidate("zb-h1", 4, (2, 2), "never"), Candidate("zbv", 4, (1, 1, 1, 1), "always", 2)):
         want = predict(costs, other, model=truth, runner="processes").step_time
