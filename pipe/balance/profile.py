@@ -113,6 +113,9 @@ class LayerTimes:
             ``split=True``. Apart they cost more than ``backward`` (a fifth
             more for a transformer block on the CPU): W replays part of the graph.
         output_bytes: bytes of each layer's output.
+        grad_bytes: bytes of the tensors of each layer's output that need a
+            gradient: what a stage receives back for them (a table made from
+            buffers, an integer mask, gets none).
         rounds: timed rounds run.
         replay: seconds that marking each layer for recompute adds to its
             forward and backward (the forward again, and the checkpoint's own
@@ -135,6 +138,7 @@ class LayerTimes:
     select_replay: dict[int, list[float]] = field(default_factory=dict)
     weight_grad: dict[int, list[float]] = field(default_factory=dict)
     needs_grad: list[list[bool]] = field(default_factory=list)
+    grad_bytes: dict[int, list[int]] = field(default_factory=dict)
 
     def total(self, rows: int) -> list[float]:
         """Forward plus backward seconds of each layer at ``rows`` rows."""
@@ -180,6 +184,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     weights = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     output_bytes = {rows: [0] * len(names) for rows in sizes}
     needs_grad: list[list[bool]] = [[] for _ in names]
+    grad_bytes = {rows: [0] * len(names) for rows in sizes}
     marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     refused: set[int] = set()  # layers that fail marked for recompute
     chosen = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
@@ -204,6 +209,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                                            f"forward and backward on a detached input of a micro-batch") from error
                     output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
                     needs_grad[k] = [t.requires_grad for t in batch.tensors]
+                    grad_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors if t.requires_grad)
                     if recompute and k not in refused:
                         _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
                     if selective and k not in failed:
@@ -223,7 +229,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
               for table in (inputs, weights))
     input_grad, weight_grad = halves
     return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad,
-                      needs_grad)
+                      needs_grad, grad_bytes)
 
 
 def _added(marked: Sequence[float], forwards: Sequence[float], backwards: Sequence[float]) -> float:

@@ -95,6 +95,8 @@ class Costs:
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
+        grad_bytes: ``{rows: bytes of the tensors of each layer's output that need a
+            gradient}``: the gradient a stage sends back (default: ``output_bytes``).
         input_grad, weight_grad: ``{rows: seconds per layer}`` of the input-gradient and the
             weight-gradient halves of each backward run apart, for the zero-bubble schedules
             (default: half of it each; ``weight_grad`` alone: the rest of the backward).
@@ -113,6 +115,7 @@ class Costs:
     def __init__(self, batch: int, forward: dict[int, list[float]], backward: dict[int, list[float]],
                  memory: MemoryFn, param_bytes: Sequence[int], *, param_scale: float = 2.0,
                  output_bytes: Optional[dict[int, list[int]]] = None,
+                 grad_bytes: Optional[dict[int, list[int]]] = None,
                  input_grad: Optional[dict[int, list[float]]] = None,
                  weight_grad: Optional[dict[int, list[float]]] = None,
                  replay: Optional[dict[int, list[float]]] = None,
@@ -133,6 +136,7 @@ class Costs:
         self.param_bytes = list(param_bytes)
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
+        self.grad_bytes = grad_bytes or self.output_bytes
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
         for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(),
                             *self.weight_grad.items(), *self.replay.items(),

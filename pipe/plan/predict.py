@@ -209,6 +209,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
 
     rows = costs.rows(candidate.chunks)
     sizes = costs.output_bytes.get(rows, [])
+    grads = costs.grad_bytes.get(rows, [])
     link = model.link
 
     def transfer(action: Action) -> float:  # the awaited message: an activation, or a gradient of one
@@ -221,7 +222,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1])
         if s == schedule.stages - 1 or schedule.rank_of(s + 1) == schedule.rank_of(s):
             return 0.0
-        return link.cost(HEADER_BYTES + sizes[bounds[s][1] - 1])
+        return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1])
 
     simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
     step_time = max(t.end for t in simulated)
@@ -330,6 +331,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     program = schedule.actions(rank)
     rows = costs.rows(schedule.microbatches)
     sizes = costs.output_bytes.get(rows, [])
+    grads = costs.grad_bytes.get(rows, [])  # a gradient message holds the tensors that need one
     last_stage = schedule.stages - 1
 
     def remote(stage: int) -> bool:  # a neighbour on another rank: a message (on this rank, the tensor itself)
@@ -341,7 +343,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             return 0
         if action.phase is Phase.FORWARD:
             return HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) and sizes else 0
-        return HEADER_BYTES + sizes[stop_ - 1] if remote(action.stage + 1) and sizes else 0
+        return HEADER_BYTES + grads[stop_ - 1] if remote(action.stage + 1) and sizes else 0
 
     sent = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
@@ -375,5 +377,5 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             if runner == "processes" and sizes:  # the sent output (kept until now, unless copied) and input
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if remote(action.stage + 1) else 0) + (
-                    HEADER_BYTES + sizes[first - 1] if remote(action.stage - 1) else 0)
+                    HEADER_BYTES + grads[first - 1] if remote(action.stage - 1) else 0)
     return peak

@@ -133,7 +133,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
     return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
-                 param_scale=param_scale, output_bytes=times.output_bytes, input_grad=_monotone(times.input_grad),
+                 param_scale=param_scale, output_bytes=times.output_bytes,
+                 grad_bytes=times.grad_bytes, input_grad=_monotone(times.input_grad),
                  weight_grad=_monotone(times.weight_grad),
                  replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
                  select=select)

@@ -82,6 +82,7 @@ def replica_costs(costs: Costs, dp_shard: int) -> Costs:
     view = Costs(batch, {r: costs.forward[r] for r in kept}, {r: costs.backward[r] for r in kept},
                  costs._memory, costs.param_bytes, param_scale=costs.param_scale,
                  output_bytes={r: b for r, b in costs.output_bytes.items() if r in kept},
+                 grad_bytes={r: b for r, b in costs.grad_bytes.items() if r in kept},
                  input_grad={r: costs.input_grad[r] for r in kept}, weight_grad={r: costs.weight_grad[r] for r in kept},
                  replay={r: costs.replay[r] for r in kept},
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,

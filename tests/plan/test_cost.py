@@ -218,7 +218,8 @@ def _measure_lm(rank: int, world: int, plans: list[Candidate]) -> list[int]:
 def test_predicted_peaks_of_a_split_llama_match_counted_peaks() -> None:
     # A real model through pipe.split (exact against the plain model over ranks: tests/distributed/
     # test_split_ranks.py). Its outputs hold tables of a fixed size (the profile fits a fixed part plus a
-    # part per sample), and checkpointed stages pass them on without a gradient once they know.
+    # part per sample) and integer ids and masks; only the hidden state needs a gradient, and only its
+    # gradient is sent back. Checkpointed stages pass the tables on without a gradient once they know.
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import lm_batch, lm_loss
@@ -234,10 +235,10 @@ def test_predicted_peaks_of_a_split_llama_match_counted_peaks() -> None:
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            # Within 1% below and 5% above: over by 0.5-4.3% here, as on GPT-2 (0.1-2.8%); not yet
-            # explained, and on the safe side (under by 8% before outputs made from buffers were counted
-            # without a gradient).
-            if not 0.99 * measured[rank][k] <= predicted <= 1.05 * measured[rank][k]:
+            # Within 1% below and 2.5% above: -0.3% to +1.9% here (before: up to 15% over, each gradient
+            # message counted with every tensor of the output, and 8% under, while checkpointed stages
+            # passed the rotary tables on as needing a gradient).
+            if not 0.99 * measured[rank][k] <= predicted <= 1.025 * measured[rank][k]:
                 wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
     assert not wrong
 
