@@ -34,7 +34,7 @@ fitted. Recomputation and the I/W split need no parameter: their durations
 are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
 when it was timed marked, the forward again and the checkpoint's own work,
-about 30% more than the forward for a transformer block on the CPU; I and W are
+1.7-1.8x the forward for a transformer block on the CPU, the median of paired runs; I and W are
 timed apart as the runners split them, a fifth longer together than the
 backward for a transformer block on the CPU).
 """
