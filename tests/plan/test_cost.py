@@ -176,12 +176,18 @@ def _peaks_off(build: Any, plans: list[Candidate], chunks: tuple[int, ...]) -> l
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
     measured = run_ranks(_measure, 2, build, plans, x, y, deadline=180)
     costs = profile_costs(build(), x, chunks, loss_fn=nn.functional.mse_loss, target=y)
+    return _off(costs, plans, measured, 1.02)
+
+
+def _off(costs: Costs, plans: list[Candidate], measured: list[list[int]], over: float) -> list[Any]:
+    """The plans (rank, predicted, counted) whose predicted activation peak is more than 1% below or
+    ``over`` times above the ``measured`` bytes (per rank, per plan)."""
     wrong = []
     for k, candidate in enumerate(plans):
         prediction = predict(costs, candidate, runner="processes")
         for rank in range(2):
             predicted = prediction.peaks[rank] - prediction.static[rank]
-            if not 0.99 * measured[rank][k] <= predicted <= 1.02 * measured[rank][k]:
+            if not 0.99 * measured[rank][k] <= predicted <= over * measured[rank][k]:
                 wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
     return wrong
 
@@ -230,17 +236,10 @@ def test_predicted_peaks_of_a_split_llama_match_counted_peaks() -> None:
     measured = run_ranks(_measure_lm, 2, plans, deadline=300)
     ids, mask, labels = lm_batch(8, 8)
     costs = profile_costs(_split_llama(), (ids, mask), (1, 2, 4), loss_fn=lm_loss, target=labels)
-    wrong = []
-    for k, candidate in enumerate(plans):
-        prediction = predict(costs, candidate, runner="processes")
-        for rank in range(2):
-            predicted = prediction.peaks[rank] - prediction.static[rank]
-            # Within 1% below and 2.5% above: -0.3% to +1.9% here (before: up to 15% over, each gradient
-            # message counted with every tensor of the output, and 8% under, while checkpointed stages
-            # passed the rotary tables on as needing a gradient).
-            if not 0.99 * measured[rank][k] <= predicted <= 1.025 * measured[rank][k]:
-                wrong.append((candidate.describe(), rank, predicted, measured[rank][k]))
-    assert not wrong
+    # Within 1% below and 2.5% above: -0.3% to +1.9% here (before: up to 15% over, each gradient message
+    # counted with every tensor of the output, and 8% under, while checkpointed stages passed the rotary
+    # tables on as needing a gradient).
+    assert not _off(costs, plans, measured, 1.025)
 
 class Ffn(nn.Module):
     """A residual GELU feed-forward block: selective recompute of its GELU frees the 4x-wide activation."""
