@@ -56,6 +56,8 @@ class Copy(torch.autograd.Function):
                 # whatever stream is current on the next device.
                 record_stream(x, prev_stream)
                 record_stream(y, output_stream)
+        # A tensor that needs no gradient (a table made from buffers) gets none on the next device either.
+        ctx.mark_non_differentiable(*[y for x, y in zip(input, output) if not x.requires_grad])
         return tuple(output)
 
     @staticmethod
@@ -83,7 +85,9 @@ class Wait(torch.autograd.Function):
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         wait_stream(next_stream, prev_stream)
-        return tuple(x.detach() for x in input)
+        output = tuple(x.detach() for x in input)
+        ctx.mark_non_differentiable(*[y for x, y in zip(input, output) if not x.requires_grad])
+        return output
 
     @staticmethod
     def backward(ctx: Any, *grad_input: Tensor) -> tuple[Any, ...]:

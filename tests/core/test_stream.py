@@ -27,6 +27,16 @@ def test_copy_and_wait_on_cpu_keep_values_and_gradients():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
+def test_copy_and_wait_keep_a_tensor_that_needs_no_gradient_without_one():
+    x = torch.randn(3, requires_grad=True)
+    table = torch.arange(3.0)  # made from buffers: no gradient
+    y, t = Copy.apply(CPUStream, CPUStream, x, table)
+    z, u = Wait.apply(CPUStream, CPUStream, y, t)
+    assert z.requires_grad and not t.requires_grad and not u.requires_grad
+    (z * u).sum().backward()
+    assert torch.equal(x.grad, table)
+
+
 @pytest.mark.cuda
 def test_cuda_copy_between_streams():
     device = torch.device("cuda", 0)
