@@ -9,13 +9,14 @@ as one graph with ``torch.export`` (PyTorch's own capture, as
 ``pipe_split`` markers), and cuts the graph before each named submodule::
 
     graph:   embed ─ block0 ─┊─ block1 ─ norm ─ head        at=["h.1"]
-    stages:  Stage0(ids, mask) -> (hidden, mask4d)  │  Stage1(hidden, mask4d) -> logits
+    stages:  Stage0(ids, mask) -> (mask, hidden)  │  Stage1(mask, hidden) -> logits
 
 Every value a later stage needs crosses each boundary in between (a stage
 passes through what it does not use), as a tuple: the calling convention of
 :class:`pipe.PipeSequential`, which ``split`` returns. Sizes and other
 non-tensor values are recomputed where they are needed, so only tensors
-cross. Each stage is an ``fx.GraphModule`` whose parameters are the original
+cross; so are tensors made from the integer inputs alone by pure ops (the
+mask expanded to ``[b, 1, s, s]``, made again from ``mask`` in Stage1). Each stage is an ``fx.GraphModule`` whose parameters are the original
 model's parameter objects under their original paths; ``state_dict()`` of the
 result (and of a ``Pipe`` or ``DistributedPipe`` around it) has the original
 model's keys (:func:`keep_original_names`), tied weights included.
@@ -230,6 +231,8 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
     if stage + 1 != count:
         raise SplitError(f"found {stage} cut points in the captured graph but expected {count - 1}")
 
+    recomputed: set[fx.Node] = set()  # tensors made again where needed instead of crossing (grows below)
+
     def needs(node: fx.Node, k: int, seen: set[fx.Node]) -> set[fx.Node]:
         """Tensors from before stage k that stage k needs to compute ``node``."""
         found: set[fx.Node] = set()
@@ -238,29 +241,48 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
                 continue
             if stage_of[source] == k:
                 continue
-            if not _is_tensor(source):  # recomputed here from what it reads
+            if not _is_tensor(source) or source in recomputed:  # recomputed here from what it reads
                 seen.add(source)
                 found |= needs(source, k, seen)
             else:
                 found.add(source)
         return found
 
-    wanted: list[set[fx.Node]] = []
-    for k in range(count):
-        need: set[fx.Node] = set()
-        for node in body[k] + ([output] if k == count - 1 else []):
-            need |= needs(node, k, set())
-        wanted.append(need)
     order = {node: i for i, node in enumerate(nodes)}
-    # live[k]: what enters stage k (k >= 1): tensors defined before k and needed at or after k.
-    live: list[list[fx.Node]] = [inputs]
-    for k in range(1, count):
-        values = {n for j in range(k, count) for n in wanted[j] if stage_of[n] < k}
-        live.append(sorted(values, key=order.__getitem__))
+
+    def crossing() -> tuple[list[set[fx.Node]], list[list[fx.Node]]]:
+        """``wanted[k]``: tensors from before stage k that it needs; ``live[k]``: what enters stage k
+        (k >= 1): tensors defined before k and needed at or after k."""
+        wanted: list[set[fx.Node]] = []
+        for k in range(count):
+            need: set[fx.Node] = set()
+            for node in body[k] + ([output] if k == count - 1 else []):
+                need |= needs(node, k, set())
+            wanted.append(need)
+        live: list[list[fx.Node]] = [inputs]
+        for k in range(1, count):
+            values = {n for j in range(k, count) for n in wanted[j] if stage_of[n] < k}
+            live.append(sorted(values, key=order.__getitem__))
+        return wanted, live
+
+    wanted, live = crossing()
+    # A tensor made from the inputs alone by pure ops (an attention mask expanded to [b, 1, s, s]) is made
+    # again in each stage that needs it, where the inputs it is made from enter that stage anyway: a
+    # message without it is smaller (s x s bytes per sample for a mask), for a few cheap ops.
+    for value in sorted({n for k in range(1, count) for n in wanted[k] if 0 <= stage_of[n] < k}, key=order.__getitem__):
+        cone = _input_cone(value, constants)
+        if cone is not None and all(set(cone[0]) <= set(live[k]) for k in range(stage_of[value] + 1, count)
+                                    if value in wanted[k] or value in live[k]):
+            recomputed |= {value, *cone[1]}
+    if recomputed:
+        wanted, live = crossing()
+        logger.info("pipe.split: %d tensor(s) made from the inputs alone are made again in the stages that "
+                    "need them instead of crossing stages", len({n for n in recomputed if n in order}))
     stages = []
     for k in range(count):
         last = k == count - 1
-        graph = _stage_graph(body[k], live[k], None if last else live[k + 1], output if last else None, constants)
+        graph = _stage_graph(body[k], live[k], None if last else live[k + 1], output if last else None, constants,
+                             recomputed)
         module = SplitStage(graph_module, graph, class_name=f"Stage{k}")
         module.mode_dependent = any(_mode_dependent(n) for n in body[k])
         module.input_count = len(live[k])
@@ -278,8 +300,39 @@ def _mode_dependent(node: fx.Node) -> bool:
     return True
 
 
+def _input_cone(value: fx.Node, constants: dict[fx.Node, Any]) -> Optional[tuple[set[fx.Node], set[fx.Node]]]:
+    """``(inputs, nodes)`` when ``value`` is made from the graph's integer or boolean inputs alone by ops
+    that neither draw random numbers nor depend on the mode or on parameters and buffers: the inputs it
+    reads and the tensor nodes in between; None otherwise."""
+    inputs: set[fx.Node] = set()
+    between: set[fx.Node] = set()
+    stack, seen = [value], {value}
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder":
+            if node in constants:
+                continue
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex():
+                return None  # a float input may need a gradient: it crosses as itself
+            inputs.add(node)
+            continue
+        if node.op != "call_function" or node.target in _MODE_OPS or _is_marker(node) or node.is_impure() \
+                or any(word in str(node.target) for word in ("rand", "bernoulli", "normal", "dropout")):
+            return None  # parameters, buffers, modules, random or mode-dependent ops
+        if _is_tensor(node):
+            between.add(node)
+        for source in node.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                stack.append(source)
+    between.discard(value)
+    return inputs, between
+
+
 def _stage_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: Optional[list[fx.Node]],
-                 output: Optional[fx.Node], constants: dict[fx.Node, Any]) -> fx.Graph:
+                 output: Optional[fx.Node], constants: dict[fx.Node, Any],
+                 recomputed: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> fx.Graph:
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for node in inputs:
@@ -291,7 +344,7 @@ def _stage_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: Optional[l
             return env[node]
         if node in constants:
             return constants[node]
-        if node.op == "get_attr" or not _is_tensor(node):  # parameters and recomputed sizes
+        if node.op == "get_attr" or not _is_tensor(node) or node in recomputed:  # parameters, sizes, masks
             env[node] = graph.node_copy(node, value)
             return env[node]
         raise SplitError(f"internal: value {node.name} is needed before it is computed; please report this")

@@ -108,3 +108,30 @@ def test_deferred_batch_norm_is_refused_for_captured_batch_norm(
         return
     with pytest.raises(ValueError, match=r"deferred_batch_norm cannot reach the batch norm captured"):
         Pipe(stages, chunks=4, balance=[1, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
+
+
+@pytest.mark.parametrize("which", sorted(LMS))
+def test_a_mask_made_from_the_inputs_is_made_again_in_each_stage_not_sent(which: str) -> None:
+    # The [b, 1, s, s] mask the model expands from attention_mask would cross every boundary (s x s bytes
+    # per sample); each stage makes it again from attention_mask, which crosses anyway.
+    build, cut = LMS[which]
+    torch.manual_seed(0)
+    model = build(layers=3)
+    ids, mask, _ = lm_batch(8, 8)
+    prefix = cut.rsplit(".", 1)[0]
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False},
+                        at=[f"{prefix}.1", f"{prefix}.2"])
+    for k, stage in enumerate(stages):
+        sent = [n.meta["val"] for n in stage.graph.nodes if n.op == "placeholder"]
+        assert not [v for v in sent if v.dim() == 4], f"stage {k} receives a 4-D tensor: {[v.shape for v in sent]}"
+    ids, mask, labels = lm_batch(4, 6, seed=1)  # other sizes than the capture's: the mask is made for them
+    assert (mask == 0).any()
+    piped = Pipe(stages, chunks=2, checkpoint="except_last", balance=[1, 1, 1], devices=["cpu"] * 3)
+    reference = copy.deepcopy(model)
+    loss = lm_loss(piped(ids, mask), labels)
+    expected = lm_loss(reference(ids, attention_mask=mask).logits, labels)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert_same_grads(model, reference, atol=1e-5, rtol=1e-4)
+    piped.close()
