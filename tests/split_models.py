@@ -9,7 +9,7 @@ project tests against.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +144,18 @@ def assert_same_grads(model: nn.Module, reference: nn.Module, atol: float = 1e-6
     assert got.keys() == expected.keys()
     for name, grad in got.items():
         torch.testing.assert_close(grad, expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_same_lm_step(piped: nn.Module, model: nn.Module, reference: nn.Module, ids: Tensor, mask: Tensor,
+                        labels: Tensor) -> None:
+    """One forward and backward of ``piped`` (over ``model``'s parameters) and of the plain ``reference`` on a
+    padded batch: the same loss, and the same gradients within 1e-5."""
+    loss = lm_loss(piped(ids, mask), labels)
+    expected = lm_loss(reference(ids, attention_mask=mask).logits, labels)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert_same_grads(model, reference, atol=1e-5, rtol=1e-4)
 
 
 def assert_same_state(model: nn.Module, reference: nn.Module, atol: float = 1e-6, rtol: float = 1e-5) -> None:
