@@ -12,6 +12,14 @@ import sys
 from typing import Any
 
 _IN_USE = "EADDRINUSE"
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_at_exit(code: int, out: str, done: str) -> bool:
+    """Whether a launched run printed ``done`` (its work finished) and then aborted while exiting, in gloo's
+    C++ threads, after its process groups were destroyed: seen about once in 100 runs of the distributed
+    example on a loaded machine. A test may run such a launch once more; a second failure is the test's."""
+    return code != 0 and done in out and _EXIT_ABORT in out
 
 
 def free_port() -> int:
