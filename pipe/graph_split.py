@@ -16,8 +16,9 @@ passes through what it does not use), as a tuple: the calling convention of
 :class:`pipe.PipeSequential`, which ``split`` returns. Sizes and other
 non-tensor values are recomputed where they are needed, so only tensors
 cross; so are tensors made from the integer inputs alone by pure ops (the
-mask expanded to ``[b, 1, s, s]``, made again from ``mask`` in Stage1). Each stage is an ``fx.GraphModule`` whose parameters are the original
-model's parameter objects under their original paths; ``state_dict()`` of the
+mask expanded to ``[b, 1, s, s]``, made again from ``mask`` in Stage1). Each
+stage is an ``fx.GraphModule`` whose parameters are the original model's
+parameter objects under their original paths; ``state_dict()`` of the
 result (and of a ``Pipe`` or ``DistributedPipe`` around it) has the original
 model's keys (:func:`keep_original_names`), tied weights included.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from types import MethodType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import fx, nn
@@ -269,15 +270,17 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
     # A tensor made from the inputs alone by pure ops (an attention mask expanded to [b, 1, s, s]) is made
     # again in each stage that needs it, where the inputs it is made from enter that stage anyway: a
     # message without it is smaller (s x s bytes per sample for a mask), for a few cheap ops.
+    made_again = []
     for value in sorted({n for k in range(1, count) for n in wanted[k] if 0 <= stage_of[n] < k}, key=order.__getitem__):
         cone = _input_cone(value, constants)
-        if cone is not None and all(set(cone[0]) <= set(live[k]) for k in range(stage_of[value] + 1, count)
-                                    if value in wanted[k] or value in live[k]):
+        if cone is not None and all(cone[0] <= set(live[k]) for k in range(stage_of[value] + 1, count)
+                                    if value in live[k]):
             recomputed |= {value, *cone[1]}
-    if recomputed:
+            made_again.append(value.name)
+    if made_again:
         wanted, live = crossing()
-        logger.info("pipe.split: %d tensor(s) made from the inputs alone are made again in the stages that "
-                    "need them instead of crossing stages", len({n for n in recomputed if n in order}))
+        logger.info("pipe.split: %s, made from the inputs alone, are made again in the stages that need them "
+                    "instead of crossing stages", made_again)
     stages = []
     for k in range(count):
         last = k == count - 1
@@ -332,7 +335,7 @@ def _input_cone(value: fx.Node, constants: dict[fx.Node, Any]) -> Optional[tuple
 
 def _stage_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: Optional[list[fx.Node]],
                  output: Optional[fx.Node], constants: dict[fx.Node, Any],
-                 recomputed: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> fx.Graph:
+                 recomputed: Collection[fx.Node] = ()) -> fx.Graph:
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for node in inputs:

@@ -193,10 +193,10 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
                                               candidate.reshard_after_forward, model.link))
 
     def messages(action: Action) -> int:  # sent and received to and from other ranks
-        s, here = action.stage, schedule.rank_of(action.stage)
-        before = s > 0 and schedule.rank_of(s - 1) != here
-        after = s < schedule.stages - 1 and schedule.rank_of(s + 1) != here
-        return int(before) + int(after) if action.phase in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT) else 0
+        if action.phase not in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT):
+            return 0
+        here = schedule.rank_of(action.stage)
+        return _remote(schedule, action.stage - 1, here) + _remote(schedule, action.stage + 1, here)
 
     def duration(action: Action) -> float:
         t = times[action.stage]
@@ -215,19 +215,20 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     def transfer(action: Action) -> float:  # the awaited message: an activation, or a gradient of one
         if link is None or not sizes or action.phase is Phase.WEIGHT:
             return 0.0
-        s = action.stage
+        s, here = action.stage, schedule.rank_of(action.stage)
         if action.phase is Phase.FORWARD:
-            if s == 0 or schedule.rank_of(s - 1) == schedule.rank_of(s):
-                return 0.0
-            return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1])
-        if s == schedule.stages - 1 or schedule.rank_of(s + 1) == schedule.rank_of(s):
-            return 0.0
-        return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1])
+            return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1]) if _remote(schedule, s - 1, here) else 0.0
+        return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1]) if _remote(schedule, s + 1, here) else 0.0
 
     simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
+
+
+def _remote(schedule: Schedule, stage: int, rank: int) -> bool:
+    """Whether ``stage`` exists and runs on another rank than ``rank``: a neighbour reached by a message."""
+    return 0 <= stage < schedule.stages and schedule.rank_of(stage) != rank
 
 
 def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
@@ -335,7 +336,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     last_stage = schedule.stages - 1
 
     def remote(stage: int) -> bool:  # a neighbour on another rank: a message (on this rank, the tensor itself)
-        return 0 <= stage <= last_stage and schedule.rank_of(stage) != rank
+        return _remote(schedule, stage, rank)
 
     def incoming(action: Action) -> int:  # bytes of the message an action waits for, with its header
         first, stop_ = bounds[action.stage]
