@@ -4,6 +4,9 @@ Each test spawns as few process groups as it can (a spawn costs seconds on two
 cores) and checks several things per spawn. Ranks are forked, so the function
 may be defined in the test module; each rank compares against the plain
 model itself and returns plain Python values (tensors are not sent back).
+A forked child cannot use CUDA once its parent has, so CUDA tests start their
+ranks with ``start_method="spawn"`` and define the rank function at module
+level (spawn pickles it by name).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
               deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True,
-              expect_missing: Collection[int] = ()) -> list[Any]:
+              expect_missing: Collection[int] = (), start_method: str = "fork") -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
 
     Args:
@@ -54,13 +57,15 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
         expect_missing: ranks meant to die without returning (their result is None).
+        start_method: ``"fork"``, or ``"spawn"`` for ranks that use CUDA (``fn`` then at module level).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
     crashed_before = False
     for _ in range(3):
-        collected, deaths = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing)
+        collected, deaths = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing,
+                                   start_method)
         # A port found free may be taken before rank 0's store binds it: spawn again on another.
         if any(not ok and "EADDRINUSE" in str(payload) for ok, payload in collected.values()):
             continue
@@ -83,14 +88,14 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
 
 
 def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,
-           env: dict[str, str], barrier: bool, expect_missing: Collection[int]
+           env: dict[str, str], barrier: bool, expect_missing: Collection[int], start_method: str
            ) -> tuple[dict[int, tuple[bool, Any]], dict[int, str]]:
     """One spawn of ``world`` ranks on a free port.
 
     Returns each rank's (ok, result or traceback) that came back, and for each rank that ended without one,
     how it ended (exit code or signal) and the stacks that Python's fault handler wrote, if any.
     """
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context(start_method)
     results: "multiprocessing.Queue[Any]" = context.Queue()
     port = free_port()
     logs = tempfile.TemporaryDirectory(prefix="pipe-ranks-")

@@ -364,44 +364,47 @@ def test_the_caller_prefetches_by_tag_and_distance() -> None:
     assert offloader.pending_units() == 0
 
 
+# At module level: the ranks of CUDA tests are spawned (a fork cannot use CUDA once the parent has).
+def _offload_on_cuda(rank: int, world: int) -> bool:
+    device = torch.device("cuda", 0)
+    model = blocks(4, D)
+    x, y = _data(8, seed=5)
+    pipe = DistributedPipe(copy.deepcopy(model), chunks=2, checkpoint="except_last", schedule="gpipe",
+                           loss_fn=F.mse_loss, recompute=SWAP, device=device)
+    loss = pipe.step(x.to(device), y.to(device))
+    plain = copy.deepcopy(model).to(device)
+    expected = F.mse_loss(plain(x.to(device)), y.to(device))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    swap = pipe._runtime.swap
+    assert swap is not None and any(o.offloaded_bytes for o in swap.offloaders())
+    return all(s.is_cuda for o in swap.offloaders() for s in o._streams.values() if s is not None)
+
+
+def _pinned_on_cuda(rank: int, world: int) -> list[bool]:
+    device = torch.device("cuda", 0)
+    x, y = _data(8, seed=5)
+    pipe = DistributedPipe(blocks(4, D), chunks=2, checkpoint="never", schedule="gpipe", loss_fn=F.mse_loss,
+                           recompute=SWAP, device=device)
+    swap = pipe._runtime.swap
+    assert swap is not None
+    seen: list[bool] = []
+    for offloader in swap.offloaders():
+        def watch(kind: str, name: str, tag: Any, offloader: Any = offloader) -> None:
+            if kind == "offload":  # the host copies of every unit alive now
+                for unit in offloader._units.values():
+                    seen.extend(ref().host.is_pinned() for ref in unit.stored if ref() is not None)
+        offloader.observer = watch
+    pipe.step(x.to(device), y.to(device))
+    return seen
+
+
 @pytest.mark.cuda
 def test_offload_on_cuda_uses_pinned_memory_and_gives_the_same_gradients() -> None:
-    def one_rank(rank: int, world: int) -> bool:
-        device = torch.device("cuda", 0)
-        model = blocks(4, D)
-        x, y = _data(8, seed=5)
-        pipe = DistributedPipe(copy.deepcopy(model), chunks=2, checkpoint="except_last", schedule="gpipe",
-                               loss_fn=F.mse_loss, recompute=SWAP, device=device)
-        loss = pipe.step(x.to(device), y.to(device))
-        plain = copy.deepcopy(model).to(device)
-        expected = F.mse_loss(plain(x.to(device)), y.to(device))
-        expected.backward()
-        torch.testing.assert_close(loss, expected.detach())
-        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
-        swap = pipe._runtime.swap
-        assert swap is not None and any(o.offloaded_bytes for o in swap.offloaders())
-        return all(s.is_cuda for o in swap.offloaders() for s in o._streams.values() if s is not None)
-
-    def pinned(rank: int, world: int) -> list[bool]:
-        device = torch.device("cuda", 0)
-        x, y = _data(8, seed=5)
-        pipe = DistributedPipe(blocks(4, D), chunks=2, checkpoint="never", schedule="gpipe", loss_fn=F.mse_loss,
-                               recompute=SWAP, device=device)
-        swap = pipe._runtime.swap
-        assert swap is not None
-        seen: list[bool] = []
-        for offloader in swap.offloaders():
-            def watch(kind: str, name: str, tag: Any, offloader: Any = offloader) -> None:
-                if kind == "offload":  # the host copies of every unit alive now
-                    for unit in offloader._units.values():
-                        seen.extend(ref().host.is_pinned() for ref in unit.stored if ref() is not None)
-            offloader.observer = watch
-        pipe.step(x.to(device), y.to(device))
-        return seen
-
-    assert run_ranks(one_rank, 1) == [True]
-    host = run_ranks(pinned, 1)[0]
+    assert run_ranks(_offload_on_cuda, 1, start_method="spawn") == [True]
+    host = run_ranks(_pinned_on_cuda, 1, start_method="spawn")[0]
     assert host and all(host)
 
 
