@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator().manual_seed(1000 * step + part)
         ids = torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=generator)
         ids[:, 1::2] = ids[:, 0:-1:2]  # every other token repeats the one before: something to learn
+        ids = ids.to(model.device)  # the rank's device: cuda:LOCAL_RANK under NCCL
         loss = model.step(ids[:, :-1], ids[:, 1:], lm_loss, broadcast_loss=True)
         model.clip_grad_norm_(1.0)  # over every stage, shard and tp rank
         optimizer.step()

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         x, y = data.batch("train", args.batch_size, args.seq_len, generator)  # [B, T], [B, T]
+        x, y = x.to(model.device), y.to(model.device)  # the rank's device: cuda:LOCAL_RANK under NCCL
         loss = model.step(x, y, broadcast_loss=True)  # the same value on every rank
         model.clip_grad_norm_(1.0)
         optimizer.step()
@@ -150,6 +151,7 @@ def measure_memory(plain: torch.nn.Sequential, data: CharData, args: argparse.Na
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
                                    data_parallel=args.data_parallel, loss_fn=lm_loss, recompute=config)
         x, y = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+        x, y = x.to(model.device), y.to(model.device)
         model.step(x, y)
         with ActivationMemory() as memory:
             model.step(x, y)
@@ -166,9 +168,10 @@ def evaluate(model: pd.DistributedPipe, data: CharData, args: argparse.Namespace
     """Mean validation loss over fixed batches, known on every rank."""
     model.eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
-    total = torch.zeros(())
+    total = torch.zeros((), device=model.device)  # NCCL reduces CUDA tensors only
     for _ in range(args.eval_batches):
         x, y = data.batch("val", args.batch_size, args.seq_len, generator)
+        x, y = x.to(model.device), y.to(model.device)
         logits = model(x)  # on the last stage's rank, None elsewhere
         if logits is not None:
             total += lm_loss(logits, y)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipe.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks, verify_one_value_layers
-from pipe.core.microbatch import NoChunk, flatten, gather, pack_inputs, scatter, verify_gatherable
+from pipe.core.microbatch import gather, pack_inputs, scatter, verify_device, verify_gatherable
 from pipe.core.partition import Device, split_module
 from pipe.core.sequential import PipeSequential, sequential_like
 from pipe.batchnorm import convert_deferred_batch_norm, deferred_batch_norms
@@ -279,12 +279,6 @@ class Pipe(nn.Module):
         return gather(batches)
 
     def _verify_input_device(self, value: Any) -> None:
-        first = self.devices[0]
-        for leaf in flatten(value)[0]:
-            leaf = leaf.tensor if isinstance(leaf, NoChunk) else leaf
-            if isinstance(leaf, torch.Tensor) and leaf.device != first:
-                raise ValueError(
-                    f"input is on {leaf.device} but the first partition is on {first}; "
-                    "move it with input.to(pipe.devices[0])"
-                )
+        verify_device(value, self.devices[0], "input",
+                      f"the first partition is on {self.devices[0]}; move it with input.to(pipe.devices[0])")
 

@@ -304,6 +304,14 @@ def verify_gatherable(sizes: Sequence[int], batches: Sequence[Batch], producer: 
             )
 
 
+def verify_device(value: Any, device: torch.device, what: str, fix: str) -> None:
+    """Raises ``ValueError`` naming ``fix`` if a tensor of ``value`` (a ``NoChunk``'s too) is not on ``device``."""
+    for leaf in flatten(value)[0]:
+        leaf = leaf.tensor if isinstance(leaf, NoChunk) else leaf
+        if isinstance(leaf, Tensor) and leaf.device != device:
+            raise ValueError(f"{what} is on {leaf.device} but {fix}")
+
+
 def scatter_exactly(value: Any, chunks: int, what: str) -> list[Batch]:
     """Splits ``value`` into exactly ``chunks`` micro-batches, as every rank of a multi-process pipeline
     must know the count; ``what`` ("inputs" or "target") names the argument in errors."""

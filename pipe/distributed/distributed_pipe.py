@@ -32,7 +32,7 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages, verify_compile
-from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly
+from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly, verify_device
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
@@ -376,10 +376,14 @@ class DistributedPipe(PlainNamed, nn.Module):
         """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
         targets = weights = None
         try:  # a bad argument on one rank must not leave the others waiting: report it
-            batches = scatter_exactly(inputs, self.chunks, "inputs") if self.is_first else None
+            batches = None
+            if self.is_first:
+                verify_device(inputs, self.device, "an input", self._move_to("inputs"))
+                batches = scatter_exactly(inputs, self.chunks, "inputs")
             if self.is_last and need_target:
                 if loss_fn is None:
                     raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
+                verify_device(target, self.device, "a target", self._move_to("target"))
                 targets = scatter_exactly(target, self.chunks, "target")
                 weights = sample_weights(self.loss_reduction, targets)
                 if not self._warned_ignored_targets:
@@ -388,6 +392,9 @@ class DistributedPipe(PlainNamed, nn.Module):
             self._runtime.failures.begin_step()  # the step the other ranks run
             raise self._runtime.failures.failure_from(where, error) from None
         return batches, targets, weights
+
+    def _move_to(self, what: str) -> str:
+        return f"this rank's stages are on {self.device}; move it with {what}.to(pipe.device)"
 
     def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:
         """The loss averaged over data-parallel replicas, and sent to every rank with ``broadcast_loss``."""
@@ -421,7 +428,10 @@ class DistributedPipe(PlainNamed, nn.Module):
 
         Every rank of the pipeline must call it; ``inputs`` matter on the first stage's rank.
         """
-        batches = scatter_exactly(pack_inputs(inputs) if inputs else None, self.chunks, "inputs") if self.is_first else None
+        batches = None
+        if self.is_first:
+            verify_device(inputs, self.device, "an input", self._move_to("inputs"))
+            batches = scatter_exactly(pack_inputs(inputs) if inputs else None, self.chunks, "inputs")
         for bn in self._deferred_batch_norms:
             bn.discard()
         with torch.no_grad():

@@ -80,6 +80,13 @@ def init_from_env(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK is {local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s): NCCL "
+                "needs one GPU per process. Start at most that many processes per node (torchrun "
+                f"--nproc-per-node={max(torch.cuda.device_count(), 1)}), or pass backend='gloo' to share a GPU "
+                "between ranks (gloo moves CUDA tensors through host memory; slower)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipe.distributed import init_from_env
 from pipe.distributed.env import DEFAULT_TIMEOUT, as_timedelta
@@ -24,6 +25,19 @@ def test_init_from_env_outside_torchrun_says_how_to_launch(monkeypatch: pytest.M
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set; start the script with torchrun"):
+        init_from_env()
+
+
+def test_more_local_ranks_than_gpus_under_nccl_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK is 1 but this machine has 1 CUDA device\(s\).*"
+                                           r"--nproc-per-node=1\), or pass backend='gloo'"):
         init_from_env()
 
 

@@ -70,3 +70,22 @@ def _skips(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 3])
 def test_skip_connections_between_non_adjacent_stages(world: int) -> None:
     assert run_ranks(_skips, world) == [9 if world == 2 else 3] * world
+
+
+def _on_another_device(rank: int, world: int) -> str:
+    # A CPU pipeline given tensors on the meta device: as a GPU rank (cuda:LOCAL_RANK) given a CPU batch.
+    # Rank 0 (the first stage) gets its inputs there, rank 1 (the last) its target.
+    pipe = DistributedPipe(blocks(4), chunks=2, loss_fn=F.mse_loss)
+    (x, extra), target = batch(4, 0)
+    try:
+        pipe.step((x, {**extra, "ids": extra["ids"].to("meta")}) if rank == 0 else None,
+                  target.to("meta") if rank == 1 else None)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_inputs_and_targets_on_another_device_than_the_rank_are_named() -> None:
+    first, last = run_ranks(_on_another_device, 2, barrier=False)
+    assert "an input is on meta but this rank's stages are on cpu; move it with inputs.to(pipe.device)" in first
+    assert "a target is on meta but this rank's stages are on cpu; move it with target.to(pipe.device)" in last
