@@ -42,6 +42,7 @@ import shutil
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
 __all__: list[str] = []
@@ -72,9 +73,11 @@ def verify_compile(value: Any, tensor_parallel: bool = False) -> Optional[dict[s
     Raises:
         TypeError, ValueError: not a bool or a dict, an unknown key, a bad value,
             or inductor on a machine without a C++ compiler.
+        RuntimeError: torch older than 2.13 (see the message).
     """
     if value is False or value is None:
         return None
+    _verify_torch()
     if value is True:
         value = {}
     if not isinstance(value, Mapping):
@@ -118,6 +121,16 @@ def verify_compile(value: Any, tensor_parallel: bool = False) -> Optional[dict[s
         options["options"] = {"fallback_random": True, **from_mode, **(options["options"] or {})}
         options["mode"] = None
     return options
+
+
+def _verify_torch() -> None:
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        raise RuntimeError(
+            f"compile= needs torch >= 2.13 (this is torch {torch.__version__}): on torch 2.11 compiled stages "
+            "crashed the interpreter when Pipe's worker threads compiled at once, torch.compile has no "
+            "per-function recompile_limit, and the zero-bubble I/W split cannot walk compiled blocks' "
+            "autograd nodes; upgrade torch, or pass compile=False"
+        )
 
 
 def _has_cxx_compiler() -> bool:

@@ -27,6 +27,10 @@ from pipe import Pipe
 from pipe.compile import CompileError, compiled_layers, verify_compile
 from split_models import VOCAB, assert_same_grads, assert_same_lm_step, gpt2, lm_batch, tied_model
 
+# compile= is refused below torch 2.13 (pipe.compile.verify_compile says why).
+pytestmark = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+                                reason="compile= needs torch >= 2.13")
+
 CHECKPOINTS = ("always", "except_last", "never")
 
 
@@ -183,6 +187,16 @@ def test_errors_name_the_layer_and_the_fix() -> None:
     assert verify_compile({"backend": "aot_eager"}, tensor_parallel=True)["dynamic"] is False  # type: ignore[index]
     with pytest.raises(ValueError, match=r"compile=\{'dynamic': True\} fails on tensor-parallel stages"):
         verify_compile({"backend": "aot_eager", "dynamic": True}, tensor_parallel=True)
+
+
+def test_a_torch_older_than_2_13_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on torch 2.11 (a GPU machine's image): concurrent compiles crashed, no recompile_limit=, and the
+    # I/W split failed on compiled blocks' autograd nodes.
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(RuntimeError, match=r"compile= needs torch >= 2.13 \(this is torch 2.11.0\+cu130\).*"
+                                           r"upgrade torch, or pass compile=False"):
+        Pipe(blocks(layers=2), chunks=2, balance=[1, 1], compile=True)
+    assert verify_compile(False) is None  # eager needs nothing
 
 
 def test_inductor_without_a_compiler_and_skippable_layers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -235,7 +235,7 @@ class StageSharding:
             module.set_is_last_backward(True)
         state = root._get_fsdp_state()  # fully_shard's state, or that of torch's FSDP-based replicate
         for fsdp_state in state._state_ctx.all_states:
-            for group in fsdp_state._fsdp_param_groups:
+            for group in _param_groups(fsdp_state):
                 group.post_backward()
         state._root_post_backward_final_callback()
 
@@ -251,6 +251,15 @@ class StageSharding:
         """After a failed step: waits for gathers in flight and reshards everything."""
         for s in list(self._gathered):
             self.reshard(s)
+
+
+def _param_groups(fsdp_state: Any) -> list[Any]:
+    """A ``fully_shard`` state's parameter groups: a list in torch 2.13, one group or None in torch 2.11."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(fsdp_state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def verify_shard(shard: object, mesh: DeviceMesh) -> Optional[Shard]:

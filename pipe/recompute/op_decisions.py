@@ -286,19 +286,28 @@ class OpDecisions:
 
     def policy(self, on_mismatch: Callable[[], None]) -> Callable[..., CheckpointPolicy]:
         """A fresh policy function for one checkpointed call (ops are counted per call)."""
-        counter = 0
+        counter = replayed = 0
         ops, decisions = self.ops, self.decisions
+        given: list[CheckpointPolicy] = []  # this call's answers, in the forward's order
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            nonlocal counter
+            nonlocal counter, replayed
+            if getattr(ctx, "is_recompute", False):
+                # torch 2.11 asks again during the replay and looks up what it is told was saved
+                # (torch 2.13 replays from what the forward stored): the forward's answer, call by call.
+                k = replayed
+                replayed += 1
+                return given[k] if k < len(given) else CheckpointPolicy.MUST_RECOMPUTE
             i = counter
             counter += 1
             if self.stale or i >= len(ops) or ops[i] is not func:
                 if not self.stale:
                     self.stale = True
                     on_mismatch()
-                return CheckpointPolicy.MUST_SAVE  # always correct; re-planned on the next call
-            return decisions[i]
+                given.append(CheckpointPolicy.MUST_SAVE)  # always correct; re-planned on the next call
+            else:
+                given.append(decisions[i])
+            return given[-1]
 
         return policy
 

@@ -96,12 +96,17 @@ def _full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+# The single-tensor collectives FSDP calls: torch 2.13's names, or torch 2.11's.
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 class Collectives:
     """Counts FSDP's all-gathers and reduce-scatters (torch.distributed's single-tensor collectives)."""
 
     def __init__(self) -> None:
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
-        self._saved = (dist.all_gather_single, dist.reduce_scatter_single)
+        self._saved = (getattr(dist, GATHER), getattr(dist, SCATTER))
 
     def __enter__(self) -> "Collectives":
         gather, scatter = self._saved
@@ -112,12 +117,13 @@ class Collectives:
                 return fn(*args, **kwargs)
             return call
 
-        dist.all_gather_single = counted("all_gather", gather)
-        dist.reduce_scatter_single = counted("reduce_scatter", scatter)
+        setattr(dist, GATHER, counted("all_gather", gather))
+        setattr(dist, SCATTER, counted("reduce_scatter", scatter))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_gather_single, dist.reduce_scatter_single = self._saved
+        setattr(dist, GATHER, self._saved[0])
+        setattr(dist, SCATTER, self._saved[1])
 
 
 def _compare(model: pd.DistributedPipe, plain: nn.Sequential, label: str, *, tied: bool = False,

@@ -138,3 +138,28 @@ def test_bad_input() -> None:
         select_recompute(block, ops=["gelux"])
     with pytest.raises(ValueError, match="needs at least one name regex or op kind"):
         select_recompute(block)
+
+
+def test_a_replay_that_asks_the_policy_again_gets_the_forwards_answers() -> None:
+    # torch 2.11's selective checkpoint asks the policy again during the replay (ctx.is_recompute) and
+    # looks up what it is told was saved; torch 2.13 replays from what the forward stored. Both must
+    # get, call by call, what the forward was told, a mismatch's fallback included.
+    from types import SimpleNamespace
+
+    from pipe.recompute.op_decisions import OpDecisions
+
+    ops = [torch.ops.aten.addmm.default, torch.ops.aten.gelu.default, torch.ops.aten.addmm.default]
+    plan = OpDecisions(ops, [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE,
+                             CheckpointPolicy.MUST_SAVE])
+    mismatches: list[str] = []
+    policy = plan.policy(lambda: mismatches.append("mismatch"))
+    forward, replay = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    told = [policy(forward, op) for op in ops]
+    assert told == plan.decisions and not mismatches
+    assert [policy(replay, op) for op in ops] == told
+    # A forward that strays from the plan keeps everything from there on; the replay is told the same.
+    policy = plan.policy(lambda: mismatches.append("mismatch"))
+    strayed = [ops[0], torch.ops.aten.relu.default, ops[2]]
+    told = [policy(forward, op) for op in strayed]
+    assert told == [CheckpointPolicy.MUST_SAVE] * 3 and mismatches == ["mismatch"] and plan.stale
+    assert [policy(replay, op) for op in strayed] == told
