@@ -1,0 +1,398 @@
+"""pipe's figures on one CUDA GPU: P1, P3, P4, P6, offload, copy streams, compiled stages, a split GPT-2.
+
+Every ratio is taken in one run, the configurations alternating round by
+round (each round: ``repeat`` steps of each, the median kept); the JSON keeps
+every round's ratio, and the figure is their median with the spread.
+
+* P1: ``Pipe`` with one partition, ``chunks=1``, ``checkpoint="never"`` against
+  the plain module's training step.
+* P3: ``checkpoint="always"`` against ``"never"``, two partitions on the GPU, 8
+  micro-batches.
+* P4: the activation peak (``torch.cuda.max_memory_allocated`` above the level
+  before the step) of ``"always"`` against ``"never"`` on a deep stack, K=2, M=8.
+* P6: the recompute policies of ``benchmarks/recompute.py`` on its transformer
+  blocks: step time, kept activation bytes (counted) and the GPU peak.
+* offload: activations to pinned host memory with prefetch (``swap_config``):
+  the GPU peak saved, the step time, and the share of the copies' time that
+  ran while a kernel ran, read from the profiler's trace (device time of each
+  memcpy intersected with the union of kernel intervals).
+* copy streams: a GPU partition feeding a CPU partition; from the profiler's
+  trace, which streams the copies ran on and the share of their time hidden
+  behind the GPU partition's kernels.
+* compiled stages: ``Pipe(compile=True)`` (inductor) against eager on
+  transformer blocks, for ``"never"`` and ``"except_last"``; the seconds the
+  first step took, and frames compiled after it (0 expected).
+* split GPT-2 (HuggingFace, ``pipe.split``): plain model, ``Pipe`` over two
+  partitions on the GPU, eager and compiled.
+
+Run (needs a CUDA GPU; a few minutes on an H100)::
+
+    python benchmarks/gpu.py            # saves benchmarks/results/gpu-<device>.json
+    python benchmarks/gpu.py --quick    # small sizes, a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import platform
+import re
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+import pipe
+from pipe import Pipe
+from pipe.recompute import apply_recompute_config
+
+import core
+import real_models
+import recompute
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEVICE = torch.device("cuda", 0)
+
+
+def sync() -> None:
+    torch.cuda.synchronize(DEVICE)
+
+
+def alternate(steps: dict[str, Callable[[], None]], rounds: int, repeat: int, warmup: int = 2
+              ) -> dict[str, list[float]]:
+    """Seconds per step of each configuration, per round (the median of ``repeat`` steps), in turn."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times = []
+            for _ in range(repeat):
+                sync()
+                start = time.perf_counter()
+                step()
+                sync()
+                times.append(time.perf_counter() - start)
+            per_round[name].append(statistics.median(times))
+    return per_round
+
+
+def ratio(rounds: dict[str, list[float]], num: str, den: str) -> dict[str, Any]:
+    """``num``'s time over ``den``'s, per round: the median, min and max."""
+    values = [a / b for a, b in zip(rounds[num], rounds[den])]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def ms(rounds: dict[str, list[float]]) -> dict[str, float]:
+    return {name: 1000 * statistics.median(values) for name, values in rounds.items()}
+
+
+def trainer(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+    return step
+
+
+def peak_bytes(step: Callable[[], None]) -> int:
+    """Bytes allocated above the level before a step, at the step's peak (a step runs first to warm up)."""
+    step()
+    sync()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    base = torch.cuda.memory_allocated(DEVICE)
+    step()
+    sync()
+    return torch.cuda.max_memory_allocated(DEVICE) - base
+
+
+# -- P1, P3, P4 ------------------------------------------------------------------------------------
+
+def p1_p3(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    x = torch.randn(size["batch"], size["width"], device=DEVICE)
+    plain = core.mlp(size["width"], size["layers"]).to(DEVICE)
+    layers = len(plain)
+    one = Pipe(copy.deepcopy(plain), chunks=1, checkpoint="never", balance=[layers], devices=[str(DEVICE)])
+    two = {mode: Pipe(copy.deepcopy(plain), chunks=8, checkpoint=mode, balance=[layers // 2, layers // 2],
+                      devices=[str(DEVICE)] * 2) for mode in ("never", "always")}
+    steps = {"plain": trainer(plain, x), "pipe_1_partition": trainer(one, x),
+             "never_2x8": trainer(two["never"], x), "always_2x8": trainer(two["always"], x)}
+    per_round = alternate(steps, rounds, repeat)
+    return {"size": size, "step_ms": ms(per_round),
+            "P1": {**ratio(per_round, "pipe_1_partition", "plain"), "target": "<= 1.05"},
+            "P3": {**ratio(per_round, "always_2x8", "never_2x8"), "target": "<= 1.4"}}
+
+
+def p4(size: dict[str, int]) -> dict[str, Any]:
+    x = torch.randn(size["batch"], size["width"], device=DEVICE)
+    out: dict[str, Any] = {"size": size}
+    for mode in ("never", "always"):
+        model = core.mlp(size["width"], size["layers"])
+        half = len(model) // 2
+        piped = Pipe(model, chunks=8, checkpoint=mode, balance=[half, half], devices=[str(DEVICE)] * 2)
+        out[f"{mode}_peak_MiB"] = peak_bytes(trainer(piped, x)) / 2**20
+        del piped, model
+        torch.cuda.empty_cache()
+    out["ratio"] = out["always_peak_MiB"] / out["never_peak_MiB"]
+    out["target"] = "<= 0.35"
+    return out
+
+
+# -- P6 --------------------------------------------------------------------------------------------
+
+def p6(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    plain = recompute.model(size).to(DEVICE)
+    x = recompute.batch(size, DEVICE.type)
+    models = recompute.policies(plain)
+    for m in models.values():  # selective layers plan on their first two calls
+        recompute.train_step(m, x)
+        recompute.train_step(m, x)
+    out: dict[str, Any] = {"size": size}
+    for name, m in models.items():
+        # Kept: what the forward leaves allocated for backward, its output aside (the allocator's figures:
+        # pipe.recompute.ActivationMemory's dispatch mode broke selective recompute's replay on torch 2.11).
+        m.zero_grad(set_to_none=False)
+        sync()
+        base = torch.cuda.memory_allocated(DEVICE)
+        y = m(x)
+        sync()
+        kept = torch.cuda.memory_allocated(DEVICE) - base - y.untyped_storage().nbytes()
+        y.square().mean().backward()
+        del y
+        out[name] = {"kept_MiB": kept / 2**20, "gpu_peak_MiB": peak_bytes(trainer(m, x)) / 2**20,
+                     "max_grad_diff_vs_none": None}
+    for m in models.values():
+        recompute.train_step(m, x)
+    for name, m in models.items():
+        out[name]["max_grad_diff_vs_none"] = recompute.max_grad_diff(m, models["none"])
+    per_round = alternate({name: trainer(m, x) for name, m in models.items()}, rounds, repeat)
+    times = ms(per_round)
+    for name in models:
+        out[name]["step_ms"] = times[name]
+        if name != "none":
+            out[name]["time_ratio"] = ratio(per_round, name, "none")
+            out[name]["kept_ratio"] = out[name]["kept_MiB"] / out["none"]["kept_MiB"]
+            out[name]["gpu_peak_ratio"] = out[name]["gpu_peak_MiB"] / out["none"]["gpu_peak_MiB"]
+            out[name]["meets_target"] = bool(out[name]["time_ratio"]["median"] <= 1.10
+                                             and out[name]["kept_ratio"] <= 0.70)
+    out["target"] = "time_ratio <= 1.10 and kept_ratio <= 0.70"
+    out["met_by"] = [name for name in models if name != "none" and out[name]["meets_target"]]
+    return out
+
+
+# -- the profiler's trace: copies against kernels ---------------------------------------------------
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _covered(start: float, end: float, union: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+
+
+def traced_copies(step: Callable[[], None], keep: Optional[Path] = None) -> dict[str, Any]:
+    """Runs ``step`` under the profiler; the copies' device time and the share of it under a kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+        if keep is not None:  # gzipped: a step's trace is tens of MB
+            keep.write_bytes(gzip.compress(path.read_bytes()))
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    union = _union(kernels)
+    out: dict[str, Any] = {"kernels": len(kernels), "kernel_ms": sum(b - a for a, b in union) / 1000}
+    by_kind: dict[str, dict[str, Any]] = {}
+    for e in copies:
+        kind = re.sub(r"\s*\(.*", "", e["name"]).replace("Memcpy ", "")  # DtoH, HtoD, DtoD
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        entry = by_kind.setdefault(kind, {"count": 0, "ms": 0.0, "under_kernel_ms": 0.0, "streams": set()})
+        entry["count"] += 1
+        entry["ms"] += (end - start) / 1000
+        entry["under_kernel_ms"] += _covered(start, end, union) / 1000
+        entry["streams"].add(e.get("args", {}).get("stream"))
+    kernel_streams = sorted({e.get("args", {}).get("stream") for e in events if e.get("cat") == "kernel"},
+                            key=str)
+    for entry in by_kind.values():
+        entry["hidden_share"] = entry["under_kernel_ms"] / entry["ms"] if entry["ms"] else None
+        entry["streams"] = sorted(entry["streams"], key=str)
+    total = sum(e["ms"] for e in by_kind.values())
+    out.update(copies=by_kind, kernel_streams=kernel_streams, copy_ms=total,
+               hidden_share=sum(e["under_kernel_ms"] for e in by_kind.values()) / total if total else None)
+    return out
+
+
+def offload(size: dict[str, int], rounds: int, repeat: int, trace: Path) -> dict[str, Any]:
+    plain = recompute.model(size).to(DEVICE)
+    x = recompute.batch(size, DEVICE.type)
+    swapped = copy.deepcopy(plain)
+    strategy = apply_recompute_config(swapped, {"swap_config": {"swap": True, "default_prefetch": 1}})
+    offloader = strategy.offloaders[0]
+    if offloader is None:
+        raise RuntimeError("swap_config made no offloader")
+    peaks = {"none": peak_bytes(trainer(plain, x)) / 2**20, "offload": peak_bytes(trainer(swapped, x)) / 2**20}
+    before = offloader.offloaded_bytes
+    trainer(swapped, x)()
+    per_step = offloader.offloaded_bytes - before
+    recompute.train_step(plain, x)
+    diff = recompute.max_grad_diff(swapped, plain)
+    per_round = alternate({"none": trainer(plain, x), "offload": trainer(swapped, x)}, rounds, repeat)
+    return {"size": size, "gpu_peak_MiB": peaks, "peak_ratio": peaks["offload"] / peaks["none"],
+            "offloaded_MiB_per_step": per_step / 2**20, "max_grad_diff_vs_none": diff,
+            "step_ms": ms(per_round), "time_ratio": ratio(per_round, "offload", "none"),
+            "trace": traced_copies(trainer(swapped, x), trace)}
+
+
+def copy_streams(size: dict[str, int], trace: Path) -> dict[str, Any]:
+    """A GPU partition then a CPU one: micro-batch i's copy to the host against micro-batch i+1's kernels."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(size["layers"]):
+        layers += [nn.Linear(size["width"], size["width"]), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Tanh())
+    piped = Pipe(model, chunks=size["chunks"], checkpoint="never", balance=[len(layers), 1],
+                 devices=[str(DEVICE), "cpu"])
+    x = torch.randn(size["batch"], size["width"], device=DEVICE)
+    return {"size": size, **traced_copies(trainer(piped, x), trace)}
+
+
+# -- compiled stages, and a real model -------------------------------------------------------------
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compiled(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    plain = recompute.model(size)
+    x = recompute.batch(size, DEVICE.type)
+    half = size["layers"] // 2
+    out: dict[str, Any] = {"size": size}
+    for mode in ("never", "except_last"):
+        eager = Pipe(copy.deepcopy(plain), chunks=4, checkpoint=mode, balance=[half, half],
+                     devices=[str(DEVICE)] * 2)
+        fast = Pipe(copy.deepcopy(plain), chunks=4, checkpoint=mode, balance=[half, half],
+                    devices=[str(DEVICE)] * 2, compile=True)
+        start = time.perf_counter()
+        trainer(fast, x)()
+        sync()
+        first = time.perf_counter() - start
+        trainer(fast, x)()
+        frames = _frames()
+        per_round = alternate({"eager": trainer(eager, x), "compiled": trainer(fast, x)}, rounds, repeat)
+        out[mode] = {"step_ms": ms(per_round), "compiled_vs_eager": ratio(per_round, "eager", "compiled"),
+                     "first_step_s": first, "frames_compiled_after_step_2": _frames() - frames}
+    return out
+
+
+def gpt2(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
+    ids, mask, labels = (t.to(DEVICE) for t in real_models.batch(size))
+    cut = [f"transformer.h.{size['layers'] // 2}"]
+    kwargs = {"attention_mask": mask, "use_cache": False}
+    plain = real_models.build(size).to(DEVICE)
+    piped = {name: Pipe(pipe.split(real_models.build(size).to(DEVICE), (ids,), kwargs, at=cut), chunks=4,
+                        checkpoint="never", balance=[1, 1], devices=[str(DEVICE)] * 2, compile=option)
+             for name, option in (("pipe_eager", False), ("pipe_compiled", True))}
+
+    def plain_step() -> None:
+        plain.zero_grad(set_to_none=True)
+        real_models.lm_loss(plain(ids, attention_mask=mask).logits, labels).backward()
+
+    def piped_step(model: Pipe) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            real_models.lm_loss(model(ids, mask), labels).backward()
+        return step
+
+    plain_step()
+    piped_step(piped["pipe_eager"])()
+    pairs = list(zip(piped["pipe_eager"].parameters(), plain.parameters()))
+    same = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
+    relative = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in pairs)
+    per_round = alternate({"plain": plain_step, **{k: piped_step(v) for k, v in piped.items()}}, rounds, repeat)
+    return {"size": size, "step_ms": ms(per_round), "max_grad_diff_eager_vs_plain": same,
+            "max_relative_grad_diff_eager_vs_plain": relative,
+            "pipe_eager_vs_plain": ratio(per_round, "plain", "pipe_eager"),
+            "pipe_compiled_vs_plain": ratio(per_round, "plain", "pipe_compiled"),
+            "pipe_compiled_vs_eager": ratio(per_round, "pipe_eager", "pipe_compiled")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    parser.add_argument("--only", help="comma-separated subset of P1_P3,P4,P6,offload,copy_streams,compiled,gpt2")
+    parser.add_argument("--out", type=Path, help="folder for the JSON and the traces (default benchmarks/results)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    name = torch.cuda.get_device_name(DEVICE)
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    folder = args.out or RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    q = args.quick
+    rounds, repeat = (3, 3) if q else (5, 5)
+    sizes = {
+        "P1_P3": {"width": 512, "layers": 8, "batch": 1024} if q else {"width": 2048, "layers": 8, "batch": 8192},
+        "P4": {"width": 512, "layers": 16, "batch": 1024} if q else {"width": 1024, "layers": 64, "batch": 8192},
+        "P6": {"width": 256, "heads": 4, "seq": 256, "batch": 4, "layers": 2} if q else
+              {"width": 1024, "heads": 16, "seq": 1024, "batch": 8, "layers": 8},
+        "copy_streams": {"width": 512, "layers": 4, "batch": 2048, "chunks": 4} if q else
+                        {"width": 2048, "layers": 8, "batch": 16384, "chunks": 8},
+        "gpt2": {"width": 256, "layers": 4, "seq": 128, "batch": 8} if q else
+                {"width": 768, "layers": 12, "seq": 1024, "batch": 8},
+    }
+    figures: dict[str, Callable[[], dict[str, Any]]] = {
+        "P1_P3": lambda: p1_p3(sizes["P1_P3"], rounds, repeat),
+        "P4": lambda: p4(sizes["P4"]),
+        "P6": lambda: p6(sizes["P6"], rounds, repeat),
+        "offload": lambda: offload(sizes["P6"], rounds, repeat, folder / f"gpu-{slug}-offload-trace.json.gz"),
+        "copy_streams": lambda: copy_streams(sizes["copy_streams"], folder / f"gpu-{slug}-copy-trace.json.gz"),
+        "compiled": lambda: compiled(sizes["P6"], rounds, repeat),
+        "gpt2": lambda: gpt2(sizes["gpt2"], rounds, repeat),
+    }
+    wanted = args.only.split(",") if args.only else list(figures)
+    results: dict[str, Any] = {
+        "machine": {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "capability": ".".join(map(str, torch.cuda.get_device_capability(DEVICE))),
+                    "memory_GiB": torch.cuda.get_device_properties(DEVICE).total_memory / 2**30,
+                    "python": platform.python_version(), "tf32_matmul": torch.backends.cuda.matmul.allow_tf32},
+        "quick": q, "rounds": rounds, "repeat": repeat,
+    }
+    out = folder / f"gpu-{slug}{'-quick' if q else ''}.json"
+    for key in wanted:
+        start = time.perf_counter()
+        try:
+            results[key] = figures[key]()
+        except Exception as error:  # one figure failing must not lose the others: the JSON says why
+            results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        results[key]["seconds"] = time.perf_counter() - start
+        print(key, json.dumps(results[key], indent=1, default=str)[:4000], flush=True)
+        torch.cuda.empty_cache()
+        out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
