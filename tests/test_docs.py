@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_blocks import ROOT, Block, all_blocks, blocks, doc_files  # noqa: E402
@@ -62,6 +63,8 @@ def test_every_python_block_is_marked_and_parses() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_page_blocks_run(page: Path, tmp_path: Path) -> None:
+    if _name(page) == "docs/compile.md" and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        pytest.skip("compile= needs torch >= 2.13 (refused before, as the page says)")
     entries = [{"path": _name(page), "line": b.line, "kind": b.kind, "code": b.code}
                for b in blocks(page) if b.kind in ("run", "continued")]
     spec = tmp_path / "blocks.json"

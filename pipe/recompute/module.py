@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 from pipe.core.checkpoint import enable_recomputing, is_recomputing
 from pipe.recompute.stats import scratch_running_stats
@@ -97,6 +97,29 @@ class Policy:
                 return forward(*args, **kwargs)
 
         return function
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint``, and a forward that raises leaves no saved-tensor hooks behind.
+
+    torch 2.11's non-reentrant checkpoint installs its saved-tensor hooks in a
+    generator that a raising forward leaves suspended, so the hooks stay on the
+    thread until the generator is collected: later forwards pack into the failed
+    checkpoint and their backward replays it (torch 2.13 closes it). The
+    generator is found in the traceback and closed here.
+    """
+    try:
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+    except BaseException as error:
+        frame = error.__traceback__
+        while frame is not None:
+            code = frame.tb_frame.f_code
+            if code.co_name == "checkpoint" and code.co_filename == torch.utils.checkpoint.__file__:
+                generator = frame.tb_frame.f_locals.get("gen")
+                if generator is not None and hasattr(generator, "close"):
+                    generator.close()
+            frame = frame.tb_next
+        raise
 
 
 class FullRecompute(Policy):

@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from pipe.core.deprecation import warn
-from pipe.recompute.module import Policy, mark, policy_of
+from pipe.recompute.module import Policy, checkpoint, mark, policy_of
 from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops
 from pipe.recompute.scope import Scope
 
