@@ -55,6 +55,7 @@ from pipe.recompute import apply_recompute_config
 import core
 import real_models
 import recompute
+from thread_profile import _intersection, _length, _union
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -189,20 +190,6 @@ def p6(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
 
 # -- the profiler's trace: copies against kernels ---------------------------------------------------
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _covered(start: float, end: float, union: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
-
-
 def traced_copies(step: Callable[[], None], keep: Optional[Path] = None) -> dict[str, Any]:
     """Runs ``step`` under the profiler; the copies' device time and the share of it under a kernel."""
     from torch.profiler import ProfilerActivity, profile
@@ -222,7 +209,7 @@ def traced_copies(step: Callable[[], None], keep: Optional[Path] = None) -> dict
     kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") == "kernel"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     union = _union(kernels)
-    out: dict[str, Any] = {"kernels": len(kernels), "kernel_ms": sum(b - a for a, b in union) / 1000}
+    out: dict[str, Any] = {"kernels": len(kernels), "kernel_ms": _length(union) / 1000}
     by_kind: dict[str, dict[str, Any]] = {}
     for e in copies:
         kind = re.sub(r"\s*\(.*", "", e["name"]).replace("Memcpy ", "")  # DtoH, HtoD, DtoD
@@ -230,7 +217,7 @@ def traced_copies(step: Callable[[], None], keep: Optional[Path] = None) -> dict
         entry = by_kind.setdefault(kind, {"count": 0, "ms": 0.0, "under_kernel_ms": 0.0, "streams": set()})
         entry["count"] += 1
         entry["ms"] += (end - start) / 1000
-        entry["under_kernel_ms"] += _covered(start, end, union) / 1000
+        entry["under_kernel_ms"] += _intersection([(start, end)], union) / 1000
         entry["streams"].add(e.get("args", {}).get("stream"))
     kernel_streams = sorted({e.get("args", {}).get("stream") for e in events if e.get("cat") == "kernel"},
                             key=str)
