@@ -315,7 +315,9 @@ def gpt2(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
 
     plain_step()
     piped_step(piped["pipe_eager"])()
-    pairs = list(zip(piped["pipe_eager"].parameters(), plain.parameters()))
+    # By name: a Pipe's parameters come partition by partition (the tied head first), not in the plain order.
+    named = dict(plain.named_parameters(remove_duplicate=False))
+    pairs = [(p, named[name.split(".", 1)[1]]) for name, p in piped["pipe_eager"].named_parameters()]
     same = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
     relative = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in pairs)
     per_round = alternate({"plain": plain_step, **{k: piped_step(v) for k, v in piped.items()}}, rounds, repeat)
