@@ -428,10 +428,8 @@ class DistributedPipe(PlainNamed, nn.Module):
 
         Every rank of the pipeline must call it; ``inputs`` matter on the first stage's rank.
         """
-        batches = None
-        if self.is_first:
-            verify_device(inputs, self.device, "an input", self._move_to("inputs"))
-            batches = scatter_exactly(pack_inputs(inputs) if inputs else None, self.chunks, "inputs")
+        batches, _, _ = self._prepare(pack_inputs(inputs) if inputs else None, None, None, "forward()",
+                                      need_target=False)
         for bn in self._deferred_batch_norms:
             bn.discard()
         with torch.no_grad():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -85,7 +86,25 @@ def _on_another_device(rank: int, world: int) -> str:
     return "no error"
 
 
+def _forward_on_another_device(rank: int, world: int) -> str:
+    pipe = DistributedPipe(blocks(4), chunks=2, loss_fn=F.mse_loss)
+    (x, extra), _ = batch(4, 0)
+    try:
+        pipe((x.to("meta"), extra) if rank == 0 else None)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def test_inputs_and_targets_on_another_device_than_the_rank_are_named() -> None:
     first, last = run_ranks(_on_another_device, 2, barrier=False)
     assert "an input is on meta but this rank's stages are on cpu; move it with inputs.to(pipe.device)" in first
     assert "a target is on meta but this rank's stages are on cpu; move it with target.to(pipe.device)" in last
+    # Forwards only: the rank given a bad input says so, and the other stops naming it when it ends, not
+    # after the process group's timeout. (This harness's store lives in rank 0, so rank 1 finds it gone and
+    # says rank 0 died; under torchrun the store outlives rank 0 and rank 1 quotes its error.)
+    start = time.monotonic()
+    first, last = run_ranks(_forward_on_another_device, 2, barrier=False, timeout=60.0)
+    assert first.startswith("ValueError: an input is on meta"), first
+    assert last.startswith("PipelineFailure: rank 1 stopped in F0@1 because rank 0"), last
+    assert time.monotonic() - start < 30, "the other rank waited for the timeout"
