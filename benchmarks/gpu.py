@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gzip
 import json
 import platform
@@ -97,10 +98,8 @@ def ms(rounds: dict[str, list[float]]) -> dict[str, float]:
 
 
 def trainer(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-    return step
+    """One training step of ``model`` on ``x``, as the CPU figures take it (``recompute.train_step``)."""
+    return functools.partial(recompute.train_step, model, x)
 
 
 def peak_bytes(step: Callable[[], None]) -> int:
@@ -156,19 +155,9 @@ def p6(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
         recompute.train_step(m, x)
         recompute.train_step(m, x)
     out: dict[str, Any] = {"size": size}
-    for name, m in models.items():
-        # Kept: what the forward leaves allocated for backward, its output aside (the allocator's figures:
-        # pipe.recompute.ActivationMemory's dispatch mode broke selective recompute's replay on torch 2.11).
-        m.zero_grad(set_to_none=False)
-        sync()
-        base = torch.cuda.memory_allocated(DEVICE)
-        y = m(x)
-        sync()
-        kept = torch.cuda.memory_allocated(DEVICE) - base - y.untyped_storage().nbytes()
-        y.square().mean().backward()
-        del y
-        out[name] = {"kept_MiB": kept / 2**20, "gpu_peak_MiB": peak_bytes(trainer(m, x)) / 2**20,
-                     "max_grad_diff_vs_none": None}
+    for name, m in models.items():  # kept: counted, as the CPU figure (benchmarks/recompute.py) counts it
+        out[name] = {"kept_MiB": recompute.memory(m, x)["kept_MiB"],
+                     "gpu_peak_MiB": peak_bytes(trainer(m, x)) / 2**20, "max_grad_diff_vs_none": None}
     for m in models.values():
         recompute.train_step(m, x)
     for name, m in models.items():

@@ -1,4 +1,4 @@
-"""P6: selective recompute vs none vs full on transformer blocks; full-by-config vs checkpoint="always"; offload.
+"""P6: selective recompute vs none vs full on transformer blocks; full-by-config vs checkpoint="always".
 
 Every figure is a ratio of two measurements taken in this one run, printed and
 saved to benchmarks/results/recompute.json (recompute-quick.json with --quick).
@@ -6,8 +6,8 @@ saved to benchmarks/results/recompute.json (recompute-quick.json with --quick).
 - Activation memory is counted, not sampled: pipe.recompute.ActivationMemory
   adds the bytes of every storage an op creates and subtracts them when freed,
   so "kept" (after forward, what backward will use) and "peak" (forward and
-  backward) are exact and independent of timing and of the allocator. On CUDA
-  the offload figure uses torch.cuda.max_memory_allocated.
+  backward) are exact and independent of timing and of the allocator. The
+  GPU figures, offload to host memory among them, are benchmarks/gpu.py's.
 - Step time is the median of interleaved repeats (none, selective, full, ...
   in turn) to cancel drift on a shared machine.
 
@@ -219,64 +219,15 @@ def consistency(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any
 
 # -- offload on a GPU -----------------------------------------------------------------------------
 
-def offload_gpu(size: dict[str, int], rounds: int, repeat: int) -> Optional[dict[str, Any]]:
-    if not torch.cuda.is_available():
-        return None
-    device = "cuda"
-    plain = model(size).to(device)
-    x = batch(size, device)
-    swapped = copy.deepcopy(plain)
-    strategy = apply_recompute_config(swapped, {"swap_config": {"swap": True, "default_prefetch": 1}})
-    offloader = strategy.offloaders[0]
-    assert offloader is not None
-
-    def activation_peak(m: nn.Module) -> float:
-        train_step(m, x)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        train_step(m, x)
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-    peaks = {"none": activation_peak(plain), "offload": activation_peak(swapped)}
-    before = offloader.offloaded_bytes
-    train_step(swapped, x)
-    per_step = offloader.offloaded_bytes - before
-    times = interleaved_times({"none": plain, "offload": swapped}, x, rounds, repeat, torch.cuda.synchronize)
-    # What the copies would cost if nothing overlapped: the same bytes down and up, alone.
-    host = torch.empty(per_step // 4, pin_memory=True)
-    dev = torch.empty(per_step // 4, device=device)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    host.copy_(dev, non_blocking=True)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    copy_seconds = time.perf_counter() - start
-    extra = times["offload"] - times["none"]
-    return {
-        "device": torch.cuda.get_device_name(),
-        "activation_peak_MiB": peaks,
-        "peak_ratio": peaks["offload"] / peaks["none"],
-        "step_ms": {k: 1000 * v for k, v in times.items()},
-        "time_ratio": times["offload"] / times["none"],
-        "offloaded_MiB_per_step": per_step / 2**20,
-        "serial_copy_ms": 1000 * copy_seconds,
-        "hidden_fraction": max(0.0, min(1.0, 1 - extra / copy_seconds)) if copy_seconds > 0 else None,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = parser.parse_args()
     if args.quick:
         size = {"width": 128, "heads": 4, "seq": 128, "batch": 4, "layers": 2}
-        gpu = {"width": 512, "heads": 8, "seq": 512, "batch": 8, "layers": 4}
         rounds, repeat = 3, 2
     else:
         size = {"width": 512, "heads": 8, "seq": 256, "batch": 4, "layers": 4}
-        gpu = {"width": 1024, "heads": 16, "seq": 1024, "batch": 8, "layers": 8}
         rounds, repeat = 5, 3
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
@@ -290,8 +241,6 @@ def main() -> None:
     print("fixed_overhead", json.dumps(results["fixed_overhead"], indent=2))
     results["full_config_vs_checkpoint_always"] = consistency(size, rounds, repeat)
     print("full_config_vs_checkpoint_always", json.dumps(results["full_config_vs_checkpoint_always"], indent=2))
-    results["offload_gpu"] = offload_gpu(gpu, rounds, repeat)
-    print("offload_gpu", json.dumps(results["offload_gpu"], indent=2))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / ("recompute-quick.json" if args.quick else "recompute.json")
     out.write_text(json.dumps(results, indent=2) + "\n")
