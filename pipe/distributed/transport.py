@@ -52,6 +52,12 @@ which dominates a step of a small model):
 
 The pickled header is the same mechanism as ``torch.distributed``'s
 ``send_object_list``: the peers are ranks of one job.
+
+Gloo's point-to-point ops take host memory only (a CUDA tensor's address
+reaches the socket as is: "Bad address"). So on gloo the *wire* is the CPU
+whatever the rank's device: a GPU rank copies each tensor to the host before
+it sends, receives into host buffers and moves the values to its device. NCCL
+sends from and into device memory.
 """
 from __future__ import annotations
 
@@ -185,11 +191,11 @@ class Incoming:
         extra = self._inline[-1] if self._inline is not None else 0
         self._header: Optional[Tensor] = None
         if channel.group is not None:
-            self._header = torch.empty(HEADER_BYTES + extra, dtype=torch.uint8, device=transport.device)
+            self._header = torch.empty(HEADER_BYTES + extra, dtype=torch.uint8, device=transport.wire)
             try:
                 self._work = channel.irecv(self._header, tag)
                 for k, (dtype, shape) in enumerate(self._guess if self._inline is None and self._guess else ()):
-                    buffer = torch.empty(shape, dtype=dtype, device=transport.device)
+                    buffer = torch.empty(shape, dtype=dtype, device=transport.wire)
                     self._guessed.append(
                         (buffer, channel.irecv(buffer, tag + 2 + k)))
             except RuntimeError as error:
@@ -233,7 +239,7 @@ class Incoming:
             else:
                 payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
                 if length > HEADER_BYTES - _LENGTH_BYTES:
-                    rest = torch.empty(length - len(payload), dtype=torch.uint8, device=transport.device)
+                    rest = torch.empty(length - len(payload), dtype=torch.uint8, device=transport.wire)
                     channel.irecv(rest, self.tag + 1).wait(transport.timeout)
                     payload += rest.cpu().numpy().tobytes()
                 spec, leaves, metas, guessed, hit = pickle.loads(payload)
@@ -256,8 +262,7 @@ class Incoming:
                 buffers = [buffer for buffer, _ in self._guessed]
                 works = [work for _, work in self._guessed]
             else:  # the guessed receives get empty messages; the tensors come on tags of their own
-                device = transport.device
-                buffers = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in layout]
+                buffers = [torch.empty(shape, dtype=dtype, device=transport.wire) for dtype, shape in layout]
                 first = self.tag + (_MISSED if guessed else 2)
                 works = [work for _, work in self._guessed] + [
                     channel.irecv(buffer, first + k)
@@ -267,6 +272,8 @@ class Incoming:
             for work in works:
                 work.wait(transport.timeout)
             transport.stats["wait_s"] += time.perf_counter() - started
+        if transport.wire != transport.device:  # gloo on a GPU rank: host buffers to the device
+            buffers = [buffer.to(transport.device) for buffer in buffers]
         tensors = iter(buffers)
         flags = iter(requires_grad for _, _, requires_grad in metas)
         for position, leaf in enumerate(leaves):
@@ -300,7 +307,10 @@ class Transport:
     def __init__(self, device: torch.device, timeout: datetime.timedelta, guess: Optional[bool] = None) -> None:
         self.device = device
         self.timeout = timeout
-        self.guess = (dist.is_initialized() and dist.get_backend() == "gloo") if guess is None else guess
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        self.guess = gloo if guess is None else guess
+        self.wire = torch.device("cpu") if gloo else device
+        """Where messages are sent from and received into: host memory on gloo, else ``device``."""
         self._pending: list[tuple[dist.Work, list[Tensor], Channel]] = []
         self._loopback: dict[tuple[str, int], Any] = {}
         # The layout of the last message per (channel, tag), sent and received: the guesses. The two
@@ -333,7 +343,7 @@ class Transport:
             ValueError: the value holds more tensors than a message can carry.
         """
         leaves, spec = flatten(value)
-        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, Tensor)]
+        tensors = [leaf.detach().to(self.wire) for leaf in leaves if isinstance(leaf, Tensor)]
         tag = self.tag(microbatch)
         if channel.group is None:
             self._loopback[(channel.name, tag)] = unflatten(
@@ -367,7 +377,7 @@ class Transport:
             self.stats["headers"] += 1
         first = encoded[:HEADER_BYTES]
         header = torch.zeros(HEADER_BYTES + (inline[-1] if inline is not None else 0), dtype=torch.uint8,
-                             device=self.device)
+                             device=self.wire)
         header[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         if inline is not None:  # the tensors go behind the header, in one message
             for start_byte, tensor in zip(inline, tensors):
@@ -376,10 +386,10 @@ class Transport:
         messages = [(header, tag)]
         if len(encoded) > HEADER_BYTES:
             rest = torch.frombuffer(bytearray(encoded[HEADER_BYTES:]), dtype=torch.uint8)
-            messages.append((rest.to(self.device), tag + 1))
+            messages.append((rest.to(self.wire), tag + 1))
         if guess is not None and not hit:  # complete the guessed receives, send the tensors on other tags
             if inline_offsets(guess) is None:  # (an inline guess posted no receives of its own)
-                messages += [(torch.empty(0, dtype=dtype, device=self.device), tag + 2 + k)
+                messages += [(torch.empty(0, dtype=dtype, device=self.wire), tag + 2 + k)
                              for k, (dtype, _) in enumerate(guess)]
             messages += [(t.contiguous(), tag + _MISSED + k) for k, t in enumerate(tensors)]
         elif inline is None:

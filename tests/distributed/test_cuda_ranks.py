@@ -52,5 +52,5 @@ def _gloo_over_cuda(rank: int, world: int) -> list[str]:
 
 
 def test_distributed_pipe_over_gloo_with_cuda_tensors() -> None:
-    assert run_ranks(_gloo_over_cuda, 2, timeout=60.0, deadline=240.0, start_method="spawn") == [
+    assert run_ranks(_gloo_over_cuda, 2, timeout=60.0, deadline=240.0) == [
         ["1f1b", "gpipe", "zbv+loss"], ["1f1b+loss", "gpipe+loss", "zbv"]]
