@@ -153,19 +153,32 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
     A ``pp x dp_shard`` plan runs on ``pp x dp_shard`` processes, on the mesh of ``plan.mesh_kwargs()``,
     each pipeline on its part of ``inputs`` and ``target``.
 
-    ``build()`` returns a fresh model (the processes are forked, so any function works).
+    ``build()`` returns a fresh model. The processes are forked (any function works) where no GPU is
+    visible. Where one is, they are spawned, so ``build``, ``loss_fn`` and the data must pickle (a function
+    at module level): a forked child can use neither CUDA once this process has, nor autograd once this
+    process ran a backward (torch starts autograd's device threads then).
 
     Raises:
         RuntimeError: a rank failed (the message says which and why) or took longer than ``timeout`` seconds.
+        TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
     """
-    import multiprocessing
+    import pickle
     import socket
 
+    spawn = torch.cuda.is_available()
+    if spawn:
+        try:
+            pickle.dumps((build, loss_fn, inputs, target))
+        except Exception as error:
+            raise TypeError(
+                f"verify_plan: {error}. With a GPU visible the plan's ranks are spawned (a forked child cannot "
+                "use CUDA or autograd after this process did), so build and loss_fn must be functions at module "
+                "level and the data must pickle") from None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     world = plan.candidate.world
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn") if spawn else multiprocessing.get_context("fork")
     queue: "multiprocessing.Queue[Any]" = context.Queue()
     processes = [context.Process(target=_verify_rank, daemon=True, args=(
         rank, world, port, build, plan.distributed_kwargs(), plan.mesh_kwargs(), inputs, target, loss_fn, repeat,

@@ -4,9 +4,14 @@ Each test spawns as few process groups as it can (a spawn costs seconds on two
 cores) and checks several things per spawn. Ranks are forked, so the function
 may be defined in the test module; each rank compares against the plain
 model itself and returns plain Python values (tensors are not sent back).
-A forked child cannot use CUDA once its parent has, so CUDA tests start their
-ranks with ``start_method="spawn"`` and define the rank function at module
-level (spawn pickles it by name).
+
+Where a GPU is visible, ranks are spawned instead: a forked child cannot use
+CUDA once its parent has, and in a CUDA build with a GPU the parent's first
+backward (even on the CPU) starts autograd's device threads, after which a
+forked child's backward is refused ("Unable to handle autograd's threading in
+combination with fork-based multiprocessing"). A pytest worker runs many
+tests, so any of them may have done either. Spawned ranks get their function
+and arguments by pickling: rank functions live at module level.
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0,
               deadline: float = DEADLINE, env: Optional[dict[str, str]] = None, barrier: bool = True,
-              expect_missing: Collection[int] = (), start_method: str = "fork") -> list[Any]:
+              expect_missing: Collection[int] = (), start_method: Optional[str] = None) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` ranks; returns each rank's result.
 
     Args:
@@ -57,11 +62,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
         expect_missing: ranks meant to die without returning (their result is None).
-        start_method: ``"fork"``, or ``"spawn"`` for ranks that use CUDA (``fn`` then at module level).
+        start_method: ``"fork"`` or ``"spawn"``; default spawn where a GPU is visible, else fork (cheaper).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
+    if start_method is None:
+        start_method = os.environ.get("PIPE_TEST_START_METHOD") or ("spawn" if torch.cuda.is_available() else "fork")
     crashed_before = False
     for _ in range(3):
         collected, deaths = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing,

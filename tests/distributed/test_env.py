@@ -64,6 +64,7 @@ def test_two_nodes_on_localhost_train_the_example(tmp_path: Path) -> None:
     example = ["examples/transformer_lm_distributed.py", "--steps", "3", "--layers", "2", "--width", "32",
                "--seq-len", "16", "--batch-size", "8", "--eval-batches", "1", "--save", str(tmp_path / "ckpt")]
     env = dict(os.environ, MASTER=master, NNODES="2", NPROC="1", THREADS="1", JOB_ID=f"test{os.getpid()}",
+               CUDA_VISIBLE_DEVICES="",  # the CPU path, as on CI: two "nodes" on one GPU would share it
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     nodes = [(["bash", "launch/multi_node.sh", *example], dict(env, NODE_RANK=str(i))) for i in range(2)]
     results = _run(nodes, timeout=180)
@@ -93,9 +94,10 @@ def test_timeout_in_seconds_or_timedelta() -> None:
             as_timedelta(bad)
 
 
+def _world_timeout_seconds(_rank: int, _world: int) -> float:
+    return world_timeout().total_seconds()
+
+
 def test_init_from_env_with_a_timeout_in_seconds_sets_the_process_group_timeout() -> None:
     # One rank (world 1): the process group gets 5 s, and so does every group the pipeline makes.
-    def rank(_rank: int, _world: int) -> float:
-        return world_timeout().total_seconds()
-
-    assert run_ranks(rank, 1, timeout=5) == [5.0]
+    assert run_ranks(_world_timeout_seconds, 1, timeout=5) == [5.0]

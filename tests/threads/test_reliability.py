@@ -23,9 +23,10 @@ from pipe.threads.call import PipeClosedError
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(pipe.__file__)))
 
 
-def run_script(code: str, timeout: float = 90.0) -> str:
-    """Runs ``code`` in a fresh interpreter; fails on a non-zero exit or a hang; returns its stdout."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run_script(code: str, timeout: float = 90.0, **env_vars: str) -> str:
+    """Runs ``code`` in a fresh interpreter (``env_vars`` added to its environment); fails on a non-zero exit or a
+    hang; returns its stdout."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_vars)
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                             timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -106,7 +107,9 @@ for trial, delay in enumerate([0.01, 0.03, 0.06, 0.1]):
     for _ in range(3):
         y = torch.randn(16, 8)
         with torch.no_grad():
-            assert torch.allclose(piped(y), plain(y)), "wrong output after an interrupted forward"
+            # float rounding only (16 threads round a 4-row chunk unlike the whole batch); a stale
+            # micro-batch would differ by far more
+            torch.testing.assert_close(piped(y), plain(y))
 assert interrupted >= 1, interrupted
 print("interrupted", interrupted)
 """)
@@ -390,6 +393,8 @@ def test_pipe_as_a_layer_of_another_pipe_equals_plain(checkpoint):
 @pytest.mark.timeout(120)
 def test_pipe_in_a_forked_child_after_the_parent_ran_it():
     # Cause: the child inherited the parent's worker objects but not their threads.
+    # The GPU is hidden: where one is visible, torch's autograd starts device threads at the parent's first
+    # backward and then refuses any backward in a forked child, with or without pipe.
     out = run_script("""
 import copy, multiprocessing
 import torch
@@ -435,7 +440,7 @@ with torch.no_grad():
     for k, got in enumerate(loader):
         assert torch.allclose(got, plain(x[2 * k % 8:2 * k % 8 + 2]))
 print("fork ok")
-""")
+""", CUDA_VISIBLE_DEVICES="")
     assert "fork ok" in out
 
 
