@@ -30,6 +30,11 @@ PAGES = [path for path in doc_files() if any(b.kind in ("run", "continued") for 
 DISTRIBUTED = [block for block in all_blocks() if block.kind == "torchrun"]
 
 
+# The torchrun blocks are the CPU path (gloo), as on CI: on a machine with fewer GPUs than ranks, NCCL would
+# refuse the blocks' ranks. The GPU path between ranks is tests/distributed/test_cuda_ranks.py's.
+CPU_RANKS = ""  # CUDA_VISIBLE_DEVICES
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -84,7 +89,8 @@ def test_torchrun_blocks_run(nproc: int, tmp_path: Path) -> None:
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(entries))
     done = run_torchrun([f"--nproc-per-node={nproc}"], [str(ROOT / "tests" / "docs_runner.py"), str(spec)],
-                        cwd=tmp_path, env=_env(), timeout=TORCHRUN_TIMEOUT * len(entries))
+                        cwd=tmp_path, env=dict(_env(), CUDA_VISIBLE_DEVICES=CPU_RANKS),
+                        timeout=TORCHRUN_TIMEOUT * len(entries))
     assert done.returncode == 0, f"torchrun blocks on {nproc} ranks:\n{done.stdout[-6000:]}\n{done.stderr[-8000:]}"
 
 

@@ -195,7 +195,7 @@ def test_a_checkpointed_partition_passes_tables_made_from_buffers_without_a_grad
     torch.manual_seed(0)
     model = nn.Sequential(WithTable(), UseTable())
     reference = copy.deepcopy(model)
-    piped = Pipe(model, balance=[1, 1], chunks=2, checkpoint="always")
+    piped = Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
     for step in range(2):
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
         model[1].needs.clear()
@@ -210,7 +210,7 @@ def test_a_checkpointed_partition_passes_tables_made_from_buffers_without_a_grad
 def test_an_output_that_starts_needing_a_gradient_is_refused_not_dropped():
     torch.manual_seed(0)
     model = nn.Sequential(WithTable(), UseTable())
-    piped = Pipe(model, balance=[1, 1], chunks=2, checkpoint="always")
+    piped = Pipe(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
     piped(torch.randn(4, 4)).sum().backward()  # learns: the table needs no gradient
     model[0].from_weight = True  # now it does: the checkpointed forward passed it on without one
     with pytest.raises(RuntimeError, match=r"recomputed output tensor\(s\) \[1\].*needing a gradient.*refused"):

@@ -65,9 +65,12 @@ def train_against(piped: Any, reference: nn.Module, label: str, *, steps: int = 
         expected.backward()
         assert type(loss) is torch.Tensor, f"{label}: the reported loss is a {type(loss)}"
         torch.testing.assert_close(loss, expected.detach(), msg=lambda m: f"{label} step {step} loss: {m}")
+        # atol: float rounding only. A tensor-parallel split sums in another order, and CPUs' matrix kernels differ:
+        # 2.2e-6 was seen at step 1 on an H200 host's CPU (1e-6 held here); a missing reduction or a wrong shard
+        # is off by the gradient itself.
         for name, parameter in piped.named_parameters():
             assert parameter.grad is not None, f"{label}: {name} has no gradient"
-            torch.testing.assert_close(full(parameter.grad), expected_parameters[name].grad, atol=1e-6, rtol=1e-4,
+            torch.testing.assert_close(full(parameter.grad), expected_parameters[name].grad, atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"{label} step {step} {name}: {m}")
             worst = max(worst, float((full(parameter.grad) - expected_parameters[name].grad).abs().max()))
         if clip is not None:  # below the norm: gradients are scaled
