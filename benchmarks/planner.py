@@ -15,7 +15,8 @@ fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
    steps in each of several sweeps over the grid (a noisy machine slows
    single runs by up to 50%);
 3. the time model's overhead per action and contention are fitted to the
-   measured steps of a few calibration plans (pipe.plan.fit; five, chunks 1 to 8), then every plan
+   measured steps of a few calibration plans (pipe.plan.calibrate.calibration_plans, the plans
+   `pipe-plan --calibrate` runs; five, chunks 1 to 8; pipe.plan.fit), then every plan
    is predicted; the error is reported for every plan, and the worst is taken
    over the plans the model was NOT fitted on (`step_error_worst`);
 4. for 20 budgets spread between the smallest predicted peak and the peak of
@@ -66,6 +67,7 @@ sys.path.insert(0, str(HERE))
 import pipe.plan as planner  # noqa: E402
 from pipe import trace  # noqa: E402
 from pipe.plan import Candidate, Costs  # noqa: E402
+from pipe.plan.calibrate import calibration_plans  # noqa: E402
 from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
 from pipe.plan.search import candidates, per_stage_recompute  # noqa: E402
@@ -179,19 +181,6 @@ def balances_for(layers: int) -> list[list[int]]:
     return [b for b in two + four if min(b) >= 1]
 
 
-def calibration_plans(grid: list[Candidate]) -> list[Candidate]:
-    """The few plans the time model is fitted on: one per schedule family, chunk counts from the fewest to the
-    most (per-action overhead and compute scale apart only when the number of actions varies)."""
-    wanted = [("gpipe", 1, "never"), ("1f1b", 8, "never"), ("interleaved", 4, "always"), ("zb-h1", 2, "never"),
-              ("zbv", 8, "never")]
-    chosen = []
-    for kind, chunks, checkpoint in wanted:
-        match = [c for c in grid if c.schedule == kind and c.checkpoint == checkpoint and not any(c.recompute)]
-        if match:
-            chosen.append(min(match, key=lambda c: (abs(c.chunks - chunks), c.balance)))
-    return chosen
-
-
 def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str, Any]:
     build, data, loss_fn = MODELS[name]
     model = build(size)
@@ -236,7 +225,7 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
                     for k, c in enumerate(grid)]
 
     # Time: fit overhead per action and contention on a few plans, predict every other one.
-    fitted_on = calibration_plans(grid)
+    fitted_on = calibration_plans(grid, costs)  # the plans pipe.plan.plan(calibrate=True) would run
     fitted = planner.fit(costs, {c: measured_time[c] for c in fitted_on}, runner="processes", link=link)
     timed = {c: planner.predict(costs, c, runner="processes", timeline=False, model=fitted).step_time for c in grid}
     bare = {c: planner.predict(costs, c, runner="processes", timeline=False, model=default_model).step_time

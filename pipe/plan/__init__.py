@@ -13,7 +13,8 @@ Usage::
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
 * :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
   contention) and its fit to measured steps; :mod:`pipe.plan.link` measures
-  the transport once per machine;
+  the transport once per machine; :mod:`pipe.plan.calibrate` runs a few plans
+  of the model and fits the time model to them (``plan(calibrate=True)``);
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
 * :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;

@@ -4,7 +4,7 @@ Usage::
 
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
-              [--dp-shard auto | S [S ...]] [--zero 3 2] [--select [REGEX ...]]
+              [--calibrate] [--dp-shard auto | S [S ...]] [--zero 3 2] [--select [REGEX ...]]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -24,6 +24,10 @@ exit with status 2; a budget that nothing fits exits with status 1 and names
 the smallest peak found and the rank holding it. ``--select`` gives the name
 regexes of the selective recompute the planner weighs per stage against full
 recompute (default: ``pipe.recompute.DEFAULT_SELECT``; none given: full only).
+``--calibrate`` (with ``--runner processes``) first runs a few plans of the
+model on local processes and fits the time model to them
+(:mod:`pipe.plan.calibrate`), then plans with it; the table's "time model"
+line says what was fitted and on which plans.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from pipe.plan.candidates import RUNNERS
+from pipe.plan.measure import mean_output_loss
 from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT
 from pipe.plan.search import PlanError, parse_bytes
@@ -101,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--explain", action="store_true", help="also explain the chosen plan's idle time")
     parser.add_argument("--verify", action="store_true",
                         help="run the chosen plan and print the measured step and peaks beside the predicted")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="(--runner processes) first run a few plans of the model on local processes and fit "
+                             "the time model's overhead per action and message and its contention to them, then "
+                             "plan with it (pipe.plan.calibrate; a few seconds per plan)")
     parser.add_argument("--dp-shard", nargs="+", metavar="S", default=None,
                         help="plan --stages ranks as pp x dp_shard (FSDP): 'auto' for every divisor, or the "
                              "dp_shard sizes to try (needs --runner processes)")
@@ -116,14 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def mean_loss(output: Any, target: Any) -> Any:
-    """The loss of ``--verify``: the mean of the output (the target is not used)."""
-    import torch
-
-    tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)]
-    return sum(t.float().mean() for t in tensors)
-
-
 def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     """Runs the plan; the measured figures beside the predicted ones."""
     import time
@@ -134,7 +135,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     predicted = chosen.best
     lines = ["verified (measured beside predicted):"]
     if args.runner == "processes":
-        measured = verify_plan(args.model, chosen, sample, sample, mean_loss)
+        measured = verify_plan(args.model, chosen, sample, sample, mean_output_loss)
         step = max(m.step_time for m in measured)
         lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
                      f"({predicted.step_time / step - 1:+.1%})")
@@ -150,7 +151,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     times = []
     for _ in range(4):
         begun = time.perf_counter()
-        mean_loss(model(sample), None).backward()
+        mean_output_loss(model(sample), None).backward()
         times.append(time.perf_counter() - begun)
     model.close()
     step = min(times[1:])
@@ -193,12 +194,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sample = torch.randn(*args.input_shape) if args.input_shape else args.input()
     with_loss = args.verify and args.runner == "processes"
     dp_shard = _dp_shard(parser, args)
+    if args.calibrate and args.runner != "processes":
+        parser.error("--calibrate runs plans on local processes, which is DistributedPipe's runner: add "
+                     "--runner processes")
     try:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
                       chunks=args.chunks, param_scale=args.param_scale,
-                      link=None if args.link == "none" else args.link, loss_fn=mean_loss if with_loss else None,
+                      link=None if args.link == "none" else args.link, loss_fn=mean_output_loss if with_loss else None,
                       target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero,
-                      select=DEFAULT_SELECT if args.select is None else args.select)
+                      select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1

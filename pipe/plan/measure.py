@@ -18,7 +18,7 @@ import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from pipe.recompute.module import policy_of
 from pipe.recompute.selective import SelectiveRecompute
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pipe.plan.predict import Candidate
     from pipe.plan.search import Plan
 
 __all__: list[str] = []
@@ -42,6 +43,12 @@ class Measured:
     activation_peak: int
     step_time: float
     pipeline_rank: int = 0
+
+
+def mean_output_loss(output: Any, target: Any) -> Any:
+    """The loss of a measured step when none is given: the mean of the output's tensors (``target`` unused)."""
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)]
+    return sum(t.float().mean() for t in tensors)
 
 
 def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any],
@@ -119,9 +126,9 @@ def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
                 module.free_storage = free_  # type: ignore[attr-defined]
 
 
-def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], kwargs: dict[str, Any],
-                 mesh: dict[str, int], inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int,
-                 queue: "multiprocessing.Queue[Any]") -> None:
+def _plans_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], candidates: "list[Candidate]",
+                inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int,
+                queue: "multiprocessing.Queue[Any]") -> None:
     import datetime
 
     import torch.distributed as dist
@@ -133,63 +140,79 @@ def _verify_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module
         from pipe.core.microbatch import scatter
         from pipe.distributed import DistributedPipe, make_mesh
 
-        if mesh["dp_shard"] > 1:
-            kwargs = dict(kwargs, mesh=make_mesh(**mesh))
-        model = DistributedPipe(build(), **kwargs)
-        parts, part = model.topology.data_parallel, model.topology.replica
-        if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
-            inputs, target = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
-        measured = measure_step(model, inputs, target, loss_fn, repeat=repeat)
-        queue.put((rank, Measured(measured.activation_peak, measured.step_time, model.topology.pipeline_rank)))
+        best: list[Measured] = []
+        for sweep in range(sweeps):  # the plans in turn, each sweep: a burst of load slows one sweep, not one plan
+            for k, candidate in enumerate(candidates):
+                kwargs = candidate.distributed_kwargs()
+                if candidate.dp_shard > 1:
+                    kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
+                model = DistributedPipe(build(), **kwargs)
+                parts, part = model.topology.data_parallel, model.topology.replica
+                x, y = inputs, target
+                if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
+                    x, y = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
+                m = measure_step(model, x, y, loss_fn, repeat=repeat)
+                m = Measured(m.activation_peak, m.step_time, model.topology.pipeline_rank)
+                if sweep == 0:
+                    best.append(m)
+                elif m.step_time < best[k].step_time:
+                    best[k] = Measured(best[k].activation_peak, m.step_time, m.pipeline_rank)
+        queue.put((rank, best))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent
         queue.put((rank, f"{type(error).__name__}: {error}"))
 
 
-def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, target: Any, loss_fn: Callable[..., Any],
-                *, repeat: int = 3, timeout: float = 300.0) -> list[Measured]:
-    """Runs ``plan`` (runner ``"processes"``) on as many local gloo processes as it has ranks; one
-    :class:`Measured` per rank, the static bytes of the plan's prediction added to the counted peak.
-    A ``pp x dp_shard`` plan runs on ``pp x dp_shard`` processes, on the mesh of ``plan.mesh_kwargs()``,
-    each pipeline on its part of ``inputs`` and ``target``.
+def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]", inputs: Any, target: Any,
+              loss_fn: Callable[..., Any], *, repeat: int = 3, sweeps: int = 1,
+              timeout: float = 300.0) -> "list[list[Measured]]":
+    """Runs each of ``candidates`` (runner ``"processes"``, all on as many ranks) on local gloo processes, one
+    process per rank, and measures its step (:func:`measure_step`); per candidate, one :class:`Measured` per rank
+    (the counted activation peak, without the static bytes).
 
-    ``build()`` returns a fresh model. The processes are forked (any function works) where no GPU is
-    visible. Where one is, they are spawned, so ``build``, ``loss_fn`` and the data must pickle (a function
-    at module level): a forked child can use neither CUDA once this process has, nor autograd once this
-    process ran a backward (torch starts autograd's device threads then).
+    A ``pp x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
+    ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
+    its fastest step. ``build()`` returns a fresh model. The processes are forked (any function works) where
+    no GPU is visible. Where one is, they are spawned, so ``build``, ``loss_fn`` and the data must pickle (a
+    function at module level): a forked child can use neither CUDA once this process has, nor autograd once
+    this process ran a backward (torch starts autograd's device threads then).
 
     Raises:
+        ValueError: no candidates, or candidates on different numbers of ranks.
         RuntimeError: a rank failed (the message says which and why) or took longer than ``timeout`` seconds.
         TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
     """
     import pickle
     import socket
 
+    worlds = sorted({c.world for c in candidates})
+    if len(worlds) != 1:
+        raise ValueError(f"run_plans runs candidates on one set of ranks; got plans on {worlds or 'no'} ranks")
+    world = worlds[0]
     spawn = torch.cuda.is_available()
     if spawn:
         try:
             pickle.dumps((build, loss_fn, inputs, target))
         except Exception as error:
             raise TypeError(
-                f"verify_plan: {error}. With a GPU visible the plan's ranks are spawned (a forked child cannot "
+                f"running a plan: {error}. With a GPU visible the plan's ranks are spawned (a forked child cannot "
                 "use CUDA or autograd after this process did), so build and loss_fn must be functions at module "
                 "level and the data must pickle") from None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    world = plan.candidate.world
     context = multiprocessing.get_context("spawn") if spawn else multiprocessing.get_context("fork")
     queue: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_verify_rank, daemon=True, args=(
-        rank, world, port, build, plan.distributed_kwargs(), plan.mesh_kwargs(), inputs, target, loss_fn, repeat,
-        queue))
+    processes = [context.Process(target=_plans_rank, daemon=True, args=(
+        rank, world, port, build, list(candidates), inputs, target, loss_fn, repeat, sweeps, queue))
         for rank in range(world)]
     for process in processes:
         process.start()
     try:
         results = dict(queue.get(timeout=timeout) for _ in processes)
     except Exception:
-        raise RuntimeError(f"running the plan on {world} processes took more than {timeout} s") from None
+        raise RuntimeError(f"running {len(candidates)} plan(s) on {world} processes took more than {timeout} s"
+                           ) from None
     finally:
         for process in processes:
             process.join(timeout=10)
@@ -198,5 +221,19 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
     failed = [f"rank {r}: {v}" for r, v in sorted(results.items()) if isinstance(v, str)]
     if failed:
         raise RuntimeError("running the plan failed: " + "; ".join(failed))
+    return [[results[r][k] for r in range(world)] for k in range(len(candidates))]
+
+
+def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, target: Any, loss_fn: Callable[..., Any],
+                *, repeat: int = 3, timeout: float = 300.0) -> list[Measured]:
+    """Runs ``plan`` (runner ``"processes"``) on as many local gloo processes as it has ranks
+    (:func:`run_plans`); one :class:`Measured` per rank, the static bytes of the plan's prediction added to the
+    counted peak.
+
+    Raises:
+        RuntimeError: a rank failed (the message says which and why) or took longer than ``timeout`` seconds.
+        TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
+    """
+    measured = run_plans(build, [plan.candidate], inputs, target, loss_fn, repeat=repeat, timeout=timeout)[0]
     return [Measured(m.activation_peak + plan.best.static[m.pipeline_rank], m.step_time, m.pipeline_rank)
-            for m in (results[r] for r in range(world))]
+            for m in measured]

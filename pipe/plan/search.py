@@ -16,12 +16,14 @@ every rank's budget; :func:`plan` first measures the costs of a model
 """
 from __future__ import annotations
 
+import copy
+import functools
 import heapq
 import logging
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -35,6 +37,9 @@ from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predic
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
 from pipe.recompute.selective import DEFAULT_SELECT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipe.plan.calibrate import Calibration
 
 __all__: list[str] = []
 
@@ -95,6 +100,7 @@ class Plan:
         model: the time model used (None: layer times alone).
         splits: with ``dp_shard=``, one line per ``pp x dp_shard`` split and ZeRO mode: chosen,
             or why it lost (and the splits left out, with the reason).
+        calibration: with ``plan(calibrate=True)``, the plans run to fit ``model`` and their times.
     """
 
     best: Prediction
@@ -107,6 +113,7 @@ class Plan:
     simulated: int = 0
     model: Optional[TimeModel] = None
     splits: list[str] = field(default_factory=list)
+    calibration: Optional["Calibration"] = None
 
     @property
     def candidate(self) -> Candidate:
@@ -145,6 +152,8 @@ class Plan:
         lines = [f"memory budget {budget}; {self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
+        if self.calibration is not None:
+            lines.append(self.calibration.describe())
         peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its dp_shard ranks alike
         lines.append(f"{'':2}{'plan':<64} {'step':>10} {peaks:>30}")
 
@@ -322,7 +331,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
-         zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT) -> Plan:
+         zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT, calibrate: bool = False) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -357,6 +366,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
         select: name regexes of the selective recompute weighed per stage
             against full recompute (:func:`pipe.plan.profile_costs`); ``()``: full only.
+        calibrate: (runner ``"processes"``) first run a few plans of ``model`` on
+            local processes and fit the time model to them
+            (:func:`pipe.plan.calibrate.calibrate`; a few seconds per plan); the
+            plan's ``calibration`` says what was fitted.
 
     Raises:
         PlanError: nothing fits (the message names the smallest peak and the rank holding it).
@@ -364,12 +377,28 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         TypeError, ValueError: bad arguments.
     """
     verify_module(model)
+    if calibrate and runner != "processes":
+        raise ValueError(f"calibrate=True runs plans on local processes, which is DistributedPipe's runner; got "
+                         f"runner={runner!r}: pass runner='processes'")
+    if calibrate and model_time is not None:
+        raise ValueError("pass either model_time= (a fitted TimeModel) or calibrate=True (fit one here), not both")
     if model_time is None:  # the link and the overhead per action measured on this machine
         model_time = TimeModel.measured(_link(link, runner))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target, select=select)
-    return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
-                  max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard, zero=zero)
+    def chosen(model_time: TimeModel) -> Plan:
+        return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
+                      max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard,
+                      zero=zero)
+
+    if not calibrate:
+        return chosen(model_time)
+    chosen(model_time)  # a budget that nothing fits fails before the plans run
+    from pipe.plan.calibrate import calibrate as fit_here
+
+    calibration = fit_here(functools.partial(copy.deepcopy, model), costs, stages, sample, target=target,
+                           loss_fn=loss_fn, link=model_time.link, schedules=schedules)
+    return replace(chosen(calibration.model), calibration=calibration)
 
 
 def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:

@@ -1,0 +1,128 @@
+"""Calibration: the time model's constants fitted on this machine, to a few plans of the model itself.
+
+The measured link gives the transport's cost between idle ranks, and the
+layers' times come from the profile; what a pipeline adds on top (overhead
+per action, per message, and contention when the ranks compute at once on
+shared cores: :mod:`pipe.plan.timing`) can only be measured by running it.
+:func:`calibrate` runs a few plans of the model on local gloo processes, one
+per schedule family and from few micro-batches to many (the overhead per
+action and the compute scale apart only when the number of actions varies;
+the cost per message only when actions carry different numbers of
+messages, as interleaved and zero-bubble plans do), takes each plan's
+fastest step over a few sweeps, and fits the constants to them
+(:func:`pipe.plan.timing.fit`)::
+
+    calibration = pipe.plan.calibrate.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
+    plan = pipe.plan.search(costs, 2, "1GiB", runner="processes", model=calibration.model)
+
+or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibrate=True)``
+(``pipe-plan --calibrate``). It costs a few seconds per plan; the
+``benchmarks/planner.py`` figures say how far it brings predictions.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from torch import nn
+
+from pipe.plan.candidates import candidates
+from pipe.plan.cost import Costs
+from pipe.plan.measure import mean_output_loss, run_plans
+from pipe.plan.predict import Candidate, predict
+from pipe.plan.timing import Link, TimeModel, fit
+
+__all__ = ["Calibration", "calibrate", "calibration_plans"]
+
+logger = logging.getLogger(__name__)
+
+#: The plans fitted on: (schedule, micro-batches near, checkpoint mode); those the model and ranks allow.
+CALIBRATION: tuple[tuple[str, int, str], ...] = (
+    ("gpipe", 1, "never"), ("1f1b", 8, "never"), ("interleaved", 4, "always"), ("zb-h1", 2, "never"),
+    ("zbv", 8, "never"))
+
+
+def calibration_plans(grid: Sequence[Candidate], costs: Costs) -> list[Candidate]:
+    """Of ``grid``, the plans to fit on: for each entry of :data:`CALIBRATION` whose schedule ``grid`` has,
+    the plan with the nearest micro-batch count and, among those, the balance whose slowest stage is the
+    fastest (by the profile's forward and backward times), without recompute marks."""
+    rows = max(costs.forward)
+    layer_time = [f + b for f, b in zip(costs.forward[rows], costs.backward[rows])]
+
+    def slowest_stage(c: Candidate) -> float:
+        bounds = [sum(c.balance[:s]) for s in range(len(c.balance) + 1)]
+        return max(math.fsum(layer_time[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+    chosen = []
+    for kind, chunks, checkpoint in CALIBRATION:
+        match = [c for c in grid if c.schedule == kind and c.checkpoint == checkpoint and not any(c.recompute)
+                 and not c.selective() and c.dp_shard == 1]
+        if match:
+            chosen.append(min(match, key=lambda c: (abs(c.chunks - chunks), slowest_stage(c), c.balance)))
+    return chosen
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted time model and what it was fitted on.
+
+    Attributes:
+        model: the fitted :class:`TimeModel` (pass it as ``model=`` to :func:`pipe.plan.search`).
+        measured: each calibration plan's step time, the fastest over the sweeps (seconds; the slowest rank).
+        errors: each calibration plan's predicted step with ``model``, relative to the measured one.
+    """
+
+    model: TimeModel
+    measured: dict[Candidate, float]
+    errors: dict[Candidate, float]
+
+    def describe(self) -> str:
+        rms = math.sqrt(math.fsum(e * e for e in self.errors.values()) / max(len(self.errors), 1))
+        return (f"calibrated on {len(self.measured)} plans run here (rms error {rms:.1%}): "
+                + ", ".join(f"{c.describe()} {t * 1e3:.1f} ms" for c, t in self.measured.items()))
+
+
+def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample: Any, *, target: Any = None,
+              loss_fn: Optional[Callable[[Any, Any], Any]] = None, link: Optional[Link] = None,
+              schedules: Optional[Sequence[str]] = None, plans: Optional[Sequence[Candidate]] = None,
+              sweeps: int = 2, repeat: int = 3, timeout: float = 600.0) -> Calibration:
+    """Runs a few plans of the model on ``stages`` local gloo processes and fits the time model to them.
+
+    Args:
+        build: returns a fresh copy of the model (``functools.partial(copy.deepcopy, model)``); spawned where
+            a GPU is visible (:func:`pipe.plan.measure.run_plans`), so it must then pickle.
+        costs: the model's profile (:func:`pipe.plan.profile_costs`), measured on ``sample``.
+        stages: pipeline ranks (the plans are not sharded).
+        sample, target: one mini-batch and its targets (default: the sample).
+        loss_fn: the loss of each step (default: the mean of the output).
+        link: the transport's cost between ranks (:func:`pipe.plan.link.cached_link`); None: messages free,
+            and no cost per message is fitted.
+        schedules: restrict the calibration plans to these schedules (default: every one the ranks allow).
+        plans: the plans to run instead of :func:`calibration_plans`'s (on ``stages`` ranks, unsharded).
+        sweeps: times each plan runs, in turn with the others; its fastest step counts.
+        repeat: timed steps per plan and sweep (the fastest counts).
+
+    Raises:
+        ValueError: no plan to calibrate on, or plans on other than ``stages`` ranks.
+        RuntimeError: a plan failed on the ranks, or took longer than ``timeout`` seconds in all.
+    """
+    if sweeps < 1 or repeat < 1:
+        raise ValueError(f"sweeps and repeat must be >= 1, got sweeps={sweeps}, repeat={repeat}")
+    chosen = list(plans) if plans is not None else calibration_plans(
+        candidates(costs, stages, "processes", schedules=schedules), costs)
+    if not chosen:
+        raise ValueError(f"no plan to calibrate on: {costs.layers} layers over {stages} ranks"
+                         + (f" with schedules {list(schedules)}" if schedules else ""))
+    wrong = [c.describe() for c in chosen if c.world != stages or c.dp_shard != 1]
+    if wrong:
+        raise ValueError(f"calibration plans must run unsharded on {stages} ranks: {wrong}")
+    logger.info("calibrating the time model on %d plans, %d sweeps", len(chosen), sweeps)
+    measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
+                         repeat=repeat, sweeps=sweeps, timeout=timeout)
+    times = {c: max(m.step_time for m in ranks) for c, ranks in zip(chosen, measured)}
+    model = fit(costs, times, runner="processes", link=link)
+    errors = {c: predict(costs, c, runner="processes", timeline=False, model=model).step_time / t - 1
+              for c, t in times.items()}
+    return Calibration(model, times, errors)

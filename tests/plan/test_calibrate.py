@@ -1,0 +1,109 @@
+"""``pipe.plan.calibrate``: the time model fitted to plans of the model run here, and ``plan(calibrate=True)``."""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipe.plan
+from pipe.plan.calibrate import CALIBRATION, calibrate, calibration_plans
+from pipe.plan.candidates import candidates
+from pipe.plan.cli import main as plan_main
+from pipe.plan.predict import predict
+from pipe.plan.timing import Link, TimeModel
+
+
+def mlp(layers: int = 6, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def costs_of(model: nn.Sequential, batch: int = 32) -> pipe.plan.Costs:
+    return pipe.plan.profile_costs(model, torch.randn(batch, 64), (1, 2, 4, 8), rounds=2)
+
+
+def test_calibration_plans_take_one_balanced_plan_per_schedule_family() -> None:
+    # The last layer is the slow one: the time-balanced split gives it a stage nearly alone.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(5)],
+                          nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)]))
+    costs = costs_of(model)
+    chosen = calibration_plans(candidates(costs, 2, "processes"), costs)
+    assert [c.schedule for c in chosen] == [kind for kind, _, _ in CALIBRATION]
+    assert [c.chunks for c in chosen] == [chunks for _, chunks, _ in CALIBRATION]
+    assert all(not c.recompute and not c.selective() and c.dp_shard == 1 for c in chosen)
+    one_f_one_b = chosen[1]
+    assert one_f_one_b.balance[-1] <= 2, one_f_one_b.balance  # not [1, 5], the first balance in order
+    assert calibration_plans([c for c in candidates(costs, 2, "processes") if c.schedule == "gpipe"], costs) \
+        == [chosen[0]]
+
+
+def test_calibrate_fits_the_model_no_worse_than_the_layers_times_alone() -> None:
+    model = mlp()
+    x = torch.randn(32, 64)
+    costs = costs_of(model)
+    link = Link(latency=1e-4, per_byte=1e-9)
+    calibration = calibrate(functools.partial(copy.deepcopy, model), costs, 2, x, link=link,
+                            schedules=("gpipe", "1f1b", "interleaved"), sweeps=1, repeat=2)
+    assert [c.schedule for c in calibration.measured] == ["gpipe", "1f1b", "interleaved"]
+    assert all(t > 0 for t in calibration.measured.values())
+    assert calibration.model.link == link
+
+    def rms(model_time: TimeModel) -> float:
+        errors = [predict(costs, c, runner="processes", timeline=False, model=model_time).step_time / t - 1
+                  for c, t in calibration.measured.items()]
+        return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+    # The fit minimises exactly this error, starting from the link alone: it cannot end worse.
+    assert rms(calibration.model) <= rms(TimeModel(link=link)) + 1e-12
+    assert rms(calibration.model) == pytest.approx(
+        math.sqrt(sum(e * e for e in calibration.errors.values()) / 3))
+    assert "calibrated on 3 plans run here" in calibration.describe()
+
+
+def test_calibrate_refuses_what_it_cannot_run() -> None:
+    model = mlp(layers=2)
+    costs = costs_of(model)
+    with pytest.raises(ValueError, match="no plan to calibrate on: 2 layers over 2 ranks with schedules"):
+        calibrate(lambda: model, costs, 2, torch.randn(32, 64), schedules=("zbv",))
+    four = candidates(costs_of(mlp(layers=4)), 4, "processes", schedules=("gpipe",))[:1]
+    with pytest.raises(ValueError, match="calibration plans must run unsharded on 2 ranks"):
+        calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=four)
+    with pytest.raises(ValueError, match="sweeps and repeat must be >= 1, got sweeps=0"):
+        calibrate(lambda: model, costs, 2, torch.randn(32, 64), sweeps=0)
+    sample = torch.randn(32, 64)
+    with pytest.raises(ValueError, match="calibrate=True runs plans on local processes.*runner='processes'"):
+        pipe.plan.plan(model, sample, memory_budget="1GiB", stages=2, calibrate=True)
+    with pytest.raises(ValueError, match="either model_time= .* or calibrate=True"):
+        pipe.plan.plan(model, sample, memory_budget="1GiB", stages=2, runner="processes", calibrate=True,
+                       model_time=TimeModel())
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4)])
+'''
+
+
+def test_pipe_plan_calibrate_plans_with_the_fitted_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "calibrate_models.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    common = ["--model", "calibrate_models:build", "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
+              "--chunks", "1", "2", "4", "--link", "none"]
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(common + ["--calibrate"])
+    assert exit_info.value.code == 2
+    assert "--calibrate runs plans on local processes" in capsys.readouterr().err
+    assert plan_main(common + ["--runner", "processes", "--calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on 5 plans run here (rms error" in out, out
+    assert "time model: no transfer cost; overhead" in out and "DistributedPipe(model, chunks=" in out
