@@ -15,7 +15,7 @@ fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
    steps in each of several sweeps over the grid (a noisy machine slows
    single runs by up to 50%);
 3. the time model's overhead per action and contention are fitted to the
-   measured steps of a few calibration plans (pipe.plan.calibrate.calibration_plans, the plans
+   measured steps of a few calibration plans (pipe.plan.calibration.calibration_plans, the plans
    `pipe-plan --calibrate` runs; five, chunks 1 to 8; pipe.plan.fit), then every plan
    is predicted; the error is reported for every plan, and the worst is taken
    over the plans the model was NOT fitted on (`step_error_worst`);
@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 import pipe.plan as planner  # noqa: E402
 from pipe import trace  # noqa: E402
 from pipe.plan import Candidate, Costs  # noqa: E402
-from pipe.plan.calibrate import calibration_plans  # noqa: E402
+from pipe.plan.calibration import calibration_plans  # noqa: E402
 from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
 from pipe.plan.search import candidates, per_stage_recompute  # noqa: E402

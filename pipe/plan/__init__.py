@@ -13,7 +13,7 @@ Usage::
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
 * :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
   contention) and its fit to measured steps; :mod:`pipe.plan.link` measures
-  the transport once per machine; :mod:`pipe.plan.calibrate` runs a few plans
+  the transport once per machine; :mod:`pipe.plan.calibration` runs a few plans
   of the model and fits the time model to them (``plan(calibrate=True)``);
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
@@ -30,8 +30,9 @@ from pipe.plan.explain import Explanation, explain, explain_prediction
 from pipe.viz.idle import Idle
 from pipe.plan.predict import Candidate, Prediction, predict
 from pipe.plan.timing import Link, TimeModel, fit
+from pipe.plan.calibration import Calibration, calibrate
 from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search
 
-__all__ = ["Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
-           "StageTime", "TimeModel", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
+__all__ = ["Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
+           "StageTime", "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
            "profile_costs", "search"]

@@ -26,7 +26,7 @@ regexes of the selective recompute the planner weighs per stage against full
 recompute (default: ``pipe.recompute.DEFAULT_SELECT``; none given: full only).
 ``--calibrate`` (with ``--runner processes``) first runs a few plans of the
 model on local processes and fits the time model to them
-(:mod:`pipe.plan.calibrate`), then plans with it; the table's "time model"
+(:func:`pipe.plan.calibrate`), then plans with it; the table's "time model"
 line says what was fitted and on which plans.
 """
 from __future__ import annotations

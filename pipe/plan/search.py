@@ -39,7 +39,7 @@ from pipe.plan.timing import Link, TimeModel
 from pipe.recompute.selective import DEFAULT_SELECT
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipe.plan.calibrate import Calibration
+    from pipe.plan.calibration import Calibration
 
 __all__: list[str] = []
 
@@ -368,7 +368,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             against full recompute (:func:`pipe.plan.profile_costs`); ``()``: full only.
         calibrate: (runner ``"processes"``) first run a few plans of ``model`` on
             local processes and fit the time model to them
-            (:func:`pipe.plan.calibrate.calibrate`; a few seconds per plan); the
+            (:func:`pipe.plan.calibrate`; a few seconds per plan); the
             plan's ``calibration`` says what was fitted.
 
     Raises:
@@ -394,7 +394,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     if not calibrate:
         return chosen(model_time)
     chosen(model_time)  # a budget that nothing fits fails before the plans run
-    from pipe.plan.calibrate import calibrate as fit_here
+    from pipe.plan.calibration import calibrate as fit_here
 
     calibration = fit_here(functools.partial(copy.deepcopy, model), costs, stages, sample, target=target,
                            loss_fn=loss_fn, link=model_time.link, schedules=schedules)

@@ -1,4 +1,4 @@
-"""``pipe.plan.calibrate``: the time model fitted to plans of the model run here, and ``plan(calibrate=True)``."""
+"""``pipe.plan.calibrate`` (pipe/plan/calibration.py): the time model fitted to plans of the model run here, and ``plan(calibrate=True)``."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipe.plan
-from pipe.plan.calibrate import CALIBRATION, calibrate, calibration_plans
+from pipe.plan.calibration import CALIBRATION, calibrate, calibration_plans
 from pipe.plan.candidates import candidates
 from pipe.plan.cli import main as plan_main
 from pipe.plan.predict import predict

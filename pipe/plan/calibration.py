@@ -12,7 +12,7 @@ messages, as interleaved and zero-bubble plans do), takes each plan's
 fastest step over a few sweeps, and fits the constants to them
 (:func:`pipe.plan.timing.fit`)::
 
-    calibration = pipe.plan.calibrate.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
+    calibration = pipe.plan.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
     plan = pipe.plan.search(costs, 2, "1GiB", runner="processes", model=calibration.model)
 
 or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibrate=True)``
@@ -34,7 +34,7 @@ from pipe.plan.measure import mean_output_loss, run_plans
 from pipe.plan.predict import Candidate, predict
 from pipe.plan.timing import Link, TimeModel, fit
 
-__all__ = ["Calibration", "calibrate", "calibration_plans"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
