@@ -15,8 +15,9 @@ Every value a later stage needs crosses each boundary in between (a stage
 passes through what it does not use), as a tuple: the calling convention of
 :class:`pipe.PipeSequential`, which ``split`` returns. Sizes and other
 non-tensor values are recomputed where they are needed, so only tensors
-cross; so are tensors made from the integer inputs alone by pure ops (the
-mask expanded to ``[b, 1, s, s]``, made again from ``mask`` in Stage1). Each
+cross; so are tensors made from the integer inputs and constant buffers alone
+by pure ops (the mask expanded to ``[b, 1, s, s]``, made again from ``mask``
+in Stage1; LLaMA's rotary tables, from ``inv_freq``). Each
 stage is an ``fx.GraphModule`` whose parameters are the original model's
 parameter objects under their original paths; ``state_dict()`` of the
 result (and of a ``Pipe`` or ``DistributedPipe`` around it) has the original
@@ -104,8 +105,8 @@ def split(
     points = _verify_points(model, at)
     program = _export(model, example_args, example_kwargs or {}, points)
     graph_module = program.module()
-    stages = _cut(graph_module, len(points) + 1)
     model_state = model.state_dict(keep_vars=True)
+    stages = _cut(graph_module, len(points) + 1, {id(t) for t in model_state.values()})
     aliases: dict[int, list[str]] = {}
     for key, tensor in model_state.items():
         aliases.setdefault(id(tensor), []).append(key)
@@ -212,8 +213,11 @@ def _is_marker(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.ops.pippy._pipe_split.default
 
 
-def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
-    """The stages of ``graph_module``: node i belongs to the stage after the markers before it."""
+def _cut(graph_module: fx.GraphModule, count: int, saved: Collection[int] = ()) -> list[SplitStage]:
+    """The stages of ``graph_module``: node i belongs to the stage after the markers before it.
+
+    ``saved``: the ids of the model's state-dict tensors (a buffer outside it may be copied into a stage).
+    """
     nodes = list(graph_module.graph.nodes)
     stage_of: dict[fx.Node, int] = {}
     stage = 0
@@ -270,17 +274,28 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
     # A tensor made from the inputs alone by pure ops (an attention mask expanded to [b, 1, s, s]) is made
     # again in each stage that needs it, where the inputs it is made from enter that stage anyway: a
     # message without it is smaller (s x s bytes per sample for a mask), for a few cheap ops.
+    # So is one made from those inputs and constant buffers (LLaMA's rotary cos and sin from inv_freq): a
+    # buffer outside the state dict that nothing writes and that needs no gradient. A later stage gets its own
+    # copy of the buffer (a buffer shared by stages of two ranks would be a tie, which buffers cannot be).
+    def constant(node: fx.Node) -> bool:
+        try:
+            tensor = graph_module.get_buffer(str(node.target))
+        except AttributeError:
+            return False
+        return (not tensor.requires_grad and id(tensor) not in saved
+                and not any(_writes(user) for user in node.users))
+
     made_again = []
     for value in sorted({n for k in range(1, count) for n in wanted[k] if 0 <= stage_of[n] < k}, key=order.__getitem__):
-        cone = _input_cone(value, constants)
+        cone = _input_cone(value, constants, constant)
         if cone is not None and all(cone[0] <= set(live[k]) for k in range(stage_of[value] + 1, count)
                                     if value in live[k]):
             recomputed |= {value, *cone[1]}
             made_again.append(value.name)
     if made_again:
         wanted, live = crossing()
-        logger.info("pipe.split: %s, made from the inputs alone, are made again in the stages that need them "
-                    "instead of crossing stages", made_again)
+        logger.info("pipe.split: %s, made from the inputs and constant buffers alone, are made again in the "
+                    "stages that need them instead of crossing stages", made_again)
     stages = []
     for k in range(count):
         last = k == count - 1
@@ -292,6 +307,12 @@ def _cut(graph_module: fx.GraphModule, count: int) -> list[SplitStage]:
         module.captured_batch_norm = any(_mode_dependent(n) and "batch_norm" in str(n.target)
                                          and len(n.args) > 5 and n.args[5] is True for n in body[k])
         stages.append(module)
+    for target in sorted({str(n.target) for n in recomputed if n.op == "get_attr"}):
+        using = [m for m in stages if any(n.op == "get_attr" and n.target == target for n in m.graph.nodes)]
+        for module in using[1:]:  # the first stage keeps the model's tensor, later ones a copy
+            owner_path, _, name = target.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            owner.register_buffer(name, owner.get_buffer(name).clone(), persistent=False)
     return stages
 
 
@@ -303,15 +324,28 @@ def _mode_dependent(node: fx.Node) -> bool:
     return True
 
 
-def _input_cone(value: fx.Node, constants: dict[fx.Node, Any]) -> Optional[tuple[set[fx.Node], set[fx.Node]]]:
-    """``(inputs, nodes)`` when ``value`` is made from the graph's integer or boolean inputs alone by ops
-    that neither draw random numbers nor depend on the mode or on parameters and buffers: the inputs it
-    reads and the tensor nodes in between; None otherwise."""
+def _writes(node: fx.Node) -> bool:
+    """Whether ``node`` may write to its arguments: an op whose schema says so (in-place, out=), or one
+    without a schema (a module, a higher-order op). Checks such as ``_assert_tensor_metadata`` do not."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op != "call_function" or schema is None or schema.is_mutable
+
+
+def _input_cone(value: fx.Node, constants: dict[fx.Node, Any], constant: Callable[[fx.Node], bool] = lambda n: False
+                ) -> Optional[tuple[set[fx.Node], set[fx.Node]]]:
+    """``(inputs, nodes)`` when ``value`` is made from the graph's integer or boolean inputs and ``constant``
+    buffers alone by ops that neither draw random numbers nor depend on the mode or on parameters and other
+    buffers: the inputs it reads and the nodes in between (the buffers' included); None otherwise."""
     inputs: set[fx.Node] = set()
     between: set[fx.Node] = set()
     stack, seen = [value], {value}
     while stack:
         node = stack.pop()
+        if node.op == "get_attr":
+            if not constant(node):
+                return None  # parameters, and buffers that are saved, written or trained
+            between.add(node)
+            continue
         if node.op == "placeholder":
             if node in constants:
                 continue

@@ -197,3 +197,41 @@ def test_tied_split_model_on_two_devices_keeps_one_weight_and_the_original_keys(
     piped.load_state_dict(other.state_dict())
     assert_same_state(model, other, atol=0, rtol=0)
     piped.close()
+
+
+class TableLM(nn.Module):
+    """Two linears, then a table made from a buffer and the positions added (like LLaMA's rotary cos)."""
+
+    def __init__(self, persistent: bool, written: bool) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("freq", torch.arange(1.0, 5.0), persistent=persistent)
+        self.written = written
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], dtype=torch.float32)
+        table = torch.cos(positions[:, None] * self.freq)  # [s, 4]
+        if self.written:
+            self.freq.mul_(1.0)  # an in-place write: the buffer is state, not a constant
+        hidden = self.second(self.first(ids.float().unsqueeze(-1).expand(-1, -1, 4)))
+        return hidden + table + (ids > 0).unsqueeze(-1)  # ids enter the second stage, as a mask's would
+
+
+@pytest.mark.parametrize("persistent,written,remade", [(False, False, True), (True, False, False),
+                                                       (False, True, False)])
+def test_a_table_made_from_a_constant_buffer_is_made_again_not_sent(persistent: bool, written: bool,
+                                                                    remade: bool) -> None:
+    # Made again only from a buffer outside the state dict (a checkpoint could change a saved one in one
+    # stage only) that nothing writes. Of several stages using it, the later ones hold a copy (see the
+    # LLaMA test in test_split_real_models.py).
+    torch.manual_seed(0)
+    model = TableLM(persistent, written)
+    ids = torch.randint(0, 5, (2, 3))
+    stages = pipe.split(model, (ids,), at=["second"])
+    received = [tuple(n.meta["val"].shape) for n in stages[1].graph.nodes if n.op == "placeholder"]
+    assert (len(received) == 2) == remade, received  # ids and the hidden state, or the table too
+    holds = "freq" in dict(stages[1].named_buffers())
+    assert holds == remade
+    if remade:  # only the second stage uses the table now: it holds the model's buffer itself
+        assert stages[1].get_buffer("freq") is model.freq and "freq" not in dict(stages[0].named_buffers())
+    torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)

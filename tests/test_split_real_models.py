@@ -106,6 +106,28 @@ def test_deferred_batch_norm_is_refused_for_captured_batch_norm(
         Pipe(stages, chunks=4, balance=[1, 1], devices=["cpu", "cpu"], deferred_batch_norm=True)
 
 
+def test_llama_rotary_tables_are_made_again_in_each_stage_from_a_copy_of_inv_freq() -> None:
+    # cos and sin ([1, s, head_dim] each, per micro-batch) come from the inv_freq buffer (outside the state
+    # dict, never written) and the positions: each stage makes them from its own copy instead of receiving them.
+    torch.manual_seed(0)
+    model = LMS["llama"][0](layers=3)
+    ids, mask, _ = lm_batch(8, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False},
+                        at=["model.layers.1", "model.layers.2"])
+    for k, stage in enumerate(stages):
+        floats = [tuple(n.meta["val"].shape) for n in stage.graph.nodes
+                  if n.op == "placeholder" and n.meta["val"].is_floating_point()]
+        assert len(floats) == (0 if k == 0 else 1), f"stage {k} receives {floats}: the hidden state alone expected"
+    copies = [stage.get_buffer("model.rotary_emb.inv_freq") for stage in stages]
+    assert copies[0] is model.model.rotary_emb.inv_freq
+    assert len({c.data_ptr() for c in copies}) == 3 and all(torch.equal(c, copies[0]) for c in copies)
+    assert sorted(stages.state_dict()) == sorted(model.state_dict())  # inv_freq is in neither
+    ids, mask, labels = lm_batch(4, 6, seed=1)
+    piped = Pipe(stages, chunks=2, checkpoint="except_last", balance=[1, 1, 1], devices=["cpu"] * 3)
+    assert_same_lm_step(piped, model, copy.deepcopy(model), ids, mask, labels)
+    piped.close()
+
+
 @pytest.mark.parametrize("which", sorted(LMS))
 def test_a_mask_made_from_the_inputs_is_made_again_in_each_stage_not_sent(which: str) -> None:
     # The [b, 1, s, s] mask the model expands from attention_mask would cross every boundary (s x s bytes

@@ -125,8 +125,8 @@ class LayerTimes:
             adds to its forward and backward; ``inf`` for a layer that fails so
             marked; empty unless ``select`` was given.
         needs_grad: whether each tensor of each layer's output requires a
-            gradient (a table computed from buffers, such as LLaMA's rotary
-            cos and sin, does not), as a stage receives it.
+            gradient (a table computed from buffers, such as a saved
+            positional table, does not), as a stage receives it.
     """
 
     forward: dict[int, list[float]]
@@ -303,8 +303,8 @@ def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_byte
 
 def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
     """Each layer's output must be a fixed part plus a part per sample, the same at every size: the
-    fixed part holds what does not grow with the micro-batch (LLaMA's rotary tables, a mask broadcast
-    over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
+    fixed part holds what does not grow with the micro-batch (a table made from a saved buffer, a mask
+    broadcast over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
     and are only checked for a fixed part and a part per sample that are not negative.
 
     Raises:

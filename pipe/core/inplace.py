@@ -214,8 +214,8 @@ class InputGuard:
 
         A checkpointed cell's first forward runs without grad, so autograd cannot tell it; without
         this, every floating-point output of it would need a gradient, and the next partition would
-        compute and send back gradients for tensors made from buffers alone (LLaMA's rotary tables)
-        that the replay then drops.
+        compute and send back gradients for tensors made from buffers alone (a table made from a saved
+        buffer) that the replay then drops.
         """
         known = self._differentiable.get((self._mode(), tuple(needs)))
         return known if known is not None and len(known) == outputs else None
