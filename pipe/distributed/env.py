@@ -52,7 +52,8 @@ def init_from_env(
         model = pipe.distributed.DistributedPipe(layers, chunks=8)
 
     Args:
-        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo. Under gloo the
+            returned device is the CPU; ranks that share GPUs over gloo pass ``device=`` to ``DistributedPipe``.
         timeout: how long a collective or point-to-point wait may block before
             the job fails, in seconds (a number) or a ``datetime.timedelta``;
             default :data:`DEFAULT_TIMEOUT` (60 s).
@@ -84,8 +85,9 @@ def init_from_env(
             raise RuntimeError(
                 f"LOCAL_RANK is {local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s): NCCL "
                 "needs one GPU per process. Start at most that many processes per node (torchrun "
-                f"--nproc-per-node={max(torch.cuda.device_count(), 1)}), or pass backend='gloo' to share a GPU "
-                "between ranks (gloo moves CUDA tensors through host memory; slower)"
+                f"--nproc-per-node={max(torch.cuda.device_count(), 1)}), or pass backend='gloo' here and "
+                "device=torch.device('cuda', LOCAL_RANK % torch.cuda.device_count()) to DistributedPipe to share "
+                "GPUs between ranks (gloo moves each message through host memory; slower)"
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
