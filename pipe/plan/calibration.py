@@ -91,8 +91,8 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     """Runs a few plans of the model on ``stages`` local gloo processes and fits the time model to them.
 
     Args:
-        build: returns a fresh copy of the model (``functools.partial(copy.deepcopy, model)``); spawned where
-            a GPU is visible (:func:`pipe.plan.measure.run_plans`), so it must then pickle.
+        build: returns a fresh copy of the model (``functools.partial(copy.deepcopy, model)``); where a GPU is
+            visible it is pickled to the ranks (:func:`pipe.plan.measure.run_plans`), so it must pickle.
         costs: the model's profile (:func:`pipe.plan.profile_costs`), measured on ``sample``.
         stages: pipeline ranks (the plans are not sharded).
         sample, target: one mini-batch and its targets (default: the sample).

@@ -173,8 +173,9 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     A ``pp x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
     ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
     its fastest step. ``build()`` returns a fresh model. The processes are forked (any function works) where
-    no GPU is visible. Where one is, they are spawned, so ``build``, ``loss_fn`` and the data must pickle (a
-    function at module level): a forked child can use neither CUDA once this process has, nor autograd once
+    no GPU is visible. Where one is, a fork server starts them (a fresh interpreter that imports torch and
+    pipe once and forks each rank), so ``build``, ``loss_fn`` and the data must pickle (a function at module
+    level): a child forked from this process can use neither CUDA once this process has, nor autograd once
     this process ran a backward (torch starts autograd's device threads then).
 
     Raises:
@@ -189,19 +190,21 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     if len(worlds) != 1:
         raise ValueError(f"run_plans runs candidates on one set of ranks; got plans on {worlds or 'no'} ranks")
     world = worlds[0]
-    spawn = torch.cuda.is_available()
-    if spawn:
+    served = torch.cuda.is_available()  # the ranks come from a fork server, not from this process
+    if served:
         try:
             pickle.dumps((build, loss_fn, inputs, target))
         except Exception as error:
             raise TypeError(
-                f"running a plan: {error}. With a GPU visible the plan's ranks are spawned (a forked child cannot "
-                "use CUDA or autograd after this process did), so build and loss_fn must be functions at module "
-                "level and the data must pickle") from None
+                f"running a plan: {error}. With a GPU visible the plan's ranks are started by a fork server (a "
+                "child forked from this process cannot use CUDA or autograd after this process did), so build and "
+                "loss_fn must be functions at module level and the data must pickle") from None
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn") if spawn else multiprocessing.get_context("fork")
+    context: Any = multiprocessing.get_context("forkserver" if served else "fork")
+    if served:
+        context.set_forkserver_preload(["torch", "torch.distributed", "pipe", "pipe.distributed"])
     queue: "multiprocessing.Queue[Any]" = context.Queue()
     processes = [context.Process(target=_plans_rank, daemon=True, args=(
         rank, world, port, build, list(candidates), inputs, target, loss_fn, repeat, sweeps, queue))
