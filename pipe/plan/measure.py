@@ -190,8 +190,10 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     if len(worlds) != 1:
         raise ValueError(f"run_plans runs candidates on one set of ranks; got plans on {worlds or 'no'} ranks")
     world = worlds[0]
-    served = torch.cuda.is_available()  # the ranks come from a fork server, not from this process
-    if served:
+    from pipe.distributed.env import rank_processes
+
+    context = rank_processes()
+    if context.get_start_method() != "fork":  # the ranks get build, loss_fn and the data by pickling
         try:
             pickle.dumps((build, loss_fn, inputs, target))
         except Exception as error:
@@ -202,9 +204,6 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context: Any = multiprocessing.get_context("forkserver" if served else "fork")
-    if served:
-        context.set_forkserver_preload(["torch", "torch.distributed", "pipe", "pipe.distributed"])
     queue: "multiprocessing.Queue[Any]" = context.Queue()
     processes = [context.Process(target=_plans_rank, daemon=True, args=(
         rank, world, port, build, list(candidates), inputs, target, loss_fn, repeat, sweeps, queue))

@@ -5,15 +5,11 @@ cores) and checks several things per spawn. Ranks are forked, so the function
 may be defined in the test module; each rank compares against the plain
 model itself and returns plain Python values (tensors are not sent back).
 
-Where a GPU is visible, ranks come from a fork server instead (a fresh
-interpreter that imports torch and pipe once, never touches CUDA or autograd,
-and forks each rank): a child forked from the test's process cannot use CUDA
-once that process has, and in a CUDA build with a GPU a process's first
-backward (even on the CPU) starts autograd's device threads, after which a
-forked child's backward is refused ("Unable to handle autograd's threading in
-combination with fork-based multiprocessing"). A pytest worker runs many
-tests, so any of them may have done either. The server's ranks get their
-function and arguments by pickling: rank functions live at module level. (On
+Where a GPU is visible, ranks come from a fork server instead
+(:func:`pipe.distributed.env.rank_processes`, which says why): a pytest worker
+runs many tests, so any of them may have used CUDA or run a backward before a
+fork. The server's ranks get their function and arguments by pickling: rank
+functions live at module level. (On
 the CPU, the 105 multi-process tests took 172 s forked, 211 s from the fork
 server and 460 s spawned, on 2 workers; the first GPU run spawned, and its
 suite outran its time limit.)
@@ -34,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pipe.distributed import init_from_env
+from pipe.distributed.env import rank_processes
 from torchrun_launch import free_port
 
 CRASHED = "killed by signal"
@@ -67,15 +64,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         deadline: the whole run's limit; past it the ranks are killed and the test fails.
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
         expect_missing: ranks meant to die without returning (their result is None).
-        start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; default: the fork server where a GPU is
-            visible, else fork (``$PIPE_TEST_START_METHOD`` overrides it).
+        start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; default ``$PIPE_TEST_START_METHOD``, else
+            :func:`pipe.distributed.env.rank_processes`'s (the fork server where a GPU is visible, else fork).
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
-    if start_method is None:
-        start_method = os.environ.get("PIPE_TEST_START_METHOD") or (
-            "forkserver" if torch.cuda.is_available() else "fork")
+    start_method = start_method or os.environ.get("PIPE_TEST_START_METHOD")
     crashed_before = False
     for _ in range(3):
         collected, deaths = _spawn(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing,
@@ -102,16 +97,14 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
 
 
 def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,
-           env: dict[str, str], barrier: bool, expect_missing: Collection[int], start_method: str
+           env: dict[str, str], barrier: bool, expect_missing: Collection[int], start_method: Optional[str]
            ) -> tuple[dict[int, tuple[bool, Any]], dict[int, str]]:
     """One spawn of ``world`` ranks on a free port.
 
     Returns each rank's (ok, result or traceback) that came back, and for each rank that ended without one,
     how it ended (exit code or signal) and the stacks that Python's fault handler wrote, if any.
     """
-    context = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":  # the server imports these once; each rank is forked from it, clean
-        context.set_forkserver_preload(["torch", "torch.distributed", "pipe", "pipe.distributed"])
+    context = rank_processes(start_method)
     results: "multiprocessing.Queue[Any]" = context.Queue()
     port = free_port()
     logs = tempfile.TemporaryDirectory(prefix="pipe-ranks-")

@@ -101,3 +101,13 @@ def _world_timeout_seconds(_rank: int, _world: int) -> float:
 def test_init_from_env_with_a_timeout_in_seconds_sets_the_process_group_timeout() -> None:
     # One rank (world 1): the process group gets 5 s, and so does every group the pipeline makes.
     assert run_ranks(_world_timeout_seconds, 1, timeout=5) == [5.0]
+
+
+def test_local_ranks_come_from_a_fork_server_where_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipe.distributed.env import rank_processes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_processes().get_start_method() == "fork"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # forking would inherit CUDA and autograd state
+    assert rank_processes().get_start_method() == "forkserver"
+    assert rank_processes("spawn").get_start_method() == "spawn"
