@@ -1,17 +1,19 @@
-"""Planner validation for the split of 4 ranks between pipeline and FSDP sharding (pp x dp_shard).
+"""Planner validation for the split of 4 ranks between pipeline, replicas and FSDP sharding (pp x dp_replicate x
+dp_shard).
 
 For the MLP stack of benchmarks/planner.py, on 4 gloo ranks on the CPU:
 
 1. the costs are profiled once (with the loss), the link (and FSDP's
    overheads, :func:`pipe.plan.link.measure_link`) is measured once per machine;
-2. every candidate that ``pipe.plan.search(..., dp_shard="auto")`` compares
-   for the restricted grid (GPipe, 1F1B, interleaved; checkpoint "never";
-   even balances) is *run* on the mesh of its split, each pipeline on its part
-   of the batch: pp4 x dp_shard1, pp2 x dp_shard2 (ZeRO-3, and ZeRO-2 where
-   a rank holds two stages), pp1 x dp_shard4. Per rank the step's bytes are
-   counted (activations, buffers and FSDP's unsharded parameters and
-   gradients) and the step timed, the fastest of 3 steps in each of
-   ``--sweeps`` sweeps;
+2. every candidate that ``pipe.plan.search(..., dp_shard="auto",
+   dp_replicate="auto")`` compares for the restricted grid (GPipe, 1F1B,
+   interleaved; checkpoint "never"; even balances) is *run* on the mesh of its
+   split, each pipeline on its part of the batch: pp4, pp2 x dp_shard2 (ZeRO-3,
+   and ZeRO-2 where a rank holds two stages), pp1 x dp_shard4, pp2 x
+   dp_replicate2, pp1 x dp_replicate4 and pp1 x dp_replicate2 x dp_shard2
+   (HSDP). Per rank the step's bytes are counted (activations, buffers, FSDP's
+   unsharded parameters and gradients, the replicas' averager's flat copies)
+   and the step timed, the fastest of 3 steps in each of ``--sweeps`` sweeps;
 3. the prediction of every plan is compared with the measurement (step
    time: the slowest rank; peak: every rank against its pipeline rank's);
 4. for budgets between the smallest and the largest predicted peak, the
@@ -55,7 +57,7 @@ from planner import load, mlp_data, mlp_model  # noqa: E402
 from pipe.plan import Candidate, TimeModel, fit, predict, profile_costs, search  # noqa: E402
 from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
-from pipe.plan.sharding import split_candidates  # noqa: E402
+from pipe.plan.sharding import split_candidates, split_text  # noqa: E402
 
 RANKS = 4
 SIZES = {"full": dict(width=512, layers=8, batch=64), "quick": dict(width=128, layers=4, batch=32)}
@@ -115,7 +117,7 @@ def main() -> None:
     x, y = mlp_data(size)
     costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y)
     model = TimeModel.measured(cached_link())
-    grid, skipped = split_candidates(costs, RANKS, "processes", "auto", (3, 2), balances=None, **OPTIONS)
+    grid, skipped = split_candidates(costs, RANKS, "processes", "auto", (3, 2), "auto", balances=None, **OPTIONS)
     grid = [c for c in grid if len(set(c.balance)) == 1]  # even balances
     measured = run(size, grid, mode["sweeps"])
     plans = []
@@ -123,7 +125,7 @@ def main() -> None:
         p = predict(costs, c, runner="processes", model=model)
         step = max(measured[r][k][2] for r in range(RANKS))
         peaks = [(p.peaks[measured[r][k][0]] - p.static[measured[r][k][0]], measured[r][k][1]) for r in range(RANKS)]
-        plans.append({"plan": c.describe(), "split": f"pp{c.ranks} x dp_shard{c.dp_shard}", "candidate": c,
+        plans.append({"plan": c.describe(), "split": split_text(c).split(" zero")[0], "candidate": c,
                       "predicted_ms": p.step_time * 1e3, "measured_ms": step * 1e3,
                       "step_error": p.step_time / step - 1, "predicted_peak": p.peak,
                       "measured_peak": max(m + p.static[measured[r][k][0]] for r, (_, m) in enumerate(peaks)),
@@ -132,7 +134,8 @@ def main() -> None:
     budgets = [int(low + (high - low) * i / (mode["budgets"] - 1)) for i in range(mode["budgets"])]
     choices = []
     for budget in budgets:
-        chosen = search(costs, RANKS, budget, runner="processes", dp_shard="auto", model=model, per_stage=False,
+        chosen = search(costs, RANKS, budget, runner="processes", dp_shard="auto", dp_replicate="auto", model=model,
+                        per_stage=False,
                         balances=[c.balance for c in grid], **OPTIONS)
         row = next(p for p in plans if p["candidate"] == chosen.candidate)
         fitting = [p for p in plans if p["measured_peak"] <= budget]
@@ -144,9 +147,10 @@ def main() -> None:
                         "chosen_vs_fastest": row["measured_ms"] / fastest["measured_ms"] if fastest else None,
                         "splits": chosen.splits})
     errors = [abs(p["step_error"]) for p in plans]
-    first_of_split: dict[tuple[int, int], Candidate] = {}
+    first_of_split: dict[tuple[int, int, int], Candidate] = {}
     for p in plans:
-        first_of_split.setdefault((p["candidate"].ranks, p["candidate"].dp_shard), p["candidate"])
+        c = p["candidate"]
+        first_of_split.setdefault((c.ranks, c.dp_replicate, c.dp_shard), c)
     calibration = list(first_of_split.values())
     times = {p["candidate"]: p["measured_ms"] / 1e3 for p in plans}
     fitted = fit(costs, {c: times[c] for c in calibration}, link=model.link)

@@ -171,8 +171,9 @@ class DistributedPipe(PlainNamed, nn.Module):
             if mesh is not None:
                 verify_mesh(mesh, data_parallel)
             pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
-            planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks,
-                                     loss_fn, target, shards=mesh_size(mesh, "dp_shard") if mesh is not None else 1)
+            planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks, loss_fn, target,
+                                     shards=mesh_size(mesh, "dp_shard") if mesh is not None else 1,
+                                     replicas=mesh_size(mesh, "dp_replicate") if mesh is not None else data_parallel or 1)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts

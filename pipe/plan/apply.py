@@ -52,8 +52,14 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any, shards: int = 1) -> dict[str, Any]:
+                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any, shards: int = 1,
+                   replicas: int = 1) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
+
+    With ``replicas`` > 1 (data-parallel replicas, each with ``sample`` as its mini-batch) the plan is
+    that of ``ranks x replicas`` ranks split as ``pp x dp_replicate`` (:mod:`pipe.plan.sharding`), on
+    the replicas' mini-batches together: so the averager's copies of the gradients and its all-reduce
+    are counted.
 
     Raises:
         ValueError: ``shards > 1`` (a mesh with "dp_shard"): the split is planned by
@@ -75,8 +81,14 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks, runner="processes", link="cached",
-                          loss_fn=loss_fn, target=target)
+            if replicas > 1:
+                from pipe.core.microbatch import Batch, gather
+
+                sample, target = (gather([Batch(value)] * replicas) if value is not None else None
+                                  for value in (sample, target))
+            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks * replicas, runner="processes",
+                          link="cached", loss_fn=loss_fn, target=target,
+                          dp_replicate=[replicas] if replicas > 1 else None)
             logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
             message = [chosen.distributed_kwargs()]
         except (TypeError, ValueError) as error:

@@ -112,7 +112,7 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
     if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
-    view = replica_costs(costs, candidate.dp_shard)  # each pipeline's share of the batch
+    view = replica_costs(costs, candidate.parts)  # each pipeline's share of the batch
     rows = view.rows(candidate.chunks)
     full, select = [0] * len(candidate.balance), [0] * len(candidate.balance)
     peaks, _ = predict_memory(costs, candidate, runner=runner)

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp-shard", nargs="+", metavar="S", default=None,
                         help="plan --stages ranks as pp x dp_shard (FSDP): 'auto' for every divisor, or the "
                              "dp_shard sizes to try (needs --runner processes)")
+    parser.add_argument("--dp-replicate", nargs="+", metavar="R", default=None,
+                        help="plan --stages ranks with full replicas too, as pp x dp_replicate (or with --dp-shard "
+                             "pp x dp_replicate x dp_shard, HSDP): 'auto' for every divisor, or the sizes to try "
+                             "(needs --runner processes)")
     parser.add_argument("--zero", type=int, nargs="+", choices=[2, 3], default=[3, 2],
                         help="with --dp-shard: the ZeRO stages to compare (3: reshard after forward; default 3 2)")
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
@@ -141,7 +145,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
                      f"({predicted.step_time / step - 1:+.1%})")
         for rank, m in enumerate(measured):
             peak = predicted.peaks[m.pipeline_rank]
-            where = f" (pipeline rank {m.pipeline_rank})" if chosen.candidate.dp_shard > 1 else ""
+            where = f" (pipeline rank {m.pipeline_rank})" if chosen.candidate.parts > 1 else ""
             lines.append(f"  rank {rank}{where} peak  predicted {format_bytes(peak):>12}  measured "
                          f"{format_bytes(m.activation_peak):>12} ({peak / m.activation_peak - 1:+.1%})")
         return "\n".join(lines)
@@ -168,17 +172,20 @@ class _Name(str):
         return str(self)
 
 
-def _dp_shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    if args.dp_shard is None:
+def _sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str, what: str) -> Any:
+    """``--dp-shard`` or ``--dp-replicate``: None, ``"auto"`` or a list of sizes."""
+    given = getattr(args, name)
+    flag = "--" + name.replace("_", "-")
+    if given is None:
         return None
     if args.runner != "processes":
-        parser.error("--dp-shard plans FSDP sharding, which only DistributedPipe runs: add --runner processes")
-    if args.dp_shard == ["auto"]:
+        parser.error(f"{flag} plans {what}, which only DistributedPipe runs: add --runner processes")
+    if given == ["auto"]:
         return "auto"
     try:
-        return [int(size) for size in args.dp_shard]
+        return [int(size) for size in given]
     except ValueError:
-        parser.error(f"--dp-shard takes 'auto' or sizes such as 2 4, got {' '.join(args.dp_shard)}")
+        parser.error(f"{flag} takes 'auto' or sizes such as 2 4, got {' '.join(given)}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -193,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = args.model()
     sample = torch.randn(*args.input_shape) if args.input_shape else args.input()
     with_loss = args.verify and args.runner == "processes"
-    dp_shard = _dp_shard(parser, args)
+    dp_shard = _sizes(parser, args, "dp_shard", "FSDP sharding")
+    dp_replicate = _sizes(parser, args, "dp_replicate", "data-parallel replicas")
     if args.calibrate and args.runner != "processes":
         parser.error("--calibrate runs plans on local processes, which is DistributedPipe's runner: add "
                      "--runner processes")
@@ -201,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
                       chunks=args.chunks, param_scale=args.param_scale,
                       link=None if args.link == "none" else args.link, loss_fn=mean_output_loss if with_loss else None,
-                      target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero,
+                      target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero, dp_replicate=dp_replicate,
                       select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
@@ -214,7 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.write(chosen.table() + "\n")
     kwargs = chosen.pipe_kwargs() if args.runner == "threads" else chosen.distributed_kwargs()
     front = "Pipe" if args.runner == "threads" else "DistributedPipe"
-    if dp_shard is not None:
+    if dp_shard is not None or dp_replicate is not None:
         front = f"mesh = make_mesh({', '.join(f'{k}={v}' for k, v in chosen.mesh_kwargs().items())})\n{front}"
         kwargs = {**kwargs, "mesh": _Name("mesh")}
     sys.stdout.write(f"\n{front}(model, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")\n")

@@ -14,7 +14,10 @@ time steps of the same kind of model sharded over both (``pp 1 x dp_shard
 FSDP's overhead per gather or reduce-scatter of a group
 (:attr:`Link.collective_overhead`), and what the 2-layer step takes beyond
 its collectives and actions its overhead per sharded stage and step
-(:attr:`Link.shard_step_overhead`).
+(:attr:`Link.shard_step_overhead`). They also time all-reduces of several
+sizes (the replicas' gradient averaging, and HSDP's): gloo reduces on the
+CPU, so an all-reduce costs more per byte than a message
+(:attr:`Link.reduce_latency`, :attr:`Link.reduce_per_byte`).
 
 :func:`cached_link` returns the figures measured earlier on this machine, or
 measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
@@ -43,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 """Message sizes in bytes sent by :func:`measure_link` (1 KiB to 4 MiB)."""
+
+REDUCE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)
+"""Buffer sizes in bytes all-reduced by :func:`measure_link` (16 KiB to 4 MiB)."""
 
 
 def link_key(backend: str = "gloo") -> str:
@@ -79,13 +85,21 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
                     dist.send(buffer, 0)
                 elapsed = (time.perf_counter() - begun) / 2
                 best[size] = min(best.get(size, math.inf), elapsed)
+        reduced: dict[int, float] = {}
+        for _ in range(repeats + 1):
+            for size in REDUCE_SIZES:
+                buffer = torch.zeros(size // 4)
+                dist.barrier()
+                begun = time.perf_counter()
+                dist.all_reduce(buffer)
+                reduced[size] = min(reduced.get(size, math.inf), time.perf_counter() - begun)
         step = _empty_step(rank)
         sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
         import gc
 
         gc.collect()  # the sharded pipelines' groups go before the default group
         dist.destroy_process_group()
-        queue.put((rank, (best, step, sharded)))
+        queue.put((rank, (best, step, sharded, reduced)))
     except BaseException as error:  # reported to the parent, which raises it
         queue.put((rank, f"{type(error).__name__}: {error}"))
 
@@ -201,10 +215,14 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     link = replace(link, action_overhead=_overhead(link, max(results[0][1], results[1][1])))
     sharded = {layers: max(results[0][2][layers], results[1][2][layers]) for layers in SHARDED_LAYERS}
     collective, per_step = _sharding_overheads(link, sharded)
+    reduce_latency, reduce_per_byte = _line({size: max(results[0][3][size], results[1][3][size])
+                                             for size in REDUCE_SIZES})
     logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action; "
-                "FSDP %.3f ms per collective step, %.3f ms per sharded stage and step", latency * 1e6,
-                per_byte * 1e9, link.action_overhead * 1e3, collective * 1e3, per_step * 1e3)
-    return replace(link, collective_overhead=collective, shard_step_overhead=per_step)
+                "FSDP %.3f ms per collective step, %.3f ms per sharded stage and step; all-reduce %.1f us + "
+                "%.3f ns per byte", latency * 1e6, per_byte * 1e9, link.action_overhead * 1e3, collective * 1e3,
+                per_step * 1e3, reduce_latency * 1e6, reduce_per_byte * 1e9)
+    return replace(link, collective_overhead=collective, shard_step_overhead=per_step, reduce_latency=reduce_latency,
+                   reduce_per_byte=reduce_per_byte)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -225,17 +243,20 @@ def cached_link(measure: bool = True) -> Optional[Link]:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    if key in stored and (not measure or "collective_overhead" in stored[key]):  # else measured before FSDP was
+    if key in stored and (not measure or "reduce_per_byte" in stored[key]):  # else measured before all-reduces were
         entry = stored[key]
         return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
                     action_overhead=float(entry.get("action_overhead", 0.0)),
                     collective_overhead=float(entry.get("collective_overhead", 0.0)),
-                    shard_step_overhead=float(entry.get("shard_step_overhead", 0.0)))
+                    shard_step_overhead=float(entry.get("shard_step_overhead", 0.0)),
+                    reduce_latency=float(entry.get("reduce_latency", 0.0)),
+                    reduce_per_byte=float(entry.get("reduce_per_byte", 0.0)))
     if not measure:
         return None
     link = measure_link()
     stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
                    "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
+                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,8 @@ __all__: list[str] = []
 class Measured:
     """One rank's measured step: counted peak (bytes; activations, plus the static bytes in
     :func:`verify_plan`) and wall time (seconds); ``pipeline_rank``: its rank in the pipeline
-    (its index in a prediction's ``peaks``; a sharded plan has ``dp_shard`` ranks per pipeline rank)."""
+    (its index in a prediction's ``peaks``; a sharded or replicated plan has ``dp_replicate x dp_shard`` ranks
+    per pipeline rank)."""
 
     activation_peak: int
     step_time: float
@@ -144,7 +145,7 @@ def _plans_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module]
         for sweep in range(sweeps):  # the plans in turn, each sweep: a burst of load slows one sweep, not one plan
             for k, candidate in enumerate(candidates):
                 kwargs = candidate.distributed_kwargs()
-                if candidate.dp_shard > 1:
+                if candidate.parts > 1:
                     kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
                 model = DistributedPipe(build(), **kwargs)
                 parts, part = model.topology.data_parallel, model.topology.replica
@@ -170,7 +171,7 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     process per rank, and measures its step (:func:`measure_step`); per candidate, one :class:`Measured` per rank
     (the counted activation peak, without the static bytes).
 
-    A ``pp x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
+    A ``pp x dp_replicate x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
     ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
     its fastest step. ``build()`` returns a fresh model. The processes are forked (any function works) where
     no GPU is visible. Where one is, a fork server starts them (a fresh interpreter that imports torch and

@@ -21,7 +21,8 @@ from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.plan.cost import Costs
-from pipe.plan.sharding import Held, collective_seconds, held_by_fsdp, replica_costs, sharded_static, split_text
+from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held_by_fsdp, replica_costs, sharded_static,
+                                split_text)
 from pipe.plan.timing import TimeModel
 
 LOSS_SCALAR_BYTES = 3 * 4
@@ -54,9 +55,13 @@ class Candidate:
         select_names: the regexes of those marks (the profile's, ``Costs.select``).
         dp_shard: ranks each stage is sharded over with FSDP2 (the mesh's
             "dp_shard"; :mod:`pipe.plan.sharding`); the plan runs on
-            ``ranks x dp_shard`` ranks, each pipeline on B / dp_shard samples.
+            ``ranks x dp_replicate x dp_shard`` ranks, each pipeline on
+            B / (dp_replicate x dp_shard) samples.
         reshard_after_forward: with ``dp_shard > 1``, ``Shard(reshard_after_forward=...)``:
             True is ZeRO-3, False ZeRO-2.
+        dp_replicate: full replicas of each pipeline (the mesh's "dp_replicate"): their
+            gradients averaged by the runner's averager, or with ``dp_shard > 1`` by FSDP
+            (HSDP: sharded over "dp_shard", replicated over "dp_replicate").
     """
 
     schedule: str
@@ -69,6 +74,7 @@ class Candidate:
     reshard_after_forward: bool = True
     select: tuple[int, ...] = ()
     select_names: tuple[str, ...] = ()
+    dp_replicate: int = 1
 
     @property
     def ranks(self) -> int:
@@ -76,9 +82,14 @@ class Candidate:
         return len(self.balance) // self.virtual_stages
 
     @property
+    def parts(self) -> int:
+        """Pipelines the mini-batch is split between: ``dp_replicate x dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
     def world(self) -> int:
-        """Ranks the plan runs on: ``ranks x dp_shard``."""
-        return self.ranks * self.dp_shard
+        """Ranks the plan runs on: ``ranks x dp_replicate x dp_shard``."""
+        return self.ranks * self.parts
 
     def recomputed(self, stage: int) -> int:
         """Layers of ``stage`` marked for recompute."""
@@ -115,19 +126,23 @@ class Candidate:
         return kwargs
 
     def mesh_kwargs(self) -> dict[str, int]:
-        """Arguments of ``pipe.distributed.make_mesh(**kwargs)``: ``{"pp": ranks, "dp_shard": dp_shard}``.
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)``: ``{"pp": ranks, "dp_shard": dp_shard}``,
+        and ``"dp_replicate"`` when the plan has replicas.
 
         The mesh is collective: every rank calls ``make_mesh`` after
         ``init_process_group``; each rank then passes its share of the
-        mini-batch (part ``model.topology.replica`` of ``dp_shard``).
+        mini-batch (part ``model.topology.replica`` of ``model.topology.data_parallel``).
         """
-        return {"pp": self.ranks, "dp_shard": self.dp_shard}
+        kwargs = {"pp": self.ranks, "dp_shard": self.dp_shard}
+        if self.dp_replicate > 1:
+            kwargs["dp_replicate"] = self.dp_replicate
+        return kwargs
 
     def describe(self) -> str:
         extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
         marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""
         marks += f" select={list(self.select)}" if self.selective() else ""
-        split = f" {split_text(self)}" if self.dp_shard > 1 else ""
+        split = f" {split_text(self)}" if self.parts > 1 else ""
         return (f"{self.schedule}{extra} chunks={self.chunks} balance={list(self.balance)} "
                 f"checkpoint={self.checkpoint}{marks}{split}")
 
@@ -179,7 +194,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             cover the layers, or a schedule argument is out of range).
     """
     peaks_static = memory or predict_memory(costs, candidate, runner=runner)
-    costs = replica_costs(costs, candidate.dp_shard)
+    costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
     model = model or TimeModel()
     bounds = _bounds(candidate.balance)
@@ -188,9 +203,8 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
              for s, (first, last) in enumerate(bounds)]
     scale, overhead = model.contention, model.action_overhead
     collectives: dict[Action, float] = {}
-    for rank in range(schedule.ranks):  # FSDP's gathers and reduce-scatters, on the actions that issue them
-        collectives.update(collective_seconds(costs, schedule, rank, bounds, candidate.dp_shard,
-                                              candidate.reshard_after_forward, model.link))
+    for rank in range(schedule.ranks):  # FSDP's or the averager's collectives, on the actions that issue them
+        collectives.update(collective_seconds(costs, schedule, rank, bounds, candidate, model.link))
 
     def messages(action: Action) -> int:  # sent and received to and from other ranks
         if action.phase not in (Phase.FORWARD, Phase.BACKWARD, Phase.INPUT):
@@ -253,8 +267,9 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
     """``(peaks, static)``: bytes per rank at its high-water mark, and of its parameters, gradients and
     optimiser state; only ``ranks`` (the others get 0) when given. A sharded candidate (``dp_shard > 1``)
     holds shards of the static bytes, and FSDP's unsharded parameters and gradients during the step
-    (:func:`pipe.plan.sharding.held_by_fsdp`)."""
-    costs = replica_costs(costs, candidate.dp_shard)
+    (:func:`pipe.plan.sharding.held_by_fsdp`); a replicated one (``dp_replicate > 1``, unsharded) the
+    averager's flat gradient copies (:func:`pipe.plan.sharding.held_by_averager`)."""
+    costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
@@ -264,11 +279,14 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
             peaks.append(0)
             static.append(0)
             continue
+        extra: Optional[Held] = None
         if candidate.dp_shard > 1:
             fixed = sharded_static(costs, bounds, schedule.stages_of(rank), candidate.dp_shard)
             extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward)
         else:
-            fixed, extra = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank)), None
+            fixed = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank))
+            if candidate.dp_replicate > 1:
+                extra = held_by_averager(costs, schedule, rank, bounds)
         peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner, candidate, extra))
         static.append(fixed)
     return peaks, static
@@ -286,7 +304,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     plans already found, so most candidates are never simulated.
     """
     model = model or TimeModel()
-    costs = replica_costs(costs, candidate.dp_shard)
+    costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
@@ -295,8 +313,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     busiest = 0.0
     for rank in range(schedule.ranks):
         mine = schedule.stages_of(rank)
-        total = sum(collective_seconds(costs, schedule, rank, bounds, candidate.dp_shard,
-                                       candidate.reshard_after_forward, model.link).values())
+        total = sum(collective_seconds(costs, schedule, rank, bounds, candidate, model.link).values())
         for s in mine:
             t = times[s]
             total += m * (t.forward + t.backward) * model.contention + min(stop, m) * t.recompute * model.contention
@@ -311,7 +328,7 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
                      stop: int, runner: str = "threads", candidate: Optional[Candidate] = None,
-                     fsdp: Optional[Held] = None) -> int:
+                     besides: Optional[Held] = None) -> int:
     """The high-water mark of activation bytes along ``rank``'s program.
 
     With ``runner="processes"`` the process runner's buffers count too
@@ -323,9 +340,10 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     (then the send holds that copy instead). In the zero-bubble schedules, I keeps the graph and
     what it recorded for W (:attr:`StageMemory.after_input`, counted) and
     sends the input gradient; W adds its own high-water mark
-    (:attr:`StageMemory.weight_peak`), then frees them. ``fsdp``: bytes held besides
-    activations during each action (FSDP's unsharded parameters and gradients), and
-    the backwards that create a stage's gradients (counted with ``fresh``).
+    (:attr:`StageMemory.weight_peak`), then frees them. ``besides``: bytes held besides
+    activations during each action (FSDP's unsharded parameters and gradients, the averager's copies), and
+    the backwards that create a stage's gradients (counted with ``fresh``), and the bytes held after the
+    actions whose stage's gradients the averager copies (``besides.copied``).
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -350,13 +368,13 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
-        fresh = fsdp is not None and k in fsdp.fresh
+        fresh = besides is not None and k in besides.fresh
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
                                     candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
                                     fresh, candidate.selected(action.stage) if candidate else 0)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
-        posted += fsdp.during[k] if fsdp is not None else 0
+        posted += besides.during[k] if besides is not None else 0
         if action.phase is Phase.FORWARD:
             peak = max(peak, held + sent + posted + scalars + memory.forward_peak)
             kept[key] = memory.kept
@@ -379,4 +397,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if remote(action.stage + 1) else 0) + (
                     HEADER_BYTES + grads[first - 1] if remote(action.stage - 1) else 0)
+        if besides is not None and k in besides.copied:  # the averager copies the stage's gradients after the
+            # action, while the gradient it received is still referenced; the copies stay to the step's end
+            received = grads[last - 1] if (runner == "processes" and sizes and action.phase is Phase.BACKWARD
+                                           and remote(action.stage + 1)) else 0
+            peak = max(peak, held + sent + scalars + posted - besides.during[k] + received + besides.copied[k])
     return peak

@@ -98,8 +98,9 @@ class Plan:
         considered: how many candidates were compared (memory predicted for all).
         simulated: how many of them had their step time simulated (the others could not win).
         model: the time model used (None: layer times alone).
-        splits: with ``dp_shard=``, one line per ``pp x dp_shard`` split and ZeRO mode: chosen,
-            or why it lost (and the splits left out, with the reason).
+        splits: with ``dp_shard=`` or ``dp_replicate=``, one line per ``pp x dp_replicate x dp_shard``
+            split and ZeRO mode: chosen, or why it lost (and the splits left out, with the reason);
+            ``split_axes`` names the mesh dimensions planned (``"pp x dp_shard"``).
         calibration: with ``plan(calibrate=True)``, the plans run to fit ``model`` and their times.
     """
 
@@ -114,6 +115,7 @@ class Plan:
     model: Optional[TimeModel] = None
     splits: list[str] = field(default_factory=list)
     calibration: Optional["Calibration"] = None
+    split_axes: str = "pp x dp_shard"
 
     @property
     def candidate(self) -> Candidate:
@@ -136,11 +138,12 @@ class Plan:
 
     def distributed_kwargs(self) -> dict[str, Any]:
         """Arguments of ``DistributedPipe(model, **kwargs)`` (:meth:`Candidate.distributed_kwargs`); a sharded
-        plan needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on every rank)."""
+        or replicated plan needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on
+        every rank)."""
         return self.candidate.distributed_kwargs()
 
     def mesh_kwargs(self) -> dict[str, int]:
-        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_shard`` split
+        """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_replicate x dp_shard`` split
         (:meth:`Candidate.mesh_kwargs`)."""
         return self.candidate.mesh_kwargs()
 
@@ -154,18 +157,18 @@ class Plan:
             lines.append(f"time model: {self.model.describe()}")
         if self.calibration is not None:
             lines.append(self.calibration.describe())
-        peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its dp_shard ranks alike
+        peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its data-parallel ranks alike
         lines.append(f"{'':2}{'plan':<64} {'step':>10} {peaks:>30}")
 
         def row(mark: str, p: Prediction, why: str = "") -> str:
             peaks = " ".join(format_bytes(b) for b in p.peaks)
-            split = f" {split_text(p.candidate)}" if self.splits and p.candidate.dp_shard == 1 else ""
+            split = f" {split_text(p.candidate)}" if self.splits and p.candidate.parts == 1 else ""
             return f"{mark:2}{p.candidate.describe() + split:<64} {p.step_time * 1e3:>8.2f}ms {peaks:>30}" + (
                 f"  {why}" if why else "")
 
         lines.append(row("*", self.best, "chosen"))
         if self.splits:
-            lines.append("splits of the ranks (pp x dp_shard):")
+            lines.append(f"splits of the ranks ({self.split_axes}):")
             lines += [f"  {line}" for line in self.splits]
         if self.runners_up:
             lines.append("next best that fit:")
@@ -182,7 +185,8 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
            runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
-           rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2)) -> Plan:
+           rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2),
+           dp_replicate: DpShard = None) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
 
     Candidates go best-first by a lower bound of their step
@@ -211,20 +215,24 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
             runs on B / dp_shard samples, from the profiled micro-batch sizes (chunks c at
             dp_shard S needs the profile of chunks S*c). None (default): every rank a pipeline rank.
         zero: with ``dp_shard``, the ZeRO stages to compare: 3 (``Shard(reshard_after_forward=True)``), 2.
+        dp_replicate: plan ``ranks`` with full replicas of each pipeline too, as ``dp_shard``
+            (``"auto"`` or sizes): ``pp x dp_replicate`` (the runner's gradient averager), or with
+            ``dp_shard`` ``pp x dp_replicate x dp_shard`` (HSDP); each pipeline on B / (dp_replicate x
+            dp_shard) samples.
 
     Raises:
         PlanError: nothing fits; the message names the smallest peak, the rank and stages holding it.
     """
     budget = _budget(memory_budget, ranks)
     skipped: list[str] = []
-    if dp_shard is None:
+    if dp_shard is None and dp_replicate is None:
         options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
                              max_balances=max_balances, balances=balances)
     else:
         if len(set(budget)) > 1:
-            raise ValueError(f"memory_budget gives {len(budget)} different sizes, one per rank, but with dp_shard= the "
-                             f"ranks' roles depend on the split; give one size for every rank")
-        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, schedules=schedules,
+            raise ValueError(f"memory_budget gives {len(budget)} different sizes, one per rank, but with dp_shard= "
+                             f"or dp_replicate= the ranks' roles depend on the split; give one size for every rank")
+        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, dp_replicate, schedules=schedules,
                                             checkpoints=checkpoints, max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "
@@ -271,10 +279,12 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     best = fit[0]
     rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
-    splits = [] if dp_shard is None else split_summary(predictions, bounds, fits, best, budget[0]) + [
+    splits = [] if dp_shard is None and dp_replicate is None else split_summary(predictions, bounds, fits, best, budget[0]) + [
         f"left out: {why}" for why in skipped]
+    axes = " x ".join(["pp"] + [name for name, sizes in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard))
+                                if sizes is not None])
     chosen = Plan(predict(costs, best.candidate, runner=runner, model=model), ups, rejected_, budget, runner,
-                  considered, costs, simulated=len(predictions), model=model, splits=splits)
+                  considered, costs, simulated=len(predictions), model=model, splits=splits, split_axes=axes)
     logger.info("planned %s: predicted step %.3f ms, peaks %s (%d candidates, %d walked, %d simulated)",
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
                 considered, len(memory), len(predictions))
@@ -295,8 +305,9 @@ def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate
 
 
 def _rank_text(candidate: Candidate) -> str:
-    """"rank", or for a sharded plan "pipeline rank" (each of its dp_shard ranks holds the same)."""
-    return "pipeline rank" if candidate.dp_shard > 1 else "rank"
+    """"rank", or for a sharded or replicated plan "pipeline rank" (each of its data-parallel ranks holds the
+    same)."""
+    return "pipeline rank" if candidate.parts > 1 else "rank"
 
 
 def _stages_text(candidate: Candidate, rank: int) -> str:
@@ -331,7 +342,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
-         zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT, calibrate: bool = False) -> Plan:
+         zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT, calibrate: bool = False,
+         dp_replicate: DpShard = None) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -344,10 +356,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         sample: one mini-batch, as the pipeline will get it.
         memory_budget: bytes per rank: ``"2GiB"``, a number, or one per rank.
         stages: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks); with
-            ``dp_shard``, the ranks to split as ``pp x dp_shard``.
+            ``dp_shard`` or ``dp_replicate``, the ranks to split as ``pp x dp_replicate x dp_shard``.
         runner: ``"threads"`` for ``Pipe`` (GPipe), ``"processes"`` for ``DistributedPipe``.
         chunks: micro-batch counts to profile and consider (those that divide the batch); a
-            split with ``dp_shard`` S plans chunks c from the profile of chunks S*c.
+            split with ``dp_replicate x dp_shard`` = D plans chunks c from the profile of chunks D*c.
         schedules, checkpoints: restrict the candidates.
         param_scale: copies of the parameters training keeps: 2 for SGD,
             3 with momentum, 4 for Adam.
@@ -364,6 +376,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
         dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
+        dp_replicate: plan full replicas too (:func:`search`): ``pp x dp_replicate``, or HSDP with ``dp_shard``.
         select: name regexes of the selective recompute weighed per stage
             against full recompute (:func:`pipe.plan.profile_costs`); ``()``: full only.
         calibrate: (runner ``"processes"``) first run a few plans of ``model`` on
@@ -389,7 +402,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     def chosen(model_time: TimeModel) -> Plan:
         return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                       max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard,
-                      zero=zero)
+                      zero=zero, dp_replicate=dp_replicate)
 
     if not calibrate:
         return chosen(model_time)

@@ -28,10 +28,21 @@ last backward. The planner follows the very same per-action plan
   reduce-scatter) the runner issues it; both overheads are measured with the
   link (:func:`pipe.plan.link.measure_link`, on 2 ranks). The overlap of
   prefetches with compute is not modelled, nor ranks that outnumber the cores.
+
+Replicas (``make_mesh(pp=P, dp_replicate=R)``, R pipelines holding full
+copies) split the batch the same way. Without sharding the runner's averager
+(:class:`pipe.distributed.data_parallel.GradientAverager`) copies a stage's
+gradients into flat buffers after its last backward, all-reduces them
+asynchronously and keeps them until the step ends: the planner counts those
+copies (:func:`held_by_averager`) and charges the all-reduce, a ring of
+``2 (R - 1)`` messages of bytes / R per bucket, to that last backward. With
+``dp_shard`` S as well (HSDP) FSDP all-reduces each reduce-scattered shard
+over the R replicas, a ring of bytes / (S R), in place: the memory is that of
+``dp_shard`` S.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.schedule import Action, Phase, Schedule
@@ -47,38 +58,44 @@ __all__: list[str] = []
 ZERO_MODES: dict[int, bool] = {3: True, 2: False}
 
 
+#: Bytes of gradients the averager copies into one flat buffer (its bucket, as DDP's).
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
 def divisor_splits(ranks: int) -> list[int]:
-    """The ``dp_shard`` sizes that split ``ranks`` into ``pp x dp_shard`` (every divisor)."""
+    """The sizes that divide ``ranks`` (``pp x dp_shard``, or ``pp x dp_replicate``): every divisor."""
     return [s for s in range(1, ranks + 1) if ranks % s == 0]
 
 
-def replica_costs(costs: Costs, dp_shard: int) -> Costs:
-    """The costs one pipeline of a shard group sees: the same profile, on B / ``dp_shard`` samples.
+def replica_costs(costs: Costs, parts: int, label: str = "") -> Costs:
+    """The costs one pipeline of a shard or replica group sees: the same profile, on B / ``parts`` samples.
 
-    Chunks c then mean micro-batches of B/(dp_shard*c) rows, the rows profiled
-    for chunks ``dp_shard*c``; counted bytes are shared with ``costs`` (cached once).
+    ``parts`` is ``dp_replicate x dp_shard``; chunks c then mean micro-batches of B/(parts*c) rows, the rows
+    profiled for chunks ``parts*c``; counted bytes are shared with ``costs`` (cached once). ``label`` names the
+    split in errors (default ``dp_shard=<parts>``).
 
     Raises:
-        ValueError: the batch does not divide by ``dp_shard``, or no profiled
+        ValueError: the batch does not divide by ``parts``, or no profiled
             micro-batch size fits (the message names the chunk counts to profile).
     """
-    if dp_shard == 1:
+    if parts == 1:
         return costs
     cache = costs._replicas
-    if dp_shard in cache:
-        return cache[dp_shard]
-    if costs.batch % dp_shard:
-        raise ValueError(f"dp_shard={dp_shard} does not divide the mini-batch of {costs.batch} samples: each shard "
-                         f"rank takes batch / dp_shard of it; choose a batch that divides by {dp_shard}, or leave "
-                         f"dp_shard={dp_shard} out of the splits")
-    batch = costs.batch // dp_shard
+    if parts in cache:
+        return cache[parts]
+    label = label or f"dp_shard={parts}"
+    if costs.batch % parts:
+        raise ValueError(f"{label} does not divide the mini-batch of {costs.batch} samples: each pipeline takes "
+                         f"batch / {parts} of it; choose a batch that divides by {parts}, or leave "
+                         f"{label} out of the splits")
+    batch = costs.batch // parts
     kept = sorted(rows for rows in costs.forward if batch % rows == 0)
     if not kept:
         raise ValueError(
-            f"dp_shard={dp_shard} runs micro-batches of {batch} / chunks samples, but the profile has none of "
+            f"{label} runs micro-batches of {batch} / chunks samples, but the profile has none of "
             f"them (profiled chunk counts {costs.chunk_options()}); profile with chunks that include "
-            f"{[dp_shard * c for c in range(1, batch + 1) if batch % c == 0][:3]} (chunks c at dp_shard {dp_shard} is the profile of "
-            f"chunks {dp_shard}*c)")
+            f"{[parts * c for c in range(1, batch + 1) if batch % c == 0][:3]} (chunks c at {label} is the "
+            f"profile of chunks {parts}*c)")
     view = Costs(batch, {r: costs.forward[r] for r in kept}, {r: costs.backward[r] for r in kept},
                  costs._memory, costs.param_bytes, param_scale=costs.param_scale,
                  output_bytes={r: b for r, b in costs.output_bytes.items() if r in kept},
@@ -88,7 +105,7 @@ def replica_costs(costs: Costs, dp_shard: int) -> Costs:
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,
                  select=costs.select)
     view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
-    cache[dp_shard] = view
+    cache[parts] = view
     return view
 
 
@@ -114,10 +131,13 @@ class Held:
         fresh: the actions that create a stage's gradients (its first ``B``, or its first ``W``
             in a zero-bubble schedule): their peak is counted with the gradients created
             (``Costs.stage_memory(fresh=True)``), so ``during`` leaves that stage's gradients out there.
+        copied: the actions after which the averager copies their stage's gradients, each with the
+            copies held from then on (this stage's and those copied before).
     """
 
     during: list[int]
     fresh: frozenset[int]
+    copied: dict[int, int] = field(default_factory=dict)
 
 
 def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
@@ -160,59 +180,135 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     return Held(during, fresh)
 
 
-def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
-                       zero3: bool, link: Optional["Link"]) -> dict[Action, float]:
-    """Seconds of the all-gathers issued before, and the reduce-scatters issued after, each action of ``rank``.
+def _last_backwards(schedule: Schedule, program: list[Action]) -> dict[int, int]:
+    """Each stage's last action that adds to its gradients (``B``, or ``W`` in a zero-bubble schedule):
+    the runner starts the stage's gradient averaging after it."""
+    weights = (Phase.WEIGHT,) if schedule.splits_backward else (Phase.BACKWARD,)
+    return {action.stage: k for k, action in enumerate(program) if action.phase in weights}
 
-    Each FSDP group (a layer with parameters) is gathered and reduce-scattered
-    over a ring of ``dp_shard`` ranks: ``dp_shard - 1`` messages of its bytes / ``dp_shard``,
-    each with the link's ``collective_overhead``; a stage's reduction adds ``shard_step_overhead``.
+
+def held_by_averager(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]]) -> Held:
+    """What the replicas' averager holds on one rank along its program (activations apart).
+
+    :class:`pipe.distributed.data_parallel.GradientAverager` copies a stage's
+    gradients into flat buffers after the stage's last backward and keeps
+    them until the step's end, when the averages are written back: the
+    stage's bytes from the end of its last backward on.
     """
-    if link is None or dp_shard == 1:
+    program = _program(schedule, rank)
+    last = _last_backwards(schedule, program)
+
+    def copies(k: int) -> int:  # held during action k: the stages whose last backward came before it
+        return sum(_stage_bytes(costs, bounds, s) for s, end in last.items() if end < k)
+
+    return Held([copies(k) for k in range(len(program))], frozenset(), {k: copies(k + 1) for k in last.values()})
+
+
+def _ring(link: "Link", nbytes: int, size: int, overhead: float) -> float:
+    """Seconds of an all-gather or a reduce-scatter of ``nbytes`` over a ring of ``size`` ranks: ``size - 1``
+    messages of ``nbytes / size``, ``overhead`` added to each."""
+    return (size - 1) * (link.cost(-(-nbytes // size)) + overhead)
+
+
+def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
+                       candidate: "Candidate", link: Optional["Link"]) -> dict[Action, float]:
+    """Seconds of the collectives issued before or after each action of ``rank``: FSDP's or the averager's.
+
+    Sharded (``dp_shard`` S): each FSDP group (a layer with parameters) is
+    all-gathered and reduce-scattered over a ring of S ranks (S - 1 messages
+    of its bytes / S, each with the link's ``collective_overhead``), and with
+    ``dp_replicate`` R its shard is all-reduced over R ranks too
+    (:meth:`pipe.plan.timing.Link.all_reduce`); a stage's reduction adds
+    ``shard_step_overhead``. Replicated without sharding: each stage's
+    gradients are all-reduced over R ranks after its last backward, one flat
+    buffer per bucket of :data:`BUCKET_BYTES` (the copies in and out, at
+    memory speed, are not charged).
+    """
+    shard, replicas = candidate.dp_shard, candidate.dp_replicate
+    if link is None or shard * replicas == 1:
         return {}
+    program = _program(schedule, rank)
+    if shard == 1:
+        ends = _last_backwards(schedule, program)
+
+        def average(stage: int) -> float:
+            buckets, size = [], 0
+            for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]]:
+                size += b
+                if size >= BUCKET_BYTES:
+                    buckets.append(size)
+                    size = 0
+            return sum(link.all_reduce(b, replicas) for b in buckets + ([size] if size else []))
+
+        return {program[k]: average(s) for s, k in ends.items()}
     from pipe.distributed.fsdp import sharding_plan
 
-    def ring(stage: int) -> float:
-        first, stop = bounds[stage]
-        return sum((dp_shard - 1) * (link.cost(-(-b // dp_shard)) + link.collective_overhead)
-                   for b in costs.param_bytes[first:stop] if b)
+    def groups(stage: int) -> list[int]:
+        return [b for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]] if b]
 
-    program = _program(schedule, rank)
-    events = sharding_plan(program, zero3, training=True)
-    return {action: sum(ring(s) for s in events[k].unshard)
-            + sum(ring(s) + link.shard_step_overhead for s in events[k].reduce)
+    def gather(stage: int) -> float:
+        return sum(_ring(link, b, shard, link.collective_overhead) for b in groups(stage))
+
+    def reduce(stage: int) -> float:
+        total = sum(_ring(link, b, shard, link.collective_overhead) + link.all_reduce(-(-b // shard), replicas)
+                    for b in groups(stage))
+        return total + link.shard_step_overhead
+
+    events = sharding_plan(program, candidate.reshard_after_forward, training=True)
+    return {action: sum(gather(s) for s in events[k].unshard) + sum(reduce(s) for s in events[k].reduce)
             for k, action in enumerate(program)}
 
 
 def split_text(candidate: "Candidate") -> str:
-    """``pp2 x dp_shard2 zero3``: how the candidate splits its ranks."""
+    """``pp2 x dp_shard2 zero3``, ``pp2 x dp_replicate2``, ``pp1 x dp_replicate2 x dp_shard2 zero3``: how the
+    candidate splits its ranks."""
+    replicas = f" x dp_replicate{candidate.dp_replicate}" if candidate.dp_replicate > 1 else ""
     if candidate.dp_shard == 1:
-        return f"pp{candidate.ranks} x dp_shard1"
-    return f"pp{candidate.ranks} x dp_shard{candidate.dp_shard} zero{3 if candidate.reshard_after_forward else 2}"
+        return f"pp{candidate.ranks}{replicas}" if replicas else f"pp{candidate.ranks} x dp_shard1"
+    return (f"pp{candidate.ranks}{replicas} x dp_shard{candidate.dp_shard} "
+            f"zero{3 if candidate.reshard_after_forward else 2}")
 
 
 DpShard = Union[None, str, int, Sequence[int]]
 
 
-def shard_sizes(dp_shard: DpShard, ranks: int) -> list[int]:
-    """The ``dp_shard`` sizes to plan ``ranks`` ranks with: ``"auto"`` every divisor, or those given.
+def shard_sizes(sizes: DpShard, ranks: int, name: str = "dp_shard") -> list[int]:
+    """The ``name`` (``dp_shard`` or ``dp_replicate``) sizes to plan ``ranks`` ranks with: ``"auto"`` every
+    divisor, or those given; None: 1 alone.
 
     Raises:
         ValueError: a size that does not divide ``ranks`` (named, with the divisors to choose from).
     """
     divisors = divisor_splits(ranks)
-    if dp_shard == "auto":
+    if sizes is None:
+        return [1]
+    if sizes == "auto":
         return divisors
-    given: list[object] = [dp_shard] if isinstance(dp_shard, int) else list(dp_shard or [])
-    sizes = [s for s in given if isinstance(s, int) and not isinstance(s, bool)]
-    if not sizes or len(sizes) != len(given):
-        raise ValueError(f"dp_shard must be 'auto', a size or a list of sizes dividing the {ranks} ranks, got "
-                         f"{dp_shard!r}; choose among {divisors}")
-    bad = [s for s in sizes if s < 1 or ranks % s]
+    given: list[object] = [sizes] if isinstance(sizes, int) else list(sizes or [])
+    found = [s for s in given if isinstance(s, int) and not isinstance(s, bool)]
+    if not found or len(found) != len(given):
+        raise ValueError(f"{name} must be 'auto', a size or a list of sizes dividing the {ranks} ranks, got "
+                         f"{sizes!r}; choose among {divisors}")
+    bad = [s for s in found if s < 1 or ranks % s]
     if bad:
-        raise ValueError(f"dp_shard={bad} does not divide the {ranks} ranks into pp x dp_shard; choose sizes among "
+        raise ValueError(f"{name}={bad} does not divide the {ranks} ranks into pp x {name}; choose sizes among "
                          f"{divisors} (or plan with ranks a multiple of {bad[0]})")
-    return sorted(set(sizes))
+    return sorted(set(found))
+
+
+def split_sizes(dp_replicate: DpShard, dp_shard: DpShard, ranks: int) -> list[tuple[int, int]]:
+    """The ``(dp_replicate, dp_shard)`` pairs to plan ``ranks`` ranks with (each side as :func:`shard_sizes`),
+    those whose product divides ``ranks``.
+
+    Raises:
+        ValueError: bad sizes, or sizes given on both sides whose products never divide ``ranks``.
+    """
+    pairs = [(r, s) for r in shard_sizes(dp_replicate, ranks, "dp_replicate") for s in shard_sizes(dp_shard, ranks)
+             if ranks % (r * s) == 0]
+    if not pairs:
+        raise ValueError(f"dp_replicate={dp_replicate!r} x dp_shard={dp_shard!r}: no pair of sizes divides the "
+                         f"{ranks} ranks into pp x dp_replicate x dp_shard; choose sizes whose product divides {ranks}")
+    return pairs
 
 
 def zero_modes(zero: Sequence[int]) -> list[bool]:
@@ -229,9 +325,10 @@ def zero_modes(zero: Sequence[int]) -> list[bool]:
 
 
 def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, zero: Sequence[int],
-                     **options: Any) -> tuple[list["Candidate"], list[str]]:
-    """The candidates of every ``pp x dp_shard`` split of ``ranks`` (:func:`pipe.plan.candidates.candidates`
-    on each pipeline's B / dp_shard samples), in each ZeRO mode; and why any split was left out.
+                     dp_replicate: DpShard = None, **options: Any) -> tuple[list["Candidate"], list[str]]:
+    """The candidates of every ``pp x dp_replicate x dp_shard`` split of ``ranks``
+    (:func:`pipe.plan.candidates.candidates` on each pipeline's B / (dp_replicate x dp_shard) samples), in each
+    ZeRO mode where sharded; and why any split was left out.
 
     With one stage per rank ZeRO-2 and ZeRO-3 are the same plan (the program never moves to another stage),
     so only the ZeRO-3 candidate is kept there.
@@ -243,23 +340,29 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
     from pipe.plan.candidates import candidates
 
     if runner != "processes":
-        raise ValueError(f"dp_shard={dp_shard!r} plans FSDP sharding, which only DistributedPipe runs; "
+        what = "FSDP sharding" if dp_shard is not None else "data-parallel replicas"
+        given = f"dp_shard={dp_shard!r}" if dp_shard is not None else f"dp_replicate={dp_replicate!r}"
+        raise ValueError(f"{given} plans {what}, which only DistributedPipe runs; "
                          f"pass runner='processes' (got runner={runner!r})")
-    explicit = dp_shard != "auto"
+    explicit = dp_shard != "auto" and dp_replicate != "auto"
     modes = zero_modes(zero)
     found: list["Candidate"] = []
     skipped: list[str] = []
-    for size in shard_sizes(dp_shard, ranks):
-        pp = ranks // size
+    for replicas, size in split_sizes(dp_replicate, dp_shard, ranks):
+        pp = ranks // (replicas * size)
+        label = (f"dp_replicate={replicas} x dp_shard={size}" if replicas > 1 and size > 1 else
+                 f"dp_replicate={replicas}" if replicas > 1 else f"dp_shard={size}")
         try:
-            view = replica_costs(costs, size)
+            view = replica_costs(costs, replicas * size, label)
             plans = candidates(view, pp, runner, **options)
         except ValueError as error:
             if explicit:
                 raise
-            skipped.append(f"pp{pp} x dp_shard{size}: {error}")
+            axes = f"pp{pp}" + (f" x dp_replicate{replicas}" if replicas > 1 else "")
+            skipped.append(axes + (f" x dp_shard{size}" if size > 1 or replicas == 1 else "") + f": {error}")
             continue
         for c in plans:
+            c = replace(c, dp_replicate=replicas)
             if size == 1:
                 found.append(c)
                 continue
@@ -268,20 +371,22 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
                     continue  # the same plan as ZeRO-3
                 found.append(replace(c, dp_shard=size, reshard_after_forward=reshard))
     if not found:
-        raise ValueError(f"no pp x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
+        raise ValueError(f"no pp x dp_replicate x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
     return found, skipped
 
 
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
                   fits: Callable[["Candidate"], bool], best: "Prediction", budget: int) -> list[str]:
-    """One line per split (``pp x dp_shard``, ZeRO mode): its best plan, or why it lost."""
+    """One line per split (``pp x dp_replicate x dp_shard``, ZeRO mode): its best plan, or why it lost."""
     from pipe.plan.search import format_bytes
 
-    keys = sorted({(c.dp_shard, c.reshard_after_forward, c.ranks) for c in bounds}, key=lambda k: (k[0], not k[1]))
+    def key(c: "Candidate") -> tuple[int, int, bool]:
+        return c.dp_replicate, c.dp_shard, c.dp_shard == 1 or c.reshard_after_forward
+
     lines = []
-    for size, reshard, pp in keys:
-        mine = [p for p in predictions if (p.candidate.dp_shard, p.candidate.reshard_after_forward) == (size, reshard)]
-        label = split_text(next(c for c in bounds if (c.dp_shard, c.reshard_after_forward) == (size, reshard)))
+    for split in sorted({key(c) for c in bounds}, key=lambda k: (k[0] * k[1], k[1], not k[2])):
+        mine = [p for p in predictions if key(p.candidate) == split]
+        label = split_text(next(c for c in bounds if key(c) == split))
         fitting = [p for p in mine if fits(p.candidate)]
         if best.candidate in [p.candidate for p in fitting]:
             why = f"chosen ({best.step_time * 1e3:.2f} ms)"
@@ -293,10 +398,9 @@ def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate",
             why = (f"over budget: the smallest peak of its {len(mine)} simulated plans is {format_bytes(top.peak)} "
                    f"> {format_bytes(budget)}")
         else:
-            low = min(b for c, b in bounds.items() if (c.dp_shard, c.reshard_after_forward) == (size, reshard))
+            low = min(b for c, b in bounds.items() if key(c) == split)
             why = (f"slower: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) > the chosen "
                    f"{best.step_time * 1e3:.2f} ms" if low > best.step_time else
                    "over budget: its plans that could be faster were walked and do not fit")
         lines.append(f"{label:<26} {why}")
     return lines
-

@@ -68,6 +68,10 @@ class Link:
             one group beyond ``latency`` (its hooks, copies in and out), measured with the link.
         shard_step_overhead: FSDP's seconds per sharded stage and step (its root's
             pre-forward and post-backward callbacks), measured with the link.
+        reduce_latency, reduce_per_byte: one all-reduce between the two ranks costs
+            ``reduce_latency + bytes x reduce_per_byte`` seconds (the buffer's bytes; gloo's
+            reduction on the CPU makes it slower per byte than a message), measured with the link;
+            0 (not measured): the planner takes a ring of messages instead (:meth:`all_reduce`).
     """
 
     latency: float
@@ -76,9 +80,22 @@ class Link:
     action_overhead: float = 0.0
     collective_overhead: float = 0.0
     shard_step_overhead: float = 0.0
+    reduce_latency: float = 0.0
+    reduce_per_byte: float = 0.0
 
     def cost(self, nbytes: int) -> float:
         return self.latency + nbytes * self.per_byte
+
+    def all_reduce(self, nbytes: int, ranks: int) -> float:
+        """Seconds of one all-reduce of ``nbytes`` over ``ranks`` ranks, as a ring: ``2 (ranks - 1)`` steps, each
+        moving and reducing ``nbytes / ranks``; from the measured 2-rank all-reduce (``reduce_*``: half its
+        latency per step, its per-byte cost spread over the steps), else from the link's messages."""
+        if ranks < 2:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        if self.reduce_latency or self.reduce_per_byte:
+            return steps * self.reduce_latency / 2 + steps / ranks * nbytes * self.reduce_per_byte
+        return steps * self.cost(-(-nbytes // ranks))
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,9 @@ class TimeModel:
         if self.link and (self.link.collective_overhead or self.link.shard_step_overhead):
             link += (f" (FSDP: +{self.link.collective_overhead * 1e3:.3f} ms per collective step, "
                      f"{self.link.shard_step_overhead * 1e3:.3f} ms per sharded stage and step)")
+        if self.link and (self.link.reduce_latency or self.link.reduce_per_byte):
+            link += (f" (all-reduce on 2 ranks: {self.link.reduce_latency * 1e6:.0f} us + "
+                     f"{self.link.reduce_per_byte * 1e9:.3f} ns/B)")
         message = f", {self.message_overhead * 1e3:.3f} ms per message sent or received" \
             if self.message_overhead else ""
         return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action{message}; "

@@ -70,3 +70,47 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     results = run_ranks(_planned_rank, 2, x, y, deadline=120)
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
+
+
+def _replicated_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tight: int,
+                     budget: int) -> dict[str, Any]:
+    from pipe.distributed import DistributedPipe
+
+    # Two replicas of a 2-rank pipeline, each on its half of the batch: the averager's flat copies of the
+    # gradients are part of every rank's peak, and the plan must count them.
+    half = x.size(0) // 2
+    try:
+        DistributedPipe(mlp(), data_parallel=2, memory_budget=tight, sample=x[:half], target=y[:half],
+                        loss_fn=nn.functional.mse_loss)
+        refused = "planned"
+    except ValueError as error:
+        refused = str(error)
+    model = DistributedPipe(mlp(), data_parallel=2, memory_budget=budget, sample=x[:half], target=y[:half],
+                            loss_fn=nn.functional.mse_loss)
+    rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
+    static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    measured = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1)
+    return {"peak": static + measured.activation_peak, "refused": refused,
+            "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
+
+
+def test_distributed_pipe_with_replicas_plans_their_gradient_copies_and_fits() -> None:
+    from pipe.plan import Candidate, predict, profile_costs
+    from pipe.plan.sharding import replica_costs
+
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    # Small activations, heavy parameters: each rank ends its step holding its parameters, gradients and the
+    # averager's copy of the gradients. Below that nothing fits (a plan without the copies would fit, and
+    # run over); 1% above the smallest predicted peak, the chosen plan fits when run.
+    costs = profile_costs(mlp(), x, (2, 4, 8, 16), loss_fn=nn.functional.mse_loss, target=y)
+    plans = [predict(costs, Candidate("1f1b", c, (2, 2), mode, dp_replicate=2), runner="processes")
+             for c in (1, 2, 4, 8) for mode in ("never", "always")]
+    copies = sum(costs.param_bytes[:2])
+    tight = int((plans[0].static[0] + copies) * 0.99)
+    alone = replica_costs(costs, 2)  # one pipeline's half of the batch, no replicas
+    assert min(predict(alone, Candidate("1f1b", c, (2, 2), "never"), runner="processes").peak for c in (1, 2, 4)) < tight
+    budget = int(min(p.peak for p in plans) * 1.01)
+    results = run_ranks(_replicated_rank, 4, x, y, tight, budget, deadline=180)
+    assert all("no plan fits memory_budget" in r["refused"] for r in results), results[0]["refused"]
+    assert all(r["plan"] == results[0]["plan"] for r in results), results
+    assert all(r["peak"] <= budget for r in results), (budget, results)

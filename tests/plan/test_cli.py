@@ -125,7 +125,7 @@ def test_pipe_plan_verify_prints_measured_beside_predicted(factory: str, capsys:
         assert "next best that fit:" in out and "slower by" in out
 
 
-def test_pipe_plan_splits_ranks_between_pipeline_and_sharding(factory: str,
+def test_pipe_plan_splits_ranks_between_pipeline_sharding_and_replicas(factory: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     # 2 ranks: pp2 x dp_shard1 or pp1 x dp_shard2, each split with its line.
     common = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--chunks", "1", "2",
@@ -139,9 +139,19 @@ def test_pipe_plan_splits_ranks_between_pipeline_and_sharding(factory: str,
     assert "mesh = make_mesh(pp=1, dp_shard=2)" in out and "mesh=mesh" in out and "shard=Shard(" in out, out
     measured = [line for line in out.splitlines() if " peak  predicted" in line]
     assert len(measured) == 2 and all("(pipeline rank 0)" in line for line in measured), out
+    # Replicas: --dp-replicate 2 runs pp1 x dp_replicate2 (the averager's copies in each rank's peak).
+    assert plan_main(common + ["--dp-replicate", "2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "splits of the ranks (pp x dp_replicate):" in out and "pp1 x dp_replicate2" in out, out
+    assert "mesh = make_mesh(pp=1, dp_shard=1, dp_replicate=2)" in out and "shard=Shard" not in out, out
+    measured = [line for line in out.splitlines() if " peak  predicted" in line]
+    assert len(measured) == 2 and all("(pipeline rank 0)" in line for line in measured), out
+    assert all(abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 1.0 for line in measured), measured
     for bad, message in ((["--dp-shard", "3"], "dp_shard=[3] does not divide the 2 ranks"),
                          (["--dp-shard", "two"], "--dp-shard takes 'auto' or sizes"),
-                         (["--dp-shard", "auto", "--runner", "threads"], "--dp-shard plans FSDP sharding")):
+                         (["--dp-shard", "auto", "--runner", "threads"], "--dp-shard plans FSDP sharding"),
+                         (["--dp-replicate", "2", "--runner", "threads"], "--dp-replicate plans data-parallel replicas"),
+                         (["--dp-replicate", "3"], "dp_replicate=[3] does not divide the 2 ranks")):
         args = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--link", "none"]
         if "--runner" not in bad:
             args += ["--runner", "processes"]

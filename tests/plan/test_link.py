@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipe.plan.link import _line, cache_path, cached_link, link_key, measure_link
+from pipe.plan.timing import Link
 
 
 def test_the_line_through_round_trips_is_latency_plus_bytes() -> None:
@@ -29,3 +30,15 @@ def test_measuring_two_processes_gives_a_positive_cost() -> None:
     # Two sizes, two rounds on a loaded machine: only the shape of the answer is certain.
     assert link.latency >= 0 and link.per_byte >= 0
     assert link.cost(1 << 20) >= link.cost(1024) > 0
+    assert link.reduce_latency + link.reduce_per_byte > 0  # the all-reduce was measured too
+    assert link.all_reduce(1 << 20, 2) == pytest.approx(link.reduce_latency + (1 << 20) * link.reduce_per_byte)
+
+
+def test_an_all_reduce_is_a_ring_of_the_measured_pair_or_of_messages() -> None:
+    measured = Link(1e-4, 1e-9, reduce_latency=2e-4, reduce_per_byte=3e-9)
+    # 2 ranks: the measured all-reduce itself; 4 ranks: 6 ring steps of a quarter of the buffer each.
+    assert measured.all_reduce(10**6, 2) == pytest.approx(2e-4 + 3e-3)
+    assert measured.all_reduce(10**6, 4) == pytest.approx(6 * 1e-4 + 6 / 4 * 3e-3)
+    assert measured.all_reduce(10**6, 1) == 0.0
+    # Not measured (a given link, or one cached before): 2 (R - 1) messages of the buffer / R.
+    assert Link(1e-4, 1e-9).all_reduce(10**6, 4) == pytest.approx(6 * (1e-4 + 250_000e-9))

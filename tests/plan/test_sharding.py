@@ -1,4 +1,5 @@
-"""Planning N ranks as pp x dp_shard: the candidates, their memory against a measured 4-rank run, the choice."""
+"""Planning N ranks as pp x dp_replicate x dp_shard: the candidates, their memory against a measured 4-rank run,
+the choice."""
 from __future__ import annotations
 
 import sys
@@ -9,9 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipe.plan import Candidate, Costs, predict, profile_costs, search
+from pipe.plan import Candidate, Costs, TimeModel, predict, profile_costs, search
+from pipe.plan.predict import predict_memory
 from pipe.plan.measure import measure_step
 from pipe.plan.sharding import replica_costs, split_candidates
+from pipe.plan.timing import Link
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from spawn_ranks import run_ranks  # noqa: E402
@@ -89,18 +92,70 @@ def test_bad_splits_raise_with_the_value_and_the_fix() -> None:
     assert any(line.startswith("left out: pp1 x dp_shard4: dp_shard=4 runs micro-batches") for line in plan.splits)
 
 
+def test_replicas_join_the_splits_hold_their_gradient_copies_and_pay_their_all_reduce() -> None:
+    costs = table(batch=8)
+    found, skipped = split_candidates(costs, 4, "processes", "auto", (3,), "auto")
+    assert not skipped
+    assert {(c.ranks, c.dp_replicate, c.dp_shard) for c in found} == {
+        (4, 1, 1), (2, 1, 2), (1, 1, 4), (2, 2, 1), (1, 2, 2), (1, 4, 1)}
+    # dp_replicate R x dp_shard S splits the batch R S ways: chunks c is the profile of chunks R S c.
+    assert {c.chunks for c in found if c.dp_replicate * c.dp_shard == 4} == {1, 2}
+    replicated = Candidate("gpipe", 1, (4,), "never", dp_replicate=4)
+    assert replicated.world == 4 and replicated.mesh_kwargs() == {"pp": 1, "dp_shard": 1, "dp_replicate": 4}
+    assert "shard" not in replicated.distributed_kwargs()
+    # Memory: the full static bytes, and after the last backward a flat copy of every gradient (the averager's).
+    peaks, static = predict_memory(costs, replicated, runner="processes")
+    assert static == [80_000] and peaks == [80_000 + 40_000 + 12]  # + the loss scalars
+    # Time: one all-reduce of the stage's gradients over the 4 replicas, on the last backward.
+    link = Link(1e-4, 1e-9, reduce_latency=2e-4, reduce_per_byte=3e-9, collective_overhead=1e-3)
+    model = TimeModel(link=link)
+    alone = predict(replica_costs(costs, 4), Candidate("gpipe", 1, (4,), "never"), runner="processes", model=model)
+    step = predict(costs, replicated, runner="processes", model=model).step_time
+    assert step == pytest.approx(alone.step_time + 6 * 1e-4 + 6 / 4 * 40_000 * 3e-9)
+    # HSDP: sharded over 2, the shard all-reduced over 2 more: the memory of dp_shard 2 on B / 4 samples.
+    hsdp = Candidate("gpipe", 1, (4,), "never", dp_shard=2, dp_replicate=2)
+    assert predict_memory(costs, hsdp, runner="processes") == predict_memory(
+        replica_costs(costs, 2), Candidate("gpipe", 1, (4,), "never", dp_shard=2), runner="processes")
+    # The choice: loose, replicas (no bubble, the cheapest collective); tighter, their copies do not fit.
+    loose = search(costs, 4, "1GiB", runner="processes", dp_shard="auto", dp_replicate="auto", model=model)
+    assert (loose.candidate.ranks, loose.candidate.dp_replicate, loose.candidate.dp_shard) == (1, 4, 1)
+    assert loose.mesh_kwargs() == {"pp": 1, "dp_shard": 1, "dp_replicate": 4}
+    text = loose.table()
+    assert "splits of the ranks (pp x dp_replicate x dp_shard):" in text
+    assert "pp1 x dp_replicate4        chosen" in text and "pp1 x dp_replicate2 x dp_shard2 zero3 slower" in text
+    tight = search(costs, 4, 100_000, runner="processes", dp_replicate="auto", model=model)
+    assert tight.candidate.dp_replicate < 4 and tight.candidate.dp_shard == 1
+    assert "splits of the ranks (pp x dp_replicate):" in tight.table()
+    assert "pp1 x dp_replicate4        over budget" in tight.table()
+    with pytest.raises(ValueError, match=r"dp_replicate=\[3\] does not divide the 4 ranks into pp x dp_replicate"):
+        search(costs, 4, "1GiB", runner="processes", dp_replicate=[3])
+    with pytest.raises(ValueError, match=r"dp_replicate=\[4\] x dp_shard=\[4\]: no pair of sizes divides the 4 "):
+        search(costs, 4, "1GiB", runner="processes", dp_replicate=[4], dp_shard=[4])
+    with pytest.raises(ValueError, match="dp_replicate='auto' plans data-parallel replicas, which only "
+                                         "DistributedPipe runs"):
+        search(costs, 4, "1GiB", dp_replicate="auto")
+
+
 # pp, dp_shard, schedule, chunks, checkpoint, ZeRO-3 (ZeRO-2 differs where a rank holds two stages: interleaved,
-# zbv): one 4-rank launch measures them all.
-CONFIGS = [(2, 2, "gpipe", 2, "never", True), (2, 2, "1f1b", 4, "never", True), (2, 2, "gpipe", 2, "always", True),
-           (2, 2, "interleaved", 2, "never", True), (2, 2, "interleaved", 2, "never", False),
-           (2, 2, "zb-h1", 2, "never", True), (2, 2, "zbv", 2, "never", True), (2, 2, "zbv", 2, "except_last", False),
-           (1, 4, "gpipe", 2, "never", True), (4, 1, "gpipe", 4, "never", True)]
+# zbv), dp_replicate: one 4-rank launch measures them all.
+CONFIGS = [(2, 2, "gpipe", 2, "never", True, 1), (2, 2, "1f1b", 4, "never", True, 1),
+           (2, 2, "gpipe", 2, "always", True, 1), (2, 2, "interleaved", 2, "never", True, 1),
+           (2, 2, "interleaved", 2, "never", False, 1), (2, 2, "zb-h1", 2, "never", True, 1),
+           (2, 2, "zbv", 2, "never", True, 1), (2, 2, "zbv", 2, "except_last", False, 1),
+           (1, 4, "gpipe", 2, "never", True, 1), (4, 1, "gpipe", 4, "never", True, 1),
+           # Replicas: the averager's flat copies of each stage's gradients, from its last backward to the
+           # step's end (pp2 x dp_replicate2, interleaved: the first stage's copies while the other's backward
+           # runs); pp1 x dp_replicate4; HSDP (pp1 x dp_replicate2 x dp_shard2) holds what dp_shard2 does.
+           (2, 1, "1f1b", 2, "never", True, 2), (2, 1, "interleaved", 2, "never", True, 2),
+           (2, 1, "zbv", 2, "never", True, 2), (1, 1, "gpipe", 1, "never", True, 4),
+           (1, 2, "gpipe", 2, "never", True, 2), (1, 2, "gpipe", 1, "always", False, 2)]
 
 
-def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str, zero3: bool) -> Candidate:
+def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str, zero3: bool,
+               replicate: int = 1) -> Candidate:
     virtual = 2 if schedule in ("interleaved", "zbv") else 1
     return Candidate(schedule, chunks, (4 // (pp * virtual),) * (pp * virtual), checkpoint, virtual,
-                     dp_shard=shard, reshard_after_forward=zero3)
+                     dp_shard=shard, reshard_after_forward=zero3, dp_replicate=replicate)
 
 
 def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
