@@ -4,7 +4,8 @@ Usage::
 
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
-              [--calibrate] [--dp-shard auto | S [S ...]] [--zero 3 2] [--select [REGEX ...]]
+              [--calibrate] [--dp-shard auto | S [S ...]] [--dp-replicate auto | R [R ...]] [--zero 3 2]
+              [--select [REGEX ...]]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -18,7 +19,8 @@ runs the chosen plan (``--runner processes``: one local gloo process per rank;
 beside the predicted ones; its loss is the mean of the output. ``--dp-shard``
 (with ``--runner processes``) plans the ``--stages`` ranks as ``pp x dp_shard``
 FSDP splits (``auto``: every divisor; :mod:`pipe.plan.sharding`), in the ZeRO
-stages of ``--zero``; the table then says, per split, whether it was chosen or
+stages of ``--zero``, and ``--dp-replicate`` adds full replicas (``pp x
+dp_replicate``, or HSDP with ``--dp-shard``); the table then says, per split, whether it was chosen or
 why it lost, and the command prints the ``make_mesh`` arguments. Bad arguments
 exit with status 2; a budget that nothing fits exits with status 1 and names
 the smallest peak found and the rank holding it. ``--select`` gives the name
