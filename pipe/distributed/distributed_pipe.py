@@ -121,8 +121,9 @@ class DistributedPipe(PlainNamed, nn.Module):
         memory_budget: bytes per rank (``"2GiB"`` or a number): rank 0 measures
             ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and
             ``target``) and every rank uses the fastest chunks, balance,
-            checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`).
-        sample, target: one mini-batch and its targets, with ``memory_budget``.
+            checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`), with
+            the replicas' and FSDP's bytes on a mesh that has them ("tp" is refused).
+        sample, target: one mini-batch of a pipeline and its targets, with ``memory_budget``.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
 
@@ -171,9 +172,12 @@ class DistributedPipe(PlainNamed, nn.Module):
             if mesh is not None:
                 verify_mesh(mesh, data_parallel)
             pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
+            sharded = verify_shard(shard, mesh) if mesh is not None else None
             planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks, loss_fn, target,
                                      shards=mesh_size(mesh, "dp_shard") if mesh is not None else 1,
-                                     replicas=mesh_size(mesh, "dp_replicate") if mesh is not None else data_parallel or 1)
+                                     replicas=mesh_size(mesh, "dp_replicate") if mesh is not None else data_parallel or 1,
+                                     zero3=sharded is None or sharded.reshard_after_forward,
+                                     tensor_parallel=mesh_size(mesh, "tp") if mesh is not None else 1)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts

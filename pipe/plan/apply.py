@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from pipe.plan.search import Budget, Plan, plan
+from pipe.plan.search import CHUNKS, Budget, Plan, plan
 
 __all__: list[str] = []
 
@@ -53,27 +53,27 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
                    ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any, shards: int = 1,
-                   replicas: int = 1) -> dict[str, Any]:
+                   replicas: int = 1, zero3: bool = True, tensor_parallel: int = 1) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
-    With ``replicas`` > 1 (data-parallel replicas, each with ``sample`` as its mini-batch) the plan is
-    that of ``ranks x replicas`` ranks split as ``pp x dp_replicate`` (:mod:`pipe.plan.sharding`), on
-    the replicas' mini-batches together: so the averager's copies of the gradients and its all-reduce
-    are counted.
+    With data-parallel ranks (``replicas`` of the pipeline, each stage sharded over ``shards`` ranks; each
+    pipeline with ``sample`` as its mini-batch) the plan is that of ``ranks x replicas x shards`` ranks
+    split as ``pp x dp_replicate x dp_shard`` (:mod:`pipe.plan.sharding`; ZeRO-3 if ``zero3``, else
+    ZeRO-2), on the pipelines' mini-batches together: so FSDP's unsharded parameters and gradients, or the
+    averager's copies of the gradients, and their collectives are counted.
 
     Raises:
-        ValueError: ``shards > 1`` (a mesh with "dp_shard"): the split is planned by
-            ``pipe.plan.plan(..., dp_shard=...)``, not here (every rank raises alike).
+        ValueError: ``tensor_parallel > 1`` (a mesh with "tp"), which the planner does not model (every
+            rank raises alike).
     """
     import torch.distributed as dist
 
-    if shards > 1:
+    if tensor_parallel > 1:
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) plans pipeline ranks only, but the mesh shards each stage over "
-            f"dp_shard={shards} ranks, whose memory it would not count; plan the split yourself: "
-            f"plan = pipe.plan.plan(model, global_batch, memory_budget=..., stages=<all ranks>, runner='processes', "
-            f"dp_shard=[{shards}]) on one rank, then DistributedPipe(model, mesh=make_mesh(**plan.mesh_kwargs()), "
-            f"**plan.distributed_kwargs()) (docs/planner.md)")
+            f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "
+            f"stage over tp={tensor_parallel} ranks, whose memory and collectives it would not count; pass "
+            f"chunks=, balance= and checkpoint= yourself (plan the mesh without 'tp' to start from: "
+            f"pipe.plan.plan(..., dp_shard=...), docs/planner.md)")
     _check(module, sample, balance, "DistributedPipe")
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
@@ -81,14 +81,16 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            if replicas > 1:
+            parts = replicas * shards  # pipelines, each with its sample: planned together
+            if parts > 1:
                 from pipe.core.microbatch import Batch, gather
 
-                sample, target = (gather([Batch(value)] * replicas) if value is not None else None
+                sample, target = (gather([Batch(value)] * parts) if value is not None else None
                                   for value in (sample, target))
-            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks * replicas, runner="processes",
-                          link="cached", loss_fn=loss_fn, target=target,
-                          dp_replicate=[replicas] if replicas > 1 else None)
+            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
+                          chunks=[parts * c for c in CHUNKS], link="cached", loss_fn=loss_fn, target=target,
+                          dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
+                          zero=(3,) if zero3 else (2,))
             logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
             message = [chosen.distributed_kwargs()]
         except (TypeError, ValueError) as error:

@@ -52,6 +52,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+CHUNKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+"""The micro-batch counts :func:`plan` profiles and considers by default."""
+
+
 class PlanError(ValueError):
     """No candidate fits the memory budget; the message names the smallest budget that does."""
 
@@ -337,7 +341,7 @@ def _budget(memory_budget: Budget, ranks: int) -> list[int]:
 
 
 def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: int, runner: str = "threads",
-         chunks: Sequence[int] = (1, 2, 4, 8, 16, 32), schedules: Optional[Sequence[str]] = None,
+         chunks: Sequence[int] = CHUNKS, schedules: Optional[Sequence[str]] = None,
          checkpoints: Sequence[str] = ("never", "except_last", "always"), param_scale: float = 2.0,
          device: Optional[torch.device] = None, rounds: int = 5, max_balances: int = 64,
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
