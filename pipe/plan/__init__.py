@@ -18,7 +18,8 @@ Usage::
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
 * :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;
-* :mod:`pipe.plan.sharding`: N ranks split as ``pp x dp_shard`` (FSDP2), their memory and collectives;
+* :mod:`pipe.plan.sharding`: N ranks split as ``pp x dp_replicate x dp_shard`` (replicas, FSDP2, HSDP), their
+  memory and collectives;
 * :mod:`pipe.plan.search`: the fastest candidate that fits, found best-first;
 * :mod:`pipe.plan.explain`: every idle interval of a trace or a plan, with its cause.
 """

@@ -58,7 +58,7 @@ def calibration_plans(grid: Sequence[Candidate], costs: Costs) -> list[Candidate
     chosen = []
     for kind, chunks, checkpoint in CALIBRATION:
         match = [c for c in grid if c.schedule == kind and c.checkpoint == checkpoint and not any(c.recompute)
-                 and not c.selective() and c.dp_shard == 1]
+                 and not c.selective() and c.parts == 1]
         if match:
             chosen.append(min(match, key=lambda c: (abs(c.chunks - chunks), slowest_stage(c), c.balance)))
     return chosen
@@ -115,9 +115,9 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     if not chosen:
         raise ValueError(f"no plan to calibrate on: {costs.layers} layers over {stages} ranks"
                          + (f" with schedules {list(schedules)}" if schedules else ""))
-    wrong = [c.describe() for c in chosen if c.world != stages or c.dp_shard != 1]
+    wrong = [c.describe() for c in chosen if c.world != stages or c.parts != 1]
     if wrong:
-        raise ValueError(f"calibration plans must run unsharded on {stages} ranks: {wrong}")
+        raise ValueError(f"calibration plans must run on {stages} pipeline ranks, without replicas or shards: {wrong}")
     logger.info("calibrating the time model on %d plans, %d sweeps", len(chosen), sweeps)
     measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
                          repeat=repeat, sweeps=sweeps, timeout=timeout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,11 @@ def test_calibrate_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="no plan to calibrate on: 2 layers over 2 ranks with schedules"):
         calibrate(lambda: model, costs, 2, torch.randn(32, 64), schedules=("zbv",))
     four = candidates(costs_of(mlp(layers=4)), 4, "processes", schedules=("gpipe",))[:1]
-    with pytest.raises(ValueError, match="calibration plans must run unsharded on 2 ranks"):
+    with pytest.raises(ValueError, match="calibration plans must run on 2 pipeline ranks, without replicas or shards"):
         calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=four)
+    replicated = [replace(c, dp_replicate=2) for c in candidates(costs, 1, "processes", schedules=("gpipe",))[:1]]
+    with pytest.raises(ValueError, match="without replicas or shards"):
+        calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=replicated)
     with pytest.raises(ValueError, match="sweeps and repeat must be >= 1, got sweeps=0"):
         calibrate(lambda: model, costs, 2, torch.randn(32, 64), sweeps=0)
     sample = torch.randn(32, 64)
