@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from pipe.recompute.selective import DEFAULT_SELECT
 
@@ -92,6 +92,9 @@ class Costs:
             its layers from ``recomputed`` up to ``selected`` marked for selective recompute
             (:func:`pipe.recompute.select_recompute` with the ``select`` names; 0: none).
         param_bytes: bytes of each layer's parameters.
+        tied: the parameters held by several layers (tied weights: a GPT-2's embedding and
+            head), each as ``(the layers holding it, its bytes)``: ``param_bytes`` counts it in
+            each of them, a rank holding several of them holds it once (:meth:`params_of`).
         param_scale: copies of the parameters training keeps (weights, gradients,
             optimiser state).
         output_bytes: ``{rows: bytes of each layer's output}``, for transfer times.
@@ -119,7 +122,8 @@ class Costs:
                  input_grad: Optional[dict[int, list[float]]] = None,
                  weight_grad: Optional[dict[int, list[float]]] = None,
                  replay: Optional[dict[int, list[float]]] = None,
-                 select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = ()) -> None:
+                 select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = (),
+                 tied: Sequence[tuple[Sequence[int], int]] = ()) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
@@ -134,6 +138,7 @@ class Costs:
         self._memory = memory
         self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int], StageMemory] = {}
         self.param_bytes = list(param_bytes)
+        self.tied = [(tuple(layers), int(nbytes)) for layers, nbytes in tied]
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
         self.grad_bytes = grad_bytes or self.output_bytes
@@ -222,9 +227,16 @@ class Costs:
             self._memory_cache[key] = self._memory(*key)
         return self._memory_cache[key]
 
+    def params_of(self, layers: Iterable[int]) -> int:
+        """Bytes of the parameters of ``layers`` held together (a tied weight once)."""
+        held = set(layers)
+        total = sum(self.param_bytes[k] for k in held)
+        return total - sum(nbytes * (len(held.intersection(owners)) - 1) for owners, nbytes in self.tied
+                           if len(held.intersection(owners)) > 1)
+
     def static_bytes(self, first: int, stop: int) -> int:
-        """Parameters, gradients and optimiser state of layers ``first:stop``."""
-        return int(self.param_scale * sum(self.param_bytes[first:stop]))
+        """Parameters, gradients and optimiser state of layers ``first:stop`` (a tied weight once)."""
+        return int(self.param_scale * self.params_of(range(first, stop)))
 
     @classmethod
     def from_table(cls, batch: int, forward: Sequence[float], backward: Sequence[float],

@@ -284,7 +284,8 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
             fixed = sharded_static(costs, bounds, schedule.stages_of(rank), candidate.dp_shard)
             extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward)
         else:
-            fixed = sum(costs.static_bytes(*bounds[s]) for s in schedule.stages_of(rank))
+            layers = [k for s in schedule.stages_of(rank) for k in range(*bounds[s])]
+            fixed = int(costs.param_scale * costs.params_of(layers))  # a weight tied between its stages once
             if candidate.dp_replicate > 1:
                 extra = held_by_averager(costs, schedule, rank, bounds)
         peaks.append(fixed + _activation_peak(costs, schedule, rank, bounds, stop, runner, candidate, extra))

@@ -132,7 +132,14 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
-    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes,
+    holders: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+    for k, layer in enumerate(module):
+        for p in layer.parameters():
+            holders.setdefault(id(p), []).append(k)
+            sizes[id(p)] = p.numel() * p.element_size()
+    tied = [(layers, sizes[key]) for key, layers in holders.items() if len(layers) > 1]  # a tied weight: held once
+    return Costs(batch, _monotone(times.forward), _monotone(times.backward), memory, param_bytes, tied=tied,
                  param_scale=param_scale, output_bytes=times.output_bytes,
                  grad_bytes=times.grad_bytes, input_grad=_monotone(times.input_grad),
                  weight_grad=_monotone(times.weight_grad),

@@ -103,14 +103,14 @@ def replica_costs(costs: Costs, parts: int, label: str = "") -> Costs:
                  input_grad={r: costs.input_grad[r] for r in kept}, weight_grad={r: costs.weight_grad[r] for r in kept},
                  replay={r: costs.replay[r] for r in kept},
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,
-                 select=costs.select)
+                 select=costs.select, tied=costs.tied)
     view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
     cache[parts] = view
     return view
 
 
 def _stage_bytes(costs: Costs, bounds: list[tuple[int, int]], stage: int) -> int:
-    return sum(costs.param_bytes[bounds[stage][0]:bounds[stage][1]])
+    return costs.params_of(range(*bounds[stage]))
 
 
 def sharded_static(costs: Costs, bounds: list[tuple[int, int]], stages: Sequence[int], dp_shard: int) -> int:
@@ -366,6 +366,8 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
             if size == 1:
                 found.append(c)
                 continue
+            if _tied_across_stages(costs, c):
+                continue  # FSDP cannot shard one parameter for two stages of a rank (DistributedPipe refuses)
             for reshard in modes:
                 if c.virtual_stages == 1 and not reshard and True in modes:
                     continue  # the same plan as ZeRO-3
@@ -373,6 +375,16 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
     if not found:
         raise ValueError(f"no pp x dp_replicate x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
     return found, skipped
+
+
+def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
+    """Whether a tied weight is held by two stages of one rank in ``candidate``."""
+    if not costs.tied:
+        return False
+    stage_of = [s for s, n in enumerate(candidate.balance) for _ in range(n)]
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    return any(len({stage_of[k] for k in layers if schedule.rank_of(stage_of[k]) == rank}) > 1
+               for layers, _ in costs.tied for rank in range(schedule.ranks))
 
 
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],

@@ -225,3 +225,39 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
             if not low * counted <= predicted <= high * counted:
                 wrong.append((config, rank, predicted, counted))
     assert checked == 4 * len(CONFIGS) and not wrong
+
+
+def tied_mlp() -> nn.Sequential:
+    """4 layers, the first and the last sharing one weight (as a GPT-2's embedding and head)."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(WIDTH, WIDTH), last)
+
+
+def _held_parameters(rank: int, world: int, kind: str) -> int:
+    import pipe.distributed as pd
+
+    model = pd.DistributedPipe(tied_mlp(), chunks=2, schedule=kind, virtual_stages=2, balance=[1, 1, 1, 1])
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_tied_weight_is_held_once_per_rank_and_never_sharded_for_two_stages() -> None:
+    x = torch.randn(8, WIDTH)
+    costs = profile_costs(tied_mlp(), x, (1, 2, 4), loss_fn=nn.functional.mse_loss, target=x)
+    weight = WIDTH * WIDTH * 4
+    assert costs.tied == [((0, 3), weight)] and costs.param_bytes[0] == costs.param_bytes[3] == weight + WIDTH * 4
+    # ZB-V puts stages 0 and 3 on rank 0: it holds the tied weight once, as the runner does.
+    held = run_ranks(_held_parameters, 2, "zbv", deadline=120)
+    zbv = Candidate("zbv", 2, (1, 1, 1, 1), "never", 2)
+    assert predict(costs, zbv, runner="processes").static == [2 * held[0], 2 * held[1]]
+    assert held[0] == costs.param_bytes[0] + costs.param_bytes[3] - weight
+    assert predict(costs, Candidate("gpipe", 2, (4,), "never"), runner="processes").static == [
+        2 * (sum(costs.param_bytes) - weight)]
+    # FSDP cannot shard one parameter for two stages of a rank (DistributedPipe refuses): no such candidate.
+    # ZB-V's V puts the first and the last stage on rank 0, and one rank of 2 virtual stages holds both.
+    sharded, _ = split_candidates(costs, 4, "processes", [2], (3, 2))
+    assert not any(c.schedule == "zbv" or (c.virtual_stages == 2 and c.ranks == 1) for c in sharded)
+    assert any(c.schedule == "interleaved" and c.ranks == 2 for c in sharded)  # stages 0 and 3 apart: kept
+    replicated, _ = split_candidates(costs, 4, "processes", None, (3,), [2])
+    assert any(c.schedule == "zbv" for c in replicated)  # unsharded, a rank may hold both
