@@ -29,7 +29,9 @@ run for each of its steps).
 Run:
     python benchmarks/planner_split.py            # full: width 512, 8 blocks, 3 sweeps: about 40 s (2 cores, load 4-6)
     python benchmarks/planner_split.py --quick    # width 128, 4 blocks, 1 sweep: about 6 s
-Results: benchmarks/results/planner_split.json (planner_split-quick.json with --quick).
+    python benchmarks/planner_split.py --ranks 2  # the splits of 2 ranks, a core each: about 30 s
+Results: benchmarks/results/planner_split.json (planner_split-quick.json with --quick; planner_split-2ranks.json
+with --ranks 2).
 """
 from __future__ import annotations
 
@@ -59,19 +61,19 @@ from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
 from pipe.plan.sharding import split_candidates, split_text  # noqa: E402
 
-RANKS = 4
+RANKS = 4  # the default; --ranks 2 gives each process a core of the 2-core machine
 SIZES = {"full": dict(width=512, layers=8, batch=64), "quick": dict(width=128, layers=4, batch=32)}
 MODES = {"full": dict(chunks=(1, 2, 4, 8), sweeps=3, budgets=8), "quick": dict(chunks=(1, 2, 4), sweeps=1, budgets=4)}
 OPTIONS = dict(schedules=("gpipe", "1f1b", "interleaved"), checkpoints=("never",))
 
 
-def _rank(rank: int, port: int, size: dict[str, int], grid: list[Candidate], sweeps: int,
+def _rank(rank: int, world: int, port: int, size: dict[str, int], grid: list[Candidate], sweeps: int,
           results: "multiprocessing.Queue[Any]") -> None:
     from pipe.core.microbatch import scatter
     from pipe.distributed import DistributedPipe, make_mesh
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     x, y = mlp_data(size)
     measured: list[list[Any]] = []
@@ -91,40 +93,44 @@ def _rank(rank: int, port: int, size: dict[str, int], grid: list[Candidate], swe
     dist.destroy_process_group()
 
 
-def run(size: dict[str, int], grid: list[Candidate], sweeps: int) -> list[list[list[Any]]]:
+def run(size: dict[str, int], grid: list[Candidate], sweeps: int, world: int) -> list[list[list[Any]]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     context = multiprocessing.get_context("fork")
     results: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_rank, args=(rank, port, size, grid, sweeps, results)) for rank in range(RANKS)]
+    processes = [context.Process(target=_rank, args=(rank, world, port, size, grid, sweeps, results))
+                 for rank in range(world)]
     for process in processes:
         process.start()
     ranks = dict(results.get(timeout=3000) for _ in processes)
     for process in processes:
         process.join()
-    return [ranks[r] for r in range(RANKS)]
+    return [ranks[r] for r in range(world)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, one sweep")
+    parser.add_argument("--ranks", type=int, default=RANKS, choices=[2, 4],
+                        help="ranks to split (default 4; 2: a core per process on the 2-core machine)")
     args = parser.parse_args()
+    world = args.ranks
     kind = "quick" if args.quick else "full"
     size, mode = SIZES[kind], MODES[kind]
     begun = time.perf_counter()
     load_before = load()
     x, y = mlp_data(size)
-    costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y)
+    costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y, threads=1)  # as the ranks
     model = TimeModel.measured(cached_link())
-    grid, skipped = split_candidates(costs, RANKS, "processes", "auto", (3, 2), "auto", balances=None, **OPTIONS)
+    grid, skipped = split_candidates(costs, world, "processes", "auto", (3, 2), "auto", balances=None, **OPTIONS)
     grid = [c for c in grid if len(set(c.balance)) == 1]  # even balances
-    measured = run(size, grid, mode["sweeps"])
+    measured = run(size, grid, mode["sweeps"], world)
     plans = []
     for k, c in enumerate(grid):
         p = predict(costs, c, runner="processes", model=model)
-        step = max(measured[r][k][2] for r in range(RANKS))
-        peaks = [(p.peaks[measured[r][k][0]] - p.static[measured[r][k][0]], measured[r][k][1]) for r in range(RANKS)]
+        step = max(measured[r][k][2] for r in range(world))
+        peaks = [(p.peaks[measured[r][k][0]] - p.static[measured[r][k][0]], measured[r][k][1]) for r in range(world)]
         plans.append({"plan": c.describe(), "split": split_text(c).split(" zero")[0], "candidate": c,
                       "predicted_ms": p.step_time * 1e3, "measured_ms": step * 1e3,
                       "step_error": p.step_time / step - 1, "predicted_peak": p.peak,
@@ -134,7 +140,7 @@ def main() -> None:
     budgets = [int(low + (high - low) * i / (mode["budgets"] - 1)) for i in range(mode["budgets"])]
     choices = []
     for budget in budgets:
-        chosen = search(costs, RANKS, budget, runner="processes", dp_shard="auto", dp_replicate="auto", model=model,
+        chosen = search(costs, world, budget, runner="processes", dp_shard="auto", dp_replicate="auto", model=model,
                         per_stage=False,
                         balances=[c.balance for c in grid], **OPTIONS)
         row = next(p for p in plans if p["candidate"] == chosen.candidate)
@@ -158,7 +164,7 @@ def main() -> None:
                                         model=fitted).step_time / times[p["candidate"]] - 1
                      for p in plans if p["candidate"] not in calibration}
     result = {"mode": kind, "size": size, "settings": {**mode, "chunks": list(mode["chunks"])},
-              "ranks": RANKS, "time_model": model.describe(), "left_out": skipped,
+              "ranks": world, "time_model": model.describe(), "left_out": skipped,
               "plans": [{k: v for k, v in p.items() if k != "candidate"} for p in plans], "budgets": choices,
               "step_error_worst": max(errors), "step_error_median": statistics.median(errors),
               "fitted": {"model": fitted.describe(), "fitted_on": [c.describe() for c in calibration],
@@ -186,7 +192,8 @@ def main() -> None:
           f"fit: {result['fit_share']:.0%}; chosen split = measured fastest fitting plan's split: "
           f"{result['chosen_split_is_fastest_split']:.0%}")
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / ("planner_split-quick.json" if args.quick else "planner_split.json")
+    name = "planner_split" + ("-2ranks" if world == 2 else "")
+    path = RESULTS / (f"{name}-quick.json" if args.quick else f"{name}.json")
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path} in {result['seconds']:.0f} s (load before {load_before}, after {result['load_after']})")
 

@@ -89,6 +89,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
                                   for value in (sample, target))
             chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
                           chunks=[parts * c for c in CHUNKS], link="cached", loss_fn=loss_fn, target=target,
+                          threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
                           dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
                           zero=(3,) if zero3 else (2,))
             logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())

@@ -39,10 +39,41 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
+def _layer_inputs(module: nn.Sequential, micro: dict[int, Any], device: torch.device,
+                  needs_grad: list[list[bool]]) -> tuple[list[nn.Module], dict[int, list[Batch]]]:
+    """Copies of the layers, and the input of every layer for every micro-batch size, computed once
+    without a graph (for the memory counts).
+
+    Raises:
+        RuntimeError: a layer fails under ``torch.no_grad``; the message names it.
+    """
+    names = [name for name, _ in module.named_children()]
+    with sandbox(device):
+        layers = list(layer_copies(module, device))
+        inputs: dict[int, list[Batch]] = {}
+        with torch.no_grad():
+            for rows, value in micro.items():
+                batch_ = as_input(value, device)
+                inputs[rows] = []
+                for k, layer in enumerate(layers):
+                    if k:  # a received input needs a gradient where the sender's output did
+                        batch_ = batch_.with_tensors([t.requires_grad_(needs) for t, needs
+                                                      in zip(batch_.tensors, needs_grad[k - 1])])
+                    inputs[rows].append(batch_)
+                    try:
+                        batch_ = batch_.call(layer)
+                    except Exception as error:
+                        raise RuntimeError(
+                            f"cannot measure layer {k} ({names[k]!r}) under torch.no_grad on {rows} rows: "
+                            f"{type(error).__name__}: {error}; pipe.plan runs each layer without a graph to "
+                            f"count a stage's bytes: make the layer run under no_grad, or plan by hand") from error
+    return layers, inputs
+
+
 def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
                   rounds: int = 5, device: Optional[torch.device] = None,
                   loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None,
-                  select: Sequence[str] = DEFAULT_SELECT) -> Costs:
+                  select: Sequence[str] = DEFAULT_SELECT, threads: Optional[int] = None) -> Costs:
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
 
     Layers are copied (the module is left as it was, random state included), as
@@ -59,6 +90,11 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     planner can weigh it per stage against full recompute; ``select=()``
     leaves it out. A layer where they choose nothing saves nothing so marked,
     and is never planned with it.
+
+    ``threads``: the intra-op threads the layers are timed with on the CPU
+    (``torch.set_num_threads`` while timing; default: this process's), as the
+    stages will run: a rank of ``DistributedPipe`` that shares the machine's
+    cores with others runs on 1 (torchrun's default for several local ranks).
 
     Raises:
         ValueError: no chunk count divides the batch; the model has skip connections
@@ -85,28 +121,16 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     select = (select,) if isinstance(select, str) else tuple(select)
     for pattern in select:
         compile_pattern(pattern, "profile_costs(select=...)")
-    times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select)
-    names = [name for name, _ in module.named_children()]
-    with sandbox(device):
-        layers = list(layer_copies(module, device))
-        # Inputs of every layer for every size, computed once without a graph, for the memory counts.
-        inputs: dict[int, list[Batch]] = {}
-        with torch.no_grad():
-            for rows, value in micro.items():
-                batch_ = as_input(value, device)
-                inputs[rows] = []
-                for k, layer in enumerate(layers):
-                    if k:  # a received input needs a gradient where the sender's output did
-                        batch_ = batch_.with_tensors([t.requires_grad_(needs) for t, needs
-                                                      in zip(batch_.tensors, times.needs_grad[k - 1])])
-                    inputs[rows].append(batch_)
-                    try:
-                        batch_ = batch_.call(layer)
-                    except Exception as error:
-                        raise RuntimeError(
-                            f"cannot measure layer {k} ({names[k]!r}) under torch.no_grad on {rows} rows: "
-                            f"{type(error).__name__}: {error}; pipe.plan runs each layer without a graph to "
-                            f"count a stage's bytes: make the layer run under no_grad, or plan by hand") from error
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be a positive number of intra-op threads, got {threads!r}")
+    before = torch.get_num_threads()
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select)
+        layers, inputs = _layer_inputs(module, micro, device, times.needs_grad)
+    finally:
+        torch.set_num_threads(before)
     for layer in layers:  # gradients exist before counting: they are static, not activations
         for param in layer.parameters():
             param.grad = torch.zeros_like(param)

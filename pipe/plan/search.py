@@ -347,7 +347,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
          zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT, calibrate: bool = False,
-         dp_replicate: DpShard = None) -> Plan:
+         dp_replicate: DpShard = None, threads: Optional[int] = None) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -381,6 +381,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
         dp_replicate: plan full replicas too (:func:`search`): ``pp x dp_replicate``, or HSDP with ``dp_shard``.
+        threads: intra-op threads each stage computes with on the CPU, as its layers are timed
+            (:func:`pipe.plan.profile_costs`). Default: 1 with runner ``"processes"`` (torchrun's default
+            for several local ranks, and how ``calibrate`` and ``pipe-plan --verify`` run them), this
+            process's with ``"threads"``.
         select: name regexes of the selective recompute weighed per stage
             against full recompute (:func:`pipe.plan.profile_costs`); ``()``: full only.
         calibrate: (runner ``"processes"``) first run a few plans of ``model`` on
@@ -401,8 +405,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         raise ValueError("pass either model_time= (a fitted TimeModel) or calibrate=True (fit one here), not both")
     if model_time is None:  # the link and the overhead per action measured on this machine
         model_time = TimeModel.measured(_link(link, runner))
+    if threads is None and runner == "processes":
+        threads = 1
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          loss_fn=loss_fn, target=target, select=select)
+                          loss_fn=loss_fn, target=target, select=select, threads=threads)
     def chosen(model_time: TimeModel) -> Plan:
         return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                       max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard,

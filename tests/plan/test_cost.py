@@ -345,3 +345,39 @@ def test_a_layer_whose_shapes_depend_on_the_data_is_named() -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Masking(), nn.Linear(WIDTH, WIDTH))
     with pytest.raises(RuntimeError, match=r"layer 1 \('1': Masking\).*not a fixed size plus a size per sample"):
         profile_costs(model, torch.randn(64, WIDTH), (1, 2))
+
+
+class _Threads(nn.Module):
+    """Records the intra-op threads its forward runs with (the profile copies it: a shared list)."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return self.linear(x)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Threads":
+        copied = _Threads(self.seen)
+        copied.linear = copy.deepcopy(self.linear, memo)
+        return copied
+
+
+def test_layers_are_timed_with_the_threads_the_ranks_compute_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    model = nn.Sequential(_Threads(seen), _Threads(seen))
+    profile_costs(model, torch.randn(8, WIDTH), (1, 2), threads=1, select=())
+    assert seen and all(n == 1 for n in seen) and torch.get_num_threads() == before
+    # plan(runner="processes") times them on 1 thread by default, as torchrun's local ranks and --verify run.
+    threads: list[Any] = []
+    real = profile_costs
+    monkeypatch.setattr(sys.modules["pipe.plan.search"], "profile_costs",
+                        lambda *a, **k: threads.append(k["threads"]) or real(*a, **k))
+    plan(mlp(2), torch.randn(8, WIDTH), memory_budget="1GiB", stages=2, runner="processes", link=None, chunks=(1, 2))
+    plan(mlp(2), torch.randn(8, WIDTH), memory_budget="1GiB", stages=2, chunks=(1, 2))
+    assert threads == [1, None]
+    with pytest.raises(ValueError, match="threads must be a positive number of intra-op threads, got 0"):
+        profile_costs(model, torch.randn(8, WIDTH), (1,), threads=0)
