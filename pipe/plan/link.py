@@ -15,9 +15,11 @@ FSDP's overhead per gather or reduce-scatter of a group
 (:attr:`Link.collective_overhead`), and what the 2-layer step takes beyond
 its collectives and actions its overhead per sharded stage and step
 (:attr:`Link.shard_step_overhead`). They also time all-reduces of several
-sizes (the replicas' gradient averaging, and HSDP's): gloo reduces on the
-CPU, so an all-reduce costs more per byte than a message
-(:attr:`Link.reduce_latency`, :attr:`Link.reduce_per_byte`).
+sizes as the replicas' averager makes them (gradients copied into a flat
+buffer, all-reduced, divided, copied back; 64 KiB to 32 MiB, beyond the
+caches): gloo reduces on the CPU, so this costs several times a message's
+bytes (:attr:`Link.reduce_latency`, :attr:`Link.reduce_per_byte`; HSDP's
+in-place all-reduce is charged the same, a little more than it costs).
 
 :func:`cached_link` returns the figures measured earlier on this machine, or
 measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
@@ -47,8 +49,8 @@ logger = logging.getLogger(__name__)
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 """Message sizes in bytes sent by :func:`measure_link` (1 KiB to 4 MiB)."""
 
-REDUCE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)
-"""Buffer sizes in bytes all-reduced by :func:`measure_link` (16 KiB to 4 MiB)."""
+REDUCE_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 25)
+"""Gradient bytes averaged by :func:`measure_link` (64 KiB to 32 MiB: larger than the caches, as a stage's)."""
 
 
 def link_key(backend: str = "gloo") -> str:
@@ -88,11 +90,7 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
         reduced: dict[int, float] = {}
         for _ in range(repeats + 1):
             for size in REDUCE_SIZES:
-                buffer = torch.zeros(size // 4)
-                dist.barrier()
-                begun = time.perf_counter()
-                dist.all_reduce(buffer)
-                reduced[size] = min(reduced.get(size, math.inf), time.perf_counter() - begun)
+                reduced[size] = min(reduced.get(size, math.inf), _averaged(size))
         step = _empty_step(rank)
         sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
         import gc
@@ -102,6 +100,26 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
         queue.put((rank, (best, step, sharded, reduced)))
     except BaseException as error:  # reported to the parent, which raises it
         queue.put((rank, f"{type(error).__name__}: {error}"))
+
+
+def _averaged(nbytes: int) -> float:
+    """Seconds to average ``nbytes`` of gradients (two tensors) over the 2 ranks as the replicas' averager
+    does (:class:`pipe.distributed.data_parallel.GradientAverager`): copied into one flat buffer,
+    all-reduced, divided, copied back."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [torch.zeros(nbytes // 8), torch.zeros(nbytes // 8)]
+    dist.barrier()
+    begun = time.perf_counter()
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(2)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return time.perf_counter() - begun
 
 
 OVERHEAD_PLAN = ("gpipe", 8)
@@ -243,7 +261,7 @@ def cached_link(measure: bool = True) -> Optional[Link]:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    if key in stored and (not measure or "reduce_per_byte" in stored[key]):  # else measured before all-reduces were
+    if key in stored and (not measure or "averaged" in stored[key]):  # else measured before averaging was
         entry = stored[key]
         return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
                     action_overhead=float(entry.get("action_overhead", 0.0)),
@@ -256,7 +274,7 @@ def cached_link(measure: bool = True) -> Optional[Link]:
     link = measure_link()
     stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
                    "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
-                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte,
+                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte, "averaged": True,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

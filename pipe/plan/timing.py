@@ -68,9 +68,10 @@ class Link:
             one group beyond ``latency`` (its hooks, copies in and out), measured with the link.
         shard_step_overhead: FSDP's seconds per sharded stage and step (its root's
             pre-forward and post-backward callbacks), measured with the link.
-        reduce_latency, reduce_per_byte: one all-reduce between the two ranks costs
-            ``reduce_latency + bytes x reduce_per_byte`` seconds (the buffer's bytes; gloo's
-            reduction on the CPU makes it slower per byte than a message), measured with the link;
+        reduce_latency, reduce_per_byte: averaging gradients between the two ranks, as the
+            replicas' averager does (copied into a flat buffer, all-reduced, divided, copied back),
+            costs ``reduce_latency + bytes x reduce_per_byte`` seconds (gloo's reduction on the CPU
+            and the copies make it several times a message's cost per byte), measured with the link;
             0 (not measured): the planner takes a ring of messages instead (:meth:`all_reduce`).
     """
 
@@ -88,8 +89,9 @@ class Link:
 
     def all_reduce(self, nbytes: int, ranks: int) -> float:
         """Seconds of one all-reduce of ``nbytes`` over ``ranks`` ranks, as a ring: ``2 (ranks - 1)`` steps, each
-        moving and reducing ``nbytes / ranks``; from the measured 2-rank all-reduce (``reduce_*``: half its
-        latency per step, its per-byte cost spread over the steps), else from the link's messages."""
+        moving and reducing ``nbytes / ranks``; from the measured 2-rank average (``reduce_*``: half its
+        latency per step, its per-byte cost spread over the steps; its copies, which do not grow with the
+        ranks, are scaled with them: up to 2x over on many ranks), else from the link's messages."""
         if ranks < 2:
             return 0.0
         steps = 2 * (ranks - 1)
