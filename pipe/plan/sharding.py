@@ -34,11 +34,12 @@ copies) split the batch the same way. Without sharding the runner's averager
 (:class:`pipe.distributed.data_parallel.GradientAverager`) copies a stage's
 gradients into flat buffers after its last backward, all-reduces them
 asynchronously and keeps them until the step ends: the planner counts those
-copies (:func:`held_by_averager`) and charges the all-reduce, a ring of
-``2 (R - 1)`` messages of bytes / R per bucket, to that last backward. With
-``dp_shard`` S as well (HSDP) FSDP all-reduces each reduce-scattered shard
-over the R replicas, a ring of bytes / (S R), in place: the memory is that of
-``dp_shard`` S.
+copies (:func:`held_by_averager`) and charges the averaging, per bucket, to
+that last backward: a ring over R ranks scaled from the average measured
+between 2 ranks with the link (:meth:`pipe.plan.timing.Link.all_reduce`:
+copies, all-reduce, division). With ``dp_shard`` S as well (HSDP) FSDP
+all-reduces each reduce-scattered shard over the R replicas, in place: the
+memory is that of ``dp_shard`` S.
 """
 from __future__ import annotations
 
@@ -220,9 +221,8 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
     ``dp_replicate`` R its shard is all-reduced over R ranks too
     (:meth:`pipe.plan.timing.Link.all_reduce`); a stage's reduction adds
     ``shard_step_overhead``. Replicated without sharding: each stage's
-    gradients are all-reduced over R ranks after its last backward, one flat
-    buffer per bucket of :data:`BUCKET_BYTES` (the copies in and out, at
-    memory speed, are not charged).
+    gradients are averaged over R ranks after its last backward, one flat
+    buffer per bucket of :data:`BUCKET_BYTES` (copies included, as measured).
     """
     shard, replicas = candidate.dp_shard, candidate.dp_replicate
     if link is None or shard * replicas == 1:
