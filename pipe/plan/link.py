@@ -14,7 +14,9 @@ time steps of the same kind of model sharded over both (``pp 1 x dp_shard
 FSDP's overhead per gather or reduce-scatter of a group
 (:attr:`Link.collective_overhead`), and what the 2-layer step takes beyond
 its collectives and actions its overhead per sharded stage and step
-(:attr:`Link.shard_step_overhead`). They also time all-reduces of several
+(:attr:`Link.shard_step_overhead`); a step of 2 wide layers (4 MiB each)
+gives FSDP's cost per byte beyond the link's (:attr:`Link.collective_per_byte`:
+its copies into and out of flat buffers, and the reduction). They also time all-reduces of several
 sizes as the replicas' averager makes them (gradients copied into a flat
 buffer, all-reduced, divided, copied back; 64 KiB to 32 MiB, beyond the
 caches): gloo reduces on the CPU, so this costs several times a message's
@@ -93,11 +95,12 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
                 reduced[size] = min(reduced.get(size, math.inf), _averaged(size))
         step = _empty_step(rank)
         sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
+        wide = _sharded_step(2, WIDE)
         import gc
 
         gc.collect()  # the sharded pipelines' groups go before the default group
         dist.destroy_process_group()
-        queue.put((rank, (best, step, sharded, reduced)))
+        queue.put((rank, (best, step, sharded, reduced, wide)))
     except BaseException as error:  # reported to the parent, which raises it
         queue.put((rank, f"{type(error).__name__}: {error}"))
 
@@ -126,12 +129,12 @@ OVERHEAD_PLAN = ("gpipe", 8)
 """The plan whose step measures the runner's overhead per action: a model too small to take time."""
 
 
-def _fastest_step(model: Any, rows: int) -> float:
-    """The fastest of 6 steps (after 2 to warm up) of ``model`` on zeros of ``rows`` x 4."""
+def _fastest_step(model: Any, rows: int, width: int = 4) -> float:
+    """The fastest of 6 steps (after 2 to warm up) of ``model`` on zeros of ``rows`` x ``width``."""
     import torch
     from torch import nn
 
-    x, y = torch.zeros(rows, 4), torch.zeros(rows, 4)
+    x, y = torch.zeros(rows, width), torch.zeros(rows, width)
     times = []
     for _ in range(8):
         begun = time.perf_counter()
@@ -155,17 +158,24 @@ def _empty_step(rank: int) -> float:
 SHARDED_LAYERS = (2, 8)
 """Layers of the sharded models whose steps measure FSDP's overheads (``pp 1 x dp_shard 2``, GPipe, 1 micro-batch)."""
 _TINY_LAYER_BYTES = (4 * 4 + 4) * 4  # nn.Linear(4, 4) in float32
+WIDE = 1024
+"""Width of the 2 square layers (4 MiB each, beyond the caches) whose sharded step measures FSDP's cost per byte."""
 
 
-def _sharded_step(layers: int) -> float:
-    """The fastest of a few steps of ``layers`` tiny layers sharded over the 2 ranks (pp 1 x dp_shard 2)."""
+def _layer_bytes(width: int) -> int:
+    return (width * width + width) * 4  # nn.Linear(width, width) in float32
+
+
+def _sharded_step(layers: int, width: int = 4) -> float:
+    """The fastest of a few steps of ``layers`` layers ``width`` wide (4: tiny) sharded over the 2 ranks
+    (pp 1 x dp_shard 2), on one sample: the collectives are the step."""
     from torch import nn
 
     from pipe.distributed import DistributedPipe, make_mesh
 
-    model = DistributedPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]), chunks=1, schedule="gpipe",
-                            checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
-    return _fastest_step(model, 1)
+    model = DistributedPipe(nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), chunks=1,
+                            schedule="gpipe", checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
+    return _fastest_step(model, 1, width)
 
 
 def _sharding_overheads(link: Link, steps: dict[int, float]) -> tuple[float, float]:
@@ -179,6 +189,15 @@ def _sharding_overheads(link: Link, steps: dict[int, float]) -> tuple[float, flo
     collective = max(per_layer / 2 - link.cost(_TINY_LAYER_BYTES // 2), 0.0)
     rest = steps[few] - few * 2 * (link.cost(_TINY_LAYER_BYTES // 2) + collective) - 2 * link.action_overhead
     return collective, max(rest, 0.0)
+
+
+def _sharding_per_byte(link: Link, tiny: float, wide: float) -> float:
+    """FSDP's seconds per byte of a ring step beyond the link's, from the steps of 2 tiny and 2 wide layers
+    (each layer: one gather and one reduce-scatter of half its bytes on 2 ranks; the compute of one sample
+    is left in, a few percent of it)."""
+    part = _layer_bytes(WIDE) // 2
+    per_step = (wide - tiny) / (2 * 2) - (link.cost(part) - link.cost(_TINY_LAYER_BYTES // 2))
+    return max(per_step / part, 0.0)
 
 
 def _overhead(link: Link, step: float) -> float:
@@ -233,14 +252,16 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     link = replace(link, action_overhead=_overhead(link, max(results[0][1], results[1][1])))
     sharded = {layers: max(results[0][2][layers], results[1][2][layers]) for layers in SHARDED_LAYERS}
     collective, per_step = _sharding_overheads(link, sharded)
+    wide = max(results[0][4], results[1][4])
+    per_byte_fsdp = _sharding_per_byte(link, sharded[SHARDED_LAYERS[0]], wide)
     reduce_latency, reduce_per_byte = _line({size: max(results[0][3][size], results[1][3][size])
                                              for size in REDUCE_SIZES})
     logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action; "
-                "FSDP %.3f ms per collective step, %.3f ms per sharded stage and step; all-reduce %.1f us + "
-                "%.3f ns per byte", latency * 1e6, per_byte * 1e9, link.action_overhead * 1e3, collective * 1e3,
-                per_step * 1e3, reduce_latency * 1e6, reduce_per_byte * 1e9)
+                "FSDP %.3f ms + %.3f ns per byte per collective step, %.3f ms per sharded stage and step; "
+                "all-reduce %.1f us + %.3f ns per byte", latency * 1e6, per_byte * 1e9, link.action_overhead * 1e3,
+                collective * 1e3, per_byte_fsdp * 1e9, per_step * 1e3, reduce_latency * 1e6, reduce_per_byte * 1e9)
     return replace(link, collective_overhead=collective, shard_step_overhead=per_step, reduce_latency=reduce_latency,
-                   reduce_per_byte=reduce_per_byte)
+                   reduce_per_byte=reduce_per_byte, collective_per_byte=per_byte_fsdp)
 
 
 def _line(points: dict[int, float]) -> tuple[float, float]:
@@ -261,12 +282,13 @@ def cached_link(measure: bool = True) -> Optional[Link]:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    if key in stored and (not measure or "averaged" in stored[key]):  # else measured before averaging was
+    if key in stored and (not measure or "collective_per_byte" in stored[key]):  # else measured before it was
         entry = stored[key]
         return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
                     action_overhead=float(entry.get("action_overhead", 0.0)),
                     collective_overhead=float(entry.get("collective_overhead", 0.0)),
                     shard_step_overhead=float(entry.get("shard_step_overhead", 0.0)),
+                    collective_per_byte=float(entry.get("collective_per_byte", 0.0)),
                     reduce_latency=float(entry.get("reduce_latency", 0.0)),
                     reduce_per_byte=float(entry.get("reduce_per_byte", 0.0)))
     if not measure:
@@ -274,7 +296,8 @@ def cached_link(measure: bool = True) -> Optional[Link]:
     link = measure_link()
     stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
                    "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
-                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte, "averaged": True,
+                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte,
+                   "collective_per_byte": link.collective_per_byte,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ last backward. The planner follows the very same per-action plan
   backward (``B``, or ``W`` in zero-bubble schedules) to its reduce-scatter;
 * **time** (:func:`collective_seconds`): one all-gather per gather and one
   reduce-scatter per step of each FSDP group (each layer with parameters),
-  ``(S - 1) x (latency + collective_overhead + group bytes / S x per_byte)``
+  ``(S - 1) x (latency + collective_overhead + group bytes / S x (per_byte + collective_per_byte))``
   over the link (a ring), plus ``shard_step_overhead`` per sharded stage and
   step, added to the action before which (after which, for the
   reduce-scatter) the runner issues it; both overheads are measured with the
@@ -205,10 +205,11 @@ def held_by_averager(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     return Held([copies(k) for k in range(len(program))], frozenset(), {k: copies(k + 1) for k in last.values()})
 
 
-def _ring(link: "Link", nbytes: int, size: int, overhead: float) -> float:
-    """Seconds of an all-gather or a reduce-scatter of ``nbytes`` over a ring of ``size`` ranks: ``size - 1``
-    messages of ``nbytes / size``, ``overhead`` added to each."""
-    return (size - 1) * (link.cost(-(-nbytes // size)) + overhead)
+def _ring(link: "Link", nbytes: int, size: int) -> float:
+    """Seconds of FSDP's all-gather or reduce-scatter of ``nbytes`` over a ring of ``size`` ranks: ``size - 1``
+    messages of ``nbytes / size``, each with FSDP's overhead per step and per byte."""
+    part = -(-nbytes // size)
+    return (size - 1) * (link.cost(part) + link.collective_overhead + part * link.collective_per_byte)
 
 
 def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],
@@ -217,7 +218,8 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
 
     Sharded (``dp_shard`` S): each FSDP group (a layer with parameters) is
     all-gathered and reduce-scattered over a ring of S ranks (S - 1 messages
-    of its bytes / S, each with the link's ``collective_overhead``), and with
+    of its bytes / S, each with the link's ``collective_overhead`` and
+    ``collective_per_byte``), and with
     ``dp_replicate`` R its shard is all-reduced over R ranks too
     (:meth:`pipe.plan.timing.Link.all_reduce`); a stage's reduction adds
     ``shard_step_overhead``. Replicated without sharding: each stage's
@@ -247,11 +249,10 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
         return [b for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]] if b]
 
     def gather(stage: int) -> float:
-        return sum(_ring(link, b, shard, link.collective_overhead) for b in groups(stage))
+        return sum(_ring(link, b, shard) for b in groups(stage))
 
     def reduce(stage: int) -> float:
-        total = sum(_ring(link, b, shard, link.collective_overhead) + link.all_reduce(-(-b // shard), replicas)
-                    for b in groups(stage))
+        total = sum(_ring(link, b, shard) + link.all_reduce(-(-b // shard), replicas) for b in groups(stage))
         return total + link.shard_step_overhead
 
     events = sharding_plan(program, candidate.reshard_after_forward, training=True)

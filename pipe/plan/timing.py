@@ -68,6 +68,9 @@ class Link:
             one group beyond ``latency`` (its hooks, copies in and out), measured with the link.
         shard_step_overhead: FSDP's seconds per sharded stage and step (its root's
             pre-forward and post-backward callbacks), measured with the link.
+        collective_per_byte: FSDP's seconds per byte of a ring step beyond ``per_byte`` (its
+            copies into and out of the flat buffers, and the reduction), measured with the link
+            on layers larger than the caches.
         reduce_latency, reduce_per_byte: averaging gradients between the two ranks, as the
             replicas' averager does (copied into a flat buffer, all-reduced, divided, copied back),
             costs ``reduce_latency + bytes x reduce_per_byte`` seconds (gloo's reduction on the CPU
@@ -81,6 +84,7 @@ class Link:
     action_overhead: float = 0.0
     collective_overhead: float = 0.0
     shard_step_overhead: float = 0.0
+    collective_per_byte: float = 0.0
     reduce_latency: float = 0.0
     reduce_per_byte: float = 0.0
 
@@ -124,8 +128,9 @@ class TimeModel:
         link = (f"{self.link.latency * 1e6:.0f} us + {self.link.per_byte * 1e9:.3f} ns/B per message"
                 if self.link else "no transfer cost")
         if self.link and (self.link.collective_overhead or self.link.shard_step_overhead):
-            link += (f" (FSDP: +{self.link.collective_overhead * 1e3:.3f} ms per collective step, "
-                     f"{self.link.shard_step_overhead * 1e3:.3f} ms per sharded stage and step)")
+            link += (f" (FSDP: +{self.link.collective_overhead * 1e3:.3f} ms"
+                     + (f" + {self.link.collective_per_byte * 1e9:.3f} ns/B" if self.link.collective_per_byte else "")
+                     + f" per collective step, {self.link.shard_step_overhead * 1e3:.3f} ms per sharded stage and step)")
         if self.link and (self.link.reduce_latency or self.link.reduce_per_byte):
             link += (f" (all-reduce on 2 ranks: {self.link.reduce_latency * 1e6:.0f} us + "
                      f"{self.link.reduce_per_byte * 1e9:.3f} ns/B)")

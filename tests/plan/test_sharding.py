@@ -261,3 +261,16 @@ def test_a_tied_weight_is_held_once_per_rank_and_never_sharded_for_two_stages() 
     assert any(c.schedule == "interleaved" and c.ranks == 2 for c in sharded)  # stages 0 and 3 apart: kept
     replicated, _ = split_candidates(costs, 4, "processes", None, (3,), [2])
     assert any(c.schedule == "zbv" for c in replicated)  # unsharded, a rank may hold both
+
+
+def test_fsdp_collectives_cost_the_link_and_fsdp_s_own_overheads_per_step_and_byte() -> None:
+    costs = table(batch=8)  # 4 layers of 10 000 bytes
+    link = Link(1e-4, 1e-9, collective_overhead=1e-3, collective_per_byte=2e-9, shard_step_overhead=5e-3)
+    model = TimeModel(link=link)
+    sharded = Candidate("gpipe", 1, (4,), "never", dp_shard=2)
+    alone = predict(replica_costs(costs, 2), Candidate("gpipe", 1, (4,), "never"), runner="processes", model=model)
+    # Each layer: gathered before the forward and reduce-scattered after the backward, 1 ring step of 5 000
+    # bytes each on 2 ranks; the stage's reduction adds its overhead per step.
+    per_step = 1e-4 + 5_000 * 1e-9 + 1e-3 + 5_000 * 2e-9
+    assert predict(costs, sharded, runner="processes", model=model).step_time == pytest.approx(
+        alone.step_time + 4 * 2 * per_step + 5e-3)
