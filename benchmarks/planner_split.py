@@ -39,6 +39,7 @@ import argparse
 import datetime
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import sys
@@ -122,7 +123,7 @@ def main() -> None:
     load_before = load()
     x, y = mlp_data(size)
     costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y, threads=1)  # as the ranks
-    model = TimeModel.measured(cached_link())
+    model = TimeModel.measured(cached_link(), cores=os.cpu_count())  # the ranks share this machine's cores
     grid, skipped = split_candidates(costs, world, "processes", "auto", (3, 2), "auto", balances=None, **OPTIONS)
     grid = [c for c in grid if len(set(c.balance)) == 1]  # even balances
     measured = run(size, grid, mode["sweeps"], world)
@@ -159,7 +160,7 @@ def main() -> None:
         first_of_split.setdefault((c.ranks, c.dp_replicate, c.dp_shard), c)
     calibration = list(first_of_split.values())
     times = {p["candidate"]: p["measured_ms"] / 1e3 for p in plans}
-    fitted = fit(costs, {c: times[c] for c in calibration}, link=model.link)
+    fitted = fit(costs, {c: times[c] for c in calibration}, link=model.link, cores=model.cores)
     fitted_errors = {p["plan"]: predict(costs, p["candidate"], runner="processes", timeline=False,
                                         model=fitted).step_time / times[p["candidate"]] - 1
                      for p in plans if p["candidate"] not in calibration}

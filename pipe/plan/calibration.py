@@ -87,7 +87,7 @@ class Calibration:
 def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample: Any, *, target: Any = None,
               loss_fn: Optional[Callable[[Any, Any], Any]] = None, link: Optional[Link] = None,
               schedules: Optional[Sequence[str]] = None, plans: Optional[Sequence[Candidate]] = None,
-              sweeps: int = 2, repeat: int = 3, timeout: float = 600.0) -> Calibration:
+              sweeps: int = 2, repeat: int = 3, timeout: float = 600.0, cores: Optional[float] = None) -> Calibration:
     """Runs a few plans of the model on ``stages`` local gloo processes and fits the time model to them.
 
     Args:
@@ -103,6 +103,7 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
         plans: the plans to run instead of :func:`calibration_plans`'s (on ``stages`` ranks, unsharded).
         sweeps: times each plan runs, in turn with the others; its fastest step counts.
         repeat: timed steps per plan and sweep (the fastest counts).
+        cores: the cores the ranks share (:class:`pipe.plan.TimeModel`), kept in the fitted model.
 
     Raises:
         ValueError: no plan to calibrate on, or plans on other than ``stages`` ranks.
@@ -122,7 +123,7 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
                          repeat=repeat, sweeps=sweeps, timeout=timeout)
     times = {c: max(m.step_time for m in ranks) for c, ranks in zip(chosen, measured)}
-    model = fit(costs, times, runner="processes", link=link)
+    model = fit(costs, times, runner="processes", link=link, cores=cores)
     errors = {c: predict(costs, c, runner="processes", timeline=False, model=model).step_time / t - 1
               for c, t in times.items()}
     return Calibration(model, times, errors)

@@ -23,7 +23,7 @@ from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.plan.cost import Costs
 from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held_by_fsdp, replica_costs, sharded_static,
                                 split_text)
-from pipe.plan.timing import TimeModel
+from pipe.plan.timing import SHARING_ROUNDS, TimeModel, shared_stretch
 
 LOSS_SCALAR_BYTES = 3 * 4
 """What the process runner's step keeps of the loss on the last stage: three float32 scalars (measured)."""
@@ -212,13 +212,15 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         here = schedule.rank_of(action.stage)
         return _remote(schedule, action.stage - 1, here) + _remote(schedule, action.stage + 1, here)
 
+    stretch: dict[Action, float] = {}  # compute slowed by the ranks sharing cores (model.cores)
+
     def duration(action: Action) -> float:
         t = times[action.stage]
         if action.phase is Phase.RECOMPUTE:
-            return t.recompute * scale
+            return t.recompute * scale * stretch.get(action, 1.0)
         seconds = {Phase.FORWARD: t.forward, Phase.BACKWARD: t.backward, Phase.INPUT: t.input_grad,
                    Phase.WEIGHT: t.weight_grad}[action.phase]
-        return (seconds * scale + overhead + model.message_overhead * messages(action)
+        return (seconds * scale * stretch.get(action, 1.0) + overhead + model.message_overhead * messages(action)
                 + collectives.get(action, 0.0))
 
     rows = costs.rows(candidate.chunks)
@@ -235,6 +237,11 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1]) if _remote(schedule, s + 1, here) else 0.0
 
     simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+    cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
+    if cores is not None and cores < schedule.ranks:
+        for _ in range(SHARING_ROUNDS):
+            stretch = shared_stretch(simulated, cores)
+            simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])

@@ -21,6 +21,7 @@ import functools
 import heapq
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
@@ -382,6 +383,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
         dp_replicate: plan full replicas too (:func:`search`): ``pp x dp_replicate``, or HSDP with ``dp_shard``.
         threads: intra-op threads each stage computes with on the CPU, as its layers are timed
+            and as the ranks share this machine's cores (``TimeModel.cores``: its cores / threads)
             (:func:`pipe.plan.profile_costs`). Default: 1 with runner ``"processes"`` (torchrun's default
             for several local ranks, and how ``calibrate`` and ``pipe-plan --verify`` run them), this
             process's with ``"threads"``.
@@ -403,10 +405,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
                          f"runner={runner!r}: pass runner='processes'")
     if calibrate and model_time is not None:
         raise ValueError("pass either model_time= (a fitted TimeModel) or calibrate=True (fit one here), not both")
-    if model_time is None:  # the link and the overhead per action measured on this machine
-        model_time = TimeModel.measured(_link(link, runner))
     if threads is None and runner == "processes":
         threads = 1
+    if model_time is None:  # the link and the overhead per action measured on this machine, and its cores
+        model_time = TimeModel.measured(_link(link, runner), cores=_shared_cores(runner, device, threads))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target, select=select, threads=threads)
     def chosen(model_time: TimeModel) -> Plan:
@@ -420,8 +422,15 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     from pipe.plan.calibration import calibrate as fit_here
 
     calibration = fit_here(functools.partial(copy.deepcopy, model), costs, stages, sample, target=target,
-                           loss_fn=loss_fn, link=model_time.link, schedules=schedules)
+                           loss_fn=loss_fn, link=model_time.link, schedules=schedules, cores=model_time.cores)
     return replace(chosen(calibration.model), calibration=calibration)
+
+
+def _shared_cores(runner: str, device: Optional[torch.device], threads: Optional[int]) -> Optional[float]:
+    """The cores that local CPU ranks share, counted in ranks of ``threads`` threads (None: a device each)."""
+    if runner != "processes" or (device is not None and torch.device(device).type != "cpu"):
+        return None
+    return (os.cpu_count() or 1) / (threads or 1)
 
 
 def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:

@@ -27,7 +27,8 @@ last backward. The planner follows the very same per-action plan
   step, added to the action before which (after which, for the
   reduce-scatter) the runner issues it; both overheads are measured with the
   link (:func:`pipe.plan.link.measure_link`, on 2 ranks). The overlap of
-  prefetches with compute is not modelled, nor ranks that outnumber the cores.
+  prefetches with compute is not modelled, nor how ranks that outnumber the cores slow the
+  collectives (their compute shares the cores: :class:`pipe.plan.timing.TimeModel` ``cores``).
 
 Replicas (``make_mesh(pp=P, dp_replicate=R)``, R pipelines holding full
 copies) split the batch the same way. Without sharding the runner's averager

@@ -25,7 +25,14 @@ action's message has arrived::
   predicted 4-16% fast (median per model) in every benchmark run;
 * ``contention``: how much slower compute runs when the ranks compute at once
   on cores they share (memory bandwidth, the transport's own threads, other
-  processes); 1 when every rank has a core to itself and nothing else runs.
+  processes); 1 when every rank has a core to itself and nothing else runs;
+* ``cores``: where the ranks outnumber the cores they run on (processes on
+  one CPU), how many can compute at once. Each pipeline of a plan with
+  data-parallel ranks gets its share (``cores / (dp_replicate x dp_shard)``);
+  while more of its ranks compute than it has cores, their compute slows in
+  proportion (the cores are shared: each action's compute is stretched by
+  the mean number of actions running beside it, over its span, per core, and
+  the plan simulated again until it settles). None: a core each.
 
 The last three are fitted by :func:`fit` to measured steps of a few plans
 (least squares on the relative error), then every other plan is predicted
@@ -40,12 +47,14 @@ backward for a transformer block on the CPU).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pipe.core.schedule import Action, TimedAction
     from pipe.plan.cost import Costs
     from pipe.plan.predict import Candidate
 
@@ -112,17 +121,21 @@ class TimeModel:
     action_overhead: float = 0.0
     contention: float = 1.0
     message_overhead: float = 0.0
+    cores: Optional[float] = None
 
     @classmethod
-    def measured(cls, link: Optional[Link]) -> "TimeModel":
-        """The default model on a machine: its link, and the overhead per action measured with it."""
-        return cls(link=link, action_overhead=link.action_overhead if link else 0.0)
+    def measured(cls, link: Optional[Link], cores: Optional[float] = None) -> "TimeModel":
+        """The default model on a machine: its link, the overhead per action measured with it, and the
+        ``cores`` the ranks share (None: a core each)."""
+        return cls(link=link, action_overhead=link.action_overhead if link else 0.0, cores=cores)
 
     def __post_init__(self) -> None:
         for name in ("action_overhead", "contention", "message_overhead"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0, got {value!r}")
+        if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
+            raise ValueError(f"TimeModel.cores must be a number of cores > 0, or None, got {self.cores!r}")
 
     def describe(self) -> str:
         link = (f"{self.link.latency * 1e6:.0f} us + {self.link.per_byte * 1e9:.3f} ns/B per message"
@@ -136,12 +149,45 @@ class TimeModel:
                      f"{self.link.reduce_per_byte * 1e9:.3f} ns/B)")
         message = f", {self.message_overhead * 1e3:.3f} ms per message sent or received" \
             if self.message_overhead else ""
+        cores = f"; {self.cores:g} cores shared by the ranks" if self.cores is not None else ""
         return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action{message}; "
-                f"compute x{self.contention:.3f} (contention)")
+                f"compute x{self.contention:.3f} (contention){cores}")
+
+
+SHARING_ROUNDS = 4
+"""Simulations that settle how shared cores stretch each action (:func:`shared_stretch`)."""
+
+
+def shared_stretch(timeline: Sequence["TimedAction"], cores: float) -> dict["Action", float]:
+    """How much slower each action of ``timeline`` computes on ``cores`` cores shared by its ranks: the mean
+    number of actions running over its span, per core (at least 1: a core each is full speed)."""
+    edges = sorted({t.start for t in timeline} | {t.end for t in timeline})
+    if len(edges) < 2:
+        return {}
+    change = dict.fromkeys(edges, 0)
+    for t in timeline:
+        if t.end > t.start:
+            change[t.start] += 1
+            change[t.end] -= 1
+    running, area, areas, counts = 0, 0.0, [0.0], []  # actions running on each interval, and the integral
+    for left, right in zip(edges, edges[1:]):
+        running += change[left]
+        counts.append(running)
+        area += running * (right - left)
+        areas.append(area)
+
+    def integral(x: float) -> float:  # of the number running, from the first edge to x
+        k = bisect.bisect_right(edges, x) - 1
+        if k >= len(counts):
+            return areas[-1]
+        return areas[k] + counts[k] * (x - edges[k])
+
+    return {t.action: max(1.0, (integral(t.end) - integral(t.start)) / (t.end - t.start) / cores)
+            for t in timeline if t.end > t.start}
 
 
 def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = "processes",
-        link: Optional[Link] = None, rounds: int = 3) -> TimeModel:
+        link: Optional[Link] = None, rounds: int = 3, cores: Optional[float] = None) -> TimeModel:
     """Fits ``action_overhead``, ``message_overhead`` (with a ``link``) and ``contention`` to
     measured step times (seconds) of a few plans.
 
@@ -154,6 +200,8 @@ def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = 
     zero-bubble plans, or stages in the middle of the pipeline); fitted on
     others, it trades against the cost per action and both predict alike.
 
+    ``cores``: the cores the ranks share, kept as given (:class:`TimeModel`).
+
     Raises:
         ValueError: nothing measured, or a measured time that is not positive.
     """
@@ -165,7 +213,7 @@ def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = 
     if bad:
         raise ValueError(f"measured step times must be positive seconds, got {bad}")
     plans = list(measured.items())
-    base = TimeModel(link=link)
+    base = TimeModel(link=link, cores=cores)
     actions = max(2 * c.chunks * c.virtual_stages for c, _ in plans)
 
     def errors(model: TimeModel) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipe.core.schedule import Schedule
-from pipe.plan import Candidate, Costs, predict
+from pipe.plan import Candidate, Costs, TimeModel, predict
 
 
 def uniform(layers: int = 4, batch: int = 8) -> Costs:
@@ -105,3 +105,33 @@ def test_messages_delay_the_receiver_by_latency_and_bytes() -> None:
     slow = TimeModel(link=Link(latency=1e-3, per_byte=0.0))
     # One activation forward and one gradient backward cross the boundary: 2 messages on the critical path.
     assert predict(costs, c, runner="processes", model=slow).step_time == pytest.approx(bare + 2e-3)
+
+
+def test_ranks_sharing_cores_compute_at_the_cores_speed() -> None:
+    # 4 layers of 1 ms forward and 2 ms backward per sample, batch 8: 96 ms of compute in all.
+    costs = Costs.from_table(8, [1e-3] * 4, [2e-3] * 4, [100] * 4, [10] * 4)
+    plan = Candidate("gpipe", 8, (2, 2), "never")
+    alone = predict(costs, plan).step_time  # a core each: the two stages overlap
+    assert predict(costs, plan, model=TimeModel(cores=2)).step_time == pytest.approx(alone)
+    one_core = predict(costs, plan, model=TimeModel(cores=1)).step_time
+    # One core for both ranks: while both compute, each at half speed; about the work, serialised.
+    assert alone < 0.6 * 96e-3 and one_core == pytest.approx(96e-3, rel=0.05)
+    # Replicas share the cores too: each of 2 pipelines (on half the batch) gets half of them.
+    from pipe.plan.sharding import replica_costs
+
+    replicated = predict(costs, Candidate("gpipe", 4, (2, 2), "never", dp_replicate=2), model=TimeModel(cores=2))
+    half = predict(replica_costs(costs, 2), Candidate("gpipe", 4, (2, 2), "never"), model=TimeModel(cores=1))
+    assert replicated.step_time == pytest.approx(half.step_time) and half.step_time == pytest.approx(48e-3, rel=0.05)
+    with pytest.raises(ValueError, match="TimeModel.cores must be a number of cores > 0, or None, got 0"):
+        TimeModel(cores=0)
+
+
+def test_shared_stretch_is_the_mean_number_running_per_core() -> None:
+    from pipe.core.schedule import Action, Phase, TimedAction
+    from pipe.plan.timing import shared_stretch
+
+    a, b = Action(Phase.FORWARD, 0, 0), Action(Phase.FORWARD, 0, 1)
+    # a runs 0-4, b runs 2-4 beside it: on 1 core, a shares half its span (mean 1.5), b all of it (2).
+    stretch = shared_stretch([TimedAction(a, 0, 0.0, 4.0), TimedAction(b, 1, 2.0, 4.0)], cores=1)
+    assert stretch == {a: pytest.approx(1.5), b: pytest.approx(2.0)}
+    assert shared_stretch([TimedAction(a, 0, 0.0, 4.0), TimedAction(b, 1, 2.0, 4.0)], cores=2) == {a: 1.0, b: 1.0}
