@@ -5,7 +5,7 @@ Usage::
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
               [--calibrate] [--dp-shard auto | S [S ...]] [--dp-replicate auto | R [R ...]] [--zero 3 2]
-              [--select [REGEX ...]]
+              [--select [REGEX ...]] [--threads N]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan --stages ranks with full replicas too, as pp x dp_replicate (or with --dp-shard "
                              "pp x dp_replicate x dp_shard, HSDP): 'auto' for every divisor, or the sizes to try "
                              "(needs --runner processes)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="intra-op threads each stage computes with, as the layers are timed and as ranks share "
+                             "this machine's cores (default: 1 with --runner processes, as torchrun gives several "
+                             "local ranks; this process's with threads)")
     parser.add_argument("--zero", type=int, nargs="+", choices=[2, 3], default=[3, 2],
                         help="with --dp-shard: the ZeRO stages to compare (3: reshard after forward; default 3 2)")
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
@@ -212,7 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       chunks=args.chunks, param_scale=args.param_scale,
                       link=None if args.link == "none" else args.link, loss_fn=mean_output_loss if with_loss else None,
                       target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero, dp_replicate=dp_replicate,
-                      select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate)
+                      select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate,
+                      threads=args.threads)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1

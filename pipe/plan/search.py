@@ -405,6 +405,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
                          f"runner={runner!r}: pass runner='processes'")
     if calibrate and model_time is not None:
         raise ValueError("pass either model_time= (a fitted TimeModel) or calibrate=True (fit one here), not both")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be a positive number of intra-op threads, got {threads!r}")
     if threads is None and runner == "processes":
         threads = 1
     if model_time is None:  # the link and the overhead per action measured on this machine, and its cores

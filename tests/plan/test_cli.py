@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,9 @@ def test_pipe_plan_names_the_smallest_budget(factory: str, capsys: pytest.Captur
 
 def test_pipe_plan_refuses_bad_arguments(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in ((["--budget", "lots"], "cannot read memory budget"),
-                          (["--budget", "1GiB", "--input-shape", "16,x"], "sizes separated by commas")):
+                          (["--budget", "1GiB", "--input-shape", "16,x"], "sizes separated by commas"),
+                          (["--budget", "1GiB", "--threads", "0"], "threads must be a positive number of intra-op "
+                                                                   "threads, got 0")):
         base = ["--model", factory, "--input-shape", "16,16", "--stages", "2"]
         with pytest.raises(SystemExit) as exit_:
             plan_main(base + argv)
@@ -98,6 +101,18 @@ def test_pipe_plan_refuses_bad_arguments(factory: str, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         plan_main(["--model", "no_such_module:build", "--input-shape", "4,16", "--budget", "1GiB", "--stages", "2"])
     assert "cannot import" in capsys.readouterr().err
+
+
+def test_pipe_plan_times_layers_on_the_threads_given(factory: str, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    search_module = sys.modules["pipe.plan.search"]
+    seen: list[Any] = []
+    real = search_module.profile_costs
+    monkeypatch.setattr(search_module, "profile_costs", lambda *a, **k: seen.append(k["threads"]) or real(*a, **k))
+    common = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--chunks", "1",
+              "2", "--runner", "processes", "--link", "none"]
+    assert plan_main(common + ["--threads", "2"]) == 0 and plan_main(common) == 0
+    assert seen == [2, 1]  # given; else 1 for the process runner
 
 
 def test_pipe_viz_trace_explains_a_recorded_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
