@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.distributed.fsdp import Shard, describe_shard, refuse_wrapped, verify_shard
-from pipe.distributed.mesh import mesh_size, replica_mesh, verify_mesh
+from pipe.distributed.mesh import replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
@@ -169,15 +169,8 @@ class DistributedPipe(PlainNamed, nn.Module):
             from pipe.plan.apply import plan_for_ranks
 
             require_initialized()
-            if mesh is not None:
-                verify_mesh(mesh, data_parallel)
-            pipeline_ranks = mesh_size(mesh, "pp") if mesh is not None else dist.get_world_size() // (data_parallel or 1)
-            sharded = verify_shard(shard, mesh) if mesh is not None else None
-            planned = plan_for_ranks(model, sample, memory_budget, balance, pipeline_ranks, loss_fn, target,
-                                     shards=mesh_size(mesh, "dp_shard") if mesh is not None else 1,
-                                     replicas=mesh_size(mesh, "dp_replicate") if mesh is not None else data_parallel or 1,
-                                     zero3=sharded is None or sharded.reshard_after_forward,
-                                     tensor_parallel=mesh_size(mesh, "tp") if mesh is not None else 1)
+            planned = plan_for_ranks(model, sample, memory_budget, balance, loss_fn, target, mesh=mesh,
+                                     data_parallel=data_parallel, shard=shard)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.plan.search import CHUNKS, Budget, Plan, plan
 
@@ -52,22 +53,35 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                   ranks: int, loss_fn: Optional[Callable[..., Any]], target: Any, shards: int = 1,
-                   replicas: int = 1, zero3: bool = True, tensor_parallel: int = 1) -> dict[str, Any]:
+                   loss_fn: Optional[Callable[..., Any]], target: Any, *, mesh: Optional[DeviceMesh] = None,
+                   data_parallel: Optional[int] = None, shard: Any = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
-    With data-parallel ranks (``replicas`` of the pipeline, each stage sharded over ``shards`` ranks; each
-    pipeline with ``sample`` as its mini-batch) the plan is that of ``ranks x replicas x shards`` ranks
-    split as ``pp x dp_replicate x dp_shard`` (:mod:`pipe.plan.sharding`; ZeRO-3 if ``zero3``, else
-    ZeRO-2), on the pipelines' mini-batches together: so FSDP's unsharded parameters and gradients, or the
-    averager's copies of the gradients, and their collectives are counted.
+    The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
+    world). With data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
+    "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its mini-batch) the plan
+    is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`), on the pipelines'
+    mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's copies of the
+    gradients, and their collectives are counted.
 
     Raises:
-        ValueError: ``tensor_parallel > 1`` (a mesh with "tp"), which the planner does not model (every
-            rank raises alike).
+        ValueError: a mesh with "tp", which the planner does not model (every rank raises alike); a mesh
+            that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     import torch.distributed as dist
 
+    from pipe.distributed.fsdp import verify_shard
+    from pipe.distributed.mesh import mesh_size, verify_mesh
+
+    if mesh is not None:
+        verify_mesh(mesh, data_parallel)
+        ranks, shards, replicas = mesh_size(mesh, "pp"), mesh_size(mesh, "dp_shard"), mesh_size(mesh, "dp_replicate")
+        tensor_parallel = mesh_size(mesh, "tp")
+        sharding = verify_shard(shard, mesh)
+        zero3 = sharding is None or sharding.reshard_after_forward
+    else:
+        replicas, shards, tensor_parallel, zero3 = data_parallel or 1, 1, 1, True
+        ranks = dist.get_world_size() // replicas
     if tensor_parallel > 1:
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "

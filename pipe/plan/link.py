@@ -106,22 +106,25 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
 
 
 def _averaged(nbytes: int) -> float:
-    """Seconds to average ``nbytes`` of gradients (two tensors) over the 2 ranks as the replicas' averager
-    does (:class:`pipe.distributed.data_parallel.GradientAverager`): copied into one flat buffer,
+    """Seconds the replicas' averager (:class:`pipe.distributed.data_parallel.GradientAverager`) takes to
+    average a stage's ``nbytes`` of gradients (two tensors) over the 2 ranks: copied into one flat buffer,
     all-reduced, divided, copied back."""
     import torch
     import torch.distributed as dist
+    from torch import nn
 
-    grads = [torch.zeros(nbytes // 8), torch.zeros(nbytes // 8)]
+    from pipe.distributed.data_parallel import GradientAverager
+
+    stage = nn.Module()
+    for name in ("a", "b"):
+        weight = nn.Parameter(torch.zeros(nbytes // 8))
+        weight.grad = torch.zeros_like(weight)
+        stage.register_parameter(name, weight)
+    averager = GradientAverager({0: stage}, None, 2)
     dist.barrier()
     begun = time.perf_counter()
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat.div_(2)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    averager.start(0)
+    averager.finish()
     return time.perf_counter() - begun
 
 

@@ -39,6 +39,12 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
+def verify_threads(threads: Optional[int]) -> None:
+    """Raises ValueError unless ``threads`` is None or a positive number of intra-op threads."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be a positive number of intra-op threads, got {threads!r}")
+
+
 def _layer_inputs(module: nn.Sequential, micro: dict[int, Any], device: torch.device,
                   needs_grad: list[list[bool]]) -> tuple[list[nn.Module], dict[int, list[Batch]]]:
     """Copies of the layers, and the input of every layer for every micro-batch size, computed once
@@ -121,8 +127,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     select = (select,) if isinstance(select, str) else tuple(select)
     for pattern in select:
         compile_pattern(pattern, "profile_costs(select=...)")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"threads must be a positive number of intra-op threads, got {threads!r}")
+    verify_threads(threads)
     before = torch.get_num_threads()
     if threads is not None and device.type == "cpu":
         torch.set_num_threads(threads)

@@ -33,7 +33,7 @@ from pipe.core.partition import verify_module
 from pipe.core.schedule import Schedule
 from pipe.plan.candidates import candidates, per_stage_recompute
 from pipe.plan.cost import Costs
-from pipe.plan.profile import profile_costs
+from pipe.plan.profile import profile_costs, verify_threads
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
@@ -405,8 +405,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
                          f"runner={runner!r}: pass runner='processes'")
     if calibrate and model_time is not None:
         raise ValueError("pass either model_time= (a fitted TimeModel) or calibrate=True (fit one here), not both")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"threads must be a positive number of intra-op threads, got {threads!r}")
+    verify_threads(threads)
     if threads is None and runner == "processes":
         threads = 1
     if model_time is None:  # the link and the overhead per action measured on this machine, and its cores

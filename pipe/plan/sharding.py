@@ -159,10 +159,9 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
 
     program = _program(schedule, rank)
     events = sharding_plan(program, zero3, training=True)
-    weights = (Phase.WEIGHT,) if schedule.splits_backward else (Phase.BACKWARD,)
     first_grad: dict[int, int] = {}
     for k, action in enumerate(program):
-        if action.phase in weights:
+        if action.phase in _gradient_phases(schedule):
             first_grad.setdefault(action.stage, k)
     reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     during: list[int] = []
@@ -182,11 +181,14 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     return Held(during, fresh)
 
 
+def _gradient_phases(schedule: Schedule) -> tuple[Phase, ...]:
+    """The actions that add to a stage's gradients: ``B``, or ``W`` in a zero-bubble schedule."""
+    return (Phase.WEIGHT,) if schedule.splits_backward else (Phase.BACKWARD,)
+
+
 def _last_backwards(schedule: Schedule, program: list[Action]) -> dict[int, int]:
-    """Each stage's last action that adds to its gradients (``B``, or ``W`` in a zero-bubble schedule):
-    the runner starts the stage's gradient averaging after it."""
-    weights = (Phase.WEIGHT,) if schedule.splits_backward else (Phase.BACKWARD,)
-    return {action.stage: k for k, action in enumerate(program) if action.phase in weights}
+    """Each stage's last action that adds to its gradients: the runner starts its averaging after it."""
+    return {action.stage: k for k, action in enumerate(program) if action.phase in _gradient_phases(schedule)}
 
 
 def held_by_averager(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]]) -> Held:
