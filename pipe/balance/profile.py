@@ -4,7 +4,8 @@ Every profile runs on copies of the layers, one at a time, with the random
 generators forked, so the user's module is left exactly as it was: same
 parameters, gradients, training flag, BatchNorm statistics and random state.
 Layers run in training mode on a detached input, as a pipeline partition
-would run them; the skips of ``@skippable`` layers are handed over detached,
+would run them, and are timed in a stage's order (every forward, then every
+backward in reverse); the skips of ``@skippable`` layers are handed over detached,
 so that each layer's backward stays its own.
 
 Memory is measured the same way on every device, without CUDA's allocator:
@@ -22,7 +23,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -151,14 +152,19 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     """Times each layer's forward and backward on copies of the layers, for each sample size.
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
-    and the planner (:func:`pipe.plan.profile.profile_costs`): each layer runs
-    on a detached input (its own backward only), synchronised before and
-    after on CUDA. One untimed round warms up (allocations, kernels, autograd
-    threads); then at least ``rounds`` timed rounds, and more until ``timeout``
-    seconds have passed. Each round visits every size, so a pause of this
-    process (another one got the core) spoils one round of each size, not
-    every round of one size; the fastest round is kept, since time lost to
-    other processes is not the layer's cost.
+    and the planner (:func:`pipe.plan.profile.profile_costs`). Layers run as
+    a stage runs them (:func:`_chain`): every forward in order, then every
+    backward in reverse order, each layer on its input detached so that its
+    backward is its own; synchronised before and after on CUDA. (Timed one
+    layer at a time, forward then backward, the forwards of a stage of
+    512-wide ``Linear`` layers on 8 rows summed to 1.7-2.0x the stage's own
+    forward on the CPU, in a chain 1.4-1.7x: a backward just before leaves
+    the caches cold.) One untimed round warms up
+    (allocations, kernels, autograd threads); then at least ``rounds`` timed
+    rounds, and more until ``timeout`` seconds have passed. Each round visits
+    every size, so a pause of this process (another one got the core) spoils
+    one round of each size, not every round of one size; the fastest round is
+    kept, since time lost to other processes is not the layer's cost.
 
     Args:
         module: the layers (left as they were: copies are timed).
@@ -167,27 +173,26 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         rounds: timed rounds at least.
         timeout: keep running rounds until this many seconds have passed.
         split: also time each backward split into I and W
-            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`).
-        recompute: also time each layer marked for recompute
-            (:func:`pipe.recompute.recompute`), right after it runs plainly in
-            the same round (:attr:`LayerTimes.replay`). A layer that fails
-            marked keeps its forward as its replay (logged).
+            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`),
+            in a chain of their own: every I in reverse order, then every W.
+        recompute: also time what marking each layer for recompute
+            (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
+            paired with a plain run just before, each alone. A layer
+            that fails marked keeps its forward as its replay (logged).
 
     Raises:
         RuntimeError: a layer failed; the message names it (index and name) and the cause.
     """
     names = [name for name, _ in module.named_children()]
     sizes = list(samples)
-    forwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
-    backwards = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
-    inputs = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
-    weights = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
-    output_bytes = {rows: [0] * len(names) for rows in sizes}
+
+    def table() -> dict[int, list[list[float]]]:
+        return {rows: [[] for _ in names] for rows in sizes}  # per size and layer: one entry per timed round
+
+    found = {name: table() for name in ("forward", "backward", "input", "weight", "replay", "select", "output_bytes",
+                                        "grad_bytes")}
     needs_grad: list[list[bool]] = [[] for _ in names]
-    grad_bytes = {rows: [0] * len(names) for rows in sizes}
-    marked = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     refused: set[int] = set()  # layers that fail marked for recompute
-    chosen = {rows: [[] for _ in names] for rows in sizes}  # type: dict[int, list[list[float]]]
     failed: set[int] = set()  # layers that fail marked for selective recompute
     done = 0
     with sandbox(device):
@@ -197,47 +202,168 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         warm = 2 if selective else 1  # untimed rounds: the selective marks plan on their first two calls
         while done < rounds + warm or time.perf_counter() - begun < timeout:
             for rows in sizes:
-                batch = as_input(samples[rows], device)
-                for k, layer in enumerate(layers):
-                    given = batch
-                    try:
-                        batch = _time_one(layer, detach(given), device, split, done > 0, forwards[rows][k],
-                                          backwards[rows][k], inputs[rows][k], weights[rows][k])
-                    except Exception as error:
-                        raise RuntimeError(f"cannot time layer {k} ({names[k]!r}: {type(next(iter(layer.children()), layer)).__name__}) on "
-                                           f"{rows} rows: {type(error).__name__}: {error}; the layer must run "
-                                           f"forward and backward on a detached input of a micro-batch") from error
-                    output_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors)
-                    needs_grad[k] = [t.requires_grad for t in batch.tensors]
-                    grad_bytes[rows][k] = sum(t.numel() * t.element_size() for t in batch.tensors if t.requires_grad)
-                    if recompute and k not in refused:
-                        _time_marked(layer, detach(given), device, done > 0, marked[rows][k], refused, k)
-                    if selective and k not in failed:
-                        _time_marked(selective[k], detach(given), device, done > 1, chosen[rows][k], failed, k,
-                                     selective=True)
+                try:
+                    _time_round(layers, selective, lambda: as_input(samples[rows], device), device, split,
+                                recompute, done, {name: table[rows] for name, table in found.items()}, needs_grad,
+                                refused, failed)
+                except _LayerFailed as error:
+                    layer = layers[error.layer]
+                    raise RuntimeError(
+                        f"cannot time layer {error.layer} ({names[error.layer]!r}: "
+                        f"{type(next(iter(layer.children()), layer)).__name__}) on {rows} rows: "
+                        f"{type(error.cause).__name__}: {error.cause}; the layer must run forward and backward "
+                        f"on a detached input of a micro-batch") from error.cause
             done += 1
+        output_bytes = {rows: [int(t[-1]) for t in per] for rows, per in found["output_bytes"].items()}
         _check_affine(names, layers, _with_probe(layers, samples, output_bytes, device))
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
-    forward = {rows: [min(t) for t in per] for rows, per in forwards.items()}
-    backward = {rows: [min(t) for t in per] for rows, per in backwards.items()}
-    replay = {rows: [f if k in refused else max(_added(marked[rows][k], forwards[rows][k], backwards[rows][k]), f)
-                     for k, f in enumerate(forward[rows])] for rows in sizes} if recompute else {}
-    select_replay = {rows: [math.inf if k in failed else
-                            max(_added(chosen[rows][k], forwards[rows][k], backwards[rows][k]), 0.0)
+    fastest = {name: {rows: [min(t) if t else 0.0 for t in per] for rows, per in table.items()}
+               for name, table in found.items() if name in ("forward", "backward", "input", "weight")}
+    replay = {rows: [f if k in refused or not found["replay"][rows][k]
+                     else max(statistics.median(found["replay"][rows][k]), f)
+                     for k, f in enumerate(fastest["forward"][rows])] for rows in sizes} if recompute else {}
+    select_replay = {rows: [math.inf if k in failed or not found["select"][rows][k]
+                            else max(statistics.median(found["select"][rows][k]), 0.0)
                             for k in range(len(names))] for rows in sizes} if select else {}
-    halves = ({rows: [min(t) for t in per] for rows, per in table.items()} if split else {}
-              for table in (inputs, weights))
-    input_grad, weight_grad = halves
-    return LayerTimes(forward, backward, input_grad, output_bytes, done - 1, replay, select_replay, weight_grad,
-                      needs_grad, grad_bytes)
+    grad_bytes = {rows: [int(t[-1]) for t in per] for rows, per in found["grad_bytes"].items()}
+    return LayerTimes(fastest["forward"], fastest["backward"], fastest["input"] if split else {}, output_bytes,
+                      done - 1, replay, select_replay, fastest["weight"] if split else {}, needs_grad, grad_bytes)
 
 
-def _added(marked: Sequence[float], forwards: Sequence[float], backwards: Sequence[float]) -> float:
-    """Seconds a mark adds to a layer's forward and backward: the median over rounds of the marked run
-    less the plain run just before it. Paired in a round, a slow spell of the machine slows both; a
-    difference of the fastest of each (of different rounds) swung by a third between profiles."""
-    paired = [m - f - b for m, f, b in zip(reversed(marked), reversed(forwards), reversed(backwards))]
-    return statistics.median(paired)
+def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sample: Callable[[], Batch],
+                device: torch.device, split: bool, recompute: bool, done: int, found: dict[str, list[list[float]]],
+                needs_grad: list[list[bool]], refused: set[int], failed: set[int]) -> None:
+    """Round ``done`` of :func:`time_layers` at one size (``sample()``: a fresh input): appends to
+    ``found``, per layer, the times (from round 1 on; the selective marks' from round 2 on, as they
+    plan on their first two calls) and the bytes of its output; sets ``needs_grad``."""
+    from pipe.recompute.module import recompute as mark_recompute, unmark
+
+    given, forward, backward, _ = _chain(layers, sample(), device)
+    for k, layer in enumerate(layers):
+        output = given[k + 1].tensors
+        found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
+        found["grad_bytes"][k].append(sum(t.numel() * t.element_size() for t in output if t.requires_grad))
+        needs_grad[k] = [t.requires_grad for t in output]
+        if done > 0:
+            found["forward"][k].append(forward[k])
+            found["backward"][k].append(backward[k])
+        # Alone, each layer then runs plainly, split into I and W (within 5% of a stage of transformer
+        # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked. What a mark adds is
+        # its run less the plain run just before it, paired in the round so that a slow spell of the
+        # machine slows both (a difference of the fastest of each, of different rounds, swung by a third
+        # between profiles).
+        marks = [(what, chosen, losers, minimum) for what, chosen, losers, minimum, wanted in (
+            ("replay", layer, refused, 1, recompute), ("select", selective[k] if selective else layer, failed, 2,
+                                                       bool(selective))) if wanted and k not in losers]
+        if not (marks or split):
+            continue
+        plain = _time_alone(layer, given[k], device, k)
+        if split:
+            try:
+                _, _, input_grad, weight_grad = _chain([layer], given[k], device, split=True)
+            except _LayerFailed as error:
+                raise _LayerFailed(k, error.cause) from error.cause
+            if done > 0:
+                found["input"][k].append(input_grad[0])
+                found["weight"][k].append(weight_grad[0])
+        for what, chosen, losers, minimum in marks:
+            if what == "replay":
+                mark_recompute(layer)
+            try:
+                seconds = _time_alone(chosen, given[k], device, k)
+            except _LayerFailed as error:  # the mark's own limits
+                logger.info("layer %d fails marked for %s (%s: %s); %s", k,
+                            "recompute" if what == "replay" else "selective recompute", type(error.cause).__name__,
+                            error.cause, "its replay is taken as its forward" if what == "replay"
+                            else "it is not planned so")
+                losers.add(k)
+                continue
+            finally:
+                if what == "replay":
+                    unmark(layer)
+            if done >= minimum:
+                found[what][k].append(seconds - plain)
+
+
+class _LayerFailed(Exception):
+    """Layer ``layer`` of a chain raised ``cause``."""
+
+    def __init__(self, layer: int, cause: Exception) -> None:
+        super().__init__(layer, cause)
+        self.layer = layer
+        self.cause = cause
+
+
+def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, split: bool = False,
+           ) -> tuple[list[Batch], list[float], list[float], list[float]]:
+    """One micro-batch through ``layers`` as a stage runs it, timed per layer: every forward in order,
+    each on its input detached (so that each layer's backward is its own), then every backward in
+    reverse order, with ones as the gradient of each output; with ``split``, every I in reverse order
+    (:class:`pipe.core.iw_backward.IWBackward`), then every W.
+
+    Returns:
+        Each layer's input (detached) and the last layer's output; seconds of each layer's forward,
+        of its backward (of its I with ``split``), and of its W (0 without ``split``).
+
+    Raises:
+        _LayerFailed: a layer failed.
+    """
+    count = len(layers)
+    forward, backward, weight = [0.0] * count, [0.0] * count, [0.0] * count
+    given: list[Batch] = []
+    outputs: list[Batch] = []
+    for k, layer in enumerate(layers):
+        given.append(detach(batch))
+        try:
+            synchronize(device)
+            tick = time.perf_counter()
+            batch = given[k].call(layer)
+            synchronize(device)
+        except Exception as error:
+            raise _LayerFailed(k, error) from error
+        forward[k] = time.perf_counter() - tick
+        outputs.append(batch)
+    halves: list[tuple[int, IWBackward]] = []
+    for k in reversed(range(count)):
+        roots = [t for t in outputs[k].tensors if t.requires_grad]
+        if not roots:
+            continue
+        grads = [torch.ones_like(t) for t in roots]
+        try:
+            if split:
+                leaves = [t for t in given[k].tensors if t.requires_grad]
+                halves.append((k, IWBackward(roots, grads, leaves, list(layers[k].parameters()))))
+            synchronize(device)
+            tick = time.perf_counter()
+            if split:
+                halves[-1][1].backward_input()
+            else:
+                torch.autograd.backward(roots, grads)
+            synchronize(device)
+        except Exception as error:
+            raise _LayerFailed(k, error) from error
+        backward[k] = time.perf_counter() - tick
+    for k, part in halves:
+        synchronize(device)
+        tick = time.perf_counter()
+        part.backward_weight()
+        synchronize(device)
+        weight[k] = time.perf_counter() - tick
+    return [*given, batch], forward, backward, weight
+
+
+def _time_alone(layer: nn.Module, batch: Batch, device: torch.device, k: int) -> float:
+    """Seconds of layer ``k``'s forward and backward run alone, as a layer marked for recompute replays
+    right before its backward.
+
+    Raises:
+        _LayerFailed: the layer failed.
+    """
+    try:
+        _, forward, backward, _ = _chain([layer], batch, device)
+    except _LayerFailed as error:
+        raise _LayerFailed(k, error.cause) from error.cause
+    return forward[0] + backward[0]
 
 
 def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
@@ -250,30 +376,6 @@ def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
     layer = next(iter(container.children()), container)
     mark(layer, SelectiveRecompute(layer, names, (), usage=Usage(warn=False)))
     return container
-
-
-def _time_marked(layer: nn.Module, batch: Batch, device: torch.device, timed: bool, times: list[float],
-                 refused: set[int], k: int, selective: bool = False) -> None:
-    """Runs ``layer`` marked for recompute (marked here, for the run) or for selective recompute
-    (marked already), forward then backward; appends the time when ``timed``. A layer that fails so
-    marked joins ``refused``."""
-    from pipe.recompute.module import recompute, unmark
-
-    if not selective:
-        recompute(layer)
-    try:
-        forwards: list[float] = []
-        backwards: list[float] = []
-        _time_one(layer, batch, device, False, timed, forwards, backwards, [])
-        times.extend(f + b for f, b in zip(forwards, backwards))
-    except Exception as error:  # the mark's own limits
-        logger.info("layer %d fails marked for %s (%s: %s); %s", k, "selective recompute" if selective else "recompute",
-                    type(error).__name__, error,
-                    "it is not planned so" if selective else "its replay is taken as its forward")
-        refused.add(k)
-    finally:
-        if not selective:
-            unmark(layer)
 
 
 def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_bytes: dict[int, list[int]],
@@ -326,46 +428,6 @@ def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[
                 f"its output is not a fixed size plus a size per sample ({seen}); its shapes depend on the "
                 f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
                 f"hand, or keep such a layer's output size fixed")
-
-
-def _time_one(layer: nn.Module, batch: Batch, device: torch.device, split: bool, timed: bool,
-              forwards: list[float], backwards: list[float], inputs: list[float],
-              weights: Optional[list[float]] = None) -> Batch:
-    """Runs one layer forward then backward; appends the times when ``timed``. With ``split``, a
-    second forward's backward runs as I then W (:class:`pipe.core.iw_backward.IWBackward`), as the
-    zero-bubble schedules run it, and both halves are timed: apart, they cost more than the backward."""
-    synchronize(device)
-    tick = time.perf_counter()
-    output = batch.call(layer)
-    synchronize(device)
-    tock = time.perf_counter()
-    forward = tock - tick
-    roots = [t for t in output.tensors if t.requires_grad]
-    grads = [torch.ones_like(t) for t in roots]
-    if roots:
-        torch.autograd.backward(roots, grads)
-    synchronize(device)
-    backward = time.perf_counter() - tock
-    input_grad = weight_grad = 0.0
-    if split and roots:
-        again = [t for t in batch.call(layer).tensors if t.requires_grad]
-        leaves = [t for t in batch.tensors if t.requires_grad]
-        halves = IWBackward(again, grads, leaves, list(layer.parameters()))
-        synchronize(device)
-        tick = time.perf_counter()
-        halves.backward_input()
-        synchronize(device)
-        tock = time.perf_counter()
-        halves.backward_weight()
-        synchronize(device)
-        input_grad, weight_grad = tock - tick, time.perf_counter() - tock
-    if timed:
-        forwards.append(forward)
-        backwards.append(backward)
-        inputs.append(input_grad)
-        if weights is not None:
-            weights.append(weight_grad)
-    return output
 
 
 def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:

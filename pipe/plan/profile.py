@@ -1,7 +1,8 @@
 """Measuring a model's :class:`pipe.plan.cost.Costs`: per-layer times and per-stage counted bytes.
 
-* **time** is measured per layer (forward and backward timed separately, the
-  fastest of a few rounds, as :mod:`pipe.balance.profile` times layers; the
+* **time** is measured per layer (forward and backward timed separately, every
+  forward in order and then every backward in reverse, as a stage runs them;
+  the fastest of a few rounds, as :mod:`pipe.balance.profile` times layers; the
   backward once more split into I and W as the zero-bubble runners split it;
   once more marked for recompute and once marked for selective recompute:
   what each mark adds);
