@@ -65,8 +65,9 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
     gradients, and their collectives are counted.
 
     Raises:
-        ValueError: a mesh with "tp", which the planner does not model (every rank raises alike); a mesh
-            that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
+        ValueError: a mesh with "tp", or FSDP in mixed precision (``Shard(mp_policy=...)`` with a
+            ``param_dtype`` or ``reduce_dtype``), which the planner does not model (every rank raises
+            alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     import torch.distributed as dist
 
@@ -80,8 +81,15 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
         sharding = verify_shard(shard, mesh)
         zero3 = sharding is None or sharding.reshard_after_forward
     else:
-        replicas, shards, tensor_parallel, zero3 = data_parallel or 1, 1, 1, True
+        replicas, shards, tensor_parallel, zero3, sharding = data_parallel or 1, 1, 1, True, None
         ranks = dist.get_world_size() // replicas
+    policy = sharding.mp_policy if sharding is not None else None
+    if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
+        raise ValueError(
+            f"DistributedPipe(..., memory_budget=...) plans in the parameters' own precision, but "
+            f"shard=Shard(mp_policy=...) has FSDP gather and compute in {policy.param_dtype} and reduce in "
+            f"{policy.reduce_dtype}, whose bytes and times it would not count; leave mp_policy out, or plan without it (in "
+            f"full precision) and pass the plan's chunks=, balance= and checkpoint= yourself")
     if tensor_parallel > 1:
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "

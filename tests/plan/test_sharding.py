@@ -190,8 +190,16 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
         tp = "no error"
     except ValueError as error:
         tp = str(error)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    try:
+        pd.DistributedPipe(mlp(), memory_budget="1GiB", sample=x, mesh=pd.make_mesh(pp=2, dp_shard=2),
+                           shard=pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
+        mixed = "no error"
+    except ValueError as error:
+        mixed = str(error)
     return {"peaks": results, "refused": refused, "planned": (model.chunks, model.balance, model.schedule.kind),
-            "planned_peak": planned + static, "tp": tp}
+            "planned_peak": planned + static, "tp": tp, "mixed": mixed}
 
 
 def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> None:
@@ -209,6 +217,8 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
     assert all(r["planned_peak"] <= budget for r in reports), (budget, reports)
     assert all("does not plan tensor parallelism, but the mesh splits each stage over tp=2" in r["tp"]
                for r in reports), reports[0]["tp"]
+    assert all("plans in the parameters' own precision, but shard=Shard(mp_policy=...) has FSDP gather and "
+               "compute in torch.bfloat16" in r["mixed"] for r in reports), reports[0]["mixed"]
     wrong, checked = [], 0
     for k, config in enumerate(CONFIGS):
         prediction = predict(costs, _candidate(*config), runner="processes")
