@@ -76,8 +76,9 @@ class Pipe(nn.Module):
             The normalised strategy is ``pipe.recompute_strategy``.
         memory_budget: bytes per device (``"2GiB"``, a number, or one per
             device): measure the model on ``sample`` and use the fastest
-            ``chunks``, ``balance`` and ``checkpoint`` predicted to fit
-            (:mod:`pipe.plan`; needs ``devices=``; the plan is ``pipe.plan``).
+            ``chunks``, ``balance`` and ``checkpoint`` predicted to fit, with
+            the plan's per-stage recompute (:mod:`pipe.plan`; needs ``devices=``;
+            refuses ``balance=`` and ``recompute=``; the plan is ``pipe.plan``).
         sample: one mini-batch, with ``memory_budget``.
         compile: compile each layer of each partition with ``torch.compile``:
             ``True`` (inductor, dynamic shapes) or a dict of its keywords
@@ -114,11 +115,10 @@ class Pipe(nn.Module):
         if memory_budget is not None:
             from pipe.plan.apply import plan_for_pipe
 
-            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices)
+            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices, recompute)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
-            if recompute is None:  # the plan's per-stage recompute counts, if it has any
-                recompute = self.plan.candidate.recompute_config()
+            recompute = self.plan.candidate.recompute_config()  # the plan's per-stage marks, if it has any
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):

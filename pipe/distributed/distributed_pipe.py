@@ -122,7 +122,9 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and
             ``target``) and every rank uses the fastest chunks, balance,
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`), with
-            the replicas' and FSDP's bytes on a mesh that has them ("tp" is refused).
+            the plan's per-stage recompute, and the replicas' and FSDP's bytes on a
+            mesh that has them ("tp", FSDP's mixed precision, ``balance=`` and
+            ``recompute=`` are refused).
         sample, target: one mini-batch of a pipeline and its targets, with ``memory_budget``.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
@@ -170,10 +172,10 @@ class DistributedPipe(PlainNamed, nn.Module):
 
             require_initialized()
             planned = plan_for_ranks(model, sample, memory_budget, balance, loss_fn, target, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard)
+                                     data_parallel=data_parallel, shard=shard, recompute=recompute)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
-            recompute = planned.get("recompute") if recompute is None else recompute  # per-stage counts
+            recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any
         self.chunks = verify_chunks(chunks)
         self.checkpoint = verify_checkpoint(checkpoint)
         self.loss_reduction = verify_loss_reduction(loss_reduction)

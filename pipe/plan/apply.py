@@ -22,27 +22,31 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
-def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str) -> None:
+def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str, recompute: Any = None) -> None:
     if sample is None:
         raise ValueError(f"{front}(..., memory_budget=...) needs sample=, one mini-batch as the pipeline will get "
                          f"it, to measure the model on")
     if balance is not None:
         raise ValueError(f"{front}(..., memory_budget=...) chooses the balance; leave balance= out (got {balance!r}), "
                          f"or pass balance= without memory_budget=")
+    if recompute is not None:  # the plan's peaks hold for its own recompute marks (or none), not for others
+        raise ValueError(f"{front}(..., memory_budget=...) chooses what each stage recomputes, and its predicted "
+                         f"peaks hold for that alone; leave recompute= out, or plan with pipe.plan.plan() and "
+                         f"pass its arguments with recompute= of your own (its peaks then no longer hold)")
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{front}(..., memory_budget=...) plans an nn.Sequential, got {type(module).__name__}; "
                         f"build the model, or plan with pipe.plan.plan() and pass the arguments")
 
 
 def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                  devices: Optional[Sequence[Any]]) -> Plan:
+                  devices: Optional[Sequence[Any]], recompute: Any = None) -> Plan:
     """The plan ``Pipe`` applies: GPipe over ``devices`` (one stage each).
 
     Raises:
-        ValueError: no ``sample`` or no ``devices``, or ``balance`` given too;
+        ValueError: no ``sample`` or no ``devices``, or ``balance`` or ``recompute`` given too;
             :class:`pipe.plan.PlanError` when nothing fits.
     """
-    _check(module, sample, balance, "Pipe")
+    _check(module, sample, balance, "Pipe", recompute)
     if not devices:
         raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
@@ -54,7 +58,7 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
                    loss_fn: Optional[Callable[..., Any]], target: Any, *, mesh: Optional[DeviceMesh] = None,
-                   data_parallel: Optional[int] = None, shard: Any = None) -> dict[str, Any]:
+                   data_parallel: Optional[int] = None, shard: Any = None, recompute: Any = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
@@ -96,7 +100,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
             f"stage over tp={tensor_parallel} ranks, whose memory and collectives it would not count; pass "
             f"chunks=, balance= and checkpoint= yourself (plan the mesh without 'tp' to start from: "
             f"pipe.plan.plan(..., dp_shard=...), docs/planner.md)")
-    _check(module, sample, balance, "DistributedPipe")
+    _check(module, sample, balance, "DistributedPipe", recompute)
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
                          "real device, not on torch.device('meta')")

@@ -47,11 +47,22 @@ def test_pipe_memory_budget_needs_a_sample_and_devices_and_no_balance() -> None:
         Pipe(mlp(), memory_budget="1GiB", sample=x)
     with pytest.raises(ValueError, match="chooses the balance"):
         Pipe(mlp(), memory_budget="1GiB", sample=x, balance=[2, 2], devices=["cpu", "cpu"])
+    # The plan's peaks hold for its own recompute marks: a config of the user's would silently replace them.
+    with pytest.raises(ValueError, match=r"Pipe\(\.\.\., memory_budget=\.\.\.\) chooses what each stage "
+                                         r"recomputes, and its predicted peaks hold for that alone; leave recompute= out"):
+        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"],
+             recompute={"recompute_config": {"recompute": [1, 1]}})
 
 
 def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     from pipe.distributed import DistributedPipe
 
+    try:
+        DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
+                        recompute={"recompute_config": {"recompute": [1, 1]}})
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
     model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
@@ -61,13 +72,15 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     for name, param in reference.named_parameters():
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
-    return {"peak": static + measured.activation_peak,
+    return {"peak": static + measured.activation_peak, "refused": refused,
             "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
 
 
 def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
     results = run_ranks(_planned_rank, 2, x, y, deadline=120)
+    assert all("DistributedPipe(..., memory_budget=...) chooses what each stage recomputes" in r["refused"]
+               for r in results), results[0]["refused"]
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
 
