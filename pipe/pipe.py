@@ -115,7 +115,8 @@ class Pipe(nn.Module):
         if memory_budget is not None:
             from pipe.plan.apply import plan_for_pipe
 
-            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices, recompute)
+            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices, recompute,
+                                      compile_options is not None)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
             recompute = self.plan.candidate.recompute_config()  # the plan's per-stage marks, if it has any

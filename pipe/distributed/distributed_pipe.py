@@ -172,7 +172,8 @@ class DistributedPipe(PlainNamed, nn.Module):
 
             require_initialized()
             planned = plan_for_ranks(model, sample, memory_budget, balance, loss_fn, target, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard, recompute=recompute)
+                                     data_parallel=data_parallel, shard=shard, recompute=recompute,
+                                     compiled=compile_options is not None)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any

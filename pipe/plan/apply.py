@@ -9,6 +9,7 @@ and broadcasts it: profiles measured on several ranks differ a little.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -22,7 +23,13 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
-def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str, recompute: Any = None) -> None:
+def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str, recompute: Any = None,
+           compiled: bool = False) -> None:
+    if compiled:
+        warnings.warn(f"{front}(..., memory_budget=..., compile=...) plans the layers as they run eager: the "
+                      f"plan's predicted peaks and step times are eager layers', and compiled ones keep other "
+                      f"activations (and run faster); leave a margin in the budget, or measure the compiled "
+                      f"model's peak before training at scale", UserWarning, stacklevel=4)
     if sample is None:
         raise ValueError(f"{front}(..., memory_budget=...) needs sample=, one mini-batch as the pipeline will get "
                          f"it, to measure the model on")
@@ -39,14 +46,14 @@ def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: st
 
 
 def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                  devices: Optional[Sequence[Any]], recompute: Any = None) -> Plan:
+                  devices: Optional[Sequence[Any]], recompute: Any = None, compiled: bool = False) -> Plan:
     """The plan ``Pipe`` applies: GPipe over ``devices`` (one stage each).
 
     Raises:
         ValueError: no ``sample`` or no ``devices``, or ``balance`` or ``recompute`` given too;
             :class:`pipe.plan.PlanError` when nothing fits.
     """
-    _check(module, sample, balance, "Pipe", recompute)
+    _check(module, sample, balance, "Pipe", recompute, compiled)
     if not devices:
         raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
@@ -58,7 +65,8 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
                    loss_fn: Optional[Callable[..., Any]], target: Any, *, mesh: Optional[DeviceMesh] = None,
-                   data_parallel: Optional[int] = None, shard: Any = None, recompute: Any = None) -> dict[str, Any]:
+                   data_parallel: Optional[int] = None, shard: Any = None, recompute: Any = None,
+                   compiled: bool = False) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
@@ -100,7 +108,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
             f"stage over tp={tensor_parallel} ranks, whose memory and collectives it would not count; pass "
             f"chunks=, balance= and checkpoint= yourself (plan the mesh without 'tp' to start from: "
             f"pipe.plan.plan(..., dp_shard=...), docs/planner.md)")
-    _check(module, sample, balance, "DistributedPipe", recompute)
+    _check(module, sample, balance, "DistributedPipe", recompute, compiled)
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
                          "real device, not on torch.device('meta')")

@@ -54,6 +54,14 @@ def test_pipe_memory_budget_needs_a_sample_and_devices_and_no_balance() -> None:
              recompute={"recompute_config": {"recompute": [1, 1]}})
 
 
+def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> None:
+    x = torch.randn(16, WIDTH)
+    with pytest.warns(UserWarning, match=r"Pipe\(\.\.\., memory_budget=\.\.\., compile=\.\.\.\) plans the layers as "
+                                         r"they run eager: the plan's predicted peaks and step times are eager"):
+        model = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], compile={"backend": "eager"})
+    model.close()
+
+
 def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     from pipe.distributed import DistributedPipe
 
