@@ -123,8 +123,8 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``target``) and every rank uses the fastest chunks, balance,
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`), with
             the plan's per-stage recompute, and the replicas' and FSDP's bytes on a
-            mesh that has them ("tp", FSDP's mixed precision, ``balance=`` and
-            ``recompute=`` are refused).
+            mesh that has them ("tp", FSDP's mixed precision, ``parallelize=``,
+            ``balance=`` and ``recompute=`` are refused).
         sample, target: one mini-batch of a pipeline and its targets, with ``memory_budget``.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
@@ -173,7 +173,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             require_initialized()
             planned = plan_for_ranks(model, sample, memory_budget, balance, loss_fn, target, mesh=mesh,
                                      data_parallel=data_parallel, shard=shard, recompute=recompute,
-                                     compiled=compile_options is not None)
+                                     compiled=compile_options is not None, parallelize=parallelize)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any

@@ -66,7 +66,7 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Opti
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
                    loss_fn: Optional[Callable[..., Any]], target: Any, *, mesh: Optional[DeviceMesh] = None,
                    data_parallel: Optional[int] = None, shard: Any = None, recompute: Any = None,
-                   compiled: bool = False) -> dict[str, Any]:
+                   compiled: bool = False, parallelize: Any = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
@@ -77,9 +77,9 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
     gradients, and their collectives are counted.
 
     Raises:
-        ValueError: a mesh with "tp", or FSDP in mixed precision (``Shard(mp_policy=...)`` with a
-            ``param_dtype`` or ``reduce_dtype``), which the planner does not model (every rank raises
-            alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
+        ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
+            ``param_dtype`` or ``reduce_dtype``), or a ``parallelize`` function, which the planner does not
+            model (every rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     import torch.distributed as dist
 
@@ -102,6 +102,12 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
             f"shard=Shard(mp_policy=...) has FSDP gather and compute in {policy.param_dtype} and reduce in "
             f"{policy.reduce_dtype}, whose bytes and times it would not count; leave mp_policy out, or plan without it (in "
             f"full precision) and pass the plan's chunks=, balance= and checkpoint= yourself")
+    if parallelize is not None:
+        raise ValueError(
+            f"DistributedPipe(..., memory_budget=...) plans the stages as the model builds them, but "
+            f"parallelize={getattr(parallelize, '__name__', parallelize)!r} changes them after the plan, in ways "
+            f"it cannot count; leave parallelize= out, or plan with pipe.plan.plan() and pass its arguments "
+            f"yourself")
     if tensor_parallel > 1:
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "

@@ -71,6 +71,12 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
         refused = "no error"
     except ValueError as error:
         refused = str(error)
+    try:
+        DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
+                        parallelize=lambda stage, mesh: None)
+        parallelized = "no error"
+    except ValueError as error:
+        parallelized = str(error)
     model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
@@ -80,7 +86,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     for name, param in reference.named_parameters():
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
-    return {"peak": static + measured.activation_peak, "refused": refused,
+    return {"peak": static + measured.activation_peak, "refused": refused, "parallelized": parallelized,
             "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
 
 
@@ -89,6 +95,8 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     results = run_ranks(_planned_rank, 2, x, y, deadline=120)
     assert all("DistributedPipe(..., memory_budget=...) chooses what each stage recomputes" in r["refused"]
                for r in results), results[0]["refused"]
+    assert all("plans the stages as the model builds them, but parallelize='<lambda>' changes them after the "
+               "plan" in r["parallelized"] for r in results), results[0]["parallelized"]
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
 
