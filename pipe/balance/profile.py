@@ -247,7 +247,7 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         if done > 0:
             found["forward"][k].append(forward[k])
             found["backward"][k].append(backward[k])
-        # Alone, each layer then runs plainly, split into I and W (within 5% of a stage of transformer
+        # Alone, each layer then runs plainly, split into I and W (within 6% of a stage of transformer
         # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked. What a mark adds is
         # its run less the plain run just before it, paired in the round so that a slow spell of the
         # machine slows both (a difference of the fastest of each, of different rounds, swung by a third
