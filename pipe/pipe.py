@@ -78,7 +78,9 @@ class Pipe(nn.Module):
             device): measure the model on ``sample`` and use the fastest
             ``chunks``, ``balance`` and ``checkpoint`` predicted to fit, with
             the plan's per-stage recompute (:mod:`pipe.plan`; needs ``devices=``;
-            refuses ``balance=`` and ``recompute=``; the plan is ``pipe.plan``).
+            a ``chunks`` or ``checkpoint`` other than its default is kept, the
+            plan the fastest with it; refuses ``balance=`` and ``recompute=``;
+            the plan is ``pipe.plan``).
         sample: one mini-batch, with ``memory_budget``.
         compile: compile each layer of each partition with ``torch.compile``:
             ``True`` (inductor, dynamic shapes) or a dict of its keywords
@@ -113,10 +115,12 @@ class Pipe(nn.Module):
         compile_options = verify_compile(compile)
         self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
         if memory_budget is not None:
-            from pipe.plan.apply import plan_for_pipe
+            from pipe.plan.apply import Given, plan_for_pipe
 
-            self.plan = plan_for_pipe(module, sample, memory_budget, balance, devices, recompute,
-                                      compile_options is not None)
+            given = Given(balance=balance, recompute=recompute, compiled=compile_options is not None,
+                          chunks=None if chunks == 1 else chunks,  # what differs from the defaults is kept
+                          checkpoint=None if checkpoint == "except_last" else checkpoint)
+            self.plan = plan_for_pipe(module, sample, memory_budget, devices, given)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
             recompute = self.plan.candidate.recompute_config()  # the plan's per-stage marks, if it has any

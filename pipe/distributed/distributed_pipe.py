@@ -123,8 +123,10 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``target``) and every rank uses the fastest chunks, balance,
             checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`), with
             the plan's per-stage recompute, and the replicas' and FSDP's bytes on a
-            mesh that has them ("tp", FSDP's mixed precision, ``parallelize=``,
-            ``balance=`` and ``recompute=`` are refused).
+            mesh that has them. A ``chunks``, ``checkpoint`` or ``schedule`` other
+            than its default is kept (the plan is the fastest with it); "tp",
+            FSDP's mixed precision, ``parallelize=``, ``balance=``, ``recompute=``,
+            a schedule table and other ``virtual_stages`` are refused.
         sample, target: one mini-batch of a pipeline and its targets, with ``memory_budget``.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
@@ -168,12 +170,16 @@ class DistributedPipe(PlainNamed, nn.Module):
             refuse_tensor_parallel(model)
         compile_options = verify_compile(compile, tensor_parallel is not None or parallelize is not None)
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
-            from pipe.plan.apply import plan_for_ranks
+            from pipe.plan.apply import Given, plan_for_ranks
 
             require_initialized()
-            planned = plan_for_ranks(model, sample, memory_budget, balance, loss_fn, target, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard, recompute=recompute,
-                                     compiled=compile_options is not None, parallelize=parallelize)
+            given = Given(balance=balance, recompute=recompute, compiled=compile_options is not None,
+                          parallelize=parallelize, chunks=None if chunks == 1 else chunks,  # non-defaults are kept
+                          checkpoint=None if checkpoint == "except_last" else checkpoint,
+                          schedule=None if isinstance(schedule, str) and schedule == "1f1b" else schedule,
+                          virtual_stages=None if virtual_stages == 1 else virtual_stages)
+            planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
+                                     data_parallel=data_parallel, shard=shard)
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any

@@ -1,31 +1,74 @@
 """Applying a plan: what ``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)`` do.
 
 The front ends take a budget and a sample mini-batch, plan
-(:func:`pipe.plan.search.plan`) and use the plan's chunks, balance and
-checkpoint mode (and, for processes, schedule and virtual stages) instead of
-their own arguments. Processes must agree on one plan, so the first rank plans
-and broadcasts it: profiles measured on several ranks differ a little.
+(:func:`pipe.plan.search.plan`) and use the plan's chunks, balance,
+checkpoint mode and per-stage recompute (and, for processes, schedule and
+virtual stages). A ``chunks``, ``checkpoint`` or ``schedule`` other than the
+front end's default is kept: the plan is searched among the plans with it.
+What the planner cannot count (a balance or recompute marks of the user's, a
+``parallelize`` function, tensor parallelism, FSDP's mixed precision, a
+schedule given as a table) is refused. Processes must agree on one plan, so
+the first rank plans and broadcasts it: profiles measured on several ranks
+differ a little.
 """
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipe.plan.search import CHUNKS, Budget, Plan, plan
+from pipe.core.options import verify_checkpoint, verify_chunks
+from pipe.plan.search import CHUNKS, Budget, Plan, PlanError, plan
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
 
-def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: str, recompute: Any = None,
-           compiled: bool = False) -> None:
-    if compiled:
+@dataclass(frozen=True)
+class Given:
+    """What a front end was given beside ``memory_budget=``.
+
+    ``chunks``, ``checkpoint`` and ``schedule`` are those other than the front end's defaults (None:
+    the default, which the plan chooses): the plan keeps them. ``balance``, ``recompute`` and
+    ``parallelize`` are refused; ``compiled`` warns; ``virtual_stages`` other than the plan's (2 for
+    "interleaved" and "zbv", else 1) is refused.
+    """
+
+    balance: Optional[Sequence[int]] = None
+    recompute: Any = None
+    compiled: bool = False
+    parallelize: Any = None
+    chunks: Optional[int] = None
+    checkpoint: Optional[str] = None
+    schedule: Any = None
+    virtual_stages: Optional[int] = None
+
+    def restrictions(self, parts: int = 1) -> dict[str, Any]:
+        """``pipe.plan.plan``'s arguments that keep what was given (``chunks`` per pipeline: each of the
+        ``parts`` pipelines planned together gets its own)."""
+        found: dict[str, Any] = {"chunks": [parts * c for c in CHUNKS]}
+        if self.chunks is not None:
+            found["chunks"] = [parts * self.chunks]
+        if self.checkpoint is not None:
+            found["checkpoints"] = [self.checkpoint]
+        if self.schedule is not None:
+            found["schedules"] = [self.schedule]
+        return found
+
+    def describe(self) -> str:
+        kept = [f"{name}={value!r}" for name, value in (("chunks", self.chunks), ("checkpoint", self.checkpoint),
+                                                          ("schedule", self.schedule)) if value is not None]
+        return ", ".join(kept)
+
+
+def _check(module: Any, sample: Any, front: str, given: Given) -> None:
+    if given.compiled:
         warnings.warn(f"{front}(..., memory_budget=..., compile=...) plans the layers as they run eager: the "
                       f"plan's predicted peaks and step times are eager layers', and compiled ones keep other "
                       f"activations (and run faster); leave a margin in the budget, or measure the compiled "
@@ -33,40 +76,55 @@ def _check(module: Any, sample: Any, balance: Optional[Sequence[int]], front: st
     if sample is None:
         raise ValueError(f"{front}(..., memory_budget=...) needs sample=, one mini-batch as the pipeline will get "
                          f"it, to measure the model on")
-    if balance is not None:
-        raise ValueError(f"{front}(..., memory_budget=...) chooses the balance; leave balance= out (got {balance!r}), "
-                         f"or pass balance= without memory_budget=")
-    if recompute is not None:  # the plan's peaks hold for its own recompute marks (or none), not for others
+    if given.balance is not None:
+        raise ValueError(f"{front}(..., memory_budget=...) chooses the balance; leave balance= out (got "
+                         f"{given.balance!r}), or pass balance= without memory_budget=")
+    if given.recompute is not None:  # the plan's peaks hold for its own recompute marks (or none), not for others
         raise ValueError(f"{front}(..., memory_budget=...) chooses what each stage recomputes, and its predicted "
                          f"peaks hold for that alone; leave recompute= out, or plan with pipe.plan.plan() and "
                          f"pass its arguments with recompute= of your own (its peaks then no longer hold)")
+    if given.chunks is not None:
+        verify_chunks(given.chunks)
+    if given.checkpoint is not None:
+        verify_checkpoint(given.checkpoint)
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{front}(..., memory_budget=...) plans an nn.Sequential, got {type(module).__name__}; "
                         f"build the model, or plan with pipe.plan.plan() and pass the arguments")
 
 
-def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                  devices: Optional[Sequence[Any]], recompute: Any = None, compiled: bool = False) -> Plan:
+def _planned(front: str, given: Given, search: Callable[[], Plan]) -> Plan:
+    """``search()``, whose :class:`PlanError` also says which given arguments narrowed it."""
+    try:
+        return search()
+    except PlanError as error:
+        if not given.describe():
+            raise
+        raise PlanError(f"{error} (among the plans with {given.describe()}, as given to {front}: leave them out "
+                        f"to let the plan choose them)") from None
+
+
+def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Optional[Sequence[Any]],
+                  given: Given) -> Plan:
     """The plan ``Pipe`` applies: GPipe over ``devices`` (one stage each).
 
     Raises:
-        ValueError: no ``sample`` or no ``devices``, or ``balance`` or ``recompute`` given too;
+        ValueError: no ``sample`` or no ``devices``, or what ``given`` holds cannot be planned;
             :class:`pipe.plan.PlanError` when nothing fits.
     """
-    _check(module, sample, balance, "Pipe", recompute, compiled)
+    _check(module, sample, "Pipe", given)
     if not devices:
         raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
     first = torch.device(devices[0]) if not isinstance(devices[0], int) else torch.device("cuda", devices[0])
-    chosen = plan(module, sample, memory_budget=memory_budget, stages=len(devices), device=first)
+    chosen = _planned("Pipe", given, lambda: plan(module, sample, memory_budget=memory_budget, stages=len(devices),
+                                                  device=first, **given.restrictions()))
     logger.info("Pipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
     return chosen
 
 
-def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Optional[Sequence[int]],
-                   loss_fn: Optional[Callable[..., Any]], target: Any, *, mesh: Optional[DeviceMesh] = None,
-                   data_parallel: Optional[int] = None, shard: Any = None, recompute: Any = None,
-                   compiled: bool = False, parallelize: Any = None) -> dict[str, Any]:
+def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Optional[Callable[..., Any]],
+                   target: Any, given: Given, *, mesh: Optional[DeviceMesh] = None,
+                   data_parallel: Optional[int] = None, shard: Any = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
@@ -78,8 +136,9 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
 
     Raises:
         ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
-            ``param_dtype`` or ``reduce_dtype``), or a ``parallelize`` function, which the planner does not
-            model (every rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
+            ``param_dtype`` or ``reduce_dtype``), a ``parallelize`` function, a schedule given as a
+            table or ``virtual_stages`` other than the plan's, which the planner does not model (every
+            rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     import torch.distributed as dist
 
@@ -100,21 +159,32 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) plans in the parameters' own precision, but "
             f"shard=Shard(mp_policy=...) has FSDP gather and compute in {policy.param_dtype} and reduce in "
-            f"{policy.reduce_dtype}, whose bytes and times it would not count; leave mp_policy out, or plan without it (in "
-            f"full precision) and pass the plan's chunks=, balance= and checkpoint= yourself")
-    if parallelize is not None:
+            f"{policy.reduce_dtype}, whose bytes and times it would not count; leave mp_policy out, or plan "
+            f"without it (in full precision) and pass the plan's chunks=, balance= and checkpoint= yourself")
+    if given.parallelize is not None:
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) plans the stages as the model builds them, but "
-            f"parallelize={getattr(parallelize, '__name__', parallelize)!r} changes them after the plan, in ways "
-            f"it cannot count; leave parallelize= out, or plan with pipe.plan.plan() and pass its arguments "
-            f"yourself")
+            f"parallelize={getattr(given.parallelize, '__name__', given.parallelize)!r} changes them after the "
+            f"plan, in ways it cannot count; leave parallelize= out, or plan with pipe.plan.plan() and pass its "
+            f"arguments yourself")
     if tensor_parallel > 1:
         raise ValueError(
             f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "
             f"stage over tp={tensor_parallel} ranks, whose memory and collectives it would not count; pass "
             f"chunks=, balance= and checkpoint= yourself (plan the mesh without 'tp' to start from: "
             f"pipe.plan.plan(..., dp_shard=...), docs/planner.md)")
-    _check(module, sample, balance, "DistributedPipe", recompute, compiled)
+    if given.schedule is not None and not isinstance(given.schedule, str):
+        raise ValueError(
+            f"DistributedPipe(..., memory_budget=...) plans the built-in schedules, not a schedule given as a "
+            f"table ({type(given.schedule).__name__}); pass schedule= by name (\"gpipe\", \"1f1b\", "
+            f"\"interleaved\", \"zb-h1\", \"zbv\"), or plan without memory_budget=")
+    if given.virtual_stages is not None and given.virtual_stages != (2 if given.schedule in ("interleaved", "zbv")
+                                                                     else 1):
+        raise ValueError(
+            f"DistributedPipe(..., memory_budget=...) plans 2 virtual stages per rank for \"interleaved\" and "
+            f"\"zbv\" and 1 otherwise, got virtual_stages={given.virtual_stages} with schedule="
+            f"{given.schedule or 'the plan'!r}; leave virtual_stages= out, or plan without memory_budget=")
+    _check(module, sample, "DistributedPipe", given)
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
                          "real device, not on torch.device('meta')")
@@ -127,11 +197,12 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, balance: Opt
 
                 sample, target = (gather([Batch(value)] * parts) if value is not None else None
                                   for value in (sample, target))
-            chosen = plan(module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
-                          chunks=[parts * c for c in CHUNKS], link="cached", loss_fn=loss_fn, target=target,
-                          threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
-                          dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
-                          zero=(3,) if zero3 else (2,))
+            chosen = _planned("DistributedPipe", given, lambda: plan(
+                module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
+                link="cached", loss_fn=loss_fn, target=target,
+                threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
+                dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
+                zero=(3,) if zero3 else (2,), **given.restrictions(parts)))
             logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
             message = [chosen.distributed_kwargs()]
         except (TypeError, ValueError) as error:

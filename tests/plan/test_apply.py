@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe
+from pipe.plan import PlanError
 from pipe.plan.measure import measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -54,6 +55,24 @@ def test_pipe_memory_budget_needs_a_sample_and_devices_and_no_balance() -> None:
              recompute={"recompute_config": {"recompute": [1, 1]}})
 
 
+def test_pipe_memory_budget_keeps_the_chunks_and_checkpoint_given() -> None:
+    """A chunks or checkpoint other than the default narrows the plan to it; a budget none of those plans
+    fits says so, and names what narrowed it."""
+    x = torch.randn(16, WIDTH)
+    free = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"])
+    assert (free.chunks, free.checkpoint) != (4, "always")  # what the plan chooses when free
+    free.close()
+    model = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+    assert (model.chunks, model.checkpoint) == (4, "always")
+    assert (model.plan.candidate.chunks, model.plan.candidate.checkpoint) == (4, "always")
+    model.close()
+    with pytest.raises(PlanError, match=r"\(among the plans with chunks=4, checkpoint='always', as given to Pipe: "
+                                        r"leave them out to let the plan choose them\)"):
+        Pipe(mlp(), memory_budget=1000, sample=x, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+    with pytest.raises(ValueError, match="checkpoint"):
+        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], checkpoint="sometimes")
+
+
 def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> None:
     x = torch.randn(16, WIDTH)
     with pytest.warns(UserWarning, match=r"Pipe\(\.\.\., memory_budget=\.\.\., compile=\.\.\.\) plans the layers as "
@@ -63,6 +82,7 @@ def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> N
 
 
 def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    from pipe.core.schedule import Schedule
     from pipe.distributed import DistributedPipe
 
     try:
@@ -77,6 +97,16 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
         parallelized = "no error"
     except ValueError as error:
         parallelized = str(error)
+    refusals = []
+    for options in ({"schedule": Schedule("1f1b", ranks=2, microbatches=2)},
+                    {"schedule": "interleaved", "virtual_stages": 3}):
+        try:
+            DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss, **options)
+            refusals.append("no error")
+        except ValueError as error:
+            refusals.append(str(error))
+    kept = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
+                           schedule="zb-h1", chunks=2)
     model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
@@ -87,6 +117,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
     return {"peak": static + measured.activation_peak, "refused": refused, "parallelized": parallelized,
+            "refusals": refusals, "kept": (kept.schedule.kind, kept.chunks),
             "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
 
 
@@ -97,6 +128,12 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
                for r in results), results[0]["refused"]
     assert all("plans the stages as the model builds them, but parallelize='<lambda>' changes them after the "
                "plan" in r["parallelized"] for r in results), results[0]["parallelized"]
+    table, virtual = results[0]["refusals"]
+    assert "plans the built-in schedules, not a schedule given as a table (Schedule)" in table, table
+    assert "plans 2 virtual stages per rank for \"interleaved\" and \"zbv\" and 1 otherwise, got virtual_stages=3" \
+        in virtual, virtual
+    assert all(r["kept"] == ("zb-h1", 2) for r in results), results  # a schedule and chunks given are kept
+    assert (results[0]["plan"][3], results[0]["plan"][0]) != ("zb-h1", 2), results  # the free plan differs
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
 
