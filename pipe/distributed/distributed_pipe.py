@@ -45,6 +45,14 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
+def _rank_device(device: Optional[torch.device]) -> torch.device:
+    """Where this rank's layers live: ``device``, else the current CUDA device under NCCL, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+    return torch.device(device)
+
+
 class DistributedPipe(PlainNamed, nn.Module):
     """Trains an ``nn.Sequential`` as a pipeline over the ranks of a torchrun job.
 
@@ -179,7 +187,7 @@ class DistributedPipe(PlainNamed, nn.Module):
                           schedule=None if isinstance(schedule, str) and schedule == "1f1b" else schedule,
                           virtual_stages=None if virtual_stages == 1 else virtual_stages)
             planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard)
+                                     data_parallel=data_parallel, shard=shard, device=_rank_device(device))
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any
@@ -217,10 +225,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-                else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = _rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
                                                  self.topology.pipeline_rank, self.device)
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))

@@ -124,7 +124,8 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Opti
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Optional[Callable[..., Any]],
                    target: Any, given: Given, *, mesh: Optional[DeviceMesh] = None,
-                   data_parallel: Optional[int] = None, shard: Any = None) -> dict[str, Any]:
+                   data_parallel: Optional[int] = None, shard: Any = None,
+                   device: Optional[torch.device] = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
@@ -132,7 +133,8 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its mini-batch) the plan
     is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`), on the pipelines'
     mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's copies of the
-    gradients, and their collectives are counted.
+    gradients, and their collectives are counted. Rank 0 profiles on its ``device`` (the ranks' kind of
+    device; default the CPU).
 
     Raises:
         ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
@@ -199,7 +201,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
                                   for value in (sample, target))
             chosen = _planned("DistributedPipe", given, lambda: plan(
                 module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
-                link="cached", loss_fn=loss_fn, target=target,
+                link="cached", loss_fn=loss_fn, target=target, device=device,
                 threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
                 dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
                 zero=(3,) if zero3 else (2,), **given.restrictions(parts)))

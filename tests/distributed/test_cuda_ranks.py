@@ -54,3 +54,36 @@ def _gloo_over_cuda(rank: int, world: int) -> list[str]:
 def test_distributed_pipe_over_gloo_with_cuda_tensors() -> None:
     assert run_ranks(_gloo_over_cuda, 2, timeout=60.0, deadline=240.0) == [
         ["1f1b", "gpipe", "zbv+loss"], ["1f1b+loss", "gpipe+loss", "zbv"]]
+
+
+def _planned_on_cuda(rank: int, world: int) -> tuple[list[str], bool]:
+    import pipe.plan.apply as apply
+
+    device = torch.device("cuda", 0)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).to(device)
+    y = torch.randn(8, 32, generator=torch.Generator().manual_seed(4)).to(device)
+    profiled_on: list[str] = []
+    search = apply.plan
+    apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
+    try:
+        piped = DistributedPipe(stack(32), memory_budget="1GiB", sample=x, target=y, loss_fn=F.mse_loss,
+                                device=device)
+    finally:
+        apply.plan = search
+    plain = stack(32).to(device)
+    loss = piped.step(x, y)
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    if loss is not None:
+        torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+    grads = dict(plain.named_parameters())
+    for name, p in piped.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name, **TOLERANCE)
+    return profiled_on, loss is not None
+
+
+def test_memory_budget_plans_on_the_ranks_gpu() -> None:
+    """Rank 0 profiles the layers on the device the ranks train on, and the planned pipe matches the plain model."""
+    results = run_ranks(_planned_on_cuda, 2, timeout=60.0, deadline=240.0)
+    assert [r[0] for r in results] == [["cuda:0"], []], results
+    assert sorted(r[1] for r in results) == [False, True], results  # one rank holds the last stage

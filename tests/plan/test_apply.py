@@ -105,8 +105,16 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
             refusals.append("no error")
         except ValueError as error:
             refusals.append(str(error))
-    kept = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
-                           schedule="zb-h1", chunks=2)
+    import pipe.plan.apply as apply
+
+    profiled_on: list[str] = []  # rank 0 profiles on the ranks' device (the GPU under NCCL), not always the CPU
+    search = apply.plan
+    apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
+    try:
+        kept = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
+                               schedule="zb-h1", chunks=2, device=torch.device("cpu"))
+    finally:
+        apply.plan = search
     model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
@@ -117,7 +125,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
     return {"peak": static + measured.activation_peak, "refused": refused, "parallelized": parallelized,
-            "refusals": refusals, "kept": (kept.schedule.kind, kept.chunks),
+            "refusals": refusals, "kept": (kept.schedule.kind, kept.chunks), "profiled_on": profiled_on,
             "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
 
 
@@ -134,6 +142,7 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
         in virtual, virtual
     assert all(r["kept"] == ("zb-h1", 2) for r in results), results  # a schedule and chunks given are kept
     assert (results[0]["plan"][3], results[0]["plan"][0]) != ("zb-h1", 2), results  # the free plan differs
+    assert [r["profiled_on"] for r in results] == [["cpu"], []], results  # rank 0 alone plans, on the device
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
 
