@@ -157,9 +157,9 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     backward in reverse order, each layer on its input detached so that its
     backward is its own; synchronised before and after on CUDA. (Timed one
     layer at a time, forward then backward, the forwards of a stage of
-    512-wide ``Linear`` layers on 8 rows summed to 1.7-2.0x the stage's own
-    forward on the CPU, in a chain 1.4-1.7x: a backward just before leaves
-    the caches cold.) One untimed round warms up
+    512-wide ``Linear`` layers on 8 rows summed to 1.56-1.88x the stage's own
+    forward on the CPU, in a chain 1.10-1.45x: a backward just before leaves
+    the caches cold; ``benchmarks/profile_fidelity.py``.) One untimed round warms up
     (allocations, kernels, autograd threads); then at least ``rounds`` timed
     rounds, and more until ``timeout`` seconds have passed. Each round visits
     every size, so a pause of this process (another one got the core) spoils
