@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="threads: Pipe (GPipe); processes: DistributedPipe (default: threads)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                         help="micro-batch counts to consider (default: 1 2 4 8 16 32)")
+    parser.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
+                        help="only these schedules (processes: gpipe 1f1b interleaved zb-h1 zbv; threads: gpipe); "
+                             "default: all the runner runs")
+    parser.add_argument("--checkpoints", nargs="+", choices=["never", "except_last", "always"],
+                        default=["never", "except_last", "always"],
+                        help="only these checkpoint modes (default: all three)")
     parser.add_argument("--param-scale", type=float, default=2.0,
                         help="copies of the parameters training keeps: 2 SGD, 3 momentum, 4 Adam (default 2)")
     parser.add_argument("--explain", action="store_true", help="also explain the chosen plan's idle time")
@@ -213,7 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      "--runner processes")
     try:
         chosen = plan(model, sample, memory_budget=args.budget, stages=args.stages, runner=args.runner,
-                      chunks=args.chunks, param_scale=args.param_scale,
+                      chunks=args.chunks, schedules=args.schedules, checkpoints=args.checkpoints,
+                      param_scale=args.param_scale,
                       link=None if args.link == "none" else args.link, loss_fn=mean_output_loss if with_loss else None,
                       target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero, dp_replicate=dp_replicate,
                       select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate,

@@ -58,6 +58,20 @@ def build():
 '''
 
 
+def test_pipe_plan_keeps_to_the_schedules_and_checkpoint_modes_given(factory: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--runner",
+            "processes", "--link", "none", "--chunks", "2", "4"]
+    assert plan_main(args + ["--schedules", "zb-h1", "--checkpoints", "always"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if " chunks=" in line and not line.startswith("DistributedPipe(")]
+    assert rows and all("zb-h1 chunks=" in line and "checkpoint=always" in line for line in rows), rows
+    assert "checkpoint='always', schedule='zb-h1'" in out, out
+    with pytest.raises(SystemExit):
+        plan_main(args + ["--schedules", "zb-h2"])
+    assert "schedules ['zb-h2'] cannot run with runner='processes'" in capsys.readouterr().err
+
+
 def test_pipe_plan_select_names_the_selective_recompute_to_plan(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "gelu_models.py").write_text(GELU_FACTORY)
