@@ -174,7 +174,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         timeout: keep running rounds until this many seconds have passed.
         split: also time each backward split into I and W
             (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`),
-            in a chain of their own: every I in reverse order, then every W.
+            each layer alone: forward, then I, then W.
         recompute: also time what marking each layer for recompute
             (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
             paired with a plain run just before, each alone. A layer
