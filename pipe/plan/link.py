@@ -203,8 +203,8 @@ def _sharding_per_byte(link: Link, tiny: float, wide: float) -> float:
     return max(per_step / part, 0.0)
 
 
-def _overhead(link: Link, step: float) -> float:
-    """The overhead per action that makes the empty plan's predicted step the measured one."""
+def _overhead(link: Optional[Link], step: float, runner: str = "processes") -> float:
+    """The overhead per action that makes the empty plan's predicted step on ``runner`` the measured one."""
     from pipe.plan.cost import Costs
     from pipe.plan.predict import Candidate, predict
     from pipe.plan.timing import TimeModel
@@ -215,10 +215,55 @@ def _overhead(link: Link, step: float) -> float:
     low, high = 0.0, step
     for _ in range(50):
         middle = (low + high) / 2
-        predicted = predict(costs, plan, runner="processes", timeline=False,
+        predicted = predict(costs, plan, runner=runner, timeline=False,
                             model=TimeModel(link=link, action_overhead=middle)).step_time
         low, high = (middle, high) if predicted < step else (low, middle)
     return (low + high) / 2
+
+
+def measure_thread_overhead() -> float:
+    """Seconds per action that ``Pipe``'s thread runner spends beyond its layers (a second or two).
+
+    A ``Pipe`` of two one-layer partitions too small to take time (one
+    intra-op thread each, GPipe at 8 micro-batches) runs training steps; its
+    fastest step becomes the overhead per action that makes the empty plan's
+    predicted step the measured one: the handing of micro-batches between
+    worker threads, the autograd engine's wake-ups across them, and their
+    turns at the interpreter lock.
+    """
+    import torch
+    from torch import nn
+
+    from pipe.pipe import Pipe
+
+    kind, chunks = OVERHEAD_PLAN
+    model = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
+                 devices=["cpu", "cpu"], checkpoint="never", cpu_threads=1)
+    x = torch.zeros(chunks, 4)
+    times = []
+    try:
+        for _ in range(32):  # the first few warm up; the fastest of the rest counts
+            begun = time.perf_counter()
+            model(x).sum().backward()
+            times.append(time.perf_counter() - begun)
+    finally:
+        model.close()
+    return _overhead(None, min(times[4:]), runner="threads")
+
+
+def cached_thread_overhead(measure: bool = True) -> Optional[float]:
+    """This machine's overhead per action of the thread runner from the cache (:func:`cache_path`, keyed as
+    the link with "threads"); measured and stored first when missing and ``measure``, else None."""
+    key = link_key("threads")
+    stored = _cached()
+    if key in stored:
+        return float(stored[key]["action_overhead"])
+    if not measure:
+        return None
+    overhead = measure_thread_overhead()
+    _store(key, {"action_overhead": overhead})
+    logger.info("measured the thread runner's overhead: %.3f ms per action", overhead * 1e3)
+    return overhead
 
 
 def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float = 120.0) -> Link:
@@ -280,11 +325,8 @@ def _line(points: dict[int, float]) -> tuple[float, float]:
 
 def cached_link(measure: bool = True) -> Optional[Link]:
     """This machine's link figures from the cache; measured and stored first when missing and ``measure``."""
-    path, key = cache_path(), link_key()
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
+    key = link_key()
+    stored = _cached()
     if key in stored and (not measure or "collective_per_byte" in stored[key]):  # else measured before it was
         entry = stored[key]
         return Link(float(entry["latency"]), float(entry["per_byte"]), source=f"{key} (cached {entry['when']})",
@@ -297,16 +339,30 @@ def cached_link(measure: bool = True) -> Optional[Link]:
     if not measure:
         return None
     link = measure_link()
-    stored[key] = {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
-                   "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
-                   "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte,
-                   "collective_per_byte": link.collective_per_byte,
-                   "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _store(key, {"latency": link.latency, "per_byte": link.per_byte, "action_overhead": link.action_overhead,
+                 "collective_overhead": link.collective_overhead, "shard_step_overhead": link.shard_step_overhead,
+                 "reduce_latency": link.reduce_latency, "reduce_per_byte": link.reduce_per_byte,
+                 "collective_per_byte": link.collective_per_byte})
+    return link
+
+
+def _cached() -> dict[str, Any]:
+    """The cache's entries (none if it is missing or unreadable)."""
+    try:
+        return dict(json.loads(cache_path().read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, entry: dict[str, Any]) -> None:
+    """Adds ``entry`` (stamped with the time) under ``key`` to the cache, replacing the file whole."""
+    path = cache_path()
+    stored = _cached()
+    stored[key] = {**entry, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(stored, indent=2))
         temporary.replace(path)
     except OSError as error:
-        logger.warning("could not cache the link figures in %s: %s", path, error)
-    return link
+        logger.warning("could not cache the measured figures in %s: %s", path, error)

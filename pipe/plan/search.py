@@ -373,7 +373,10 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         link: the transport's cost between ranks (runner ``"processes"``):
             ``"auto"`` measures it once per machine and caches it
             (:func:`pipe.plan.link.cached_link`), ``"cached"`` uses the cache
-            only, a :class:`pipe.plan.Link`, or None (messages free).
+            only, a :class:`pipe.plan.Link`, or None (messages free). With
+            runner ``"threads"`` on the CPU, ``"auto"`` and ``"cached"`` give the
+            thread runner's overhead per action the same way
+            (:func:`pipe.plan.link.cached_thread_overhead`); otherwise it is 0.
         model_time: a fitted :class:`pipe.plan.TimeModel` (overhead per action,
             contention; :func:`pipe.plan.fit`); its link wins over ``link``.
         per_stage: also plan per-stage recompute where the budget needs it.
@@ -410,6 +413,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         threads = 1
     if model_time is None:  # the link and the overhead per action measured on this machine, and its cores
         model_time = TimeModel.measured(_link(link, runner), cores=_shared_cores(runner, device, threads))
+        if runner == "threads":
+            model_time = replace(model_time, action_overhead=_thread_overhead(link, device))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
                           loss_fn=loss_fn, target=target, select=select, threads=threads)
     def chosen(model_time: TimeModel) -> Plan:
@@ -432,6 +437,16 @@ def _shared_cores(runner: str, device: Optional[torch.device], threads: Optional
     if runner != "processes" or (device is not None and torch.device(device).type != "cpu"):
         return None
     return (os.cpu_count() or 1) / (threads or 1)
+
+
+def _thread_overhead(link: Union[Link, str, None], device: Optional[torch.device]) -> float:
+    """The thread runner's measured overhead per action on the CPU, as ``link`` says ("auto": measured once
+    per machine and cached; "cached": the cache only); 0 on other devices, where it was not measured."""
+    if link not in ("auto", "cached") or (device is not None and torch.device(device).type != "cpu"):
+        return 0.0
+    from pipe.plan.link import cached_thread_overhead
+
+    return cached_thread_overhead(measure=link == "auto") or 0.0
 
 
 def _link(link: Union[Link, str, None], runner: str) -> Optional[Link]:
