@@ -28,7 +28,7 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 from pipe.threads.call import CallLock
-from pipe.threads.worker import Workers
+from pipe.threads.worker import Workers, partition_threads
 
 __all__: list[str] = []
 
@@ -113,13 +113,16 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         compile_options = verify_compile(compile)
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool)
+                                        or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
         self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
         if memory_budget is not None:
             from pipe.plan.apply import Given, plan_for_pipe
 
             given = Given(balance=balance, recompute=recompute, compiled=compile_options is not None,
                           chunks=None if chunks == 1 else chunks,  # what differs from the defaults is kept
-                          checkpoint=None if checkpoint == "except_last" else checkpoint)
+                          checkpoint=None if checkpoint == "except_last" else checkpoint, threads=cpu_threads)
             self.plan = plan_for_pipe(module, sample, memory_budget, devices, given)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
@@ -149,10 +152,7 @@ class Pipe(nn.Module):
         self.compiled_layers = compile_stages(partitions, compile_options)
 
         cpu_partitions = sum(1 for d in devices if d.type == "cpu")
-        if cpu_threads is None and cpu_partitions > 1:
-            cpu_threads = max(1, torch.get_num_threads() // cpu_partitions)
-        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
+        cpu_threads = partition_threads(cpu_threads, cpu_partitions)
         cores = os.cpu_count() or 1
         if cpu_partitions > 1 and cpu_threads is not None and cpu_threads * cpu_partitions > cores:
             fix = (f"cpu_threads={max(1, cores // cpu_partitions)}" if cpu_threads > 1

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.core.options import verify_checkpoint, verify_chunks
 from pipe.plan.search import CHUNKS, Budget, Plan, PlanError, plan
+from pipe.threads.worker import partition_threads
 
 __all__: list[str] = []
 
@@ -37,7 +38,7 @@ class Given:
     ``chunks``, ``checkpoint`` and ``schedule`` are those other than the front end's defaults (None:
     the default, which the plan chooses): the plan keeps them. ``balance``, ``recompute`` and
     ``parallelize`` are refused; ``compiled`` warns; ``virtual_stages`` other than the plan's (2 for
-    "interleaved" and "zbv", else 1) is refused.
+    "interleaved" and "zbv", else 1) is refused. ``threads``: ``Pipe``'s ``cpu_threads``, as given.
     """
 
     balance: Optional[Sequence[int]] = None
@@ -48,6 +49,7 @@ class Given:
     checkpoint: Optional[str] = None
     schedule: Any = None
     virtual_stages: Optional[int] = None
+    threads: Optional[int] = None
 
     def restrictions(self, parts: int = 1) -> dict[str, Any]:
         """``pipe.plan.plan``'s arguments that keep what was given (``chunks`` per pipeline: each of the
@@ -115,9 +117,12 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Opti
     if not devices:
         raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
+    kinds = [torch.device(d).type if not isinstance(d, int) else "cuda" for d in devices]
     first = torch.device(devices[0]) if not isinstance(devices[0], int) else torch.device("cuda", devices[0])
+    # The layers are timed with the threads each CPU partition's worker computes with.
+    threads = partition_threads(given.threads, kinds.count("cpu"))
     chosen = _planned("Pipe", given, lambda: plan(module, sample, memory_budget=memory_budget, stages=len(devices),
-                                                  device=first, **given.restrictions()))
+                                                  device=first, threads=threads, **given.restrictions()))
     logger.info("Pipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
     return chosen
 

@@ -121,6 +121,14 @@ def _stop(in_queues: list["queue.Queue[Optional[Task]]"], threads: list[threadin
             thread.join(timeout=10)
 
 
+def partition_threads(cpu_threads: Optional[int], cpu_partitions: int) -> Optional[int]:
+    """The intra-op threads of each CPU partition's worker: ``cpu_threads``, else this process's threads
+    divided among ``cpu_partitions`` partitions when there are several (None: one partition keeps them)."""
+    if cpu_threads is None and cpu_partitions > 1:
+        return max(1, torch.get_num_threads() // cpu_partitions)
+    return cpu_threads
+
+
 class Workers:
     """The worker threads of a pipeline, one per partition.
 

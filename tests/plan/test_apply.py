@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,27 @@ def test_pipe_memory_budget_keeps_the_chunks_and_checkpoint_given() -> None:
         Pipe(mlp(), memory_budget=1000, sample=x, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
     with pytest.raises(ValueError, match="checkpoint"):
         Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], checkpoint="sometimes")
+
+
+def test_pipe_memory_budget_times_layers_with_the_partitions_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan times layers with the intra-op threads each CPU partition's worker will compute with
+    (cpu_threads, by default this process's divided among the CPU partitions), not all of this process's."""
+    import pipe.plan.apply as apply
+
+    seen: list[Any] = []
+    search = apply.plan
+    monkeypatch.setattr(apply, "plan", lambda *args, **kwargs: seen.append(kwargs.get("threads")) or search(*args, **kwargs))
+    real = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # as on a 4-core machine
+    x = torch.randn(16, WIDTH)
+    try:
+        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], cpu_threads=1).close()
+        with warnings.catch_warnings():  # 2 partitions x 2 threads compete on a machine of fewer than 4 cores
+            warnings.simplefilter("ignore", UserWarning)
+            Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"]).close()
+    finally:
+        torch.set_num_threads(real)  # the profile restores the thread count it read, which was patched
+    assert seen == [1, 2]
 
 
 def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> None:
