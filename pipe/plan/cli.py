@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--zero", type=int, nargs="+", choices=[2, 3], default=[3, 2],
                         help="with --dp-shard: the ZeRO stages to compare (3: reshard after forward; default 3 2)")
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
-                        help="transport cost between ranks (processes): auto measures it once per machine and "
-                             "caches it; cached uses the cache only; none: free (default auto)")
+                        help="transport cost between ranks (processes), or the thread runner's overhead per "
+                             "action (threads, on the CPU): auto measures it once per machine and caches it; "
+                             "cached uses the cache only; none: free (default auto)")
     parser.add_argument("--select", nargs="*", type=_regex, metavar="REGEX", default=None,
                         help="name regexes of selective recompute to plan per stage, as select_recompute(names=...) "
                              "takes them (default: pipe.recompute.DEFAULT_SELECT, the activations and softmax; "
