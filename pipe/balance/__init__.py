@@ -6,7 +6,7 @@ Usage::
     balance = balance_by_time(4, model, sample, timeout=3)
     model = Pipe(model, balance=balance, chunks=8)
 
-Each helper measures a cost per layer (:mod:`pipe.balance.profile`) and
+Each helper measures a cost per layer (:mod:`pipe.balance.timing`, :mod:`pipe.balance.profile`) and
 cuts the layers so that the costliest partition is as cheap as possible
 (:mod:`pipe.balance.solver`).
 """
@@ -18,7 +18,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.balance.profile import LayerTimes, profile_params, profile_sizes, profile_times, time_layers
+from pipe.balance.profile import profile_params, profile_sizes
+from pipe.balance.timing import LayerTimes, profile_times, time_layers
 from pipe.balance.solver import solve
 from pipe.core.options import is_int, positive_int
 from pipe.core.partition import verify_module

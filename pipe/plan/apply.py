@@ -117,12 +117,11 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Opti
     if not devices:
         raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
-    kinds = [torch.device(d).type if not isinstance(d, int) else "cuda" for d in devices]
-    first = torch.device(devices[0]) if not isinstance(devices[0], int) else torch.device("cuda", devices[0])
+    where = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
     # The layers are timed with the threads each CPU partition's worker computes with.
-    threads = partition_threads(given.threads, kinds.count("cpu"))
+    threads = partition_threads(given.threads, sum(d.type == "cpu" for d in where))
     chosen = _planned("Pipe", given, lambda: plan(module, sample, memory_budget=memory_budget, stages=len(devices),
-                                                  device=first, threads=threads, **given.restrictions()))
+                                                  device=where[0], threads=threads, **given.restrictions()))
     logger.info("Pipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
     return chosen
 

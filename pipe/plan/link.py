@@ -26,7 +26,10 @@ in-place all-reduce is charged the same, a little more than it costs).
 :func:`cached_link` returns the figures measured earlier on this machine, or
 measures and stores them: a JSON file in ``$PIPE_CACHE_DIR`` (default
 ``~/.cache/pipe``), keyed by host name, CPU count, torch version and backend,
-so another machine or another torch measures again.
+so another machine or another torch measures again. The thread runner
+(``Pipe``) has no link, but an overhead per action of its own:
+:func:`measure_thread_overhead` times it in this process, the same way, and
+:func:`cached_thread_overhead` keeps it in the same file.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from pipe.plan.timing import Link
 
@@ -132,18 +135,23 @@ OVERHEAD_PLAN = ("gpipe", 8)
 """The plan whose step measures the runner's overhead per action: a model too small to take time."""
 
 
+def _fastest(step: Callable[[], Any], steps: int = 8, warm: int = 2) -> float:
+    """The fastest of ``steps`` calls of ``step`` after the first ``warm``, in seconds."""
+    times = []
+    for _ in range(steps):
+        begun = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begun)
+    return min(times[warm:])
+
+
 def _fastest_step(model: Any, rows: int, width: int = 4) -> float:
     """The fastest of 6 steps (after 2 to warm up) of ``model`` on zeros of ``rows`` x ``width``."""
     import torch
     from torch import nn
 
     x, y = torch.zeros(rows, width), torch.zeros(rows, width)
-    times = []
-    for _ in range(8):
-        begun = time.perf_counter()
-        model.step(x, y, nn.functional.mse_loss)
-        times.append(time.perf_counter() - begun)
-    return min(times[2:])
+    return _fastest(lambda: model.step(x, y, nn.functional.mse_loss))
 
 
 def _empty_step(rank: int) -> float:
@@ -240,15 +248,11 @@ def measure_thread_overhead() -> float:
     model = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=chunks, balance=[1, 1],
                  devices=["cpu", "cpu"], checkpoint="never", cpu_threads=1)
     x = torch.zeros(chunks, 4)
-    times = []
     try:
-        for _ in range(32):  # the first few warm up; the fastest of the rest counts
-            begun = time.perf_counter()
-            model(x).sum().backward()
-            times.append(time.perf_counter() - begun)
+        step = _fastest(lambda: model(x).sum().backward(), steps=32, warm=4)
     finally:
         model.close()
-    return _overhead(None, min(times[4:]), runner="threads")
+    return _overhead(None, step, runner="threads")
 
 
 def cached_thread_overhead(measure: bool = True) -> Optional[float]:

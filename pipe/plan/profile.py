@@ -2,7 +2,7 @@
 
 * **time** is measured per layer (forward and backward timed separately, every
   forward in order and then every backward in reverse, as a stage runs them;
-  the fastest of a few rounds, as :mod:`pipe.balance.profile` times layers; the
+  the fastest of a few rounds, as :mod:`pipe.balance.timing` times layers; the
   backward once more split into I and W as the zero-bubble runners split it;
   once more marked for recompute and once marked for selective recompute:
   what each mark adds);
@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipe.balance.profile import as_input, detach, layer_copies, sandbox, time_layers
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox
+from pipe.balance.timing import time_layers
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.iw_backward import backward_input_first
@@ -84,8 +85,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
 
     Layers are copied (the module is left as it was, random state included), as
-    :mod:`pipe.balance.profile` does; times come from its
-    :func:`~pipe.balance.profile.time_layers`, with the input-gradient half of
+    :mod:`pipe.balance.profile` does; times come from
+    :func:`~pipe.balance.timing.time_layers`, with the input-gradient half of
     each backward (for zero-bubble schedules). Only ``chunks`` that divide
     the batch are kept. With ``loss_fn`` and ``target`` (the mini-batch's),
     the last stage's bytes include the loss, as ``DistributedPipe.step``

@@ -95,7 +95,7 @@ class _RefusesToBeMarked(nn.Linear):
 
 def test_a_layer_that_fails_marked_keeps_its_forward_as_its_replay(caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _RefusesToBeMarked(WIDTH, WIDTH))
-    with caplog.at_level("INFO", logger="pipe.balance.profile"):
+    with caplog.at_level("INFO", logger="pipe.balance.timing"):
         costs = profile_costs(model, torch.randn(8, WIDTH), (2,))
     assert "layer 1 fails marked for recompute (RuntimeError: this layer cannot run" in caplog.text
     assert costs.replay[4][1] == costs.forward[4][1]

@@ -1,0 +1,363 @@
+"""Timing layers: each layer's forward and backward (and their I/W halves, and what recompute marks add),
+for the time balancer (:func:`profile_times`) and the planner (:func:`time_layers`).
+
+Layers run on copies, in the sandbox of :mod:`pipe.balance.profile`, in a stage's order: every forward,
+then every backward in reverse, each layer on its input detached so that its backward is its own.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize
+from pipe.core.iw_backward import IWBackward
+from pipe.core.microbatch import Batch, scatter
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerTimes:
+    """What :func:`time_layers` measured, per micro-batch size (rows) and layer.
+
+    Attributes:
+        forward, backward: seconds, the fastest of the timed rounds.
+        input_grad, weight_grad: seconds of the input-gradient and the
+            weight-gradient halves of each backward (the I and the W of a
+            zero-bubble schedule), run apart as the runners run them
+            (:class:`pipe.core.iw_backward.IWBackward`); empty unless
+            ``split=True``. Apart they cost more than ``backward`` (a fifth
+            more for a transformer block on the CPU): W replays part of the graph.
+        output_bytes: bytes of each layer's output.
+        grad_bytes: bytes of the tensors of each layer's output that need a
+            gradient: what a stage receives back for them (a table made from
+            buffers, an integer mask, gets none).
+        rounds: timed rounds run.
+        replay: seconds that marking each layer for recompute adds to its
+            forward and backward (the forward again, and the checkpoint's own
+            work), at least its forward; empty unless ``recompute=True``.
+        select_replay: seconds that marking each layer for selective recompute
+            (:func:`pipe.recompute.select_recompute` with the ``select`` names)
+            adds to its forward and backward; ``inf`` for a layer that fails so
+            marked; empty unless ``select`` was given.
+        needs_grad: whether each tensor of each layer's output requires a
+            gradient (a table computed from buffers, such as a saved
+            positional table, does not), as a stage receives it.
+    """
+
+    forward: dict[int, list[float]]
+    backward: dict[int, list[float]]
+    input_grad: dict[int, list[float]]
+    output_bytes: dict[int, list[int]]
+    rounds: int
+    replay: dict[int, list[float]] = field(default_factory=dict)
+    select_replay: dict[int, list[float]] = field(default_factory=dict)
+    weight_grad: dict[int, list[float]] = field(default_factory=dict)
+    needs_grad: list[list[bool]] = field(default_factory=list)
+    grad_bytes: dict[int, list[int]] = field(default_factory=dict)
+
+    def total(self, rows: int) -> list[float]:
+        """Forward plus backward seconds of each layer at ``rows`` rows."""
+        return [f + b for f, b in zip(self.forward[rows], self.backward[rows])]
+
+
+def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch.device, *, rounds: int = 5,
+                timeout: float = 0.0, split: bool = False, recompute: bool = False,
+                select: Sequence[str] = ()) -> LayerTimes:
+    """Times each layer's forward and backward on copies of the layers, for each sample size.
+
+    The one loop that times layers, for the balancer (:func:`profile_times`)
+    and the planner (:func:`pipe.plan.profile.profile_costs`). Layers run as
+    a stage runs them (:func:`_chain`): every forward in order, then every
+    backward in reverse order, each layer on its input detached so that its
+    backward is its own; synchronised before and after on CUDA. (Timed one
+    layer at a time, forward then backward, the forwards of a stage of
+    512-wide ``Linear`` layers on 8 rows summed to 1.56-1.88x the stage's own
+    forward on the CPU, in a chain 1.10-1.45x: a backward just before leaves
+    the caches cold; ``benchmarks/profile_fidelity.py``.) One untimed round warms up
+    (allocations, kernels, autograd threads); then at least ``rounds`` timed
+    rounds, and more until ``timeout`` seconds have passed. Each round visits
+    every size, so a pause of this process (another one got the core) spoils
+    one round of each size, not every round of one size; the fastest round is
+    kept, since time lost to other processes is not the layer's cost.
+
+    Args:
+        module: the layers (left as they were: copies are timed).
+        samples: ``{rows: micro-batch}``, one input per size to time.
+        device: where to run.
+        rounds: timed rounds at least.
+        timeout: keep running rounds until this many seconds have passed.
+        split: also time each backward split into I and W
+            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`),
+            each layer alone: forward, then I, then W.
+        recompute: also time what marking each layer for recompute
+            (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
+            paired with a plain run just before, each alone. A layer
+            that fails marked keeps its forward as its replay (logged).
+
+    Raises:
+        RuntimeError: a layer failed; the message names it (index and name) and the cause.
+    """
+    names = [name for name, _ in module.named_children()]
+    sizes = list(samples)
+
+    def table() -> dict[int, list[list[float]]]:
+        return {rows: [[] for _ in names] for rows in sizes}  # per size and layer: one entry per timed round
+
+    found = {name: table() for name in ("forward", "backward", "input", "weight", "replay", "select", "output_bytes",
+                                        "grad_bytes")}
+    needs_grad: list[list[bool]] = [[] for _ in names]
+    refused: set[int] = set()  # layers that fail marked for recompute
+    failed: set[int] = set()  # layers that fail marked for selective recompute
+    done = 0
+    with sandbox(device):
+        layers = list(layer_copies(module, device))
+        selective = [_select_marked(layer, select) for layer in layer_copies(module, device)] if select else []
+        begun = time.perf_counter()
+        warm = 2 if selective else 1  # untimed rounds: the selective marks plan on their first two calls
+        while done < rounds + warm or time.perf_counter() - begun < timeout:
+            for rows in sizes:
+                try:
+                    _time_round(layers, selective, lambda: as_input(samples[rows], device), device, split,
+                                recompute, done, {name: table[rows] for name, table in found.items()}, needs_grad,
+                                refused, failed)
+                except _LayerFailed as error:
+                    layer = layers[error.layer]
+                    raise RuntimeError(
+                        f"cannot time layer {error.layer} ({names[error.layer]!r}: "
+                        f"{type(next(iter(layer.children()), layer)).__name__}) on {rows} rows: "
+                        f"{type(error.cause).__name__}: {error.cause}; the layer must run forward and backward "
+                        f"on a detached input of a micro-batch") from error.cause
+            done += 1
+        output_bytes = {rows: [int(t[-1]) for t in per] for rows, per in found["output_bytes"].items()}
+        _check_affine(names, layers, _with_probe(layers, samples, output_bytes, device))
+    logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
+    fastest = {name: {rows: [min(t) if t else 0.0 for t in per] for rows, per in table.items()}
+               for name, table in found.items() if name in ("forward", "backward", "input", "weight")}
+    replay = {rows: [f if k in refused or not found["replay"][rows][k]
+                     else max(statistics.median(found["replay"][rows][k]), f)
+                     for k, f in enumerate(fastest["forward"][rows])] for rows in sizes} if recompute else {}
+    select_replay = {rows: [math.inf if k in failed or not found["select"][rows][k]
+                            else max(statistics.median(found["select"][rows][k]), 0.0)
+                            for k in range(len(names))] for rows in sizes} if select else {}
+    grad_bytes = {rows: [int(t[-1]) for t in per] for rows, per in found["grad_bytes"].items()}
+    return LayerTimes(fastest["forward"], fastest["backward"], fastest["input"] if split else {}, output_bytes,
+                      done - 1, replay, select_replay, fastest["weight"] if split else {}, needs_grad, grad_bytes)
+
+
+def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sample: Callable[[], Batch],
+                device: torch.device, split: bool, recompute: bool, done: int, found: dict[str, list[list[float]]],
+                needs_grad: list[list[bool]], refused: set[int], failed: set[int]) -> None:
+    """Round ``done`` of :func:`time_layers` at one size (``sample()``: a fresh input): appends to
+    ``found``, per layer, the times (from round 1 on; the selective marks' from round 2 on, as they
+    plan on their first two calls) and the bytes of its output; sets ``needs_grad``."""
+    from pipe.recompute.module import recompute as mark_recompute, unmark
+
+    given, forward, backward, _ = _chain(layers, sample(), device)
+    for k, layer in enumerate(layers):
+        output = given[k + 1].tensors
+        found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
+        found["grad_bytes"][k].append(sum(t.numel() * t.element_size() for t in output if t.requires_grad))
+        needs_grad[k] = [t.requires_grad for t in output]
+        if done > 0:
+            found["forward"][k].append(forward[k])
+            found["backward"][k].append(backward[k])
+        # Alone, each layer then runs plainly, split into I and W (within 6% of a stage of transformer
+        # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked. What a mark adds is
+        # its run less the plain run just before it, paired in the round so that a slow spell of the
+        # machine slows both (a difference of the fastest of each, of different rounds, swung by a third
+        # between profiles).
+        marks = [(what, chosen, losers, minimum) for what, chosen, losers, minimum, wanted in (
+            ("replay", layer, refused, 1, recompute), ("select", selective[k] if selective else layer, failed, 2,
+                                                       bool(selective))) if wanted and k not in losers]
+        if not (marks or split):
+            continue
+        plain = sum(_alone(layer, given[k], device, k))
+        if split:
+            _, input_grad, weight_grad = _alone(layer, given[k], device, k, split=True)
+            if done > 0:
+                found["input"][k].append(input_grad)
+                found["weight"][k].append(weight_grad)
+        for what, chosen, losers, minimum in marks:
+            if what == "replay":
+                mark_recompute(layer)
+            try:
+                seconds = sum(_alone(chosen, given[k], device, k))
+            except _LayerFailed as error:  # the mark's own limits
+                logger.info("layer %d fails marked for %s (%s: %s); %s", k,
+                            "recompute" if what == "replay" else "selective recompute", type(error.cause).__name__,
+                            error.cause, "its replay is taken as its forward" if what == "replay"
+                            else "it is not planned so")
+                losers.add(k)
+                continue
+            finally:
+                if what == "replay":
+                    unmark(layer)
+            if done >= minimum:
+                found[what][k].append(seconds - plain)
+
+
+class _LayerFailed(Exception):
+    """Layer ``layer`` of a chain raised ``cause``."""
+
+    def __init__(self, layer: int, cause: Exception) -> None:
+        super().__init__(layer, cause)
+        self.layer = layer
+        self.cause = cause
+
+
+def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, split: bool = False,
+           ) -> tuple[list[Batch], list[float], list[float], list[float]]:
+    """One micro-batch through ``layers`` as a stage runs it, timed per layer: every forward in order,
+    each on its input detached (so that each layer's backward is its own), then every backward in
+    reverse order, with ones as the gradient of each output; with ``split``, every I in reverse order
+    (:class:`pipe.core.iw_backward.IWBackward`), then every W.
+
+    Returns:
+        Each layer's input (detached) and the last layer's output; seconds of each layer's forward,
+        of its backward (of its I with ``split``), and of its W (0 without ``split``).
+
+    Raises:
+        _LayerFailed: a layer failed.
+    """
+    count = len(layers)
+    forward, backward, weight = [0.0] * count, [0.0] * count, [0.0] * count
+    given: list[Batch] = []
+    outputs: list[Batch] = []
+    for k, layer in enumerate(layers):
+        given.append(detach(batch))
+        try:
+            synchronize(device)
+            tick = time.perf_counter()
+            batch = given[k].call(layer)
+            synchronize(device)
+        except Exception as error:
+            raise _LayerFailed(k, error) from error
+        forward[k] = time.perf_counter() - tick
+        outputs.append(batch)
+    halves: list[tuple[int, IWBackward]] = []
+    for k in reversed(range(count)):
+        roots = [t for t in outputs[k].tensors if t.requires_grad]
+        if not roots:
+            continue
+        grads = [torch.ones_like(t) for t in roots]
+        try:
+            if split:
+                leaves = [t for t in given[k].tensors if t.requires_grad]
+                halves.append((k, IWBackward(roots, grads, leaves, list(layers[k].parameters()))))
+            synchronize(device)
+            tick = time.perf_counter()
+            if split:
+                halves[-1][1].backward_input()
+            else:
+                torch.autograd.backward(roots, grads)
+            synchronize(device)
+        except Exception as error:
+            raise _LayerFailed(k, error) from error
+        backward[k] = time.perf_counter() - tick
+    for k, part in halves:
+        synchronize(device)
+        tick = time.perf_counter()
+        part.backward_weight()
+        synchronize(device)
+        weight[k] = time.perf_counter() - tick
+    return [*given, batch], forward, backward, weight
+
+
+def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,
+           split: bool = False) -> tuple[float, float, float]:
+    """Seconds of layer ``k`` run alone on ``batch``: its forward, its backward (its I with ``split``) and
+    its W (0 without ``split``), as a layer marked for recompute replays right before its backward.
+
+    Raises:
+        _LayerFailed: the layer failed (named ``k``).
+    """
+    try:
+        _, forward, backward, weight = _chain([layer], batch, device, split=split)
+    except _LayerFailed as error:
+        raise _LayerFailed(k, error.cause) from error.cause
+    return forward[0], backward[0], weight[0]
+
+
+def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
+    """``container``'s layer marked for selective recompute with ``names``, quietly: a layer
+    where they choose nothing is a finding of the profile, not the user's typo. The mark stays
+    (it plans on its first two calls), so these are copies of their own."""
+    from pipe.recompute.module import mark
+    from pipe.recompute.selective import SelectiveRecompute, Usage
+
+    layer = next(iter(container.children()), container)
+    mark(layer, SelectiveRecompute(layer, names, (), usage=Usage(warn=False)))
+    return container
+
+
+def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_bytes: dict[int, list[int]],
+                device: torch.device) -> dict[int, list[int]]:
+    """``output_bytes`` and, where fewer than three sizes were timed, the bytes of each layer's output at one
+    more size (a slice of the largest sample, run once without a graph), so that :func:`_check_affine` has
+    three points to check a line through."""
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) >= 3 or not sizes:
+        return output_bytes
+    largest = sizes[-1]
+    probe = next((largest // k for k in range(2, largest + 1) if largest % k == 0 and largest // k not in sizes), 0)
+    if not probe:
+        return output_bytes
+    counted = []
+    try:
+        with torch.no_grad():
+            batch = as_input(scatter(samples[largest], largest // probe)[0].value, device)
+            for layer in layers:
+                batch = batch.call(layer)
+                counted.append(sum(t.numel() * t.element_size() for t in batch.tensors))
+    except Exception as error:  # a layer that needs autograd: the planner's own pass without a graph names it
+        logger.debug("no probe of output sizes at %d rows (%s: %s)", probe, type(error).__name__, error)
+        return output_bytes
+    return {**output_bytes, probe: counted}
+
+
+def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
+    """Each layer's output must be a fixed part plus a part per sample, the same at every size: the
+    fixed part holds what does not grow with the micro-batch (a table made from a saved buffer, a mask
+    broadcast over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
+    and are only checked for a fixed part and a part per sample that are not negative.
+
+    Raises:
+        RuntimeError: a layer's output bytes are off the line (data-dependent shapes: control flow on
+            the values, boolean masking), which no per-sample cost can describe; names the layer.
+    """
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) < 2:
+        return
+    for k, name in enumerate(names):
+        (r0, b0), (r1, b1) = ((rows, output_bytes[rows][k]) for rows in sizes[:2])
+        # On the line through the first two points, with slope (b1 - b0) / (r1 - r0) and a fixed part >= 0.
+        off = b1 < b0 or b0 * (r1 - r0) < r0 * (b1 - b0) or any(
+            (output_bytes[rows][k] - b0) * (r1 - r0) != (b1 - b0) * (rows - r0) for rows in sizes[2:])
+        if off:
+            seen = ", ".join(f"{output_bytes[rows][k]} B at {rows} rows" for rows in sizes)
+            raise RuntimeError(
+                f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
+                f"its output is not a fixed size plus a size per sample ({seen}); its shapes depend on the "
+                f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
+                f"hand, or keep such a layer's output size fixed")
+
+
+def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
+    """Seconds of forward plus backward of each layer: the fastest of the rounds run for ``timeout`` seconds.
+
+    A first, untimed round warms up; at least three timed rounds follow, whatever the timeout.
+    """
+    measured = time_layers(module, {0: sample}, device, rounds=3, timeout=timeout)
+    times = measured.total(0)
+    logger.debug("profiled times over %d rounds: %s", measured.rounds, times)
+    return times
