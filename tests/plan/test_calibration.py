@@ -29,10 +29,12 @@ def costs_of(model: nn.Sequential, batch: int = 32) -> pipe.plan.Costs:
 
 
 def test_calibration_plans_take_one_balanced_plan_per_schedule_family() -> None:
-    # The last layer is the slow one: the time-balanced split gives it a stage nearly alone.
+    # The last layer is the slow one (about 30x the others, so that a loaded machine pausing one timing
+    # cannot hide it): the time-balanced split gives it a stage nearly alone.
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(5)],
-                          nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)]))
-    costs = costs_of(model)
+                          nn.Sequential(nn.Linear(64, 512), *[nn.Linear(512, 512) for _ in range(3)],
+                                        nn.Linear(512, 64)))
+    costs = pipe.plan.profile_costs(model, torch.randn(32, 64), (1, 2, 4, 8), rounds=3)
     chosen = calibration_plans(candidates(costs, 2, "processes"), costs)
     assert [c.schedule for c in chosen] == [kind for kind, _, _ in CALIBRATION]
     assert [c.chunks for c in chosen] == [chunks for _, chunks, _ in CALIBRATION]
