@@ -7,7 +7,7 @@ on top of :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, random
 state replayed, so dropout masks are identical).
 
 A mark is a *policy* stored on the module, and the module's ``forward`` is
-routed through :func:`_marked_forward`; module names, ``state_dict()`` keys and
+routed through :class:`_MarkedForward`; module names, ``state_dict()`` keys and
 ``isinstance`` are unchanged. The same mechanism carries the selective policy
 (:mod:`pipe.recompute.selective`) and the offload policy
 (:mod:`pipe.recompute.offload`): one layer carries at most one policy.
@@ -20,8 +20,10 @@ recompute the same operation twice.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
@@ -134,12 +136,40 @@ class FullRecompute(Policy):
         return "recompute"
 
 
-def _marked_forward(module: nn.Module, original: Optional[Callable[..., Any]], *args: Any, **kwargs: Any) -> Any:
-    forward = original if original is not None else functools.partial(type(module).forward, module)
-    policy: Optional[Policy] = module.__dict__.get(_POLICY)
-    if policy is None or not torch.is_grad_enabled() or is_recomputing() or in_region():
-        return forward(*args, **kwargs)
-    return policy.run(module, forward, args, kwargs)
+class _MarkedForward:
+    """A marked module's ``forward``: runs it under the module's policy.
+
+    It refers to its module weakly, so that a marked module is no reference
+    cycle (module -> forward -> module) and its memory, GPU memory included,
+    is freed when the last reference goes, not at the next garbage
+    collection. ``deepcopy`` and ``pickle`` give the copy's forward the
+    copied module.
+    """
+
+    def __init__(self, module: nn.Module, original: Optional[Callable[..., Any]]) -> None:
+        self._module = weakref.ref(module)
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._live()
+        forward = self.original if self.original is not None else functools.partial(type(module).forward, module)
+        policy: Optional[Policy] = module.__dict__.get(_POLICY)
+        if policy is None or not torch.is_grad_enabled() or is_recomputing() or in_region():
+            return forward(*args, **kwargs)
+        return policy.run(module, forward, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_MarkedForward":
+        # Reached while the module itself is deep-copied: its copy is in the memo already.
+        return _MarkedForward(copy.deepcopy(self._live(), memo), copy.deepcopy(self.original, memo))
+
+    def _live(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise ReferenceError("the module of this marked forward was deleted; call the module, not its forward")
+        return module
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_MarkedForward, (self._live(), self.original))
 
 
 def mark(module: ModuleT, policy: Optional[Policy]) -> ModuleT:
@@ -153,14 +183,14 @@ def mark(module: ModuleT, policy: Optional[Policy]) -> ModuleT:
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"expected a pipe.recompute Policy, got {type(policy).__name__}")
     current = module.__dict__.get("forward")
-    wrapped = isinstance(current, functools.partial) and current.func is _marked_forward
+    wrapped = isinstance(current, _MarkedForward)
     previous = module.__dict__.get(_POLICY)
     if previous is not None and previous is not policy:
         previous.release(module)
     if policy is None:
         module.__dict__.pop(_POLICY, None)
         if wrapped:
-            original = current.args[1]  # type: ignore[union-attr]
+            original = current.original  # type: ignore[union-attr]
             if original is None:
                 del module.__dict__["forward"]
             else:
@@ -168,9 +198,7 @@ def mark(module: ModuleT, policy: Optional[Policy]) -> ModuleT:
         return module
     module.__dict__[_POLICY] = policy
     if not wrapped:
-        # A partial of a module-level function (not a closure): deepcopy and
-        # pickle carry it over to the copy of the module.
-        module.__dict__["forward"] = functools.partial(_marked_forward, module, current)
+        module.__dict__["forward"] = _MarkedForward(module, current)
     return module
 
 
