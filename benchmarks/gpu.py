@@ -24,6 +24,14 @@ every round's ratio, and the figure is their median with the spread.
   first step took, and frames compiled after it (0 expected).
 * split GPT-2 (HuggingFace, ``pipe.split``): plain model, ``Pipe`` over two
   partitions on the GPU, eager and compiled.
+* plan: ``pipe.plan`` on the GPU. The costs of ``benchmarks/recompute.py``'s
+  transformer blocks are profiled on the GPU (``profile_costs(device=...)``);
+  every one-partition candidate (chunks x checkpoint mode, and the selective
+  recompute plans the search derives for three budgets) is predicted, then run
+  as ``Pipe`` on the GPU: its step time (the median of ``repeat`` steps) and
+  its peak (``torch.cuda.max_memory_allocated`` less the batch's bytes, the
+  parameters and gradients included, as ``param_scale=2`` predicts) beside the
+  prediction.
 
 Run (needs a CUDA GPU; a few minutes on an H100)::
 
@@ -326,10 +334,94 @@ def gpt2(size: dict[str, int], rounds: int, repeat: int) -> dict[str, Any]:
                 pipe_compiled_vs_eager=ratio(per_round, "pipe_eager", "pipe_compiled"))
 
 
+def _run_planned(model: nn.Module, c: Any, x: torch.Tensor, target: torch.Tensor, repeat: int
+                 ) -> tuple[float, int, int]:
+    """Seconds per step (median), and the allocator's peak bytes above the level before the ``Pipe`` was
+    built (parameters, gradients and activations), of candidate ``c`` run on the GPU; and that level."""
+    import torch.nn.functional as F
+
+    sync()
+    base = torch.cuda.memory_allocated(DEVICE)
+    piped = Pipe(copy.deepcopy(model).to(DEVICE), devices=[str(DEVICE)], chunks=c.chunks, checkpoint=c.checkpoint,
+                 balance=list(c.balance), **({"recompute": c.recompute_config()} if c.recompute_config() else {}))
+
+    def step() -> None:
+        piped.zero_grad(set_to_none=True)
+        F.mse_loss(piped(x), target).backward()
+
+    step()
+    step()
+    sync()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    step()
+    sync()
+    peak = torch.cuda.max_memory_allocated(DEVICE) - base
+    times = []
+    for _ in range(repeat):
+        sync()
+        begun = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - begun)
+    return statistics.median(times), peak, base
+
+
+def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
+    """The planner's predicted step and peak against the allocator's, one partition on the GPU."""
+    import torch.nn.functional as F
+
+    from pipe.plan import profile_costs
+    from pipe.plan.candidates import candidates, per_stage_recompute
+    from pipe.plan.predict import predict
+
+    model = recompute.model(size)
+    x = recompute.batch(size, DEVICE.type)
+    target = torch.zeros_like(x)
+    start = time.perf_counter()
+    costs = profile_costs(model, x, (1, 2, 4, 8), device=DEVICE, loss_fn=F.mse_loss, target=target)
+    profile_s = time.perf_counter() - start
+    plans = candidates(costs, 1, "threads")
+    for budget in (0.4, 0.6, 0.8):  # selective recompute plans between the uniform modes' peaks
+        for c in list(plans):
+            if c.checkpoint == "never":
+                bytes_ = int(budget * predict(costs, c, timeline=False).peak)
+                marked = per_stage_recompute(costs, c, [bytes_])
+                if marked is not None and marked not in plans:
+                    plans.append(marked)
+    rows: list[dict[str, Any]] = []
+    for c in plans:
+        predicted = predict(costs, c, timeline=False)
+        measured, peak, base = _run_planned(model, c, x, target, repeat)
+        rows.append({"plan": c.describe(), "predicted_ms": 1000 * predicted.step_time, "measured_ms": 1000 * measured,
+                     "step_error": predicted.step_time / measured - 1,
+                     "predicted_peak_MiB": predicted.peak / 2**20, "measured_peak_MiB": peak / 2**20,
+                     "peak_error": predicted.peak / peak - 1, "allocated_before_MiB": base / 2**20})
+    # The plain model on this thread: the allocator's peak against the dispatch-level count the profile uses.
+    from pipe.recompute import ActivationMemory
+
+    plain = copy.deepcopy(model).to(DEVICE)
+    F.mse_loss(plain(x), target).backward()
+    plain.zero_grad(set_to_none=True)
+    sync()
+    base = torch.cuda.memory_allocated(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    with ActivationMemory() as counter:
+        F.mse_loss(plain(x), target).backward()
+        sync()
+    allocator = torch.cuda.max_memory_allocated(DEVICE) - base
+    plain_check = {"allocator_peak_MiB": allocator / 2**20, "counted_peak_MiB": counter.peak_bytes / 2**20}
+    del plain
+    return {"size": size, "profile_s": profile_s, "plain_step": plain_check, "plans": rows,
+            "step_error_worst": max(abs(r["step_error"]) for r in rows),
+            "step_error_median": statistics.median(abs(r["step_error"]) for r in rows),
+            "peak_error_worst": max(abs(r["peak_error"]) for r in rows),
+            "peak_error_median": statistics.median(abs(r["peak_error"]) for r in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
-    parser.add_argument("--only", help="comma-separated subset of P1_P3,P4,P6,offload,copy_streams,compiled,gpt2")
+    parser.add_argument("--only", help="comma-separated subset of P1_P3,P4,P6,offload,copy_streams,compiled,gpt2,plan")
     parser.add_argument("--out", type=Path, help="folder for the JSON and the traces (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -358,6 +450,7 @@ def main() -> None:
         "copy_streams": lambda: copy_streams(sizes["copy_streams"], folder / f"gpu-{slug}-copy-trace.json.gz"),
         "compiled": lambda: compiled(sizes["P6"], rounds, repeat),
         "gpt2": lambda: gpt2(sizes["gpt2"], rounds, repeat),
+        "plan": lambda: plan_on_gpu(sizes["P6"], repeat),
     }
     wanted = args.only.split(",") if args.only else list(figures)
     results: dict[str, Any] = {
