@@ -1,12 +1,13 @@
 """Timing layers: each layer's forward and backward (and their I/W halves, and what recompute marks add),
 for the time balancer (:func:`profile_times`) and the planner (:func:`time_layers`).
 
-Layers run on copies, in the sandbox of :mod:`pipe.balance.profile`, in a stage's order: every forward,
-then every backward in reverse, each layer on its input detached so that its backward is its own.
+Layers run on copies, in the sandbox of :mod:`pipe.balance.profile`, as a stage runs them: every forward,
+then one backward call, shared out to the layers by hooks on their inputs.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import statistics
@@ -78,14 +79,16 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
     and the planner (:func:`pipe.plan.profile.profile_costs`). Layers run as
-    a stage runs them (:func:`_chain`): every forward in order, then every
-    backward in reverse order, each layer on its input detached so that its
-    backward is its own; on CUDA timed by events with no synchronisation between layers
-    (:class:`_Clock`). (Timed one
-    layer at a time, forward then backward, the forwards of a stage of
-    512-wide ``Linear`` layers on 8 rows summed to 1.56-1.88x the stage's own
-    forward on the CPU, in a chain 1.10-1.45x: a backward just before leaves
-    the caches cold; ``benchmarks/profile_fidelity.py``.) One untimed round warms up
+    a stage runs them (:func:`_chain`): every forward in order, then one
+    backward call, each layer's share timed between the moments the gradients
+    of its output and of its input are ready; on CUDA timed by events with no
+    synchronisation between layers (:class:`_Clock`). (Timed one layer at a
+    time, forward then backward, the forwards of a stage of 512-wide
+    ``Linear`` layers on 8 rows summed to 1.56-1.88x the stage's own forward
+    on the CPU, in a chain 1.10-1.45x: a backward just before leaves the
+    caches cold; with a backward call per layer, their backwards summed to
+    1.31-1.39x the stage's, in one call 1.12-1.14x;
+    ``benchmarks/profile_fidelity.py``.) One untimed round warms up
     (allocations, kernels, autograd threads); then at least ``rounds`` timed
     rounds, and more until ``timeout`` seconds have passed. Each round visits
     every size, so a pause of this process (another one got the core) spoils
@@ -218,31 +221,55 @@ class _LayerFailed(Exception):
 
 
 def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, split: bool = False,
-           ) -> tuple[list[Batch], list[float], list[float], list[float]]:
+           connected: bool = True) -> tuple[list[Batch], list[float], list[float], list[float]]:
     """One micro-batch through ``layers`` as a stage runs it, timed per layer: every forward in order,
-    each on its input detached (so that each layer's backward is its own), then every backward in
-    reverse order, with ones as the gradient of each output; with ``split``, every I in reverse order
+    then the backward from ones as the last output's gradient, as one call, each layer's share timed
+    from the moment its output's gradient is ready to the moment its input's is (hooks on the layers'
+    inputs; a backward call per layer cost small layers a call each, which a stage pays once).
+
+    Where some layer's output needs no gradient, no gradient would reach the layers before it, so the
+    chain is run again disconnected: each layer on its input detached, with ones as the gradient of
+    its own output in a call of its own. With ``split``, the same per layer: every I in reverse order
     (:class:`pipe.core.iw_backward.IWBackward`), then every W.
 
     Returns:
-        Each layer's input (detached) and the last layer's output; seconds of each layer's forward,
-        of its backward (of its I with ``split``), and of its W (0 without ``split``).
+        Each layer's input and the last layer's output; seconds of each layer's forward, of its
+        backward (of its I with ``split``), and of its W (0 without ``split``).
 
     Raises:
         _LayerFailed: a layer failed.
     """
     count = len(layers)
+    connected = connected and not split
     clock = _Clock(device)
     given: list[Batch] = []
     outputs: list[Batch] = []
     for k, layer in enumerate(layers):
-        given.append(detach(batch))
+        if connected and k > 0 and not any(t.requires_grad for t in batch.tensors):
+            return _chain(layers, given[0], device, connected=False)
+        given.append(batch if connected and k > 0 else detach(batch))
+        if connected and k > 0:
+            for tensor in given[k].tensors:  # hooked before the layer runs: an in-place layer's stays on its input
+                if tensor.requires_grad:
+                    tensor.register_hook(functools.partial(_reached, clock, k))
         try:
             with clock.span(("forward", k)):
                 batch = given[k].call(layer)
         except Exception as error:
             raise _LayerFailed(k, error) from error
         outputs.append(batch)
+    if connected:
+        roots = [t for t in batch.tensors if t.requires_grad]
+        if roots:
+            clock.stamp(("reached", count))
+            try:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+            except Exception as error:  # in the layer whose output's gradient was the last to be ready
+                raise _LayerFailed(min(k for k in range(count + 1) if ("reached", k) in clock.stamps) - 1,
+                                   error) from error
+            clock.stamp(("reached", 0))
+        backward = [clock.between(("reached", k + 1), ("reached", k)) for k in range(count)]
+        return [*given, batch], clock.spans("forward", count), backward, [0.0] * count
     halves: list[tuple[int, IWBackward]] = []
     for k in reversed(range(count)):
         roots = [t for t in outputs[k].tensors if t.requires_grad]
@@ -263,53 +290,68 @@ def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, s
     for k, part in halves:
         with clock.span(("weight", k)):
             part.backward_weight()
-    seconds = clock.seconds()
-    forward, backward, weight = ([seconds.get((what, k), 0.0) for k in range(count)]
-                                 for what in ("forward", "backward", "weight"))
-    return [*given, batch], forward, backward, weight
+    return [*given, batch], clock.spans("forward", count), clock.spans("backward", count), clock.spans("weight", count)
+
+
+def _reached(clock: "_Clock", k: int, grad: torch.Tensor) -> None:
+    """A hook on layer ``k``'s input: its gradient is ready, layer ``k``'s backward is over."""
+    clock.stamp(("reached", k))
 
 
 class _Clock:
-    """Times spans of work as a stage runs them: on the CPU by the wall clock; on CUDA by events on the
-    current stream, with no synchronisation between spans, so that the host's work on one layer overlaps
-    the kernels queued before it as it does in a stage (synchronising around each layer charged every
-    forward and backward the launch latency and the idle device: on an H100 a plan of 8 micro-batches was
-    predicted 10% slower than it ran, and one with recompute marks 37%).
+    """Times work as a stage runs it: on the CPU by the wall clock; on CUDA by events on the current
+    stream, with no synchronisation until the times are read, so that the host's work on one layer
+    overlaps the kernels queued before it as it does in a stage (synchronising around each layer
+    charged every forward and backward the launch latency and the idle device: on an H100 a plan of 8
+    micro-batches was predicted 10% slower than it ran, and one with recompute marks 37%).
 
     Usage::
 
         clock = _Clock(device)
         with clock.span(("forward", 0)):
             ...
-        seconds = clock.seconds()   # {("forward", 0): 0.0012}
+        clock.spans("forward", 1)              # [0.0012]
+        clock.stamp("a"); ...; clock.stamp("b")
+        clock.between("a", "b")                # seconds from one stamp to the other (0 if either is missing)
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.spans: dict[Any, Any] = {}
+        self.stamps: dict[Any, Any] = {}
+        self._settled = True
         synchronize(device)
 
-    def _now(self) -> Any:
+    def stamp(self, key: Any) -> None:
+        """Marks this moment as ``key`` (again: the later moment)."""
         if not self.cuda:
-            return time.perf_counter()
+            self.stamps[key] = time.perf_counter()
+            return
+        self._settled = False
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
-        return event
+        self.stamps[key] = event
 
     @contextlib.contextmanager
     def span(self, key: Any) -> Iterator[None]:
-        """Times the block as ``key`` (nothing is kept if it raises)."""
-        start = self._now()
+        """Times the block as ``key`` (only its start is kept if it raises)."""
+        self.stamp(("start", key))
         yield
-        self.spans[key] = (start, self._now())
+        self.stamp(("end", key))
 
-    def seconds(self) -> dict[Any, float]:
-        """Seconds of each span (on CUDA after one synchronisation)."""
+    def between(self, first: Any, last: Any) -> float:
+        if first not in self.stamps or last not in self.stamps:
+            return 0.0
         if not self.cuda:
-            return {key: end - start for key, (start, end) in self.spans.items()}
-        synchronize(self.device)
-        return {key: start.elapsed_time(end) / 1000 for key, (start, end) in self.spans.items()}
+            return float(self.stamps[last] - self.stamps[first])
+        if not self._settled:  # the events recorded so far have happened
+            synchronize(self.device)
+            self._settled = True
+        return float(self.stamps[first].elapsed_time(self.stamps[last])) / 1000
+
+    def spans(self, what: str, count: int) -> list[float]:
+        """Seconds of the spans ``(what, 0)`` to ``(what, count - 1)`` (0 for one not timed)."""
+        return [self.between(("start", (what, k)), ("end", (what, k))) for k in range(count)]
 
 
 def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,

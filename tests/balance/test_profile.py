@@ -37,7 +37,9 @@ def state(module: nn.Module) -> list[torch.Tensor]:
 def test_heavy_layer_gets_its_own_partition(balancer: str) -> None:
     model = heavy_model()
     if balancer == "time":
-        balance = balance_by_time(3, model, SAMPLE, timeout=0.2)
+        # On the CPU, as the module says: on a GPU these small layers are launch-bound, and the heavy one
+        # weighs its five kernels' launches, not its work.
+        balance = balance_by_time(3, model, SAMPLE, timeout=0.2, device="cpu")
     elif balancer == "size":
         balance = balance_by_size(3, model, SAMPLE, chunks=4)
     else:
@@ -123,3 +125,52 @@ def test_layers_are_timed_in_a_stage_order(extras: dict[str, bool]) -> None:
     rounds = [i for i in range(len(events)) if events[i:i + len(chain)] == chain]
     assert len(rounds) == times.rounds + 1  # the warm-up round, then each timed round
     assert all(t > 0 for t in times.forward[4] + times.backward[4])
+
+
+class _Detach(nn.Module):
+    """A layer whose output needs no gradient: no gradient reaches the layers before it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a backward that fails")
+
+
+class _BadBackward(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(super().forward(x))
+
+
+def test_one_backward_is_shared_out_to_the_layers_that_ran_it() -> None:
+    """The backward runs as one call, as a stage runs it; each layer's share is timed between the moments the
+    gradients of its output and of its input are ready. The heavy layer's share lands on the heavy layer."""
+    from pipe.balance import time_layers
+
+    model = heavy_model()
+    backward = time_layers(model, {64: SAMPLE}, torch.device("cpu"), rounds=2).backward[64]
+    assert backward.index(max(backward)) == 2, backward
+    assert backward[2] > 2 * sum(backward[:2] + backward[3:]), backward
+
+
+def test_a_layer_whose_output_needs_no_gradient_still_times_the_layers_before_it() -> None:
+    from pipe.balance import time_layers
+
+    model = nn.Sequential(nn.Linear(8, 8), _Detach(), nn.Linear(8, 8))
+    backward = time_layers(model, {4: torch.randn(4, 8)}, torch.device("cpu"), rounds=2).backward[4]
+    assert backward[0] > 0 and backward[2] > 0, backward  # each layer took ones as its output's gradient
+
+
+def test_a_layer_failing_in_backward_is_named() -> None:
+    from pipe.balance import time_layers
+
+    model = nn.Sequential(nn.Linear(8, 8), _BadBackward(8, 8), nn.Linear(8, 8))
+    with pytest.raises(RuntimeError, match=r"cannot time layer 1 \('1': _BadBackward\).*a backward that fails"):
+        time_layers(model, {4: torch.randn(4, 8)}, torch.device("cpu"), rounds=1)
