@@ -378,7 +378,7 @@ def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
     x = recompute.batch(size, DEVICE.type)
     target = torch.zeros_like(x)
     start = time.perf_counter()
-    costs = profile_costs(model, x, (1, 2, 4, 8), device=DEVICE, loss_fn=F.mse_loss, target=target)
+    costs = profile_costs(model, x, (1, 2, 4, 8), device=DEVICE, loss_fn=F.mse_loss, target=target, stages=1)
     profile_s = time.perf_counter() - start
     plans = candidates(costs, 1, "threads")
     for budget in (0.4, 0.6, 0.8):  # selective recompute plans between the uniform modes' peaks

@@ -190,7 +190,7 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     link = cached_link()
     begun = time.perf_counter()
     chunks = (size["batch"],) if name in FIXED_CHUNKS else mode["chunks"]
-    costs = planner.profile_costs(model, x, chunks, loss_fn=loss_fn, target=y)
+    costs = planner.profile_costs(model, x, chunks, loss_fn=loss_fn, target=y, stages=2)
     balances = balances_for(len(model))
     base = candidates(costs, 2, "processes", balances=balances)
     memory = {c: planner.predict(costs, c, runner="processes", timeline=False).peaks for c in base}

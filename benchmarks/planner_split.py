@@ -122,7 +122,8 @@ def main() -> None:
     begun = time.perf_counter()
     load_before = load()
     x, y = mlp_data(size)
-    costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y, threads=1)  # as the ranks
+    costs = profile_costs(mlp_model(size), x, mode["chunks"], loss_fn=F.mse_loss, target=y, threads=1,  # as the ranks
+                          stages=world)
     model = TimeModel.measured(cached_link(), cores=os.cpu_count())  # the ranks share this machine's cores
     grid, skipped = split_candidates(costs, world, "processes", "auto", (3, 2), "auto", balances=None, **OPTIONS)
     grid = [c for c in grid if len(set(c.balance)) == 1]  # even balances

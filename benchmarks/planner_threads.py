@@ -51,7 +51,7 @@ def validate(name: str, repeats: int) -> dict[str, Any]:
     size = models.SIZES["full"][name]
     x, y = data(size)
     layers = len(build(size))
-    costs = planner.profile_costs(build(size), x, CHUNKS, loss_fn=loss_fn, target=y)
+    costs = planner.profile_costs(build(size), x, CHUNKS, loss_fn=loss_fn, target=y, stages=2)
     plans = [Candidate("gpipe", chunks, (layers // 2, layers - layers // 2), checkpoint)
              for chunks in CHUNKS for checkpoint in ("never", "always")]
     measured: dict[Candidate, list[float]] = {c: [] for c in plans}

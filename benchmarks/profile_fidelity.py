@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import platform
@@ -111,7 +112,10 @@ def ratios_once(name: str) -> dict[str, float]:
     marked = copy.deepcopy(stage)
     for layer in marked:
         mark(layer)
-    profile = time_layers(model, {rows: x[:rows]}, torch.device("cpu"), rounds=5, split=True, recompute=True)
+    # In windows of half the model, as plan(stages=2) profiles (a checkout before windows: one chain).
+    window = {"window": -(-len(model) // 2)} if "window" in inspect.signature(time_layers).parameters else {}
+    profile = time_layers(model, {rows: x[:rows]}, torch.device("cpu"), rounds=5, split=True, recompute=True,
+                          **window)
     profiled = {"forward": profile.forward[rows], "backward": profile.backward[rows],
                 "input": profile.input_grad[rows], "weight": profile.weight_grad[rows], "replay": profile.replay[rows]}
     whole = stage_times(stage, marked, given)

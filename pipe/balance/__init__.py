@@ -66,7 +66,7 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: Any, *, time
     _verify(partitions, module)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    times = profile_times(module, sample, float(timeout), _device(device))
+    times = profile_times(module, sample, float(timeout), _device(device), window=-(-len(module) // partitions))
     return solve(times, partitions)
 
 

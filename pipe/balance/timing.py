@@ -21,6 +21,7 @@ from torch import nn
 from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize
 from pipe.core.iw_backward import IWBackward
 from pipe.core.microbatch import Batch, scatter
+from pipe.skip.tracker import current_skip_tracker
 
 __all__: list[str] = []
 
@@ -74,7 +75,7 @@ class LayerTimes:
 
 def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch.device, *, rounds: int = 5,
                 timeout: float = 0.0, split: bool = False, recompute: bool = False,
-                select: Sequence[str] = ()) -> LayerTimes:
+                select: Sequence[str] = (), window: int = 0) -> LayerTimes:
     """Times each layer's forward and backward on copies of the layers, for each sample size.
 
     The one loop that times layers, for the balancer (:func:`profile_times`)
@@ -108,6 +109,13 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
             (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
             paired with a plain run just before, each alone. A layer
             that fails marked keeps its forward as its replay (logged).
+        window: layers per stage (0: the whole module as one stage). The
+            layers run in windows of this many, each window twice in a row,
+            timed the second time, as a stage runs the next micro-batch
+            through the layers it holds: their weights still in the caches.
+            (Timed in one chain of the whole module, each layer's weights came
+            back to a cache the other layers had filled: the planner MLP's
+            stage of four 1 MiB weights was profiled at 1.4x its own forward.)
 
     Raises:
         RuntimeError: a layer failed; the message names it (index and name) and the cause.
@@ -134,7 +142,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                 try:
                     _time_round(layers, selective, lambda: as_input(samples[rows], device), device, split,
                                 recompute, done, {name: table[rows] for name, table in found.items()}, needs_grad,
-                                refused, failed)
+                                refused, failed, window)
                 except _LayerFailed as error:
                     layer = layers[error.layer]
                     raise RuntimeError(
@@ -161,13 +169,13 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
 
 def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sample: Callable[[], Batch],
                 device: torch.device, split: bool, recompute: bool, done: int, found: dict[str, list[list[float]]],
-                needs_grad: list[list[bool]], refused: set[int], failed: set[int]) -> None:
+                needs_grad: list[list[bool]], refused: set[int], failed: set[int], window: int = 0) -> None:
     """Round ``done`` of :func:`time_layers` at one size (``sample()``: a fresh input): appends to
     ``found``, per layer, the times (from round 1 on; the selective marks' from round 2 on, as they
     plan on their first two calls) and the bytes of its output; sets ``needs_grad``."""
     from pipe.recompute.module import recompute as mark_recompute, unmark
 
-    given, forward, backward, _ = _chain(layers, sample(), device)
+    given, forward, backward = _windows(layers, sample(), device, window)
     for k, layer in enumerate(layers):
         output = given[k + 1].tensors
         found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
@@ -218,6 +226,32 @@ class _LayerFailed(Exception):
         super().__init__(layer, cause)
         self.layer = layer
         self.cause = cause
+
+
+def _windows(layers: Sequence[nn.Module], batch: Batch, device: torch.device, window: int
+             ) -> tuple[list[Batch], list[float], list[float]]:
+    """:func:`_chain` over windows of ``window`` layers in turn (0: all the layers in one), each its forward
+    then its backward, as a stage of that many layers runs them, the next window taking the last output;
+    the inputs of the layers and the last output, each layer's forward and backward seconds."""
+    size = window if window > 0 else max(len(layers), 1)
+    given: list[Batch] = []
+    forward: list[float] = []
+    backward: list[float] = []
+    for start in range(0, len(layers), size):
+        try:
+            if window > 0:  # once untimed: a stage's next micro-batch finds its weights in the caches
+                tracker = current_skip_tracker()
+                stashed = dict(tracker.tensors)
+                _chain(layers[start:start + size], batch, device)
+                tracker.tensors = stashed  # the timed pass pops and stashes the skips again
+            inputs, f, b, _ = _chain(layers[start:start + size], batch, device)
+        except _LayerFailed as error:
+            raise _LayerFailed(start + error.layer, error.cause) from error.cause
+        given += inputs[:-1]
+        forward += f
+        backward += b
+        batch = inputs[-1]
+    return [*given, batch], forward, backward
 
 
 def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, split: bool = False,
@@ -433,12 +467,14 @@ def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[
                 f"hand, or keep such a layer's output size fixed")
 
 
-def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device) -> list[float]:
-    """Seconds of forward plus backward of each layer: the fastest of the rounds run for ``timeout`` seconds.
+def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device,
+                  window: int = 0) -> list[float]:
+    """Seconds of forward plus backward of each layer: the fastest of the rounds run for ``timeout`` seconds
+    (``window``: layers per stage, :func:`time_layers`).
 
     A first, untimed round warms up; at least three timed rounds follow, whatever the timeout.
     """
-    measured = time_layers(module, {0: sample}, device, rounds=3, timeout=timeout)
+    measured = time_layers(module, {0: sample}, device, rounds=3, timeout=timeout, window=window)
     times = measured.total(0)
     logger.debug("profiled times over %d rounds: %s", measured.rounds, times)
     return times

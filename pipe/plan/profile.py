@@ -81,7 +81,8 @@ def _layer_inputs(module: nn.Sequential, micro: dict[int, Any], device: torch.de
 def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, param_scale: float = 2.0,
                   rounds: int = 5, device: Optional[torch.device] = None,
                   loss_fn: Optional[Callable[[Any, Any], Tensor]] = None, target: Any = None,
-                  select: Sequence[str] = DEFAULT_SELECT, threads: Optional[int] = None) -> Costs:
+                  select: Sequence[str] = DEFAULT_SELECT, threads: Optional[int] = None,
+                  stages: Optional[int] = None) -> Costs:
     """Measures the costs of ``module`` on ``sample`` (a mini-batch) for each micro-batch count.
 
     Layers are copied (the module is left as it was, random state included), as
@@ -104,14 +105,22 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     stages will run: a rank of ``DistributedPipe`` that shares the machine's
     cores with others runs on 1 (torchrun's default for several local ranks).
 
+    ``stages``: the ranks (or partitions) the model will be cut into. The
+    layers are then timed in windows of a stage's share of them, each window
+    twice in a row (:func:`~pipe.balance.timing.time_layers`'s ``window``),
+    since a stage finds its own layers' weights in the caches; default: the
+    whole model as one window.
+
     Raises:
-        ValueError: no chunk count divides the batch; the model has skip connections
+        ValueError: no chunk count divides the batch; stages is not a positive int; the model has skip connections
             (``@skippable`` layers), which the planner does not model yet; a ``select``
             entry is not a valid regex.
         RuntimeError: a layer cannot be measured (it fails, or fails under
             ``torch.no_grad``); the message names the layer.
     """
     device = device or torch.device("cpu")
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+        raise ValueError(f"stages must be a positive int (the ranks the model will be cut into), got {stages!r}")
     if any(True for _ in skippables_in(module)):
         raise ValueError("pipe.plan does not model skip connections (@skippable layers) yet; "
                          "choose balance, chunks and checkpoint by hand for this model")
@@ -134,7 +143,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     if threads is not None and device.type == "cpu":
         torch.set_num_threads(threads)
     try:
-        times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select)
+        times = time_layers(module, micro, device, rounds=rounds, split=True, recompute=True, select=select,
+                            window=-(-len(module) // stages) if stages else 0)
         layers, inputs = _layer_inputs(module, micro, device, times.needs_grad)
     finally:
         torch.set_num_threads(before)

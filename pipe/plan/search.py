@@ -416,7 +416,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
         if runner == "threads":
             model_time = replace(model_time, action_overhead=_thread_overhead(link, device))
     costs = profile_costs(model, sample, chunks, param_scale=param_scale, rounds=rounds, device=device,
-                          loss_fn=loss_fn, target=target, select=select, threads=threads)
+                          loss_fn=loss_fn, target=target, select=select, threads=threads, stages=stages)
     def chosen(model_time: TimeModel) -> Plan:
         return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                       max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard,

@@ -174,3 +174,21 @@ def test_a_layer_failing_in_backward_is_named() -> None:
     model = nn.Sequential(nn.Linear(8, 8), _BadBackward(8, 8), nn.Linear(8, 8))
     with pytest.raises(RuntimeError, match=r"cannot time layer 1 \('1': _BadBackward\).*a backward that fails"):
         time_layers(model, {4: torch.randn(4, 8)}, torch.device("cpu"), rounds=1)
+
+
+def test_windows_run_each_stage_twice_in_a_row() -> None:
+    """With ``window``, the layers run a stage's share at a time, twice in a row (timed the second time), as a
+    stage runs its next micro-batch through the layers whose weights it just used."""
+    from pipe.balance import time_layers
+
+    events: list[tuple[str, int]] = []
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    for k, layer in enumerate(model):
+        layer.register_forward_hook(lambda *_, k=k: events.append(("F", k)))
+        layer.register_full_backward_hook(lambda *_, k=k: events.append(("B", k)))
+    times = time_layers(model, {4: torch.randn(4, 8)}, torch.device("cpu"), rounds=2, window=2)
+    stage = [[("F", a), ("F", b), ("B", b), ("B", a)] for a, b in ((0, 1), (2, 3))]
+    chain = 2 * stage[0] + 2 * stage[1]
+    rounds = [i for i in range(len(events)) if events[i:i + len(chain)] == chain]
+    assert len(rounds) == times.rounds + 1
+    assert all(t > 0 for t in times.forward[4] + times.backward[4])

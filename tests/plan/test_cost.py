@@ -381,3 +381,17 @@ def test_layers_are_timed_with_the_threads_the_ranks_compute_with(monkeypatch: p
     assert threads == [1, None]
     with pytest.raises(ValueError, match="threads must be a positive number of intra-op threads, got 0"):
         profile_costs(model, torch.randn(8, WIDTH), (1,), threads=0)
+
+
+def test_plan_profiles_in_windows_of_a_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() profiles the layers in windows of a stage's share (a stage finds its own weights in the caches)."""
+    import pipe.plan.profile as profile
+
+    windows: list[int] = []
+    real = profile.time_layers
+    monkeypatch.setattr(profile, "time_layers", lambda *a, **k: windows.append(k["window"]) or real(*a, **k))
+    plan(mlp(2), torch.randn(8, WIDTH), memory_budget="1GiB", stages=2, chunks=(1, 2), select=())
+    profile_costs(mlp(2), torch.randn(8, WIDTH), (1,), select=())
+    assert windows == [-(-len(mlp(2)) // 2), 0]
+    with pytest.raises(ValueError, match="stages must be a positive int .* got 0"):
+        profile_costs(mlp(2), torch.randn(8, WIDTH), (1,), stages=0)
