@@ -276,10 +276,13 @@ def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, s
     count = len(layers)
     connected = connected and not split
     clock = _Clock(device)
+    tracker = current_skip_tracker()
+    stashed = dict(tracker.tensors)
     given: list[Batch] = []
     outputs: list[Batch] = []
     for k, layer in enumerate(layers):
         if connected and k > 0 and not any(t.requires_grad for t in batch.tensors):
+            tracker.tensors = stashed  # the layers run again: their skips too
             return _chain(layers, given[0], device, connected=False)
         given.append(batch if connected and k > 0 else detach(batch))
         if connected and k > 0:

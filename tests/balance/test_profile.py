@@ -192,3 +192,15 @@ def test_windows_run_each_stage_twice_in_a_row() -> None:
     rounds = [i for i in range(len(events)) if events[i:i + len(chain)] == chain]
     assert len(rounds) == times.rounds + 1
     assert all(t > 0 for t in times.forward[4] + times.backward[4])
+
+
+def test_skips_survive_a_chain_run_again_disconnected() -> None:
+    """A skippable model with a layer whose output needs no gradient: the chain runs again, layer by layer,
+    and its skips are stashed and popped once per run."""
+    from pipe.balance import time_layers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(StashLinear(4), nn.Linear(4, 4), nn.Linear(4, 4), PopLinear(4), _Detach(), nn.Linear(4, 4))
+    # The second window pops the first's skip, then finds no gradient past _Detach and runs again.
+    times = time_layers(model, {8: torch.randn(8, 4)}, torch.device("cpu"), rounds=2, window=3)
+    assert times.backward[8][3] > 0 and times.backward[8][5] > 0, times.backward
