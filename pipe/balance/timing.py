@@ -107,8 +107,9 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
             each layer alone: forward, then I, then W.
         recompute: also time what marking each layer for recompute
             (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
-            paired with a plain run just before, each alone. A layer
-            that fails marked keeps its forward as its replay (logged).
+            as the chain with every layer marked, run right after the plain
+            one, takes longer per layer. A layer that fails marked keeps
+            its forward as its replay (logged).
         window: layers per stage (0: the whole module as one stage). The
             layers run in windows of this many, each window twice in a row,
             timed the second time, as a stage runs the next micro-batch
@@ -173,9 +174,13 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
     """Round ``done`` of :func:`time_layers` at one size (``sample()``: a fresh input): appends to
     ``found``, per layer, the times (from round 1 on; the selective marks' from round 2 on, as they
     plan on their first two calls) and the bytes of its output; sets ``needs_grad``."""
-    from pipe.recompute.module import recompute as mark_recompute, unmark
-
     given, forward, backward = _windows(layers, sample(), device, window)
+    # What a recompute mark adds: the same chain with every layer marked, run right after the plain one
+    # (paired in the round, so that a slow spell of the machine slows both), each layer's time less its
+    # plain time, as a stage runs its marked layers. (Timed per layer alone against a plain run alone,
+    # the transformer's replays summed to 1.03-1.08x its stage's on the CPU, in the chain 0.90-1.07x; on an
+    # H100, plans with marks profiled alone ran up to 22% faster than predicted.)
+    marked = _marked_times(layers, sample, device, window, refused) if recompute else []
     for k, layer in enumerate(layers):
         output = given[k + 1].tensors
         found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
@@ -184,15 +189,14 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         if done > 0:
             found["forward"][k].append(forward[k])
             found["backward"][k].append(backward[k])
+        if done > 0 and marked and k not in refused:
+            found["replay"][k].append(marked[k] - forward[k] - backward[k])
         # Alone, each layer then runs plainly, split into I and W (within 6% of a stage of transformer
-        # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked. What a mark adds is
-        # its run less the plain run just before it, paired in the round so that a slow spell of the
-        # machine slows both (a difference of the fastest of each, of different rounds, swung by a third
-        # between profiles).
-        marks = [(what, chosen, losers, minimum) for what, chosen, losers, minimum, wanted in (
-            ("replay", layer, refused, 1, recompute), ("select", selective[k] if selective else layer, failed, 2,
-                                                       bool(selective))) if wanted and k not in losers]
-        if not (marks or split):
+        # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked for selective
+        # recompute. What that mark adds is its run less the plain run just before it, paired as above
+        # (a difference of the fastest of each, of different rounds, swung by a third between profiles).
+        select = bool(selective) and k not in failed
+        if not (select or split):
             continue
         plain = sum(_alone(layer, given[k], device, k))
         if split:
@@ -200,23 +204,42 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
             if done > 0:
                 found["input"][k].append(input_grad)
                 found["weight"][k].append(weight_grad)
-        for what, chosen, losers, minimum in marks:
-            if what == "replay":
+        if not select:
+            continue
+        try:
+            seconds = sum(_alone(selective[k], given[k], device, k))
+        except _LayerFailed as error:  # the mark's own limits
+            logger.info("layer %d fails marked for selective recompute (%s: %s); it is not planned so", k,
+                        type(error.cause).__name__, error.cause)
+            failed.add(k)
+            continue
+        if done >= 2:  # the selective marks plan on their first two calls
+            found["select"][k].append(seconds - plain)
+
+
+def _marked_times(layers: Sequence[nn.Module], sample: Callable[[], Batch], device: torch.device, window: int,
+                  refused: set[int]) -> list[float]:
+    """Forward plus backward seconds of each layer in :func:`_windows` with every layer marked for recompute
+    (:func:`pipe.recompute.recompute`) but those in ``refused``; a layer that fails marked joins
+    ``refused`` (logged: its replay is taken as its forward) and the chain runs again without its mark."""
+    from pipe.recompute.module import recompute as mark_recompute, unmark
+
+    while True:
+        for k, layer in enumerate(layers):
+            if k not in refused:
                 mark_recompute(layer)
-            try:
-                seconds = sum(_alone(chosen, given[k], device, k))
-            except _LayerFailed as error:  # the mark's own limits
-                logger.info("layer %d fails marked for %s (%s: %s); %s", k,
-                            "recompute" if what == "replay" else "selective recompute", type(error.cause).__name__,
-                            error.cause, "its replay is taken as its forward" if what == "replay"
-                            else "it is not planned so")
-                losers.add(k)
-                continue
-            finally:
-                if what == "replay":
-                    unmark(layer)
-            if done >= minimum:
-                found[what][k].append(seconds - plain)
+        try:
+            _, forward, backward = _windows(layers, sample(), device, window)
+            return [f + b for f, b in zip(forward, backward)]
+        except _LayerFailed as error:  # the mark's own limits: the plain chain ran
+            if error.layer in refused:
+                raise
+            logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its forward",
+                        error.layer, type(error.cause).__name__, error.cause)
+            refused.add(error.layer)
+        finally:
+            for layer in layers:
+                unmark(layer)
 
 
 class _LayerFailed(Exception):
