@@ -84,15 +84,20 @@ def alternate(steps: dict[str, Callable[[], None]], rounds: int, repeat: int, wa
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            times = []
-            for _ in range(repeat):
-                sync()
-                start = time.perf_counter()
-                step()
-                sync()
-                times.append(time.perf_counter() - start)
-            per_round[name].append(statistics.median(times))
+            per_round[name].append(median_step(step, repeat))
     return per_round
+
+
+def median_step(step: Callable[[], None], repeat: int) -> float:
+    """Seconds of ``step`` on the GPU, the median of ``repeat`` runs, synchronised around each."""
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def ratio(rounds: dict[str, list[float]], num: str, den: str) -> dict[str, Any]:
@@ -356,14 +361,7 @@ def _run_planned(model: nn.Module, c: Any, x: torch.Tensor, target: torch.Tensor
     step()
     sync()
     peak = torch.cuda.max_memory_allocated(DEVICE) - base
-    times = []
-    for _ in range(repeat):
-        sync()
-        begun = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - begun)
-    return statistics.median(times), peak, base
+    return median_step(step, repeat), peak, base
 
 
 def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
