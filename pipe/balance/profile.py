@@ -1,4 +1,5 @@
-"""Profiling: the cost of each layer in memory or in parameters, and the sandbox every profile runs in
+"""Profiling: the cost of each layer in memory or in parameters, the check that its output size is a fixed
+part plus a part per sample, and the sandbox every profile runs in
 (its time: :mod:`pipe.balance.timing`).
 
 Every profile runs on copies of the layers, one at a time, with the random
@@ -19,7 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -138,3 +139,67 @@ def profile_sizes(module: nn.Sequential, sample: Any, chunks: int, param_scale: 
 def profile_params(module: nn.Sequential) -> list[int]:
     """The number of parameters of each layer."""
     return [sum(p.numel() for p in layer.parameters()) for layer in module]
+
+
+def check_output_sizes(names: list[str], layers: list[nn.Module], samples: Mapping[int, Any],
+                       output_bytes: dict[int, list[int]], device: torch.device) -> None:
+    """Checks that each layer's output bytes, measured at the sizes ``samples`` holds (``output_bytes``),
+    are a fixed part plus a part per sample (:func:`_check_affine`; a third size is probed where fewer
+    were timed).
+
+    Raises:
+        RuntimeError: a layer's output is off the line; names the layer.
+    """
+    _check_affine(names, layers, _with_probe(layers, samples, output_bytes, device))
+
+
+def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_bytes: dict[int, list[int]],
+                device: torch.device) -> dict[int, list[int]]:
+    """``output_bytes`` and, where fewer than three sizes were timed, the bytes of each layer's output at one
+    more size (a slice of the largest sample, run once without a graph), so that :func:`_check_affine` has
+    three points to check a line through."""
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) >= 3 or not sizes:
+        return output_bytes
+    largest = sizes[-1]
+    probe = next((largest // k for k in range(2, largest + 1) if largest % k == 0 and largest // k not in sizes), 0)
+    if not probe:
+        return output_bytes
+    counted = []
+    try:
+        with torch.no_grad():
+            batch = as_input(scatter(samples[largest], largest // probe)[0].value, device)
+            for layer in layers:
+                batch = batch.call(layer)
+                counted.append(sum(t.numel() * t.element_size() for t in batch.tensors))
+    except Exception as error:  # a layer that needs autograd: the planner's own pass without a graph names it
+        logger.debug("no probe of output sizes at %d rows (%s: %s)", probe, type(error).__name__, error)
+        return output_bytes
+    return {**output_bytes, probe: counted}
+
+
+def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
+    """Each layer's output must be a fixed part plus a part per sample, the same at every size: the
+    fixed part holds what does not grow with the micro-batch (a table made from a saved buffer, a mask
+    broadcast over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
+    and are only checked for a fixed part and a part per sample that are not negative.
+
+    Raises:
+        RuntimeError: a layer's output bytes are off the line (data-dependent shapes: control flow on
+            the values, boolean masking), which no per-sample cost can describe; names the layer.
+    """
+    sizes = sorted(rows for rows in output_bytes if rows > 0)
+    if len(sizes) < 2:
+        return
+    for k, name in enumerate(names):
+        (r0, b0), (r1, b1) = ((rows, output_bytes[rows][k]) for rows in sizes[:2])
+        # On the line through the first two points, with slope (b1 - b0) / (r1 - r0) and a fixed part >= 0.
+        off = b1 < b0 or b0 * (r1 - r0) < r0 * (b1 - b0) or any(
+            (output_bytes[rows][k] - b0) * (r1 - r0) != (b1 - b0) * (rows - r0) for rows in sizes[2:])
+        if off:
+            seen = ", ".join(f"{output_bytes[rows][k]} B at {rows} rows" for rows in sizes)
+            raise RuntimeError(
+                f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
+                f"its output is not a fixed size plus a size per sample ({seen}); its shapes depend on the "
+                f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
+                f"hand, or keep such a layer's output size fixed")

@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize
+from pipe.balance.profile import as_input, check_output_sizes, detach, layer_copies, sandbox, synchronize
 from pipe.core.iw_backward import IWBackward
-from pipe.core.microbatch import Batch, scatter
+from pipe.core.microbatch import Batch
 from pipe.skip.tracker import current_skip_tracker
 
 __all__: list[str] = []
@@ -153,7 +153,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                         f"on a detached input of a micro-batch") from error.cause
             done += 1
         output_bytes = {rows: [int(t[-1]) for t in per] for rows, per in found["output_bytes"].items()}
-        _check_affine(names, layers, _with_probe(layers, samples, output_bytes, device))
+        check_output_sizes(names, layers, samples, output_bytes, device)
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
     fastest = {name: {rows: [min(t) if t else 0.0 for t in per] for rows, per in table.items()}
                for name, table in found.items() if name in ("forward", "backward", "input", "weight")}
@@ -195,17 +195,14 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked for selective
         # recompute. What that mark adds is its run less the plain run just before it, paired as above
         # (a difference of the fastest of each, of different rounds, swung by a third between profiles).
-        select = bool(selective) and k not in failed
-        if not (select or split):
-            continue
-        plain = sum(_alone(layer, given[k], device, k))
         if split:
             _, input_grad, weight_grad = _alone(layer, given[k], device, k, split=True)
             if done > 0:
                 found["input"][k].append(input_grad)
                 found["weight"][k].append(weight_grad)
-        if not select:
+        if not selective or k in failed:
             continue
+        plain = sum(_alone(layer, given[k], device, k))
         try:
             seconds = sum(_alone(selective[k], given[k], device, k))
         except _LayerFailed as error:  # the mark's own limits
@@ -263,10 +260,9 @@ def _windows(layers: Sequence[nn.Module], batch: Batch, device: torch.device, wi
     for start in range(0, len(layers), size):
         try:
             if window > 0:  # once untimed: a stage's next micro-batch finds its weights in the caches
-                tracker = current_skip_tracker()
-                stashed = dict(tracker.tensors)
+                restore = _skips_snapshot()
                 _chain(layers[start:start + size], batch, device)
-                tracker.tensors = stashed  # the timed pass pops and stashes the skips again
+                restore()  # the timed pass pops and stashes the skips again
             inputs, f, b, _ = _chain(layers[start:start + size], batch, device)
         except _LayerFailed as error:
             raise _LayerFailed(start + error.layer, error.cause) from error.cause
@@ -299,13 +295,12 @@ def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, s
     count = len(layers)
     connected = connected and not split
     clock = _Clock(device)
-    tracker = current_skip_tracker()
-    stashed = dict(tracker.tensors)
+    restore = _skips_snapshot()
     given: list[Batch] = []
     outputs: list[Batch] = []
     for k, layer in enumerate(layers):
         if connected and k > 0 and not any(t.requires_grad for t in batch.tensors):
-            tracker.tensors = stashed  # the layers run again: their skips too
+            restore()  # the layers run again: their skips too
             return _chain(layers, given[0], device, connected=False)
         given.append(batch if connected and k > 0 else detach(batch))
         if connected and k > 0:
@@ -351,6 +346,16 @@ def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, s
         with clock.span(("weight", k)):
             part.backward_weight()
     return [*given, batch], clock.spans("forward", count), clock.spans("backward", count), clock.spans("weight", count)
+
+
+def _skips_snapshot() -> Callable[[], None]:
+    """A function that puts back the skips stashed now (:mod:`pipe.skip`), for layers about to run again."""
+    tracker = current_skip_tracker()
+    stashed = dict(tracker.tensors)
+
+    def restore() -> None:
+        tracker.tensors = dict(stashed)
+    return restore
 
 
 def _reached(clock: "_Clock", k: int, grad: torch.Tensor) -> None:
@@ -417,7 +422,7 @@ class _Clock:
 def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,
            split: bool = False) -> tuple[float, float, float]:
     """Seconds of layer ``k`` run alone on ``batch``: its forward, its backward (its I with ``split``) and
-    its W (0 without ``split``), as a layer marked for recompute replays right before its backward.
+    its W (0 without ``split``).
 
     Raises:
         _LayerFailed: the layer failed (named ``k``).
@@ -439,58 +444,6 @@ def _select_marked(container: nn.Module, names: Sequence[str]) -> nn.Module:
     layer = next(iter(container.children()), container)
     mark(layer, SelectiveRecompute(layer, names, (), usage=Usage(warn=False)))
     return container
-
-
-def _with_probe(layers: list[nn.Module], samples: Mapping[int, Any], output_bytes: dict[int, list[int]],
-                device: torch.device) -> dict[int, list[int]]:
-    """``output_bytes`` and, where fewer than three sizes were timed, the bytes of each layer's output at one
-    more size (a slice of the largest sample, run once without a graph), so that :func:`_check_affine` has
-    three points to check a line through."""
-    sizes = sorted(rows for rows in output_bytes if rows > 0)
-    if len(sizes) >= 3 or not sizes:
-        return output_bytes
-    largest = sizes[-1]
-    probe = next((largest // k for k in range(2, largest + 1) if largest % k == 0 and largest // k not in sizes), 0)
-    if not probe:
-        return output_bytes
-    counted = []
-    try:
-        with torch.no_grad():
-            batch = as_input(scatter(samples[largest], largest // probe)[0].value, device)
-            for layer in layers:
-                batch = batch.call(layer)
-                counted.append(sum(t.numel() * t.element_size() for t in batch.tensors))
-    except Exception as error:  # a layer that needs autograd: the planner's own pass without a graph names it
-        logger.debug("no probe of output sizes at %d rows (%s: %s)", probe, type(error).__name__, error)
-        return output_bytes
-    return {**output_bytes, probe: counted}
-
-
-def _check_affine(names: list[str], layers: list[nn.Module], output_bytes: dict[int, list[int]]) -> None:
-    """Each layer's output must be a fixed part plus a part per sample, the same at every size: the
-    fixed part holds what does not grow with the micro-batch (a table made from a saved buffer, a mask
-    broadcast over the batch). Checked exactly (in integers) on three sizes or more; two sizes fit any line,
-    and are only checked for a fixed part and a part per sample that are not negative.
-
-    Raises:
-        RuntimeError: a layer's output bytes are off the line (data-dependent shapes: control flow on
-            the values, boolean masking), which no per-sample cost can describe; names the layer.
-    """
-    sizes = sorted(rows for rows in output_bytes if rows > 0)
-    if len(sizes) < 2:
-        return
-    for k, name in enumerate(names):
-        (r0, b0), (r1, b1) = ((rows, output_bytes[rows][k]) for rows in sizes[:2])
-        # On the line through the first two points, with slope (b1 - b0) / (r1 - r0) and a fixed part >= 0.
-        off = b1 < b0 or b0 * (r1 - r0) < r0 * (b1 - b0) or any(
-            (output_bytes[rows][k] - b0) * (r1 - r0) != (b1 - b0) * (rows - r0) for rows in sizes[2:])
-        if off:
-            seen = ", ".join(f"{output_bytes[rows][k]} B at {rows} rows" for rows in sizes)
-            raise RuntimeError(
-                f"cannot measure layer {k} ({name!r}: {type(next(iter(layers[k].children()), layers[k])).__name__}): "
-                f"its output is not a fixed size plus a size per sample ({seen}); its shapes depend on the "
-                f"data (control flow on values, boolean masking), so no per-sample cost describes it: plan by "
-                f"hand, or keep such a layer's output size fixed")
 
 
 def profile_times(module: nn.Sequential, sample: Any, timeout: float, device: torch.device,
