@@ -13,7 +13,9 @@ fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
    Per rank the activation bytes of one step are counted
    (pipe.recompute.ActivationMemory) and the step is timed: the fastest of 3
    steps in each of several sweeps over the grid (a noisy machine slows
-   single runs by up to 50%);
+   single runs by up to 50%). How closely that measures a plan is reported
+   too: per plan, the next fastest sweep's step over the fastest
+   (`sweep_second_gap_median`, `_p90`, `_max`);
 3. the time model's overhead per action and contention are fitted to the
    measured steps of a few calibration plans (pipe.plan.calibration.calibration_plans, the plans
    `pipe-plan --calibrate` runs; five, chunks 1 to 8; pipe.plan.fit), then every plan
@@ -136,16 +138,16 @@ def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Cand
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
     build, data, loss_fn = MODELS[name]
     x, y = data(size)
-    measured: list[tuple[int, float]] = []
+    measured: list[tuple[int, list[float]]] = []  # per plan: its counted peak, and its step in each sweep
     for sweep in range(sweeps):  # sweeps over the grid, minutes apart: the fastest time of each plan counts
         if rank == 0:
             print(f"[{name}] sweep {sweep + 1} of {sweeps} (load {load()})", flush=True)
         for k, c in enumerate(grid):
             m = measure_step(build_pipe(build, size, c), x, y, loss_fn, repeat=3)
             if sweep == 0:
-                measured.append((m.activation_peak, m.step_time, m.step_time))
-            else:  # the fastest, and the slowest sweep's best (the spread between sweeps)
-                measured[k] = (measured[k][0], min(measured[k][1], m.step_time), max(measured[k][2], m.step_time))
+                measured.append((m.activation_peak, [m.step_time]))
+            else:
+                measured[k][1].append(m.step_time)
     model = build_pipe(build, size, record)
     model.step(x, y, loss_fn)
     dist.barrier()
@@ -220,9 +222,14 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     predicted = {c: planner.predict(costs, c, runner="processes", timeline=False) for c in grid}
     measured_peak = {c: [predicted[c].static[r] + ranks[r]["measured"][k][0] for r in range(2)]
                      for k, c in enumerate(grid)}
-    measured_time = {c: max(ranks[r]["measured"][k][1] for r in range(2)) for k, c in enumerate(grid)}
-    sweep_spread = [max(ranks[r]["measured"][k][2] for r in range(2)) / measured_time[c] - 1
+    measured_time = {c: max(min(ranks[r]["measured"][k][1]) for r in range(2)) for k, c in enumerate(grid)}
+    sweep_spread = [max(max(ranks[r]["measured"][k][1]) for r in range(2)) / measured_time[c] - 1
                     for k, c in enumerate(grid)]
+    # How well the fastest sweep measures a plan: the next fastest sweep's step over it (the step of a
+    # sweep is its slower rank's). A predicted step's error within this cannot be told from the measurement's.
+    sweep_second_gap = [second / first - 1 for first, second, *_ in
+                        (sorted(max(per_rank) for per_rank in zip(*(ranks[r]["measured"][k][1] for r in range(2))))
+                         for k in range(len(grid)))]
 
     # Time: fit overhead per action and contention on a few plans, predict every other one.
     fitted_on = calibration_plans(grid, costs)  # the plans pipe.plan.plan(calibrate=True) would run
@@ -274,7 +281,7 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         print(f"[{name}] {len(duels)} chosen plans differ from the grid's fastest: timing {len(dueling)} plans "
               f"head to head, {mode['sweeps'] + 2} sweeps ...", flush=True)
         again = run_ranks(name, size, dueling, recorded.candidate, mode["sweeps"] + 2)
-        duel_time = {c.describe(): max(again[r]["measured"][k][1] for r in range(2)) for k, c in enumerate(dueling)}
+        duel_time = {c.describe(): max(min(again[r]["measured"][k][1]) for r in range(2)) for k, c in enumerate(dueling)}
     for r in planned_rows:
         r["slower_than_best_grid"] = r["slower_than_best"]
         if r["best_grid_plan"] not in (None, r["plan"]):
@@ -313,6 +320,9 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         "step_error_median": statistics.median(validation_errors) if validation_errors else None,
         "step_error_p90": sorted(validation_errors)[int(0.9 * (len(validation_errors) - 1))] if validation_errors else None,
         "sweep_spread_median": statistics.median(sweep_spread), "sweep_spread_max": max(sweep_spread),
+        "sweep_second_gap_median": statistics.median(sweep_second_gap) if sweep_second_gap else None,
+        "sweep_second_gap_p90": sorted(sweep_second_gap)[int(0.9 * (len(sweep_second_gap) - 1))] if sweep_second_gap else None,
+        "sweep_second_gap_max": max(sweep_second_gap) if sweep_second_gap else None,
         "step_error_worst_fitted": max(abs(t["error"]) for t in plan_times if t["fitted_on"]),
         "step_error_worst_unfitted_model": max(abs(t["unfitted_error"]) for t in plan_times),
         "step_error_median_unfitted_model": statistics.median(abs(t["unfitted_error"]) for t in plan_times),
@@ -405,6 +415,10 @@ def main() -> None:
         print(f"chosen within 5% by the grid's times alone: {r['chosen_within_5pct_grid']:.0%}")
         print(f"slowest sweep's best vs fastest, per plan: median +{r['sweep_spread_median']:.0%}, "
               f"max +{r['sweep_spread_max']:.0%} (the measurement's own spread)")
+        if r["sweep_second_gap_max"] is not None:
+            print(f"second fastest sweep vs fastest, per plan: median +{r['sweep_second_gap_median']:.1%}, "
+                  f"p90 +{r['sweep_second_gap_p90']:.1%}, max +{r['sweep_second_gap_max']:.1%} (the uncertainty of the "
+                  "fastest sweep as a plan's step: errors within it cannot be told from the measurement's)")
         print(f"predicted vs measured peak, all plans and ranks: max {r['peak_error_max_all_plans']:.2%}, "
               f"median {r['peak_error_median_all_plans']:.2%}")
         print(r["middle_budget_plan"])
