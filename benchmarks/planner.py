@@ -15,7 +15,10 @@ fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
    steps in each of several sweeps over the grid (a noisy machine slows
    single runs by up to 50%). How closely that measures a plan is reported
    too: per plan, the next fastest sweep's step over the fastest
-   (`sweep_second_gap_median`, `_p90`, `_max`);
+   (`sweep_second_gap_median`, `_p90`, `_max`; per plan `second_sweep_gap`),
+   and how many predictions lie within their own plan's gap
+   (`step_error_within_gap_share`; `step_error_beyond_gap_worst`, the
+   largest error beyond it);
 3. the time model's overhead per action and contention are fitted to the
    measured steps of a few calibration plans (pipe.plan.calibration.calibration_plans, the plans
    `pipe-plan --calibrate` runs; five, chunks 1 to 8; pipe.plan.fit), then every plan
@@ -239,8 +242,10 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
             for c in grid}
     plan_times = [{"plan": c.describe(), "predicted_ms": timed[c] * 1e3, "measured_ms": measured_time[c] * 1e3,
                    "error": timed[c] / measured_time[c] - 1, "unfitted_error": bare[c] / measured_time[c] - 1,
-                   "fitted_on": c in fitted_on} for c in grid]
+                   "fitted_on": c in fitted_on, "second_sweep_gap": gap} for c, gap in zip(grid, sweep_second_gap)]
     validation_errors = [abs(t["error"]) for t in plan_times if not t["fitted_on"]]
+    # Each plan's error beyond its own measurement's uncertainty (0 where the prediction lies within it).
+    beyond = [max(0.0, abs(t["error"]) - t["second_sweep_gap"]) for t in plan_times if not t["fitted_on"]]
 
     memory_errors = [predicted[c].peaks[r] / measured_peak[c][r] - 1 for c in grid for r in range(2)]
     worst = sorted(((predicted[c].peaks[r] / measured_peak[c][r] - 1, c.describe(), r, predicted[c].peaks[r],
@@ -323,6 +328,8 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         "sweep_second_gap_median": statistics.median(sweep_second_gap) if sweep_second_gap else None,
         "sweep_second_gap_p90": sorted(sweep_second_gap)[int(0.9 * (len(sweep_second_gap) - 1))] if sweep_second_gap else None,
         "sweep_second_gap_max": max(sweep_second_gap) if sweep_second_gap else None,
+        "step_error_beyond_gap_worst": max(beyond) if beyond else None,
+        "step_error_within_gap_share": sum(b == 0.0 for b in beyond) / len(beyond) if beyond else None,
         "step_error_worst_fitted": max(abs(t["error"]) for t in plan_times if t["fitted_on"]),
         "step_error_worst_unfitted_model": max(abs(t["unfitted_error"]) for t in plan_times),
         "step_error_median_unfitted_model": statistics.median(abs(t["unfitted_error"]) for t in plan_times),
@@ -378,6 +385,9 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, help="budgets per model (default 20, quick 8)")
     parser.add_argument("--sweeps", type=int, help="sweeps over the grid (default 3, quick 2)")
     args = parser.parse_args()
+    if args.sweeps is not None and args.sweeps < 2:
+        parser.error(f"--sweeps must be at least 2 (how closely the fastest sweep measures a plan needs a second), "
+                     f"got {args.sweeps}")
     kind = "quick" if args.quick else "full"
     sizes, mode = SIZES[kind], dict(MODES[kind])
     mode.update({k: v for k, v in (("budgets", args.budgets), ("sweeps", args.sweeps)) if v is not None})
@@ -419,6 +429,8 @@ def main() -> None:
             print(f"second fastest sweep vs fastest, per plan: median +{r['sweep_second_gap_median']:.1%}, "
                   f"p90 +{r['sweep_second_gap_p90']:.1%}, max +{r['sweep_second_gap_max']:.1%} (the uncertainty of the "
                   "fastest sweep as a plan's step: errors within it cannot be told from the measurement's)")
+            print(f"plans not fitted on whose error is within their own gap: {r['step_error_within_gap_share']:.0%}; "
+                  f"the worst error beyond it: {r['step_error_beyond_gap_worst']:.1%}")
         print(f"predicted vs measured peak, all plans and ranks: max {r['peak_error_max_all_plans']:.2%}, "
               f"median {r['peak_error_median_all_plans']:.2%}")
         print(r["middle_budget_plan"])
