@@ -27,7 +27,7 @@ import contextlib
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -99,23 +99,95 @@ def _process_locks() -> GeneratorLocks:
     return _root
 
 
+#: Every read, write and seeding of a generator's state that pipe makes holds this lock. PyTorch's
+#: ``get_rng_state`` keeps the generator's mutex while it makes the returned tensor's Python object,
+#: which can run the garbage collector, whose finalizers can hand the interpreter lock to another
+#: thread; a second thread reading, writing or seeding that generator then waits for the mutex
+#: *holding* the interpreter lock, and neither thread moves again (partitions checkpointing at once
+#: hung the thread runner this way, beyond the reach of any timeout in the process). A thread waiting
+#: on this lock lets the interpreter lock go.
+_STATE = threading.Lock()
+
+
+def _reset_state_lock() -> None:
+    global _STATE
+    _STATE = threading.Lock()  # a forked child: the thread that held it is not there
+
+
+os.register_at_fork(after_in_child=_reset_state_lock)
+
+
 def save_rng_state(device: torch.device) -> RNGState:
     """The CPU generator's state and, for a CUDA device, that device's."""
-    cpu = torch.get_rng_state()
-    gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    with _STATE:
+        cpu = torch.get_rng_state()
+        gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, gpu
+
+
+def _set_rng_state(device: torch.device, state: RNGState) -> None:
+    cpu, gpu = state
+    with _STATE:
+        torch.set_rng_state(cpu)
+        if gpu is not None:
+            torch.cuda.set_rng_state(gpu, device)
+
+
+@contextmanager
+def _forked(device: torch.device) -> Iterator[None]:
+    """``torch.random.fork_rng`` for the CPU generator and ``device``'s, its reads and writes under the lock."""
+    saved = save_rng_state(device)
+    try:
+        yield
+    finally:
+        _set_rng_state(device, saved)
 
 
 @contextmanager
 def restore_rng_state(device: torch.device, state: RNGState) -> Iterator[None]:
     """Runs the body from ``state`` and puts the generators back afterwards."""
-    cpu, gpu = state
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices):
-        torch.set_rng_state(cpu)
-        if gpu is not None:
-            torch.cuda.set_rng_state(gpu, device)
+    with _forked(device):
+        _set_rng_state(device, state)
         yield
+
+
+class _Replay:
+    """The recomputation's context: runs from the state saved when the forward began, then puts the
+    generators back (entered again for each recomputation, as a second backward may need)."""
+
+    def __init__(self, device: torch.device, saved: list[RNGState]) -> None:
+        self._device, self._saved = device, saved
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        if not self._saved:
+            raise RuntimeError("a checkpoint recomputed a forward whose random state was never saved")
+        stack = contextlib.ExitStack()
+        stack.enter_context(restore_rng_state(self._device, self._saved[-1]))
+        self._stack.append(stack)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.pop().close()
+
+
+@contextmanager
+def _saving(device: torch.device, saved: list[RNGState]) -> Iterator[None]:
+    saved.append(save_rng_state(device))
+    yield
+
+
+def checkpoint_rng_contexts(device: torch.device) -> tuple[contextlib.AbstractContextManager[Any],
+                                                             contextlib.AbstractContextManager[Any]]:
+    """``torch.utils.checkpoint``'s ``preserve_rng_state=True``, as a ``context_fn`` pair, under the lock.
+
+    The first context saves the CPU generator's state and ``device``'s when the
+    forward begins; the second runs each recomputation from it and puts the
+    generators back. torch's own ``preserve_rng_state`` reads and writes the
+    generators without :data:`_STATE`, so partitions checkpointing at once could
+    hang (see :data:`_STATE`); :func:`pipe.recompute.module.checkpoint` uses these.
+    """
+    saved: list[RNGState] = []
+    return _saving(device, saved), _Replay(device, saved)
 
 
 class RandomnessGuard:
@@ -157,13 +229,13 @@ class RandomnessGuard:
             yield
             return
         scope = locks if locks is not None else _process_locks()
-        devices = [self.device] if self.device.type == "cuda" and seed is not None else []
         with scope.lock(self.device), _holding(scope, self.device), \
-                (torch.random.fork_rng(devices) if seed is not None else contextlib.nullcontext()):
+                (_forked(self.device) if seed is not None else contextlib.nullcontext()):
             if seed is not None:
-                torch.default_generator.manual_seed(seed)
-                if self.device.type == "cuda":
-                    torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+                with _STATE:
+                    torch.default_generator.manual_seed(seed)
+                    if self.device.type == "cuda":
+                        torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
             if known is None:
                 before = save_rng_state(self.device)
                 yield

@@ -20,6 +20,7 @@ recompute the same operation twice.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -32,6 +33,7 @@ from torch import nn
 import torch.utils.checkpoint
 
 from pipe.core.checkpoint import enable_recomputing, is_recomputing
+from pipe.core.rng import checkpoint_rng_contexts
 from pipe.recompute.stats import scratch_running_stats
 
 __all__: list[str] = []
@@ -102,7 +104,14 @@ class Policy:
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``torch.utils.checkpoint.checkpoint``, and a forward that raises leaves no saved-tensor hooks behind.
+    """``torch.utils.checkpoint.checkpoint`` (non-reentrant), with pipe's random state and clean failures.
+
+    ``preserve_rng_state=True`` is done here, by ``context_fn``
+    (:func:`pipe.core.rng.checkpoint_rng_contexts`): torch's own reads and
+    writes the generators outside pipe's lock, and two partitions' marked layers
+    checkpointing at once could hang the thread runner (:data:`pipe.core.rng._STATE`).
+    It covers the CPU generator and the one CUDA device of the tensor arguments;
+    arguments on several CUDA devices keep torch's own.
 
     torch 2.11's non-reentrant checkpoint installs its saved-tensor hooks in a
     generator that a raising forward leaves suspended, so the hooks stay on the
@@ -110,6 +119,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     checkpoint and their backward replays it (torch 2.13 closes it). The
     generator is found in the traceback and closed here.
     """
+    cuda = {a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"}
+    if kwargs.get("preserve_rng_state", True) and len(cuda) <= 1:
+        device = next(iter(cuda), torch.device("cpu"))
+        kwargs["context_fn"] = _with_rng(kwargs.get("context_fn"), device)
+        kwargs["preserve_rng_state"] = False
     try:
         return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
     except BaseException as error:
@@ -122,6 +136,34 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     generator.close()
             frame = frame.tb_next
         raise
+
+
+def _with_rng(context_fn: Optional[Callable[[], tuple[Any, Any]]], device: torch.device) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` with the random state saved in its forward context and replayed in its recompute one."""
+    def contexts() -> tuple[Any, Any]:
+        save, replay = checkpoint_rng_contexts(device)
+        if context_fn is None:
+            return save, replay
+        forward, recompute = context_fn()
+        return _Both(save, forward), _Both(replay, recompute)
+    return contexts
+
+
+class _Both:
+    """Two contexts entered in order and left in reverse, each time it is entered."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self._contexts = (first, second)
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for context in self._contexts:
+            stack.enter_context(context)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        return self._stacks.pop().__exit__(*exc)
 
 
 class FullRecompute(Policy):

@@ -84,3 +84,66 @@ def test_a_call_inside_a_guarded_cell_gets_its_own_lock():
         assert got == [True]
         inner.lock(CPU).release()
     assert GeneratorLocks.for_call() is top
+
+
+_HANG = r'''
+import gc, sys, threading, time
+import torch
+from torch import nn
+from pipe.core.rng import RandomnessGuard, restore_rng_state, save_rng_state
+from pipe.recompute.module import checkpoint
+
+class Cycle:  # garbage whose finalizer lets another thread take the interpreter lock
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        time.sleep(0)
+
+cpu = torch.device("cpu")
+layer = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+
+def work(k):
+    for _ in range(2000):
+        Cycle()
+        save_rng_state(cpu)
+    guard = RandomnessGuard(cpu)
+    for i in range(200):
+        Cycle()
+        with restore_rng_state(cpu, save_rng_state(cpu)):
+            Cycle()
+        with guard.forward(True, seed=k * 1000 + i):
+            Cycle()
+    for _ in range(5):
+        x = torch.randn(2, 4, requires_grad=True)
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+
+gc.set_threshold(1)  # collect on (nearly) every allocation: inside the generators' reads too
+threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("done")
+'''
+
+
+def test_threads_reading_the_random_state_while_the_collector_runs_finalizers_do_not_hang(tmp_path) -> None:
+    """torch.get_rng_state keeps the generator's mutex while it makes a Python object, which can run the
+    collector, whose finalizers can pass the interpreter lock to a thread that then waits for that mutex
+    holding the interpreter lock: four threads reading the state this way hung every time (a Pipe with
+    checkpointing hung CI so). pipe reads, writes and seeds the generators under a lock of its own, where a
+    waiting thread lets the interpreter lock go. A subprocess: a hang holds the interpreter lock, so no
+    timeout inside the process could end it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    script = tmp_path / "hang.py"  # run as a file: under -c the same code did not hang before the fix
+    script.write_text(_HANG)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("threads reading and writing the random state hung (120 s)") from None
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
