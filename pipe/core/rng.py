@@ -157,17 +157,16 @@ class _Replay:
 
     def __init__(self, device: torch.device, saved: list[RNGState]) -> None:
         self._device, self._saved = device, saved
-        self._stack: list[contextlib.ExitStack] = []
+        self._outer: list[RNGState] = []  # the state each entry found, put back on its exit
 
     def __enter__(self) -> None:
         if not self._saved:
             raise RuntimeError("a checkpoint recomputed a forward whose random state was never saved")
-        stack = contextlib.ExitStack()
-        stack.enter_context(restore_rng_state(self._device, self._saved[-1]))
-        self._stack.append(stack)
+        self._outer.append(save_rng_state(self._device))
+        _set_rng_state(self._device, self._saved[-1])
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.pop().close()
+        _set_rng_state(self._device, self._outer.pop())
 
 
 @contextmanager
