@@ -47,7 +47,7 @@ T = TypeVar("T")
 _reused: dict[str, Any] = {"world": None, "objects": {}, "spoiled": False}
 
 
-def _forget_reused() -> None:
+def forget_reused() -> None:
     """Drops the reused groups and meshes while the interpreter is still whole (at exit).
 
     Held here, gloo groups outlive ``destroy_process_group`` and would be
@@ -58,7 +58,7 @@ def _forget_reused() -> None:
     _reused["world"], _reused["objects"] = None, {}
 
 
-atexit.register(_forget_reused)
+atexit.register(forget_reused)
 
 
 def reuse(key: tuple[Any, ...], make: Callable[[], T]) -> T:

@@ -111,3 +111,33 @@ def test_local_ranks_come_from_a_fork_server_where_a_gpu_is_visible(monkeypatch:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # forking would inherit CUDA and autograd state
     assert rank_processes().get_start_method() == "forkserver"
     assert rank_processes("spawn").get_start_method() == "spawn"
+
+
+_EXITING = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+import pipe.distributed as pd
+
+# Registered first, so it runs after pipe's own exit handler.
+atexit.register(lambda: print("initialised at exit:", dist.is_initialized(), flush=True))
+pd.init_from_env()
+pipeline = pd.DistributedPipe(torch.nn.Sequential(torch.nn.Linear(4, 4)), chunks=2)
+pipeline.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+if sys.argv[1] == "destroys":
+    dist.destroy_process_group()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script", ["leaves", "destroys"])
+def test_a_gloo_group_from_init_from_env_is_destroyed_before_the_interpreter_finalizes(script: str) -> None:
+    # Left to the interpreter's finalization, a gloo thread that frees a collective's tensor aborts the process.
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", _EXITING, script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["done", "initialised at exit: False"], done.stdout
+    assert "could not destroy" not in done.stderr
