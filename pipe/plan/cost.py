@@ -59,7 +59,8 @@ class StageTime:
     Attributes:
         forward, backward: the stage's layers (a backward includes the replay
             of layers marked for recompute).
-        recompute: replaying the whole stage (a checkpointed cell).
+        recompute: replaying the whole stage (a checkpointed cell): its forward and
+            the checkpoint's own work (:attr:`Costs.checkpoint_overhead`).
         input_grad, weight_grad: ``backward`` as a zero-bubble schedule runs it,
             apart (I, then W; together longer than ``backward``). On the first
             stage, whose input (the mini-batch) needs no gradient, I is empty and
@@ -110,6 +111,10 @@ class Costs:
             so marked); None: selective recompute was not measured, and is not planned.
         select: the name regexes of :func:`pipe.recompute.select_recompute` that
             ``select_replay`` and ``memory`` were measured with.
+        checkpoint_overhead: ``{rows: seconds}`` that a checkpointed cell adds to its
+            step beyond its layers' forwards again: the checkpoint's own work (keeping
+            the random state, guarding the input, its autograd functions), measured on
+            one stage's cell (default: none).
 
     How these become a step time (messages, overhead per action, contention)
     is :class:`pipe.plan.timing.TimeModel`'s part.
@@ -123,7 +128,8 @@ class Costs:
                  weight_grad: Optional[dict[int, list[float]]] = None,
                  replay: Optional[dict[int, list[float]]] = None,
                  select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = (),
-                 tied: Sequence[tuple[Sequence[int], int]] = ()) -> None:
+                 tied: Sequence[tuple[Sequence[int], int]] = (),
+                 checkpoint_overhead: Optional[dict[int, float]] = None) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
@@ -132,6 +138,7 @@ class Costs:
                                            for rows, times in backward.items()}
         self.replay = replay or forward
         self.select_replay = select_replay
+        self.checkpoint_overhead = dict(checkpoint_overhead or {})
         self.select = tuple(select)
         if select_replay is not None and not self.select:
             raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
@@ -178,11 +185,12 @@ class Costs:
             assert self.select_replay is not None
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
+        recompute = forward + self.checkpoint_overhead.get(rows, 0.0)  # when the cell is checkpointed
         if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
-            return StageTime(forward, backward + replay, forward, replay, backward)
+            return StageTime(forward, backward + replay, recompute, replay, backward)
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         weight_grad = math.fsum(self.weight_grad[rows][first:stop])
-        return StageTime(forward, backward + replay, forward, input_grad + replay, weight_grad)
+        return StageTime(forward, backward + replay, recompute, input_grad + replay, weight_grad)
 
     def selective(self, recomputed: int, selected: int) -> bool:
         """Whether a stage whose first ``recomputed`` layers recompute fully has layers marked for

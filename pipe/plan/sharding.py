@@ -105,7 +105,8 @@ def replica_costs(costs: Costs, parts: int, label: str = "") -> Costs:
                  input_grad={r: costs.input_grad[r] for r in kept}, weight_grad={r: costs.weight_grad[r] for r in kept},
                  replay={r: costs.replay[r] for r in kept},
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,
-                 select=costs.select, tied=costs.tied)
+                 select=costs.select, tied=costs.tied,
+                 checkpoint_overhead={r: t for r, t in costs.checkpoint_overhead.items() if r in kept})
     view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
     cache[parts] = view
     return view

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,37 @@ def test_a_marked_layer_costs_its_measured_replay_in_backward() -> None:
     tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
     assert tabled.replay == tabled.forward
     assert tabled.stage_time(0, 3, 2, recomputed=1).backward == pytest.approx(3 * 8e-3 + 4e-3)
+
+
+def test_a_checkpointed_cell_costs_its_forward_again_and_the_checkpoints_own_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipe.plan.profile as profile
+    from pipe.plan.sharding import replica_costs
+
+    real = profile.cell
+
+    def slow_checkpoint(function: Any, batch: Any, checkpointed: bool, *args: Any, **kwargs: Any) -> Any:
+        """A checkpoint whose own work waits 5 ms (a wait: load cannot shorten it)."""
+        compute, finalize, record = real(function, batch, checkpointed, *args, **kwargs)
+        if not checkpointed:
+            return compute, finalize, record
+
+        def waiting() -> Any:
+            time.sleep(0.005)
+            return compute()
+        return waiting, finalize, record
+
+    monkeypatch.setattr(profile, "cell", slow_checkpoint)
+    costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 4), stages=2)
+    assert sorted(costs.checkpoint_overhead) == [4, 16]
+    for rows, chunks in ((4, 4), (16, 1)):
+        assert 0.004 < costs.checkpoint_overhead[rows] < 0.1  # the wait, and the checkpoint's little own work
+        t = costs.stage_time(2, 4, chunks)
+        assert t.recompute == pytest.approx(t.forward + costs.checkpoint_overhead[rows])
+    assert replica_costs(costs, 4).checkpoint_overhead == {4: costs.checkpoint_overhead[4]}
+    # Tabled costs measured nothing: a checkpointed cell replays its forward.
+    tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
+    assert tabled.stage_time(0, 3, 2).recompute == tabled.stage_time(0, 3, 2).forward
 
 
 def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pytest.MonkeyPatch) -> None:
