@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -192,15 +191,16 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                  select=select, checkpoint_overhead=overhead)
 
 
-def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.device, rounds: int = 15) -> float:
+def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.device, rounds: int = 20) -> float:
     """Seconds a checkpointed cell of ``stage`` (the first stage, on its micro-batch ``given``) adds to a
     step beyond its layers' forwards again: the checkpoint's own work.
 
-    The cell runs plain and checkpointed in turn, forward then backward, as a runner runs it (paired, so
-    that a slow spell of the machine slows both); the median over the rounds of the checkpointed run less
-    the plain run and the plain forward, at least 0. (On the CPU, for a stage of 8 small layers on 8 rows,
-    0.5-0.8 ms against a forward of 1.1-1.2 ms: charged its forward alone, such a checkpointed plan was
-    predicted up to a third too fast.)
+    The cell runs plain and checkpointed in turn, forward then backward, as a runner runs it, ``rounds``
+    times; on the footing of the layer times (the fastest of rounds), the fastest checkpointed run less
+    the fastest plain run and the fastest plain forward, at least 0. (On the CPU, for a stage of 8 small
+    layers on 8 rows: 0.6-1.1 ms against a forward of 0.75-0.97 ms, four trials of 30 rounds; the median
+    of paired differences over 15 rounds swung from 0.17 to 0.57 ms. Charged its forwards alone, the MLP's
+    checkpointed plans were predicted up to a third too fast.)
     """
     function = partition_function(stage)
     guard = InputGuard("the profiled stage", shared=True, partition=stage)
@@ -223,11 +223,12 @@ def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.devic
 
     for _ in range(2):  # warm: the checkpointed cell's first calls set up what later calls reuse
         run(False), run(True)
-    added = []
+    plain, checkpointed = [], []
     for _ in range(rounds):
-        (plain_forward, plain), (_, checkpointed) = run(False), run(True)
-        added.append(checkpointed - plain - plain_forward)
-    return max(statistics.median(added), 0.0)
+        plain.append(run(False))
+        checkpointed.append(run(True))
+    fastest_forward = min(forward for forward, _ in plain)
+    return max(min(total for _, total in checkpointed) - min(total for _, total in plain) - fastest_forward, 0.0)
 
 
 def _warm_up(stage: nn.Sequential, given: Batch, first: bool, calls: int) -> None:
