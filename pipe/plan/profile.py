@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -148,7 +149,9 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
         layers, inputs = _layer_inputs(module, micro, device, times.needs_grad)
         first_stage = nn.Sequential(*layers[:-(-len(module) // stages) if stages else len(module)])
         with sandbox(device):
-            overhead = {rows: _checkpoint_overhead(first_stage, given[0], device) for rows, given in inputs.items()}
+            # The checkpoint's own work is per call (the random state, the input's guard, its autograd
+            # functions), not per row: one figure, the median of the sizes', steadier than each alone.
+            overhead = statistics.median(_checkpoint_overhead(first_stage, given[0], device) for given in inputs.values())
     finally:
         torch.set_num_threads(before)
     for layer in layers:  # gradients exist before counting: they are static, not activations
@@ -188,7 +191,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                  grad_bytes=times.grad_bytes, input_grad=_monotone(times.input_grad),
                  weight_grad=_monotone(times.weight_grad),
                  replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
-                 select=select, checkpoint_overhead=overhead)
+                 select=select, checkpoint_overhead={rows: overhead for rows in inputs})
 
 
 def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.device, rounds: int = 20) -> float:
@@ -198,9 +201,8 @@ def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.devic
     The cell runs plain and checkpointed in turn, forward then backward, as a runner runs it, ``rounds``
     times; on the footing of the layer times (the fastest of rounds), the fastest checkpointed run less
     the fastest plain run and the fastest plain forward, at least 0. (On the CPU, for a stage of 8 small
-    layers on 8 rows: 0.6-1.1 ms against a forward of 0.75-0.97 ms, four trials of 30 rounds; the median
-    of paired differences over 15 rounds swung from 0.17 to 0.57 ms. Charged its forwards alone, the MLP's
-    checkpointed plans were predicted up to a third too fast.)
+    layers on 8 rows: 0.6-1.1 ms against a forward of 0.75-0.97 ms, four trials of 30 rounds; in the
+    planner benchmark's profiles 0-0.6 ms from one size to the next, hence one figure over the sizes.)
     """
     function = partition_function(stage)
     guard = InputGuard("the profiled stage", shared=True, partition=stage)

@@ -74,6 +74,7 @@ def test_a_checkpointed_cell_costs_its_forward_again_and_the_checkpoints_own_wor
     monkeypatch.setattr(profile, "cell", slow_checkpoint)
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 4), stages=2)
     assert sorted(costs.checkpoint_overhead) == [4, 16]
+    assert costs.checkpoint_overhead[4] == costs.checkpoint_overhead[16]  # per call, one figure for every size
     for rows, chunks in ((4, 4), (16, 1)):
         assert 0.004 < costs.checkpoint_overhead[rows] < 0.1  # the wait, and the checkpoint's little own work
         t = costs.stage_time(2, 4, chunks)
