@@ -325,8 +325,8 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
         "time_model": {"action_overhead_ms": fitted.action_overhead * 1e3,
                        "message_overhead_ms": fitted.message_overhead * 1e3, "contention": fitted.contention,
                        "fitted_on": [c.describe() for c in fitted_on],
-                       # What a checkpointed cell adds beyond its forward again, per micro-batch rows (profiled).
-                       "checkpoint_overhead_ms": {str(rows): t * 1e3 for rows, t in sorted(costs.checkpoint_overhead.items())}},
+                       # What a checkpointed cell adds beyond its forwards again (profiled).
+                       "checkpoint_overhead_ms": costs.checkpoint_overhead * 1e3},
         "step_error_worst": max(validation_errors) if validation_errors else None,
         "step_error_median": statistics.median(validation_errors) if validation_errors else None,
         "step_error_p90": p90(validation_errors) if validation_errors else None,

@@ -86,7 +86,8 @@ def as_input(sample: Any, device: torch.device) -> Batch:
     return detach(batch.with_tensors([t.to(device, copy=True) for t in batch.tensors]))
 
 
-def _backward(batch: Batch) -> None:
+def backward_from_ones(batch: Batch) -> None:
+    """Backward from a gradient of ones into each tensor of ``batch`` that needs one (a stage's step alone)."""
     outputs = [t for t in batch.tensors if t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
@@ -130,7 +131,7 @@ def profile_sizes(module: nn.Sequential, sample: Any, chunks: int, param_scale: 
             activations = sum(size for address, size in kept.items() if address not in before)
             params = sum(p.numel() * p.element_size() for p in layer.parameters())
             sizes.append(int(activations + param_scale * params))
-            _backward(output)  # frees the graph; a later pop may want this layer's skip
+            backward_from_ones(output)  # frees the graph; a later pop may want this layer's skip
             batch = output
     logger.debug("profiled sizes: %s", sizes)
     return sizes

@@ -111,10 +111,10 @@ class Costs:
             so marked); None: selective recompute was not measured, and is not planned.
         select: the name regexes of :func:`pipe.recompute.select_recompute` that
             ``select_replay`` and ``memory`` were measured with.
-        checkpoint_overhead: ``{rows: seconds}`` that a checkpointed cell adds to its
-            step beyond its layers' forwards again: the checkpoint's own work (keeping
-            the random state, guarding the input, its autograd functions), measured on
-            one stage's cell (default: none).
+        checkpoint_overhead: seconds that a checkpointed cell adds to its step beyond
+            its layers' forwards again, whatever its size: the checkpoint's own work per
+            call (keeping the random state, guarding the input, its autograd functions),
+            measured on one stage's cell (default: none).
 
     How these become a step time (messages, overhead per action, contention)
     is :class:`pipe.plan.timing.TimeModel`'s part.
@@ -129,7 +129,7 @@ class Costs:
                  replay: Optional[dict[int, list[float]]] = None,
                  select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = (),
                  tied: Sequence[tuple[Sequence[int], int]] = (),
-                 checkpoint_overhead: Optional[dict[int, float]] = None) -> None:
+                 checkpoint_overhead: float = 0.0) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
@@ -138,7 +138,7 @@ class Costs:
                                            for rows, times in backward.items()}
         self.replay = replay or forward
         self.select_replay = select_replay
-        self.checkpoint_overhead = dict(checkpoint_overhead or {})
+        self.checkpoint_overhead = checkpoint_overhead
         self.select = tuple(select)
         if select_replay is not None and not self.select:
             raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
@@ -185,7 +185,7 @@ class Costs:
             assert self.select_replay is not None
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
-        recompute = forward + self.checkpoint_overhead.get(rows, 0.0)  # when the cell is checkpointed
+        recompute = forward + self.checkpoint_overhead  # when the cell is checkpointed
         if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
             return StageTime(forward, backward + replay, recompute, replay, backward)
         input_grad = math.fsum(self.input_grad[rows][first:stop])

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipe.balance.profile import as_input, detach, layer_copies, sandbox, synchronize
+from pipe.balance.profile import as_input, backward_from_ones, detach, layer_copies, sandbox, synchronize
 from pipe.balance.timing import time_layers
 from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
@@ -191,7 +191,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                  grad_bytes=times.grad_bytes, input_grad=_monotone(times.input_grad),
                  weight_grad=_monotone(times.weight_grad),
                  replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
-                 select=select, checkpoint_overhead={rows: overhead for rows in inputs})
+                 select=select, checkpoint_overhead=overhead)
 
 
 def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.device, rounds: int = 20) -> float:
@@ -217,9 +217,7 @@ def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.devic
         finalize(output)
         synchronize(device)
         forward = time.perf_counter() - begun
-        roots = [t for t in output.tensors if t.requires_grad]
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        backward_from_ones(output)
         synchronize(device)
         return forward, time.perf_counter() - begun
 
@@ -238,10 +236,7 @@ def _warm_up(stage: nn.Sequential, given: Batch, first: bool, calls: int) -> Non
     its input needing a gradient as ``given``'s does unless ``first``, as in :func:`_count_stage`."""
     for _ in range(calls):
         tensors = [t.detach().clone().requires_grad_(not first and t.requires_grad) for t in given.tensors]
-        output = given.with_tensors(tensors).call(stage)
-        roots = [t for t in output.tensors if t.requires_grad]
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        backward_from_ones(given.with_tensors(tensors).call(stage))
 
 
 Table = dict[int, list[float]]

@@ -106,7 +106,7 @@ def replica_costs(costs: Costs, parts: int, label: str = "") -> Costs:
                  replay={r: costs.replay[r] for r in kept},
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,
                  select=costs.select, tied=costs.tied,
-                 checkpoint_overhead={r: t for r, t in costs.checkpoint_overhead.items() if r in kept})
+                 checkpoint_overhead=costs.checkpoint_overhead)
     view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
     cache[parts] = view
     return view
