@@ -37,7 +37,8 @@ class LayerTimes:
         input_grad, weight_grad: seconds of the input-gradient and the
             weight-gradient halves of each backward (the I and the W of a
             zero-bubble schedule), run apart as the runners run them
-            (:class:`pipe.core.iw_backward.IWBackward`); empty unless
+            (:class:`pipe.core.iw_backward.IWBackward`): each layer's share of
+            its window's I and W (:func:`_split_shares`); empty unless
             ``split=True``. Apart they cost more than ``backward`` (a fifth
             more for a transformer block on the CPU): W replays part of the graph.
         output_bytes: bytes of each layer's output.
@@ -103,8 +104,9 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         rounds: timed rounds at least.
         timeout: keep running rounds until this many seconds have passed.
         split: also time each backward split into I and W
-            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`),
-            each layer alone: forward, then I, then W.
+            (:attr:`LayerTimes.input_grad`, :attr:`LayerTimes.weight_grad`):
+            each layer alone (forward, then I, then W), then each window as
+            one cell, whose halves are shared out in proportion.
         recompute: also time what marking each layer for recompute
             (:func:`pipe.recompute.recompute`) adds to it (:attr:`LayerTimes.replay`),
             as the chain with every layer marked, run right after the plain
@@ -181,6 +183,7 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
     # the transformer's replays summed to 1.03-1.08x its stage's on the CPU, in the chain 0.90-1.07x; on an
     # H100, plans with marks profiled alone ran up to 22% faster than predicted.)
     marked = _marked_times(layers, sample, device, window, refused) if recompute else []
+    alone_input, alone_weight = [0.0] * len(layers), [0.0] * len(layers)
     for k, layer in enumerate(layers):
         output = given[k + 1].tensors
         found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
@@ -191,15 +194,12 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
             found["backward"][k].append(backward[k])
         if done > 0 and marked and k not in refused:
             found["replay"][k].append(marked[k] - forward[k] - backward[k])
-        # Alone, each layer then runs plainly, split into I and W (within 6% of a stage of transformer
-        # blocks on the CPU; in a chain of every I, then every W, I took 1.4x), then marked for selective
-        # recompute. What that mark adds is its run less the plain run just before it, paired as above
-        # (a difference of the fastest of each, of different rounds, swung by a third between profiles).
+        # Alone, each layer then runs plainly, split into I and W (its share of its window's halves below),
+        # then marked for selective recompute. What that mark adds is its run less the plain run just
+        # before it, paired as above (a difference of the fastest of each, of different rounds, swung by a
+        # third between profiles).
         if split:
-            _, input_grad, weight_grad = _alone(layer, given[k], device, k, split=True)
-            if done > 0:
-                found["input"][k].append(input_grad)
-                found["weight"][k].append(weight_grad)
+            _, alone_input[k], alone_weight[k] = _alone(layer, given[k], device, k, split=True)
         if not selective or k in failed:
             continue
         plain = sum(_alone(layer, given[k], device, k))
@@ -212,6 +212,66 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
             continue
         if done >= 2:  # the selective marks plan on their first two calls
             found["select"][k].append(seconds - plain)
+
+    if split and done > 0:
+        _split_shares(layers, given, device, window, alone_input, alone_weight, found)
+
+
+def _split_shares(layers: Sequence[nn.Module], given: Sequence[Batch], device: torch.device, window: int,
+                  alone_input: Sequence[float], alone_weight: Sequence[float],
+                  found: dict[str, list[list[float]]]) -> None:
+    """Appends to ``found["input"]`` and ``found["weight"]`` each layer's share of its window's I and W.
+
+    A zero-bubble runner splits a stage's backward once, over all its layers
+    (:class:`pipe.core.iw_backward.IWBackward`): one I call and one W call per
+    stage and micro-batch. Each layer split alone pays those calls' own work
+    (planning the walk, hooks, ``autograd.grad``) once per layer: for the
+    planner MLP's 512-wide ``Linear`` layers on 16 rows, I and W alone summed
+    to 1.6x the backward of their stage (1.2x split as one cell), and its
+    zero-bubble plans were predicted 5-10% slow against its others. So each window of ``window`` layers (a
+    stage; 0: all of them) is also split as one cell, and its I and W are
+    shared out to its layers in proportion to their own halves alone; a window
+    that cannot run as one cell (some layer's output needs no gradient) keeps
+    the halves alone.
+    """
+    size = window if window > 0 else max(len(layers), 1)
+    for start in range(0, len(layers), size):
+        span = range(start, min(start + size, len(layers)))
+        cell = _cell_split(layers[start:start + size], given[start], device)
+        for name, total, alone in (("input", cell and cell[0], alone_input), ("weight", cell and cell[1], alone_weight)):
+            whole = math.fsum(alone[k] for k in span)
+            for k in span:
+                if total is None:
+                    found[name][k].append(alone[k])
+                else:
+                    found[name][k].append(total * (alone[k] / whole if whole > 0 else 1 / len(span)))
+
+
+def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device) -> tuple[float, float] | None:
+    """Seconds of the I and of the W of ``layers`` run as one cell on ``batch``, as a stage's backward is split
+    (its input made to need a gradient, as a later stage's does); run twice, timed the second time (the
+    weights in the caches, as :func:`_windows` runs them). None where some layer's output needs no gradient."""
+    restore = _skips_snapshot()
+    try:
+        for _ in range(2):
+            clock = _Clock(device)
+            cell = detach(batch)
+            leaves = [t.requires_grad_() for t in cell.tensors if t.is_floating_point() or t.is_complex()]
+            for layer in layers:
+                cell = cell.call(layer)
+                if not any(t.requires_grad for t in cell.tensors):
+                    return None
+            roots = [t for t in cell.tensors if t.requires_grad]
+            split = IWBackward(roots, [torch.ones_like(t) for t in roots], leaves,
+                               [p for layer in layers for p in layer.parameters()])
+            with clock.span("input"):
+                split.backward_input()
+            with clock.span("weight"):
+                split.backward_weight()
+            restore()
+        return clock.between(("start", "input"), ("end", "input")), clock.between(("start", "weight"), ("end", "weight"))
+    finally:
+        restore()
 
 
 def _marked_times(layers: Sequence[nn.Module], sample: Callable[[], Batch], device: torch.device, window: int,

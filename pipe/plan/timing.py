@@ -43,7 +43,8 @@ forwards again; a layer marked for recompute costs what marking it added
 when it was timed marked, the forward again and the checkpoint's own work,
 1.7-1.8x the forward for a transformer block on the CPU, the median of paired runs; I and W are
 timed apart as the runners split them, a fifth longer together than the
-backward for a transformer block on the CPU).
+backward for a transformer block on the CPU, a stage's halves split once as
+its runner splits them: :func:`pipe.balance.timing.time_layers`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 module is left as it was (parameters, gradients, training flag, BatchNorm statistics, random state)."""
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from pathlib import Path
@@ -125,8 +124,10 @@ def test_layers_are_timed_in_a_stage_order(extras: dict[str, bool]) -> None:
     chain = [("F", k) for k in range(4)] + [("B", k) for k in reversed(range(4))]
     rounds = [i for i in range(len(events)) if events[i:i + len(chain)] == chain]
     # The warm-up round, then each timed round; with recompute, each runs the chain again with every layer
-    # marked (a mark replays through the layer's forward, not its hooks).
-    assert len(rounds) == (times.rounds + 1) * (2 if extras.get("recompute") else 1)
+    # marked (a mark replays through the layer's forward, not its hooks); with split, each timed round then
+    # splits the stage's backward as one cell, twice (warm, then timed), each forward in order, I in reverse.
+    assert len(rounds) == ((times.rounds + 1) * (2 if extras.get("recompute") else 1)
+                           + (2 * times.rounds if extras.get("split") else 0))
     assert all(t > 0 for t in times.forward[4] + times.backward[4])
 
 

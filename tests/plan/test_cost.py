@@ -100,8 +100,9 @@ def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pyt
     monkeypatch.setattr(IWBackward, "backward_input", backward_input)
     monkeypatch.setattr(IWBackward, "backward_weight", backward_weight)
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (4,), rounds=2, select=())
-    # Every layer, every round (a warm-up and 2 timed), runs I then W as the zero-bubble runners do.
-    assert calls == {"input": 4 * 3, "weight": 4 * 3}
+    # Every layer, every round (a warm-up and 2 timed), runs I then W as the zero-bubble runners do; and in
+    # each timed round the whole window (one stage here) is split as one cell, twice (warm, then timed).
+    assert calls == {"input": 4 * 3 + 2 * 2, "weight": 4 * 3 + 2 * 2}
     assert costs.input_grad[4][0] < costs.input_grad[4][1]  # the first layer's input needs no gradient: I is ~empty
     assert all(w > 0 for w in costs.weight_grad[4])
     stage = costs.stage_time(1, 4, 4)
@@ -113,6 +114,44 @@ def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pyt
     # Tabled costs split each backward in halves.
     tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
     assert tabled.stage_time(1, 3, 2).weight_grad == pytest.approx(2 * 4e-3)
+
+
+def test_a_stages_halves_are_its_one_split_shared_out_not_each_layers_split_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipe.balance import timing
+
+    # A runner splits a stage's backward once (one I call, one W call): the layers' halves are their shares
+    # of their window's split, in proportion to their halves alone.
+    monkeypatch.setattr(timing, "_cell_split", lambda layers, batch, device: (0.004 * len(layers), 0.006 * len(layers)))
+    measured = timing.time_layers(mlp(6), {4: torch.randn(4, WIDTH)}, torch.device("cpu"), rounds=1, split=True,
+                                  window=3)
+    for first in (0, 3):
+        assert sum(measured.input_grad[4][first:first + 3]) == pytest.approx(0.012)
+        assert sum(measured.weight_grad[4][first:first + 3]) == pytest.approx(0.018)
+    assert measured.input_grad[4][0] < measured.input_grad[4][1]  # the mini-batch needs no gradient: ~no share
+
+
+def test_splitting_tiny_layers_one_by_one_would_charge_each_the_splits_own_work() -> None:
+    from pipe.balance import timing
+
+    torch.manual_seed(0)
+    tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
+    cpu = torch.device("cpu")
+    measured = timing.time_layers(tiny, {4: torch.randn(4, 8)}, cpu, rounds=5, split=True)
+    # Alone, each layer pays an I call and a W call of its own (tens of microseconds whatever the layer); the
+    # stage's one split pays them once: its halves came to 0.4-0.5x the layers' halves alone.
+    given = timing.as_input(torch.randn(4, 8).requires_grad_(), cpu)
+    alone = [min(sum(timing._alone(layer, given, cpu, k, split=True)[1:]) for _ in range(5))
+             for k, layer in enumerate(tiny)]
+    assert sum(measured.input_grad[4]) + sum(measured.weight_grad[4]) < 0.75 * sum(alone)
+    # A chain whose output needs no gradient cannot be split as one cell: its layers keep their halves alone.
+    assert timing._cell_split([nn.Linear(8, 8), _Detaching()], timing.as_input(torch.randn(4, 8), torch.device("cpu")),
+                              torch.device("cpu")) is None
+
+
+class _Detaching(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
 
 
 class _RefusesToBeMarked(nn.Linear):
