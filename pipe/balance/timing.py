@@ -6,19 +6,19 @@ then one backward call, shared out to the layers by hooks on their inputs.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from pipe.balance.profile import as_input, check_output_sizes, detach, layer_copies, sandbox, synchronize
+from pipe.balance.clock import Clock
+from pipe.balance.profile import as_input, check_output_sizes, detach, layer_copies, sandbox
 from pipe.core.iw_backward import IWBackward
 from pipe.core.microbatch import Batch
 from pipe.skip.tracker import current_skip_tracker
@@ -84,7 +84,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     a stage runs them (:func:`_chain`): every forward in order, then one
     backward call, each layer's share timed between the moments the gradients
     of its output and of its input are ready; on CUDA timed by events with no
-    synchronisation between layers (:class:`_Clock`). (Timed one layer at a
+    synchronisation between layers (:class:`pipe.balance.clock.Clock`). (Timed one layer at a
     time, forward then backward, the forwards of a stage of 512-wide
     ``Linear`` layers on 8 rows summed to 1.56-1.88x the stage's own forward
     on the CPU, in a chain 1.10-1.45x: a backward just before leaves the
@@ -238,13 +238,11 @@ def _split_shares(layers: Sequence[nn.Module], given: Sequence[Batch], device: t
     for start in range(0, len(layers), size):
         span = range(start, min(start + size, len(layers)))
         cell = _cell_split(layers[start:start + size], given[start], device)
-        for name, total, alone in (("input", cell and cell[0], alone_input), ("weight", cell and cell[1], alone_weight)):
+        for half, name, alone in ((0, "input", alone_input), (1, "weight", alone_weight)):
             whole = math.fsum(alone[k] for k in span)
             for k in span:
-                if total is None:
-                    found[name][k].append(alone[k])
-                else:
-                    found[name][k].append(total * (alone[k] / whole if whole > 0 else 1 / len(span)))
+                share = alone[k] / whole if whole > 0 else 1 / len(span)
+                found[name][k].append(alone[k] if cell is None else cell[half] * share)
 
 
 def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device) -> tuple[float, float] | None:
@@ -254,7 +252,8 @@ def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device)
     restore = _skips_snapshot()
     try:
         for _ in range(2):
-            clock = _Clock(device)
+            restore()  # the layers run again: their skips too
+            clock = Clock(device)
             cell = detach(batch)
             leaves = [t.requires_grad_() for t in cell.tensors if t.is_floating_point() or t.is_complex()]
             for layer in layers:
@@ -264,12 +263,11 @@ def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device)
             roots = [t for t in cell.tensors if t.requires_grad]
             split = IWBackward(roots, [torch.ones_like(t) for t in roots], leaves,
                                [p for layer in layers for p in layer.parameters()])
-            with clock.span("input"):
+            with clock.span(("input", 0)):
                 split.backward_input()
-            with clock.span("weight"):
+            with clock.span(("weight", 0)):
                 split.backward_weight()
-            restore()
-        return clock.between(("start", "input"), ("end", "input")), clock.between(("start", "weight"), ("end", "weight"))
+        return clock.spans("input", 1)[0], clock.spans("weight", 1)[0]
     finally:
         restore()
 
@@ -354,7 +352,7 @@ def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, s
     """
     count = len(layers)
     connected = connected and not split
-    clock = _Clock(device)
+    clock = Clock(device)
     restore = _skips_snapshot()
     given: list[Batch] = []
     outputs: list[Batch] = []
@@ -418,65 +416,9 @@ def _skips_snapshot() -> Callable[[], None]:
     return restore
 
 
-def _reached(clock: "_Clock", k: int, grad: torch.Tensor) -> None:
+def _reached(clock: Clock, k: int, grad: torch.Tensor) -> None:
     """A hook on layer ``k``'s input: its gradient is ready, layer ``k``'s backward is over."""
     clock.stamp(("reached", k))
-
-
-class _Clock:
-    """Times work as a stage runs it: on the CPU by the wall clock; on CUDA by events on the current
-    stream, with no synchronisation until the times are read, so that the host's work on one layer
-    overlaps the kernels queued before it as it does in a stage (synchronising around each layer
-    charged every forward and backward the launch latency and the idle device: on an H100 a plan of 8
-    micro-batches was predicted 10% slower than it ran, and one with recompute marks 37%).
-
-    Usage::
-
-        clock = _Clock(device)
-        with clock.span(("forward", 0)):
-            ...
-        clock.spans("forward", 1)              # [0.0012]
-        clock.stamp("a"); ...; clock.stamp("b")
-        clock.between("a", "b")                # seconds from one stamp to the other (0 if either is missing)
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.stamps: dict[Any, Any] = {}
-        self._settled = True
-        synchronize(device)
-
-    def stamp(self, key: Any) -> None:
-        """Marks this moment as ``key`` (again: the later moment)."""
-        if not self.cuda:
-            self.stamps[key] = time.perf_counter()
-            return
-        self._settled = False
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        self.stamps[key] = event
-
-    @contextlib.contextmanager
-    def span(self, key: Any) -> Iterator[None]:
-        """Times the block as ``key`` (only its start is kept if it raises)."""
-        self.stamp(("start", key))
-        yield
-        self.stamp(("end", key))
-
-    def between(self, first: Any, last: Any) -> float:
-        if first not in self.stamps or last not in self.stamps:
-            return 0.0
-        if not self.cuda:
-            return float(self.stamps[last] - self.stamps[first])
-        if not self._settled:  # the events recorded so far have happened
-            synchronize(self.device)
-            self._settled = True
-        return float(self.stamps[first].elapsed_time(self.stamps[last])) / 1000
-
-    def spans(self, what: str, count: int) -> list[float]:
-        """Seconds of the spans ``(what, 0)`` to ``(what, count - 1)`` (0 for one not timed)."""
-        return [self.between(("start", (what, k)), ("end", (what, k))) for k in range(count)]
 
 
 def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,

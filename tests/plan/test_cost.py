@@ -145,8 +145,7 @@ def test_splitting_tiny_layers_one_by_one_would_charge_each_the_splits_own_work(
              for k, layer in enumerate(tiny)]
     assert sum(measured.input_grad[4]) + sum(measured.weight_grad[4]) < 0.75 * sum(alone)
     # A chain whose output needs no gradient cannot be split as one cell: its layers keep their halves alone.
-    assert timing._cell_split([nn.Linear(8, 8), _Detaching()], timing.as_input(torch.randn(4, 8), torch.device("cpu")),
-                              torch.device("cpu")) is None
+    assert timing._cell_split([nn.Linear(8, 8), _Detaching()], timing.as_input(torch.randn(4, 8), cpu), cpu) is None
 
 
 class _Detaching(nn.Module):
