@@ -38,7 +38,7 @@ class LayerTimes:
             weight-gradient halves of each backward (the I and the W of a
             zero-bubble schedule), run apart as the runners run them
             (:class:`pipe.core.iw_backward.IWBackward`): each layer's share of
-            its window's I and W (:func:`_split_shares`); empty unless
+            its window's I and W (:func:`_shared_out`); empty unless
             ``split=True``. Apart they cost more than ``backward`` (a fifth
             more for a transformer block on the CPU): W replays part of the graph.
         output_bytes: bytes of each layer's output.
@@ -130,7 +130,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
         return {rows: [[] for _ in names] for rows in sizes}  # per size and layer: one entry per timed round
 
     found = {name: table() for name in ("forward", "backward", "input", "weight", "replay", "select", "output_bytes",
-                                        "grad_bytes")}
+                                        "grad_bytes", "cell_input", "cell_weight")}
     needs_grad: list[list[bool]] = [[] for _ in names]
     refused: set[int] = set()  # layers that fail marked for recompute
     failed: set[int] = set()  # layers that fail marked for selective recompute
@@ -159,6 +159,9 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     logger.debug("timed %d layers at %s rows over %d rounds", len(names), sizes, done - 1)
     fastest = {name: {rows: [min(t) if t else 0.0 for t in per] for rows, per in table.items()}
                for name, table in found.items() if name in ("forward", "backward", "input", "weight")}
+    for half in ("input", "weight"):  # each window's fastest split as one cell, shared out
+        for rows in sizes:
+            fastest[half][rows] = _shared_out(fastest[half][rows], found["cell_" + half][rows], window)
     replay = {rows: [f if k in refused or not found["replay"][rows][k]
                      else max(statistics.median(found["replay"][rows][k]), f)
                      for k, f in enumerate(fastest["forward"][rows])] for rows in sizes} if recompute else {}
@@ -183,7 +186,6 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
     # the transformer's replays summed to 1.03-1.08x its stage's on the CPU, in the chain 0.90-1.07x; on an
     # H100, plans with marks profiled alone ran up to 22% faster than predicted.)
     marked = _marked_times(layers, sample, device, window, refused) if recompute else []
-    alone_input, alone_weight = [0.0] * len(layers), [0.0] * len(layers)
     for k, layer in enumerate(layers):
         output = given[k + 1].tensors
         found["output_bytes"][k].append(sum(t.numel() * t.element_size() for t in output))
@@ -199,7 +201,10 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         # before it, paired as above (a difference of the fastest of each, of different rounds, swung by a
         # third between profiles).
         if split:
-            _, alone_input[k], alone_weight[k] = _alone(layer, given[k], device, k, split=True)
+            _, input_grad, weight_grad = _alone(layer, given[k], device, k, split=True)
+            if done > 0:
+                found["input"][k].append(input_grad)
+                found["weight"][k].append(weight_grad)
         if not selective or k in failed:
             continue
         plain = sum(_alone(layer, given[k], device, k))
@@ -213,14 +218,19 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         if done >= 2:  # the selective marks plan on their first two calls
             found["select"][k].append(seconds - plain)
 
-    if split and done > 0:
-        _split_shares(layers, given, device, window, alone_input, alone_weight, found)
+    if split and done > 0:  # and each window split as one cell, timed at its first layer
+        size = window if window > 0 else max(len(layers), 1)
+        for start in range(0, len(layers), size):
+            cell = _cell_split(layers[start:start + size], given[start], device)
+            if cell is not None:
+                found["cell_input"][start].append(cell[0])
+                found["cell_weight"][start].append(cell[1])
 
 
-def _split_shares(layers: Sequence[nn.Module], given: Sequence[Batch], device: torch.device, window: int,
-                  alone_input: Sequence[float], alone_weight: Sequence[float],
-                  found: dict[str, list[list[float]]]) -> None:
-    """Appends to ``found["input"]`` and ``found["weight"]`` each layer's share of its window's I and W.
+def _shared_out(alone: list[float], cells: list[list[float]], window: int) -> list[float]:
+    """Each layer's share of its window's fastest split as one cell (``cells``: per layer, the cell times
+    of the window it begins; empty elsewhere), in proportion to the layers' fastest halves ``alone``;
+    a window that could not run as one cell keeps the halves alone.
 
     A zero-bubble runner splits a stage's backward once, over all its layers
     (:class:`pipe.core.iw_backward.IWBackward`): one I call and one W call per
@@ -228,21 +238,20 @@ def _split_shares(layers: Sequence[nn.Module], given: Sequence[Batch], device: t
     (planning the walk, hooks, ``autograd.grad``) once per layer: for the
     planner MLP's 512-wide ``Linear`` layers on 16 rows, I and W alone summed
     to 1.6x the backward of their stage (1.2x split as one cell), and its
-    zero-bubble plans were predicted 5-10% slow against its others. So each window of ``window`` layers (a
-    stage; 0: all of them) is also split as one cell, and its I and W are
-    shared out to its layers in proportion to their own halves alone; a window
-    that cannot run as one cell (some layer's output needs no gradient) keeps
-    the halves alone.
+    zero-bubble plans were predicted 5-10% slow against its others. The
+    fastest of each is shared (not each round's shares: a pause in one
+    layer's run would shrink the others' shares of that round).
     """
-    size = window if window > 0 else max(len(layers), 1)
-    for start in range(0, len(layers), size):
-        span = range(start, min(start + size, len(layers)))
-        cell = _cell_split(layers[start:start + size], given[start], device)
-        for half, name, alone in ((0, "input", alone_input), (1, "weight", alone_weight)):
-            whole = math.fsum(alone[k] for k in span)
-            for k in span:
-                share = alone[k] / whole if whole > 0 else 1 / len(span)
-                found[name][k].append(alone[k] if cell is None else cell[half] * share)
+    size = window if window > 0 else max(len(alone), 1)
+    shared = list(alone)
+    for start in range(0, len(alone), size):
+        if not cells[start]:
+            continue
+        span = range(start, min(start + size, len(alone)))
+        whole = math.fsum(alone[k] for k in span)
+        for k in span:
+            shared[k] = min(cells[start]) * (alone[k] / whole if whole > 0 else 1 / len(span))
+    return shared
 
 
 def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device) -> tuple[float, float] | None:
