@@ -73,10 +73,18 @@ def test_skip_connections_between_non_adjacent_stages(world: int) -> None:
     assert run_ranks(_skips, world) == [9 if world == 2 else 3] * world
 
 
+def _constructed_everywhere() -> None:
+    """Waits until every rank has built its pipe. This harness's store lives in rank 0, and a rank still creating
+    its groups (which reads the store) when rank 0 fails at once and exits found the store gone: "Connection
+    reset by peer" in CI under load. (Under torchrun the store outlives rank 0.)"""
+    torch.distributed.barrier()
+
+
 def _on_another_device(rank: int, world: int) -> str:
     # A CPU pipeline given tensors on the meta device: as a GPU rank (cuda:LOCAL_RANK) given a CPU batch.
     # Rank 0 (the first stage) gets its inputs there, rank 1 (the last) its target.
     pipe = DistributedPipe(blocks(4), chunks=2, loss_fn=F.mse_loss)
+    _constructed_everywhere()
     (x, extra), target = batch(4, 0)
     try:
         pipe.step((x, {**extra, "ids": extra["ids"].to("meta")}) if rank == 0 else None,
@@ -88,6 +96,7 @@ def _on_another_device(rank: int, world: int) -> str:
 
 def _forward_on_another_device(rank: int, world: int) -> str:
     pipe = DistributedPipe(blocks(4), chunks=2, loss_fn=F.mse_loss)
+    _constructed_everywhere()
     (x, extra), _ = batch(4, 0)
     try:
         pipe((x.to("meta"), extra) if rank == 0 else None)
