@@ -7,7 +7,9 @@ storage is freed (a weak-reference finaliser), so ``live_bytes`` after a
 forward is exactly the activation memory kept for backward, and
 ``peak_bytes`` the high-water mark, independent of timing and of the
 allocator. It counts the ops of the thread that entered it, so measure a
-model outside ``Pipe`` (whose partitions run on worker threads).
+model outside ``Pipe`` (whose partitions run on worker threads). Storages
+made inside :func:`uncounted` are not counted: host memory that stands in for
+the device's, as the offloader's host copies do on the CPU.
 
 Usage::
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -29,6 +32,20 @@ from torch.utils._pytree import tree_flatten
 from pipe.core.inplace import plain_tensors
 
 __all__: list[str] = []
+
+_host = threading.local()
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Storages this thread makes in the body are not counted by :class:`ActivationMemory`: they stand for
+    host memory, not the device's (the offloader's host copies, where the CPU plays the device)."""
+    depth = getattr(_host, "depth", 0)
+    _host.depth = depth + 1
+    try:
+        yield
+    finally:
+        _host.depth = depth
 
 
 class ActivationMemory(TorchDispatchMode):
@@ -53,6 +70,8 @@ class ActivationMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if getattr(_host, "depth", 0):
+            return out  # host memory (uncounted)
         inputs = {leaf.untyped_storage().data_ptr() for leaf in plain_tensors(tree_flatten((args, kwargs))[0])}
         for leaf in plain_tensors(tree_flatten(out)[0]):
             if leaf.device.type == "meta":

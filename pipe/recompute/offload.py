@@ -17,8 +17,12 @@ does both with :func:`torch.autograd.graph.saved_tensors_hooks`:
 Units are counted per offloader in forward order: one per offloaded layer
 call, or per checkpointed micro-batch for the inputs ``Pipe`` keeps at a
 partition boundary (:class:`pipe.core.checkpoint.Checkpointing`). On the CPU the
-"host copy" is a second CPU tensor: nothing is saved, but the mechanism, its
-ordering and its gradients are the same and are what the tests check.
+CPU plays the device: the "host copy" is a second CPU tensor, made inside
+:func:`pipe.recompute.memory.uncounted` (so :class:`ActivationMemory` counts the
+bytes a device would hold, as :mod:`pipe.plan` counts an offloading stage), and
+a copy back is a new tensor, as a device's would be. Nothing is saved, but the
+mechanism, its ordering, its gradients and the counted device bytes are those
+of a GPU, and are what the tests check.
 :attr:`Offloader.events` records ``("offload"|"prefetch"|"fetch"|"use", unit)``.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from pipe.recompute.memory import uncounted
 from pipe.recompute.module import Policy, mark
 from pipe.recompute.scope import Scope, compile_pattern
 
@@ -133,6 +138,7 @@ class Offloader:
         self.observer: Optional[Callable[[str, str, Any], None]] = None
         self.current_tag: Any = None  # what units registered now belong to (see tagged)
         self.offloaded_bytes = 0
+        self.offloaded_copies = 0  # storages copied to host memory (one copy each)
         self._units: OrderedDict[int, _Unit] = OrderedDict()
         self._counter = itertools.count()
         self._lock = threading.RLock()
@@ -216,20 +222,22 @@ class Offloader:
         if device.type == "cuda":
             stream = self._stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), uncounted():  # host memory, not the device's
                 host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                 host.copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             flat.record_stream(stream)  # the device memory is reused only after the copy
         else:
-            host, event = flat.clone(), None
+            with uncounted():  # host memory, not the device's
+                host, event = flat.clone(), None
         stored = _Stored(unit, host, device, event)
         with self._lock:
             unit.stored.append(weakref.ref(stored))
             unit.dedup[key] = (weakref.ref(storage), weakref.ref(stored))
             unit.alive += 1
             self.offloaded_bytes += host.numel() * host.element_size()
+            self.offloaded_copies += 1
             if len(unit.stored) == 1:
                 self._event("offload", unit)
         return _Packed(stored, tensor)
@@ -271,7 +279,7 @@ class Offloader:
 
     def _copy_back(self, stored: _Stored) -> Tensor:
         if stored.device.type != "cuda":
-            return stored.host  # host memory is where CPU tensors live
+            return stored.host.clone()  # a new "device" tensor, counted, as a GPU's copy back would be
         stream = self._stream(stored.device)
         with torch.cuda.stream(stream):
             tensor = stored.host.to(stored.device, non_blocking=True)
