@@ -16,6 +16,12 @@ every round's ratio, and the figure is their median with the spread.
   the GPU peak saved, the step time, and the share of the copies' time that
   ran while a kernel ran, read from the profiler's trace (device time of each
   memcpy intersected with the union of kernel intervals).
+* offload sweep: ``Pipe`` on the transformer blocks with their first 0-8 layers
+  offloading (``swap_config``'s ``layer_swap``), 1, 4 and 8 micro-batches:
+  step time, the allocator's peak, the seconds until the step returns to the
+  host (before the final synchronisation: when it returns as late as the
+  GPU ends, the host was the bottleneck), the copies per step, and the
+  kernels' and the copies' busy time from the profiler's trace.
 * copy streams: a GPU partition feeding a CPU partition; from the profiler's
   trace, which streams the copies ran on and the share of their time hidden
   behind the GPU partition's kernels.
@@ -27,7 +33,7 @@ every round's ratio, and the figure is their median with the spread.
 * plan: ``pipe.plan`` on the GPU. The costs of ``benchmarks/recompute.py``'s
   transformer blocks are profiled on the GPU (``profile_costs(device=...)``);
   every one-partition candidate (chunks x checkpoint mode, and the selective
-  recompute plans the search derives for three budgets) is predicted, then run
+  recompute and offload plans the search derives for three budgets) is predicted, then run
   as ``Pipe`` on the GPU: its step time (the median of ``repeat`` steps) and
   its peak (``torch.cuda.max_memory_allocated`` less the batch's bytes, the
   parameters and gradients included, as ``param_scale=2`` predicts) beside the
@@ -253,6 +259,63 @@ def offload(size: dict[str, int], rounds: int, repeat: int, trace: Path) -> dict
             "trace": traced_copies(trainer(swapped, x), trace)}
 
 
+def _mse_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> None:
+    import torch.nn.functional as F
+
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), target).backward()
+
+
+def _warm_peak(step: Callable[[], None], base: int) -> int:
+    """The allocator's peak bytes above ``base`` during the third of three steps (two warm up)."""
+    step()
+    step()
+    sync()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    step()
+    sync()
+    return torch.cuda.max_memory_allocated(DEVICE) - base
+
+
+def offload_sweep(size: dict[str, int], repeat: int) -> dict[str, Any]:
+    """Offloading the first layers of one partition: what it costs in time and host work, and saves."""
+    model = recompute.model(size)
+    x = recompute.batch(size, DEVICE.type)
+    target = torch.zeros_like(x)
+    rows: list[dict[str, Any]] = []
+    for chunks in (1, 4, 8):
+        for layers in (0, 2, 4, 6, 8):
+            config = {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                    "layers": list(range(layers))}]}}
+            sync()
+            base = torch.cuda.memory_allocated(DEVICE)
+            piped = Pipe(copy.deepcopy(model).to(DEVICE), devices=[str(DEVICE)], chunks=chunks, checkpoint="never",
+                         balance=[size["layers"]], **({"recompute": config} if layers else {}))
+            step = functools.partial(_mse_step, piped, x, target)
+            peak = _warm_peak(step, base)
+            strategy = piped.recompute_strategy
+            offloaders = [o for o in (strategy.offloaders if strategy else []) if o is not None]
+            copies = sum(o.offloaded_copies for o in offloaders)
+            walls, returns = [], []
+            for _ in range(repeat):
+                sync()
+                start = time.perf_counter()
+                step()
+                returns.append(time.perf_counter() - start)
+                sync()
+                walls.append(time.perf_counter() - start)
+            traced = traced_copies(step)
+            rows.append({"chunks": chunks, "offloaded_layers": layers, "step_ms": 1000 * statistics.median(walls),
+                         "returned_ms": 1000 * statistics.median(returns), "peak_MiB": peak / 2**20,
+                         "copies_per_step": (sum(o.offloaded_copies for o in offloaders) - copies) / repeat,
+                         "kernel_ms": traced["kernel_ms"], "copy_ms": traced["copy_ms"],
+                         "copies_hidden_share": traced["hidden_share"]})
+            print(rows[-1], flush=True)
+            del step, piped
+            torch.cuda.empty_cache()
+    return {"size": size, "rows": rows}
+
+
 def copy_streams(size: dict[str, int], trace: Path) -> dict[str, Any]:
     """A GPU partition then a CPU one: micro-batch i's copy to the host against micro-batch i+1's kernels."""
     torch.manual_seed(0)
@@ -343,24 +406,12 @@ def _run_planned(model: nn.Module, c: Any, x: torch.Tensor, target: torch.Tensor
                  ) -> tuple[float, int, int]:
     """Seconds per step (median), and the allocator's peak bytes above the level before the ``Pipe`` was
     built (parameters, gradients and activations), of candidate ``c`` run on the GPU; and that level."""
-    import torch.nn.functional as F
-
     sync()
     base = torch.cuda.memory_allocated(DEVICE)
     piped = Pipe(copy.deepcopy(model).to(DEVICE), devices=[str(DEVICE)], chunks=c.chunks, checkpoint=c.checkpoint,
                  balance=list(c.balance), **({"recompute": c.recompute_config()} if c.recompute_config() else {}))
-
-    def step() -> None:
-        piped.zero_grad(set_to_none=True)
-        F.mse_loss(piped(x), target).backward()
-
-    step()
-    step()
-    sync()
-    torch.cuda.reset_peak_memory_stats(DEVICE)
-    step()
-    sync()
-    peak = torch.cuda.max_memory_allocated(DEVICE) - base
+    step = functools.partial(_mse_step, piped, x, target)
+    peak = _warm_peak(step, base)
     return median_step(step, repeat), peak, base
 
 
@@ -369,7 +420,7 @@ def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from pipe.plan import profile_costs
-    from pipe.plan.candidates import candidates, per_stage_recompute
+    from pipe.plan.candidates import candidates, per_stage_offload, per_stage_recompute
     from pipe.plan.predict import predict
 
     model = recompute.model(size)
@@ -379,13 +430,14 @@ def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
     costs = profile_costs(model, x, (1, 2, 4, 8), device=DEVICE, loss_fn=F.mse_loss, target=target, stages=1)
     profile_s = time.perf_counter() - start
     plans = candidates(costs, 1, "threads")
-    for budget in (0.4, 0.6, 0.8):  # selective recompute plans between the uniform modes' peaks
+    for budget in (0.4, 0.6, 0.8):  # selective recompute and offload plans between the uniform modes' peaks
         for c in list(plans):
-            if c.checkpoint == "never":
+            if c.checkpoint == "never" and not any(c.offload):
                 bytes_ = int(budget * predict(costs, c, timeline=False).peak)
-                marked = per_stage_recompute(costs, c, [bytes_])
-                if marked is not None and marked not in plans:
-                    plans.append(marked)
+                offloaded = per_stage_offload(costs, c, [bytes_]) if not c.recompute and not c.offload else None
+                for marked in (per_stage_recompute(costs, c, [bytes_]), offloaded):
+                    if marked is not None and marked not in plans:
+                        plans.append(marked)
     rows: list[dict[str, Any]] = []
     for c in plans:
         predicted = predict(costs, c, timeline=False)
@@ -409,7 +461,11 @@ def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
     allocator = torch.cuda.max_memory_allocated(DEVICE) - base
     plain_check = {"allocator_peak_MiB": allocator / 2**20, "counted_peak_MiB": counter.peak_bytes / 2**20}
     del plain
+    offloading = [r for r in rows if "offload=" in r["plan"]]
     return {"size": size, "profile_s": profile_s, "plain_step": plain_check, "plans": rows,
+            "host_copy": costs.host_copy.describe() if costs.host_copy else None,
+            "offload_step_error_worst": max((abs(r["step_error"]) for r in offloading), default=None),
+            "offload_peak_error_worst": max((abs(r["peak_error"]) for r in offloading), default=None),
             "step_error_worst": max(abs(r["step_error"]) for r in rows),
             "step_error_median": statistics.median(abs(r["step_error"]) for r in rows),
             "peak_error_worst": max(abs(r["peak_error"]) for r in rows),
@@ -419,7 +475,8 @@ def plan_on_gpu(size: dict[str, int], repeat: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
-    parser.add_argument("--only", help="comma-separated subset of P1_P3,P4,P6,offload,copy_streams,compiled,gpt2,plan")
+    parser.add_argument("--only", help="comma-separated subset of P1_P3,P4,P6,offload,offload_sweep,copy_streams,"
+                                       "compiled,gpt2,plan")
     parser.add_argument("--out", type=Path, help="folder for the JSON and the traces (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -445,6 +502,7 @@ def main() -> None:
         "P4": lambda: p4(sizes["P4"]),
         "P6": lambda: p6(sizes["P6"], rounds, repeat),
         "offload": lambda: offload(sizes["P6"], rounds, repeat, folder / f"gpu-{slug}-offload-trace.json.gz"),
+        "offload_sweep": lambda: offload_sweep(sizes["P6"], repeat),
         "copy_streams": lambda: copy_streams(sizes["copy_streams"], folder / f"gpu-{slug}-copy-trace.json.gz"),
         "compiled": lambda: compiled(sizes["P6"], rounds, repeat),
         "gpt2": lambda: gpt2(sizes["gpt2"], rounds, repeat),

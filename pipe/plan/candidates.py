@@ -1,5 +1,6 @@
 """The candidates the planner compares: schedules, micro-batch counts, balances, checkpoint modes, and
-per-stage recompute where a budget needs it (:func:`per_stage_recompute`)."""
+per-stage recompute (:func:`per_stage_recompute`) or offload (:func:`per_stage_offload`) where a budget
+needs it."""
 from __future__ import annotations
 
 import itertools
@@ -107,9 +108,10 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
     :func:`pipe.recompute.select_recompute`), later raised to full where that
     pays. None when marking every layer does not fit, or the plan already fits
     without marks.
-    Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W.
+    Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W; so are plans
+    that offload (:func:`per_stage_offload`): a layer recomputes or offloads.
     """
-    if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS:
+    if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS or any(candidate.offload):
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
     view = replica_costs(costs, candidate.parts)  # each pipeline's share of the batch
@@ -157,3 +159,49 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
                 return None  # every layer of the rank marked, still over
             _, full, select, peak = best
     return marked(full, select)
+
+
+def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"
+                      ) -> Optional[Candidate]:
+    """``candidate`` (checkpoint "never", no marks) with the fewest seconds of host copies per stage that
+    fit ``budget``: each over-budget rank's stages offload one more of their first layers at a time
+    (:func:`pipe.recompute.offload`, prefetched one layer ahead), where it saves the most bytes per
+    second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_time`).
+
+    None when the costs measured no host copy (the CPU: offloading saves nothing there), for the
+    process runner and the zero-bubble schedules (not modelled: see :func:`pipe.plan.predict.predict_memory`),
+    when offloading every layer does not fit, or when the plan already fits without it.
+    """
+    if (not costs.offloads or runner != "threads" or candidate.checkpoint != "never" or candidate.recompute
+            or candidate.selective() or candidate.schedule in ZERO_BUBBLE_KINDS):
+        return None
+    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    peaks, _ = predict_memory(costs, candidate, runner=runner)
+    if all(p <= b for p, b in zip(peaks, budget)):
+        return None
+    bounds = [(sum(candidate.balance[:s]), sum(candidate.balance[:s + 1])) for s in range(len(candidate.balance))]
+    counts = [0] * len(candidate.balance)
+
+    def seconds(s: int, offloaded: int) -> float:  # one micro-batch's forward and backward on stage s
+        t = costs.stage_time(*bounds[s], candidate.chunks, offloaded=offloaded)
+        return t.forward + t.backward
+
+    for rank in range(schedule.ranks):
+        peak = peaks[rank]
+        while peak > budget[rank]:
+            best: Optional[tuple[float, int, int]] = None  # (score, stage, its new peak)
+            for s in schedule.stages_of(rank):
+                if counts[s] == candidate.balance[s]:
+                    continue
+                more = [*counts[:s], counts[s] + 1, *counts[s + 1:]]
+                new_peak = predict_memory(costs, replace(candidate, offload=tuple(more)), runner=runner,
+                                          ranks=[rank])[0][rank]
+                added = max(seconds(s, more[s]) - seconds(s, counts[s]), 1e-12) * candidate.chunks
+                score = (peak - new_peak) / added
+                if best is None or score > best[0]:
+                    best = (score, s, new_peak)
+            if best is None:
+                return None  # every layer of the rank offloads, still over
+            counts[best[1]] += 1
+            peak = best[2]
+    return replace(candidate, offload=tuple(counts))

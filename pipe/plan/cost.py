@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
+from pipe.plan.host_copy import HostCopy
 from pipe.recompute.selective import DEFAULT_SELECT
 
 __all__: list[str] = []
@@ -74,7 +75,8 @@ class StageTime:
     weight_grad: float = 0.0
 
 
-MemoryFn = Callable[[int, int, int, bool, int, bool, bool, int], StageMemory]
+MemoryFn = Callable[..., StageMemory]
+"""``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected[, offloaded])``: see :class:`Costs`."""
 
 
 class Costs:
@@ -91,7 +93,10 @@ class Costs:
             parameters' gradients (none before it: FSDP's unsharded gradients at a stage's
             first backward of the step), so its peak includes those created; ``selected``:
             its layers from ``recomputed`` up to ``selected`` marked for selective recompute
-            (:func:`pipe.recompute.select_recompute` with the ``select`` names; 0: none).
+            (:func:`pipe.recompute.select_recompute` with the ``select`` names; 0: none);
+            ``offloaded`` (passed only when not 0): its first ``offloaded`` layers offload what they
+            save to host memory (:func:`pipe.recompute.offload`, one unit per layer, prefetched one
+            unit ahead), never together with recompute marks.
         param_bytes: bytes of each layer's parameters.
         tied: the parameters held by several layers (tied weights: a GPT-2's embedding and
             head), each as ``(the layers holding it, its bytes)``: ``param_bytes`` counts it in
@@ -111,6 +116,10 @@ class Costs:
             so marked); None: selective recompute was not measured, and is not planned.
         select: the name regexes of :func:`pipe.recompute.select_recompute` that
             ``select_replay`` and ``memory`` were measured with.
+        offload_bytes, offload_copies: ``{rows: per layer}``, the bytes an offloader moves to host
+            memory (and back) for the layer, and in how many copies (each storage it saves once).
+        host_copy: what those copies cost on the profiled device (:mod:`pipe.plan.host_copy`);
+            None (the CPU, or not measured): offload is not planned.
         checkpoint_overhead: seconds that a checkpointed cell adds to its step beyond
             its layers' forwards again, whatever its size: the checkpoint's own work per
             call (keeping the random state, guarding the input, its autograd functions),
@@ -129,7 +138,9 @@ class Costs:
                  replay: Optional[dict[int, list[float]]] = None,
                  select_replay: Optional[dict[int, list[float]]] = None, select: Sequence[str] = (),
                  tied: Sequence[tuple[Sequence[int], int]] = (),
-                 checkpoint_overhead: float = 0.0) -> None:
+                 checkpoint_overhead: float = 0.0, offload_bytes: Optional[dict[int, list[int]]] = None,
+                 offload_copies: Optional[dict[int, list[int]]] = None,
+                 host_copy: Optional[HostCopy] = None) -> None:
         self.batch = batch
         self.forward = forward
         self.backward = backward
@@ -139,20 +150,26 @@ class Costs:
         self.replay = replay or forward
         self.select_replay = select_replay
         self.checkpoint_overhead = checkpoint_overhead
+        self.offload_bytes = offload_bytes
+        self.offload_copies = offload_copies or ({rows: [1] * len(b) for rows, b in offload_bytes.items()}
+                                                 if offload_bytes is not None else None)
+        self.host_copy = host_copy
         self.select = tuple(select)
         if select_replay is not None and not self.select:
             raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int, int], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.tied = [(tuple(layers), int(nbytes)) for layers, nbytes in tied]
         self.param_scale = param_scale
         self.output_bytes = output_bytes or {}
         self.grad_bytes = grad_bytes or self.output_bytes
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
-        for rows, times in [*forward.items(), *backward.items(), *self.input_grad.items(),
-                            *self.weight_grad.items(), *self.replay.items(),
-                            *(select_replay or {}).items()]:
+        tables: list[tuple[int, Sequence[float]]] = [
+            *forward.items(), *backward.items(), *self.input_grad.items(), *self.weight_grad.items(),
+            *self.replay.items(), *(select_replay or {}).items(), *(offload_bytes or {}).items(),
+            *(self.offload_copies or {}).items()]
+        for rows, times in tables:
             if len(times) != len(self.param_bytes):
                 raise ValueError(f"costs at {rows} rows have {len(times)} layers but param_bytes has "
                                  f"{len(self.param_bytes)}; give every table one entry per layer")
@@ -160,6 +177,11 @@ class Costs:
     @property
     def layers(self) -> int:
         return len(self.param_bytes)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether offload can be planned: the bytes each layer moves and the device's host copy were measured."""
+        return self.offload_bytes is not None and self.host_copy is not None
 
     def chunk_options(self) -> list[int]:
         """The micro-batch counts that costs were measured for."""
@@ -174,10 +196,19 @@ class Costs:
             )
         return rows
 
-    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0, selected: int = 0) -> StageTime:
+    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0, selected: int = 0,
+                   offloaded: int = 0) -> StageTime:
         """Seconds of one micro-batch on layers ``first:stop``, the first ``recomputed``
         of them replayed in backward (marked for recompute), and the next ones up to
-        ``selected`` replayed in part (marked for selective recompute)."""
+        ``selected`` replayed in part (marked for selective recompute); or its first
+        ``offloaded`` layers offloading to host memory.
+
+        An offloading stage's copies run on one side stream beside its compute:
+        the copies out start once its first layer's forward has saved something,
+        and its first layer's backward waits for the last copy back, so a forward
+        takes at least ``forward[first] + copies out`` and a backward at least
+        ``copies back + backward[first]`` (:meth:`offload_seconds`).
+        """
         rows = self.rows(chunks)
         forward = math.fsum(self.forward[rows][first:stop])
         replay = math.fsum(self.replay[rows][first:first + recomputed])
@@ -186,11 +217,29 @@ class Costs:
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
         backward = math.fsum(self.backward[rows][first:stop])
         recompute = forward + self.checkpoint_overhead  # when the cell is checkpointed
+        if offloaded:
+            copies = self.offload_seconds(first, first + offloaded, chunks)
+            forward = max(forward, self.forward[rows][first] + copies)
+            backward = max(backward, copies + self.backward[rows][first])
         if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
             return StageTime(forward, backward + replay, recompute, replay, backward)
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         weight_grad = math.fsum(self.weight_grad[rows][first:stop])
         return StageTime(forward, backward + replay, recompute, input_grad + replay, weight_grad)
+
+    def offload_seconds(self, first: int, stop: int, chunks: int) -> float:
+        """Seconds of the host copies one way (out in forward, or back in backward) of layers ``first:stop``
+        offloading a micro-batch.
+
+        Raises:
+            ValueError: offload was not measured (:attr:`offloads`).
+        """
+        if self.offload_bytes is None or self.offload_copies is None or self.host_copy is None:
+            raise ValueError("these costs did not measure offload (the bytes each layer moves and the device's copy "
+                             "to host memory): profile on a CUDA device with pipe.plan.profile_costs(device=...)")
+        rows = self.rows(chunks)
+        return self.host_copy.seconds(sum(self.offload_bytes[rows][first:stop]),
+                                      sum(self.offload_copies[rows][first:stop]))
 
     def selective(self, recomputed: int, selected: int) -> bool:
         """Whether a stage whose first ``recomputed`` layers recompute fully has layers marked for
@@ -207,10 +256,11 @@ class Costs:
         return True
 
     def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
-                     split: bool = False, fresh: bool = False, selected: int = 0) -> StageMemory:
+                     split: bool = False, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
         """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked,
         the next up to ``selected`` marked for selective recompute; ``split``: the backward run as
-        I then W; ``fresh``: the backward creates the gradients).
+        I then W; ``fresh``: the backward creates the gradients; the first ``offloaded`` offloading:
+        the bytes left on the device, and its backward's peak with the units copied back).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows.
@@ -219,20 +269,25 @@ class Costs:
         # A checkpointed cell replays all of it anyway.
         selected = selected if not checkpointed and self.selective(recomputed, selected) else 0
         recomputed = 0 if checkpointed else recomputed
+        offloaded = 0 if checkpointed else offloaded
+        if offloaded and (recomputed or selected):
+            raise ValueError(f"layers {first}:{stop} both offload ({offloaded}) and recompute ({recomputed}, "
+                             f"selectively up to {selected}); the planner plans one or the other on a stage")
         low, high = min(self.forward), max(self.forward)
         if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected) for r in (low, high))
+            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded)
+                for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
             (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak),
             (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak))))
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                 split: bool, fresh: bool = False, selected: int = 0) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected)
+                 split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded)
         if key not in self._memory_cache:
-            self._memory_cache[key] = self._memory(*key)
+            self._memory_cache[key] = self._memory(*key) if offloaded else self._memory(*key[:-1])
         return self._memory_cache[key]
 
     def params_of(self, layers: Iterable[int]) -> int:
@@ -251,7 +306,7 @@ class Costs:
                    activation: Sequence[int], output: Sequence[int], *, param_bytes: Optional[Sequence[int]] = None,
                    chunks: Sequence[int] = (1, 2, 4, 8), overhead: float = 0.0, param_scale: float = 2.0,
                    select_activation: Optional[Sequence[int]] = None, select_replay: Optional[Sequence[float]] = None,
-                   select: Sequence[str] = DEFAULT_SELECT) -> "Costs":
+                   select: Sequence[str] = DEFAULT_SELECT, host_copy: Optional[HostCopy] = None) -> "Costs":
         """Costs from numbers per layer and per sample (no model is run).
 
         Args:
@@ -267,12 +322,16 @@ class Costs:
                 and seconds per sample its replay adds, marked for selective
                 recompute (with the name regexes ``select``); both or neither
                 (then selective recompute is not planned).
+            host_copy: the device's copy to host memory: offload is planned, each
+                offloading layer moving its ``activation`` bytes in one copy each way.
 
         A checkpointed stage keeps its input and output; its backward peak is
         the recomputed activations plus one output-sized gradient. A layer
         marked for recompute keeps only its output (the next layer's input);
         one marked selectively keeps its ``select_activation``; either replays
-        the rest of its activation in its own backward.
+        the rest of its activation in its own backward. An offloading layer keeps
+        nothing on the device; in backward its activation and the one prefetched
+        come back.
         """
         n = len(forward)
         if (select_activation is None) != (select_replay is None):
@@ -287,9 +346,17 @@ class Costs:
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                   split: bool, fresh: bool = False, selected: int = 0) -> StageMemory:
+                   split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
+            if offloaded:  # the offloaded layers' activations are on the host until their unit comes back
+                gone = first + min(offloaded, stop - first)
+                kept = received + sum(activation[gone:stop]) * rows
+                back = max(activation[k] + (activation[k - 1] if k > first else 0) for k in range(first, gone)) * rows
+                grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0
+                return StageMemory(forward_peak=received + full, kept=kept,
+                                   backward_peak=output[stop - 1] * rows + back + grads,
+                                   after_input=0, weight_peak=0)
             marked = first + min(recomputed, stop - first)
             partly = max(marked, first + min(selected, stop - first))
             kept_layers = (sum(output[first:marked]) + sum(chosen[marked:partly]) + sum(activation[partly:stop])) * rows
@@ -310,4 +377,6 @@ class Costs:
                    memory, param_bytes or [0] * n, param_scale=param_scale,
                    output_bytes={rows: [o * rows for o in output] for rows in rows_of},
                    select_replay={rows: [t * rows for t in select_replay] for rows in rows_of}
-                   if select_replay is not None else None, select=select if select_replay is not None else ())
+                   if select_replay is not None else None, select=select if select_replay is not None else (),
+                   offload_bytes={rows: [a * rows for a in activation] for rows in rows_of}
+                   if host_copy is not None else None, host_copy=host_copy)

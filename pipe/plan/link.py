@@ -299,14 +299,14 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     if failed:
         raise RuntimeError("measuring the transport failed: " + "; ".join(failed))
     best = {size: max(results[0][0][size], results[1][0][size]) for size in sizes}
-    latency, per_byte = _line(best)
+    latency, per_byte = fit_line(best)
     link = Link(latency, per_byte, source=link_key())
     link = replace(link, action_overhead=_overhead(link, max(results[0][1], results[1][1])))
     sharded = {layers: max(results[0][2][layers], results[1][2][layers]) for layers in SHARDED_LAYERS}
     collective, per_step = _sharding_overheads(link, sharded)
     wide = max(results[0][4], results[1][4])
     per_byte_fsdp = _sharding_per_byte(link, sharded[SHARDED_LAYERS[0]], wide)
-    reduce_latency, reduce_per_byte = _line({size: max(results[0][3][size], results[1][3][size])
+    reduce_latency, reduce_per_byte = fit_line({size: max(results[0][3][size], results[1][3][size])
                                              for size in REDUCE_SIZES})
     logger.info("measured the link: %.1f us per message + %.3f ns per byte; runner overhead %.3f ms per action; "
                 "FSDP %.3f ms + %.3f ns per byte per collective step, %.3f ms per sharded stage and step; "
@@ -316,7 +316,7 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
                    reduce_per_byte=reduce_per_byte, collective_per_byte=per_byte_fsdp)
 
 
-def _line(points: dict[int, float]) -> tuple[float, float]:
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
     """Least squares ``seconds = a + b x bytes``, with ``a, b >= 0``."""
     n = len(points)
     xs, ys = list(points), list(points.values())

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
+from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs
 from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held_by_fsdp, replica_costs, sharded_static,
                                 split_text)
@@ -53,6 +54,11 @@ class Candidate:
             ``select_recompute``); full recompute wins on a layer marked both,
             so layers ``recompute[s]`` to ``select[s]`` recompute selectively.
         select_names: the regexes of those marks (the profile's, ``Costs.select``).
+        offload: per stage, how many of its first layers offload what they save
+            for backward to host memory, prefetched one layer ahead
+            (the config's ``swap_config.layer_swap``; :func:`pipe.recompute.offload`);
+            empty: none. Only with ``checkpoint="never"``, no recompute marks,
+            and the thread runner (``Pipe``).
         dp_shard: ranks each stage is sharded over with FSDP2 (the mesh's
             "dp_shard"; :mod:`pipe.plan.sharding`); the plan runs on
             ``ranks x dp_replicate x dp_shard`` ranks, each pipeline on
@@ -75,6 +81,7 @@ class Candidate:
     select: tuple[int, ...] = ()
     select_names: tuple[str, ...] = ()
     dp_replicate: int = 1
+    offload: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -99,17 +106,26 @@ class Candidate:
         """Layers of ``stage`` marked for selective recompute or more (the first ones recompute fully)."""
         return self.select[stage] if self.select else 0
 
+    def offloaded(self, stage: int) -> int:
+        """Layers of ``stage`` that offload to host memory."""
+        return self.offload[stage] if self.offload else 0
+
     def selective(self) -> bool:
         """Whether some layer recomputes selectively (not covered by a full mark)."""
         return any(self.selected(s) > self.recomputed(s) for s in range(len(self.balance)))
 
     def recompute_config(self) -> Optional[dict[str, Any]]:
-        """The ``recompute=`` config of ``Pipe``/``DistributedPipe`` for the per-stage counts (None: none)."""
+        """The ``recompute=`` config of ``Pipe``/``DistributedPipe`` for the per-stage counts (None: none); with
+        ``offload``, its ``swap_config`` (layer indices: recompute marks and offload are not planned together)."""
         config: dict[str, Any] = {}
         if any(self.recompute):
             config["recompute"] = list(self.recompute)
         if self.selective():
             config["select_recompute"] = {name: list(self.select) for name in self.select_names}
+        if any(self.offload):
+            firsts = [sum(self.balance[:s]) for s in range(len(self.balance))]
+            layers = [first + k for first, count in zip(firsts, self.offload) for k in range(count)]
+            return {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": layers}]}}
         return {"recompute_config": config} if config else None
 
     def distributed_kwargs(self) -> dict[str, Any]:
@@ -142,6 +158,7 @@ class Candidate:
         extra = f" v={self.virtual_stages}" if self.virtual_stages > 1 and self.schedule != "zbv" else ""
         marks = f" recompute={list(self.recompute)}" if any(self.recompute) else ""
         marks += f" select={list(self.select)}" if self.selective() else ""
+        marks += f" offload={list(self.offload)}" if any(self.offload) else ""
         split = f" {split_text(self)}" if self.parts > 1 else ""
         return (f"{self.schedule}{extra} chunks={self.chunks} balance={list(self.balance)} "
                 f"checkpoint={self.checkpoint}{marks}{split}")
@@ -199,8 +216,8 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     model = model or TimeModel()
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
-    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s), candidate.selected(s))
-             for s, (first, last) in enumerate(bounds)]
+    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s), candidate.selected(s),
+                              candidate.offloaded(s)) for s, (first, last) in enumerate(bounds)]
     scale, overhead = model.contention, model.action_overhead
     collectives: dict[Action, float] = {}
     for rank in range(schedule.ranks):  # FSDP's or the averager's collectives, on the actions that issue them
@@ -258,11 +275,23 @@ def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
     if sum(candidate.balance) != costs.layers or min(candidate.balance) < 1:
         raise ValueError(f"balance {list(candidate.balance)} does not split {costs.layers} layers into non-empty "
                          f"stages; its entries must be >= 1 and sum to {costs.layers}")
-    for name, counts in (("recompute", candidate.recompute), ("select", candidate.select)):
+    for name, counts in (("recompute", candidate.recompute), ("select", candidate.select),
+                         ("offload", candidate.offload)):
         if counts and (len(counts) != len(candidate.balance)
                        or any(not 0 <= c <= n for c, n in zip(counts, candidate.balance))):
             raise ValueError(f"{name}={list(counts)} needs one count per stage ({len(candidate.balance)}), "
                              f"each between 0 and the stage's layers {list(candidate.balance)}")
+    if any(candidate.offload):
+        if candidate.checkpoint != "never" or any(candidate.recompute) or candidate.selective():
+            raise ValueError(f"offload={list(candidate.offload)} is planned with checkpoint='never' and no recompute "
+                             f"marks (got checkpoint={candidate.checkpoint!r}, recompute={list(candidate.recompute)}, "
+                             f"select={list(candidate.select)}): a layer either offloads or recomputes")
+        if candidate.schedule in ZERO_BUBBLE_KINDS:
+            raise ValueError(f"offload={list(candidate.offload)} is not planned with the zero-bubble schedule "
+                             f"{candidate.schedule!r}; plan it with 'gpipe', '1f1b' or 'interleaved'")
+        if not costs.offloads:
+            raise ValueError(f"offload={list(candidate.offload)} needs costs that measured offload (the bytes each "
+                             f"layer moves and the device's host copy): profile on a CUDA device")
     if candidate.selective() and not candidate.select_names:
         raise ValueError(f"select={list(candidate.select)} needs select_names, the name regexes to mark with "
                          f"(the profile's Costs.select)")
@@ -278,6 +307,10 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
     averager's flat gradient copies (:func:`pipe.plan.sharding.held_by_averager`)."""
     costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
+    if any(candidate.offload) and runner != "threads":
+        raise ValueError(f"offload={list(candidate.offload)} is planned for the thread runner (Pipe) only: "
+                         f"DistributedPipe prefetches a cell's offloaded units a whole action ahead of its backward "
+                         f"(pipe.distributed.recompute_ranks), which this memory walk does not model yet")
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     peaks, static = [], []
@@ -317,7 +350,8 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     m = candidate.chunks
-    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s), candidate.selected(s)) for s in range(len(bounds))]
+    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s), candidate.selected(s), candidate.offloaded(s))
+             for s in range(len(bounds))]
     busiest = 0.0
     for rank in range(schedule.ranks):
         mine = schedule.stages_of(rank)
@@ -379,7 +413,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         fresh = besides is not None and k in besides.fresh
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
                                     candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
-                                    fresh, candidate.selected(action.stage) if candidate else 0)
+                                    fresh, candidate.selected(action.stage) if candidate else 0,
+                                    candidate.offloaded(action.stage) if candidate else 0)
         key = (action.microbatch, action.stage)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         posted += besides.during[k] if besides is not None else 0

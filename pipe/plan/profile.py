@@ -30,8 +30,10 @@ from pipe.core.inplace import InputGuard
 from pipe.core.iw_backward import backward_input_first
 from pipe.core.microbatch import Batch, scatter
 from pipe.plan.cost import Costs, StageMemory
+from pipe.plan.host_copy import measure_host_copy
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import mark, recompute as mark_recompute, unmark
+from pipe.recompute.offload import OffloadLayer, Offloader
 from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
 from pipe.skip.skippable import skippables_in
@@ -152,6 +154,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
             # The checkpoint's own work is per call (the random state, the input's guard, its autograd
             # functions), not per row: one figure, the median of the sizes', steadier than each alone.
             overhead = statistics.median(_checkpoint_overhead(first_stage, given[0], device) for given in inputs.values())
+        moved, copies = _offload_moves(layers, inputs, device)
+        host_copy = measure_host_copy(device) if device.type == "cuda" else None  # the CPU saves nothing offloading
     finally:
         torch.set_num_threads(before)
     for layer in layers:  # gradients exist before counting: they are static, not activations
@@ -160,13 +164,16 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
     def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
-               fresh: bool = False, selected: int = 0) -> StageMemory:
+               fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
         chosen = [next(iter(layer.children()), layer) for layer in stage[recomputed:selected]]
         for layer in chosen:  # the layer itself, as a recompute config marks it (its names are the patterns')
             mark(layer, SelectiveRecompute(layer, select, (), usage=Usage(warn=False)))
+        offloader = Offloader(backward_prefetch=1)  # as a swap config's layer_swap marks a stage's layers
+        for layer in stage[:offloaded]:  # the host copies are not counted: what stays on the device is
+            mark(layer, OffloadLayer(layer, offloader))
         try:
             with sandbox(device):
                 if chosen:  # the marks plan on their first two calls (the second where they narrow)
@@ -175,7 +182,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
                                     split, fresh)
         finally:
-            for layer in [*stage[:recomputed], *chosen]:
+            for layer in [*stage[:recomputed], *chosen, *stage[:offloaded]]:
                 unmark(layer)
 
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in module]
@@ -191,7 +198,33 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                  grad_bytes=times.grad_bytes, input_grad=_monotone(times.input_grad),
                  weight_grad=_monotone(times.weight_grad),
                  replay=_monotone(times.replay), select_replay=_monotone(times.select_replay) if select else None,
-                 select=select, checkpoint_overhead=overhead)
+                 select=select, checkpoint_overhead=overhead, offload_bytes=moved, offload_copies=copies,
+                 host_copy=host_copy)
+
+
+def _offload_moves(layers: list[nn.Module], inputs: dict[int, list[Batch]], device: torch.device
+                   ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The bytes, and the copies, that each layer's offloader unit moves to host memory (and back) for a
+    micro-batch of each size: each layer run once on its input, as inside an offloading stage.
+
+    A layer's input is given as a tensor made inside the stage (a received one, a leaf that needs a
+    gradient, stays on the device): a stage's first layer is charged for its input, were it saved,
+    where its received input stays, so its copies are over-estimated by that much.
+    """
+    moved: dict[int, list[int]] = {}
+    copies: dict[int, list[int]] = {}
+    with sandbox(device):
+        for rows, given in inputs.items():
+            moved[rows], copies[rows] = [], []
+            for layer, batch in zip(layers, given):
+                offloader = Offloader(backward_prefetch=0)
+                inside = batch.with_tensors([t.clone() if t.requires_grad else t for t in batch.tensors])
+                with offloader.unit():
+                    output = inside.call(layer)
+                moved[rows].append(offloader.offloaded_bytes)
+                copies[rows].append(offloader.offloaded_copies)
+                del output, inside
+    return moved, copies
 
 
 def _checkpoint_overhead(stage: nn.Sequential, given: Batch, device: torch.device, rounds: int = 20) -> float:

@@ -31,7 +31,7 @@ from torch import nn
 
 from pipe.core.partition import verify_module
 from pipe.core.schedule import Schedule
-from pipe.plan.candidates import candidates, per_stage_recompute
+from pipe.plan.candidates import candidates, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
 from pipe.plan.profile import profile_costs, verify_threads
 from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
@@ -213,7 +213,8 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
             of the even, time- and memory-balanced ones.
         balances: consider only these balances (one entry per stage).
         model: the time model (:class:`pipe.plan.timing.TimeModel`).
-        per_stage: also plan per-stage recompute (:func:`per_stage_recompute`).
+        per_stage: also plan per-stage recompute (:func:`per_stage_recompute`) and offload
+            (:func:`per_stage_offload`, on a CUDA device's costs).
         rejected: how many plans over budget to simulate and show.
         dp_shard: plan ``ranks`` as ``pp x dp_shard`` (:mod:`pipe.plan.sharding`): ``"auto"``
             every divisor of ``ranks``, or the sizes to try (1: no sharding); each pipeline then
@@ -262,11 +263,11 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         if len(fitting) > runners_up and bound > sorted(fitting)[runners_up]:
             break
         ok = fits(c)
-        if not ok and per_stage and c.checkpoint == "never" and not c.recompute:
-            marked = per_stage_recompute(costs, c, budget, runner)
-            if marked is not None:
-                considered += 1
-                heapq.heappush(queue, (busy_bound(costs, marked, model), considered, marked))
+        if not ok and per_stage and c.checkpoint == "never" and not c.recompute and not c.offload:
+            for marked in (per_stage_recompute(costs, c, budget, runner), per_stage_offload(costs, c, budget, runner)):
+                if marked is not None:
+                    considered += 1
+                    heapq.heappush(queue, (busy_bound(costs, marked, model), considered, marked))
         if not ok and (over >= max(rejected, 1) or (fitting and bound > min(fitting))):
             continue  # over budget, and enough such plans shown (or slower than a plan that fits)
         p = predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c])

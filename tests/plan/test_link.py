@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from pipe.plan.link import _line, cache_path, cached_link, link_key, measure_link
+from pipe.plan.link import fit_line, cache_path, cached_link, link_key, measure_link
 from pipe.plan.timing import Link
 
 
 def test_the_line_through_round_trips_is_latency_plus_bytes() -> None:
-    latency, per_byte = _line({1000: 1e-4 + 1000e-9, 10**6: 1e-4 + 1e-3})
+    latency, per_byte = fit_line({1000: 1e-4 + 1000e-9, 10**6: 1e-4 + 1e-3})
     assert latency == pytest.approx(1e-4) and per_byte == pytest.approx(1e-9)
 
 
