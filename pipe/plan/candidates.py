@@ -169,11 +169,11 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_time`).
 
     None when the costs measured no host copy (the CPU: offloading saves nothing there), for the
-    process runner and the zero-bubble schedules (not modelled: see :func:`pipe.plan.predict.predict_memory`),
-    when offloading every layer does not fit, or when the plan already fits without it.
+    zero-bubble schedules and plans with replicas or sharding (not planned), when offloading every layer
+    does not fit, or when the plan already fits without it.
     """
-    if (not costs.offloads or runner != "threads" or candidate.checkpoint != "never" or candidate.recompute
-            or candidate.selective() or candidate.schedule in ZERO_BUBBLE_KINDS):
+    if (not costs.offloads or candidate.checkpoint != "never" or candidate.recompute or candidate.selective()
+            or candidate.schedule in ZERO_BUBBLE_KINDS or candidate.parts > 1):
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
     peaks, _ = predict_memory(costs, candidate, runner=runner)
@@ -190,6 +190,7 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
         peak = peaks[rank]
         while peak > budget[rank]:
             best: Optional[tuple[float, int, int]] = None  # (score, stage, its new peak)
+            unlock: Optional[tuple[float, int, int]] = None  # the move that raises the peak least: the next may save
             for s in schedule.stages_of(rank):
                 if counts[s] == candidate.balance[s]:
                     continue
@@ -198,8 +199,11 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
                                           ranks=[rank])[0][rank]
                 added = max(seconds(s, more[s]) - seconds(s, counts[s]), 1e-12) * candidate.chunks
                 score = (peak - new_peak) / added
-                if best is None or score > best[0]:
+                if new_peak < peak and (best is None or score > best[0]):
                     best = (score, s, new_peak)
+                elif new_peak >= peak and (unlock is None or new_peak < unlock[2]):
+                    unlock = (score, s, new_peak)  # e.g. a first layer saving a view of the caller's batch
+            best = best or unlock
             if best is None:
                 return None  # every layer of the rank offloads, still over
             counts[best[1]] += 1

@@ -44,6 +44,9 @@ class StageMemory:
         weight_peak: for a split backward, the high-water mark during W above
             the bytes live before it: each weight's new gradient before it is
             added to ``.grad``, and W's own temporaries.
+        fetched: for an offloading stage counted with every unit copied back before
+            its backward (``prefetch=-1``, as ``DistributedPipe`` does an action ahead),
+            the bytes those copies take; ``backward_peak`` is then above ``kept + fetched``.
     """
 
     forward_peak: int
@@ -51,6 +54,7 @@ class StageMemory:
     backward_peak: int
     after_input: int = 0
     weight_peak: int = 0
+    fetched: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class StageTime:
 
 
 MemoryFn = Callable[..., StageMemory]
-"""``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected[, offloaded])``: see :class:`Costs`."""
+"""``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected[, offloaded, prefetch])``: see
+:class:`Costs`."""
 
 
 class Costs:
@@ -94,9 +99,10 @@ class Costs:
             first backward of the step), so its peak includes those created; ``selected``:
             its layers from ``recomputed`` up to ``selected`` marked for selective recompute
             (:func:`pipe.recompute.select_recompute` with the ``select`` names; 0: none);
-            ``offloaded`` (passed only when not 0): its first ``offloaded`` layers offload what they
-            save to host memory (:func:`pipe.recompute.offload`, one unit per layer, prefetched one
-            unit ahead), never together with recompute marks.
+            ``offloaded`` and ``prefetch`` (passed only when ``offloaded`` is not 0): its first
+            ``offloaded`` layers offload what they save to host memory (:func:`pipe.recompute.offload`,
+            one unit per layer, each unit copied back ``prefetch`` units ahead of its backward, 0: when
+            used, -1: all of them before the backward), never together with recompute marks.
         param_bytes: bytes of each layer's parameters.
         tied: the parameters held by several layers (tied weights: a GPT-2's embedding and
             head), each as ``(the layers holding it, its bytes)``: ``param_bytes`` counts it in
@@ -158,7 +164,7 @@ class Costs:
         if select_replay is not None and not self.select:
             raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int, int], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int, int, int], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.tied = [(tuple(layers), int(nbytes)) for layers, nbytes in tied]
         self.param_scale = param_scale
@@ -256,14 +262,17 @@ class Costs:
         return True
 
     def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
-                     split: bool = False, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
+                     split: bool = False, fresh: bool = False, selected: int = 0, offloaded: int = 0,
+                     prefetch: int = 1) -> StageMemory:
         """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked,
         the next up to ``selected`` marked for selective recompute; ``split``: the backward run as
         I then W; ``fresh``: the backward creates the gradients; the first ``offloaded`` offloading:
-        the bytes left on the device, and its backward's peak with the units copied back).
+        the bytes left on the device, and its backward's peak with the units copied back ``prefetch``
+        units ahead, 0: as each is used, -1: all before the backward, :attr:`StageMemory.fetched`).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
-        and interpolated in between: activations grow linearly with the rows.
+        and interpolated in between: activations grow linearly with the rows. An offloading stage
+        is counted at its own size: the offloader leaves tensors under its ``min_bytes`` on the device.
         """
         rows = self.rows(chunks)
         # A checkpointed cell replays all of it anyway.
@@ -274,20 +283,23 @@ class Costs:
             raise ValueError(f"layers {first}:{stop} both offload ({offloaded}) and recompute ({recomputed}, "
                              f"selectively up to {selected}); the planner plans one or the other on a stage")
         low, high = min(self.forward), max(self.forward)
-        if rows in (low, high):
-            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded)
+        prefetch = prefetch if offloaded else 1
+        if rows in (low, high) or offloaded:  # what an offloader leaves is not linear in the rows (min_bytes)
+            return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded,
+                                 prefetch)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch)
                 for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
-            (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak),
-            (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak))))
+            (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak, a.fetched),
+            (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak, b.fetched))))
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                 split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded)
+                 split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0,
+                 prefetch: int = 1) -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch)
         if key not in self._memory_cache:
-            self._memory_cache[key] = self._memory(*key) if offloaded else self._memory(*key[:-1])
+            self._memory_cache[key] = self._memory(*key) if offloaded else self._memory(*key[:-2])
         return self._memory_cache[key]
 
     def params_of(self, layers: Iterable[int]) -> int:
@@ -331,7 +343,7 @@ class Costs:
         one marked selectively keeps its ``select_activation``; either replays
         the rest of its activation in its own backward. An offloading layer keeps
         nothing on the device; in backward its activation and the one prefetched
-        come back.
+        (with ``prefetch``) come back.
         """
         n = len(forward)
         if (select_activation is None) != (select_replay is None):
@@ -346,14 +358,19 @@ class Costs:
         rows_of = {batch // c: c for c in chunks if batch % c == 0}
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
-                   split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
+                   split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0,
+                   prefetch: int = 1) -> StageMemory:
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
             if offloaded:  # the offloaded layers' activations are on the host until their unit comes back
                 gone = first + min(offloaded, stop - first)
                 kept = received + sum(activation[gone:stop]) * rows
-                back = max(activation[k] + (activation[k - 1] if k > first else 0) for k in range(first, gone)) * rows
                 grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0
+                if prefetch < 0:  # all back before the backward
+                    return StageMemory(forward_peak=received + full, kept=kept, backward_peak=output[stop - 1] * rows
+                                       + grads, fetched=sum(activation[first:gone]) * rows)
+                back = max(activation[k] + (activation[k - 1] if prefetch and k > first else 0)
+                           for k in range(first, gone)) * rows
                 return StageMemory(forward_peak=received + full, kept=kept,
                                    backward_peak=output[stop - 1] * rows + back + grads,
                                    after_input=0, weight_peak=0)

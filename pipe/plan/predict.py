@@ -57,8 +57,8 @@ class Candidate:
         offload: per stage, how many of its first layers offload what they save
             for backward to host memory, prefetched one layer ahead
             (the config's ``swap_config.layer_swap``; :func:`pipe.recompute.offload`);
-            empty: none. Only with ``checkpoint="never"``, no recompute marks,
-            and the thread runner (``Pipe``).
+            empty: none. Only with ``checkpoint="never"``, no recompute marks, and
+            not with the zero-bubble schedules.
         dp_shard: ranks each stage is sharded over with FSDP2 (the mesh's
             "dp_shard"; :mod:`pipe.plan.sharding`); the plan runs on
             ``ranks x dp_replicate x dp_shard`` ranks, each pipeline on
@@ -307,10 +307,6 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
     averager's flat gradient copies (:func:`pipe.plan.sharding.held_by_averager`)."""
     costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
-    if any(candidate.offload) and runner != "threads":
-        raise ValueError(f"offload={list(candidate.offload)} is planned for the thread runner (Pipe) only: "
-                         f"DistributedPipe prefetches a cell's offloaded units a whole action ahead of its backward "
-                         f"(pipe.distributed.recompute_ranks), which this memory walk does not model yet")
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     peaks, static = [], []
@@ -385,7 +381,10 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
     (:attr:`StageMemory.weight_peak`), then frees them. ``besides``: bytes held besides
     activations during each action (FSDP's unsharded parameters and gradients, the averager's copies), and
     the backwards that create a stage's gradients (counted with ``fresh``), and the bytes held after the
-    actions whose stage's gradients the averager copies (``besides.copied``).
+    actions whose stage's gradients the averager copies (``besides.copied``). An offloading stage keeps
+    only what its offloader leaves on the device; the process runner copies a cell's units back as the
+    action before its backward starts (:attr:`StageMemory.fetched`), or, made by that very action, as
+    its backward uses them; the thread runner one unit ahead of use.
     """
     held = peak = 0
     kept: dict[tuple[int, int], int] = {}
@@ -408,14 +407,32 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
 
     sent = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
+    fetched: set[tuple[int, int]] = set()  # offloading cells whose units came back an action ahead (processes)
+
+    def offloaded(stage: int) -> int:
+        return candidate.offloaded(stage) if candidate else 0
+
     for k, action in enumerate(program):
         first, last = bounds[action.stage]
         fresh = besides is not None and k in besides.fresh
+        key = (action.microbatch, action.stage)
+        ahead = program[k + 1] if k + 1 < len(program) else None
+        if runner == "processes" and ahead is not None and ahead.phase is Phase.BACKWARD and offloaded(ahead.stage) \
+                and (ahead.microbatch, ahead.stage) in kept:
+            # DistributedPipe copies a cell's units back as the action before its backward starts
+            # (pipe.distributed.recompute_ranks): all it offloaded is on the device again.
+            cell = (ahead.microbatch, ahead.stage)
+            back = costs.stage_memory(*bounds[ahead.stage], schedule.microbatches, False,
+                                      offloaded=offloaded(ahead.stage), prefetch=-1).fetched
+            kept[cell] += back
+            held += back
+            fetched.add(cell)
+        units, prefetch = offloaded(action.stage), 1
+        if runner == "processes" and units and action.phase is Phase.BACKWARD:  # back already, or as each is used
+            prefetch = -1 if key in fetched else 0
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
                                     candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
-                                    fresh, candidate.selected(action.stage) if candidate else 0,
-                                    candidate.offloaded(action.stage) if candidate else 0)
-        key = (action.microbatch, action.stage)
+                                    fresh, candidate.selected(action.stage) if candidate else 0, units, prefetch)
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         posted += besides.during[k] if besides is not None else 0
         if action.phase is Phase.FORWARD:

@@ -164,14 +164,14 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
     def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
-               fresh: bool = False, selected: int = 0, offloaded: int = 0) -> StageMemory:
+               fresh: bool = False, selected: int = 0, offloaded: int = 0, prefetch: int = 1) -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
         chosen = [next(iter(layer.children()), layer) for layer in stage[recomputed:selected]]
         for layer in chosen:  # the layer itself, as a recompute config marks it (its names are the patterns')
             mark(layer, SelectiveRecompute(layer, select, (), usage=Usage(warn=False)))
-        offloader = Offloader(backward_prefetch=1)  # as a swap config's layer_swap marks a stage's layers
+        offloader = Offloader(backward_prefetch=max(prefetch, 0))  # as a swap config's layer_swap marks them
         for layer in stage[:offloaded]:  # the host copies are not counted: what stays on the device is
             mark(layer, OffloadLayer(layer, offloader))
         try:
@@ -179,8 +179,11 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 if chosen:  # the marks plan on their first two calls (the second where they narrow)
                     _warm_up(nn.Sequential(*stage), inputs[rows][first], first == 0, calls=2)
                 loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
-                return _count_stage(nn.Sequential(*stage), inputs[rows][first], first == 0, checkpointed, loss,
-                                    split, fresh)
+                given = inputs[rows][first]
+                if first == 0 and offloaded:  # a view of the mini-batch, as the runners give it: an offloader
+                    given = scatter(as_input(sample, device).value, batch // rows)[0]  # moves its whole storage
+                return _count_stage(nn.Sequential(*stage), given, first == 0, checkpointed, loss,
+                                    split, fresh, (lambda: offloader.prefetch(None, 0)) if prefetch < 0 else None)
         finally:
             for layer in [*stage[:recomputed], *chosen, *stage[:offloaded]]:
                 unmark(layer)
@@ -287,10 +290,11 @@ def _monotone(times: Table) -> Table:
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
                  loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False,
-                 fresh: bool = False) -> StageMemory:
+                 fresh: bool = False, fetch: Optional[Callable[[], None]] = None) -> StageMemory:
     """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
     its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it;
-    with ``fresh``, the parameters have no gradient before the backward (it creates them, counted)."""
+    with ``fresh``, the parameters have no gradient before the backward (it creates them, counted);
+    ``fetch``, called between forward and backward, copies an offloader's units back (counted apart)."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -309,6 +313,10 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             finalize(output)
         value = loss[0](output.value, loss[1]) if loss is not None else None
         forward_peak, kept = counter.peak_bytes, counter.live_bytes
+        fetched = 0
+        if fetch is not None:
+            fetch()
+            fetched = counter.live_bytes - kept
         counter.reset_peak()
         saved = [(p, p.grad) for p in stage.parameters()] if fresh else []
         for param, _ in saved:
@@ -334,9 +342,9 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             if roots:
                 torch.autograd.backward(roots, grads)
             del roots, grads
-        backward_peak = (input_peak if split else counter.peak_bytes) - kept
+        backward_peak = (input_peak if split else counter.peak_bytes) - kept - fetched
         for param, grad in saved:
             param.grad = grad
         del output, value, batch, tensors, saved
     return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
-                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0))
+                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0), fetched=fetched)

@@ -297,14 +297,16 @@ def _swap_on_ranks(rank: int, world: int) -> dict[str, int]:
         boundary = [o for s, o in swap.checkpoint_offloaders.items() if s > 0]
         assert all(o.offloaded_bytes > 0 for o in boundary)
         checked[schedule] = count
-    # The received input of a checkpointed cell is let go once its host copy is made: on the CPU the copy is
-    # as large as the input, so the rank holds as many bytes as without offload (not twice the input), plus
-    # the one-element stand-in that collects the input's gradient, per checkpointed micro-batch.
+    # The received input of a checkpointed cell is let go once its host copy is made: the CPU plays the device
+    # (the host copy is not counted), so as the first backward (B3) starts the rank holds three micro-batches'
+    # inputs less than without offload (B2's came back as B3 started: one action ahead), plus the one-element
+    # stand-in per micro-batch that collects the input's gradient.
     boundary_only = {"swap_config": {"swap": True, "checkpoint_swap": True, "min_bytes": 0}}
     kept = [_measured_kept(DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint="always", schedule="gpipe",
                                            recompute=config), x, y) for config in (None, boundary_only)]
     if pipe.stages[0] > 0:
-        assert kept[1] - kept[0] == 4 * 4, kept  # 4 micro-batches x one float32 stand-in
+        away = 3 * x.numel() * x.element_size() // 4  # 3 of the 4 inputs: the activations are as wide as x
+        assert kept[1] - kept[0] == 4 * 4 - away, kept  # 4 micro-batches x one float32 stand-in
     else:
         assert kept[1] == kept[0]  # stage 0's inputs are the caller's: not offloaded
     return checked

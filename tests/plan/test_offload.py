@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,8 +126,6 @@ def test_offload_plans_that_cannot_hold_are_refused_with_the_reason() -> None:
                        (Candidate("gpipe", 2, (2, 2), "never", offload=(3, 1)), "between 0 and")):
         with pytest.raises(ValueError, match=words):
             predict(costs, bad)
-    with pytest.raises(ValueError, match="thread runner"):
-        predict(costs, Candidate("1f1b", 2, (2, 2), "never", offload=(1, 1)), runner="processes")
     without = Costs.from_table(8, [1e-3] * 4, [2e-3] * 4, [1000] * 4, [100] * 4)
     with pytest.raises(ValueError, match="CUDA device"):
         predict(without, Candidate("gpipe", 2, (4,), "never", offload=(1,)))
@@ -134,6 +133,33 @@ def test_offload_plans_that_cannot_hold_are_refused_with_the_reason() -> None:
         measure_host_copy(torch.device("cpu"))
     with pytest.raises(ValueError, match="per_byte"):
         HostCopy(1e-6, float("nan"))
+
+
+def _build() -> nn.Sequential:  # at module level: the plans' ranks may be started by a fork server
+    return mlp(layers=4, width=32)
+
+
+def test_distributed_offload_plans_are_counted_to_the_byte_on_every_rank() -> None:
+    # DistributedPipe copies a cell's units back as the action before its backward starts, all of them;
+    # a unit made by that very action (a forward right before its backward) comes back as it is used.
+    from pipe.plan.measure import run_plans
+
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    costs = profile_costs(_build(), x, (2, 4), rounds=1, loss_fn=F.mse_loss, target=y, stages=2)
+    costs.host_copy = FAST
+    plans = [Candidate("1f1b", 4, (2, 2), "never", offload=(1, 1)), Candidate("gpipe", 2, (3, 1), "never", offload=(2, 0)),
+             Candidate("1f1b", 2, (3, 1), "never", offload=(3, 0)), Candidate("gpipe", 2, (1, 3), "never", offload=(0, 3)),
+             Candidate("interleaved", 4, (1, 1, 1, 1), "never", 2, offload=(1, 1, 1, 1))]
+    measured = run_plans(_build, plans, x, y, F.mse_loss)
+    for candidate, ranks in zip(plans, measured):
+        predicted = predict(costs, candidate, runner="processes")
+        unmarked = predict(costs, replace(candidate, offload=()), runner="processes")
+        for m in ranks:
+            assert m.activation_peak == predicted.peaks[m.pipeline_rank] - predicted.static[m.pipeline_rank], \
+                (candidate.describe(), m)
+        assert predicted.peaks != unmarked.peaks, candidate.describe()  # the plans' offload shows
+    gpipe = predict(costs, plans[1], runner="processes")  # rank 0 offloads: it holds less
+    assert gpipe.peaks[0] < predict(costs, replace(plans[1], offload=()), runner="processes").peaks[0]
 
 
 @pytest.mark.cuda
