@@ -169,11 +169,11 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_time`).
 
     None when the costs measured no host copy (the CPU: offloading saves nothing there), for the
-    zero-bubble schedules and plans with replicas or sharding (not planned), when offloading every layer
-    does not fit, or when the plan already fits without it.
+    zero-bubble schedules (not planned), when offloading every layer does not fit, or when the plan
+    already fits without it.
     """
     if (not costs.offloads or candidate.checkpoint != "never" or candidate.recompute or candidate.selective()
-            or candidate.schedule in ZERO_BUBBLE_KINDS or candidate.parts > 1):
+            or candidate.schedule in ZERO_BUBBLE_KINDS):
         return None
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
     peaks, _ = predict_memory(costs, candidate, runner=runner)

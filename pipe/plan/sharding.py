@@ -106,7 +106,10 @@ def replica_costs(costs: Costs, parts: int, label: str = "") -> Costs:
                  replay={r: costs.replay[r] for r in kept},
                  select_replay={r: costs.select_replay[r] for r in kept} if costs.select_replay is not None else None,
                  select=costs.select, tied=costs.tied,
-                 checkpoint_overhead=costs.checkpoint_overhead)
+                 checkpoint_overhead=costs.checkpoint_overhead,
+                 offload_bytes={r: costs.offload_bytes[r] for r in kept} if costs.offload_bytes is not None else None,
+                 offload_copies={r: costs.offload_copies[r] for r in kept} if costs.offload_copies is not None else None,
+                 host_copy=costs.host_copy)
     view._memory_cache = costs._memory_cache  # keyed by rows: the same counts
     cache[parts] = view
     return view

@@ -160,6 +160,10 @@ def test_distributed_offload_plans_are_counted_to_the_byte_on_every_rank() -> No
         assert predicted.peaks != unmarked.peaks, candidate.describe()  # the plans' offload shows
     gpipe = predict(costs, plans[1], runner="processes")  # rank 0 offloads: it holds less
     assert gpipe.peaks[0] < predict(costs, replace(plans[1], offload=()), runner="processes").peaks[0]
+    sharded = Candidate("1f1b", 2, (2, 2), "never", dp_shard=2, offload=(2, 1))  # FSDP2 over 2 of 4 ranks
+    predicted = predict(costs, sharded, runner="processes")
+    for m in run_plans(_build, [sharded], x, y, F.mse_loss)[0]:
+        assert m.activation_peak == predicted.peaks[m.pipeline_rank] - predicted.static[m.pipeline_rank], m
 
 
 @pytest.mark.cuda
