@@ -183,7 +183,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 if first == 0 and offloaded:  # a view of the mini-batch, as the runners give it: an offloader
                     given = scatter(as_input(sample, device).value, batch // rows)[0]  # moves its whole storage
                 return _count_stage(nn.Sequential(*stage), given, first == 0, checkpointed, loss,
-                                    split, fresh, (lambda: offloader.prefetch(None, 0)) if prefetch < 0 else None)
+                                    split, fresh, offloader if offloaded else None, prefetch < 0)
         finally:
             for layer in [*stage[:recomputed], *chosen, *stage[:offloaded]]:
                 unmark(layer)
@@ -290,11 +290,12 @@ def _monotone(times: Table) -> Table:
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
                  loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False,
-                 fresh: bool = False, fetch: Optional[Callable[[], None]] = None) -> StageMemory:
+                 fresh: bool = False, offloader: Optional[Offloader] = None, fetch: bool = False) -> StageMemory:
     """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
     its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it;
     with ``fresh``, the parameters have no gradient before the backward (it creates them, counted);
-    ``fetch``, called between forward and backward, copies an offloader's units back (counted apart)."""
+    ``offloader``: the one the stage's layers offload through; with ``fetch``, the counted forward's units
+    all come back before the backward (counted apart, :attr:`StageMemory.fetched`)."""
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -302,6 +303,8 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     guard = InputGuard("the profiled stage", shared=first, partition=stage)
     guard.call(function, detach(given.with_tensors([t.clone() for t in given.tensors])))
     after_input = weight_peak = input_peak = 0
+    if offloader is not None:
+        offloader.discard()  # the warm-up's units: never used, nor prefetched by the counted ones
     with ActivationMemory() as counter:
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         # A received input needs its gradient where the sender's output did (it is sent back).
@@ -314,8 +317,8 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
         value = loss[0](output.value, loss[1]) if loss is not None else None
         forward_peak, kept = counter.peak_bytes, counter.live_bytes
         fetched = 0
-        if fetch is not None:
-            fetch()
+        if offloader is not None and fetch:
+            offloader.prefetch(None, 0)
             fetched = counter.live_bytes - kept
         counter.reset_peak()
         saved = [(p, p.grad) for p in stage.parameters()] if fresh else []

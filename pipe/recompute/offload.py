@@ -195,6 +195,14 @@ class Offloader:
                 if unit.tag == tag and not unit.fetched and unit.prefetch >= distance:
                     self._fetch(unit, "prefetch")
 
+    def discard(self) -> None:
+        """Forgets the units not used in backward yet: a forward that will not be backpropagated (a warm-up)
+        leaves nothing for later units to prefetch, and its host copies go with its graph."""
+        with self._lock:
+            for unit in list(self._units.values()):
+                if not unit.used:
+                    self._units.pop(unit.index, None)
+
     def hooks(self, name: str = "", backward_prefetch: Optional[int] = None) -> Callable[[], Any]:
         """A factory of :meth:`unit` contexts (what ``Checkpointing(offload=...)`` takes)."""
         return lambda: self.unit(name, backward_prefetch)

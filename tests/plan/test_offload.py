@@ -202,3 +202,54 @@ def test_on_the_gpu_an_offload_plan_fits_its_budget_and_matches_the_plain_model(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)  # cuBLAS may pick other kernels per size
     for a, b in zip(piped.parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_offload_plan_on_a_split_gpt2_with_tied_weights_and_padding_matches_the_plain_model() -> None:
+    # A HuggingFace GPT-2 cut by pipe.split: its tied embedding and head stay on the device (parameters),
+    # the padding mask and the hidden states go to host memory and come back; loss and gradients are
+    # the plain model's.
+    pytest.importorskip("transformers")
+    import pipe
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from split_models import assert_same_lm_step, gpt2, lm_batch, lm_loss
+
+    torch.manual_seed(0)
+    model = gpt2(layers=2)
+    ids, mask, labels = lm_batch(8, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    costs = profile_costs(stages, (ids, mask), (1, 2), rounds=1, loss_fn=lm_loss, target=labels)
+    costs.host_copy = FAST
+    never = Candidate("gpipe", 2, (1, 1), "never")
+    planned = per_stage_offload(costs, never, [int(p * 0.97) for p in predict(costs, never).peaks])
+    assert planned is not None and any(planned.offload), planned
+    reference = copy.deepcopy(model)
+    piped = Pipe(stages, chunks=planned.chunks, balance=list(planned.balance), checkpoint="never",
+                 recompute=planned.recompute_config())
+    assert piped.recompute_strategy is not None and any(o is not None for o in piped.recompute_strategy.offloaders)
+    assert_same_lm_step(piped, model, reference, ids, mask, labels)
+    piped.close()
+
+
+def test_a_split_llamas_offload_plans_are_counted_as_they_run_on_ranks() -> None:
+    # LLaMA through pipe.split over 2 ranks: the rotary tables (buffers' products, no gradient) and the
+    # mask ride with the hidden state; offloading stages' peaks as counted on the ranks, to the byte. (Its
+    # first stage's warm-up graph outlives the warm-up: the profile's count discards its units, else the
+    # counted forward's would prefetch them.)
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from spawn_ranks import run_ranks
+    from split_models import lm_batch, lm_loss
+    from test_cost import _measure_lm, _split_llama
+
+    plans = [Candidate("1f1b", 4, (2, 2), "never", offload=(2, 1)), Candidate("gpipe", 2, (2, 2), "never", offload=(1, 2))]
+    measured = run_ranks(_measure_lm, 2, plans, deadline=300)
+    ids, mask, labels = lm_batch(8, 8)
+    costs = profile_costs(_split_llama(), (ids, mask), (2, 4), rounds=1, loss_fn=lm_loss, target=labels)
+    costs.host_copy = FAST
+    for k, candidate in enumerate(plans):
+        predicted = predict(costs, candidate, runner="processes")
+        for rank in range(2):
+            assert measured[rank][k] == predicted.peaks[rank] - predicted.static[rank], (candidate.describe(), rank)

@@ -39,6 +39,20 @@ def test_prefetch_one_layer_ahead() -> None:
     ]
 
 
+def test_a_discarded_forward_is_not_prefetched_by_the_next() -> None:
+    model = blocks()
+    offloader = offloaded(model, 1)
+    abandoned = model(sample())  # a warm-up, never backpropagated, its graph still alive
+    offloader.discard()
+    offloader.events.clear()
+    model(sample()).sum().backward()
+    assert ("prefetch", 3) not in offloader.events  # the warm-up's last unit, right before the next forward's first
+    assert [e for e in offloader.events if e[0] in ("fetch", "prefetch")] == [
+        ("fetch", 7), ("prefetch", 6), ("prefetch", 5), ("prefetch", 4)]
+    assert offloader.pending_units() == 0
+    del abandoned
+
+
 def test_prefetch_two_layers_ahead_and_on_demand() -> None:
     model = blocks()
     offloader = offloaded(model, 2)
