@@ -160,6 +160,8 @@ class Plan:
         lines = [f"memory budget {budget}; {self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
+        if self.costs is not None and self.costs.host_copy is not None:
+            lines.append(f"offload planned: {self.costs.host_copy.describe()}")
         if self.calibration is not None:
             lines.append(self.calibration.describe())
         peaks = "peak per pipeline rank" if self.splits else "peak per rank"  # each of its data-parallel ranks alike

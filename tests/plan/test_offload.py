@@ -85,6 +85,8 @@ def test_the_planner_offloads_where_the_budget_needs_it_and_the_pipe_runs_the_pl
     chosen = search(costs, 1, budget, checkpoints=("never",), runners_up=2)
     assert any(chosen.candidate.offload), chosen.candidate.describe()
     assert chosen.best.peak <= budget
+    table = chosen.table()
+    assert "offload planned: host copy 5 us + 20.0 GB/s each way" in table and "offload=[" in table
     kwargs = chosen.pipe_kwargs()
     assert kwargs["recompute"]["swap_config"]["layer_swap"][0]["layers"] == list(range(chosen.candidate.offload[0]))
     piped, plain = Pipe(copy.deepcopy(model), **kwargs), copy.deepcopy(model)
