@@ -29,7 +29,8 @@ from pipe.plan.cost import Costs, StageMemory, StageTime
 from pipe.plan.profile import profile_costs
 from pipe.plan.explain import Explanation, explain, explain_prediction
 from pipe.viz.idle import Idle
-from pipe.plan.predict import Candidate, Prediction, predict
+from pipe.plan.candidate import Candidate
+from pipe.plan.predict import Prediction, predict
 from pipe.plan.timing import Link, TimeModel, fit
 from pipe.plan.calibration import Calibration, calibrate
 from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search

@@ -31,7 +31,8 @@ from torch import nn
 from pipe.plan.candidates import candidates
 from pipe.plan.cost import Costs
 from pipe.plan.measure import mean_output_loss, run_plans
-from pipe.plan.predict import Candidate, predict
+from pipe.plan.candidate import Candidate
+from pipe.plan.predict import predict
 from pipe.plan.timing import Link, TimeModel, fit
 
 __all__: list[str] = []

@@ -6,14 +6,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from pipe.balance.solver import solve
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.schedule import Schedule
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs
-from pipe.plan.predict import Candidate, predict_memory
+from pipe.plan.candidate import Candidate
+from pipe.plan.predict import predict_memory
 from pipe.plan.sharding import replica_costs
 
 __all__: list[str] = []
@@ -116,7 +117,6 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
     schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
     view = replica_costs(costs, candidate.parts)  # each pipeline's share of the batch
     rows = view.rows(candidate.chunks)
-    full, select = [0] * len(candidate.balance), [0] * len(candidate.balance)
     peaks, _ = predict_memory(costs, candidate, runner=runner)
     if all(p <= b for p, b in zip(peaks, budget)):
         return None
@@ -126,39 +126,27 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
         table = view.select_replay if selective else view.replay
         return table[rows][layer] if table is not None else math.inf
 
-    def moves(s: int) -> Iterable[tuple[list[int], list[int], float]]:  # (full, select, seconds added)
-        f, g = full[s], select[s]
-        if f < candidate.balance[s]:  # layer f recomputes fully (if it was selective, that replay goes)
-            yield ([*full[:s], f + 1, *full[s + 1:]], [*select[:s], max(g, f + 1), *select[s + 1:]],
-                   replay(first_of[s] + f, False) - (replay(first_of[s] + f, True) if g > f else 0.0))
-        if costs.select and g < candidate.balance[s]:  # layer g recomputes selectively
-            yield full, [*select[:s], g + 1, *select[s + 1:]], replay(first_of[s] + g, True)
-
     def marked(f: list[int], g: list[int]) -> Candidate:
         if all(b <= a for a, b in zip(f, g)):  # every selective mark raised to full: none left
             return replace(candidate, recompute=tuple(f))
         return replace(candidate, recompute=tuple(f), select=tuple(g), select_names=costs.select)
 
-    for rank in range(schedule.ranks):
-        peak = peaks[rank]
-        while peak > budget[rank]:
-            best: Optional[tuple[float, list[int], list[int], int]] = None
-            unlock: Optional[tuple[float, list[int], list[int], int]] = None  # the cheapest full mark saving nothing
-            for s in schedule.stages_of(rank):
-                for f, g, seconds in moves(s):
-                    if math.isinf(seconds):
-                        continue
-                    new_peak = predict_memory(costs, marked(f, g), runner=runner, ranks=[rank])[0][rank]
-                    score = (peak - new_peak) / max(seconds * candidate.chunks, 1e-12)
-                    if new_peak < peak and (best is None or score > best[0]):
-                        best = (score, f, g, new_peak)
-                    elif new_peak >= peak and sum(f) > sum(full) and (unlock is None or seconds < unlock[0]):
-                        unlock = (seconds, f, g, new_peak)  # marks count from a stage's first layer: the next may
-            best = best or unlock
-            if best is None:
-                return None  # every layer of the rank marked, still over
-            _, full, select, peak = best
-    return marked(full, select)
+    def peak_of(marks: tuple[list[int], list[int]], rank: int) -> int:
+        return predict_memory(costs, marked(*marks), runner=runner, ranks=[rank])[0][rank]
+
+    def options(marks: tuple[list[int], list[int]], s: int) -> Iterable[tuple[tuple[list[int], list[int]], float, bool]]:
+        full, select = marks
+        f, g = full[s], select[s]
+        if f < candidate.balance[s]:  # layer f recomputes fully (if it was selective, that replay goes); a full
+            # mark may save nothing itself yet open the next layer's
+            yield (([*full[:s], f + 1, *full[s + 1:]], [*select[:s], max(g, f + 1), *select[s + 1:]]),
+                   replay(first_of[s] + f, False) - (replay(first_of[s] + f, True) if g > f else 0.0), True)
+        if costs.select and g < candidate.balance[s]:  # layer g recomputes selectively
+            yield (full, [*select[:s], g + 1, *select[s + 1:]]), replay(first_of[s] + g, True), False
+
+    none = [0] * len(candidate.balance)
+    settled = _settle_ranks(schedule, peaks, budget, candidate.chunks, (none, none), options, peak_of)
+    return marked(*settled) if settled is not None else None
 
 
 def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"
@@ -179,33 +167,54 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     peaks, _ = predict_memory(costs, candidate, runner=runner)
     if all(p <= b for p, b in zip(peaks, budget)):
         return None
+    view = replica_costs(costs, candidate.parts)  # each pipeline's share of the batch
     bounds = [(sum(candidate.balance[:s]), sum(candidate.balance[:s + 1])) for s in range(len(candidate.balance))]
-    counts = [0] * len(candidate.balance)
 
     def seconds(s: int, offloaded: int) -> float:  # one micro-batch's forward and backward on stage s
-        t = costs.stage_time(*bounds[s], candidate.chunks, offloaded=offloaded)
+        t = view.stage_time(*bounds[s], candidate.chunks, offloaded=offloaded)
         return t.forward + t.backward
 
+    def peak_of(counts: list[int], rank: int) -> int:
+        return predict_memory(costs, replace(candidate, offload=tuple(counts)), runner=runner, ranks=[rank])[0][rank]
+
+    def options(counts: list[int], s: int) -> Iterable[tuple[list[int], float, bool]]:
+        if counts[s] < candidate.balance[s]:  # the next layer may save nothing itself (a view of the caller's
+            more = [*counts[:s], counts[s] + 1, *counts[s + 1:]]  # batch) yet open the next one's
+            yield more, seconds(s, more[s]) - seconds(s, counts[s]), True
+
+    settled = _settle_ranks(schedule, peaks, budget, candidate.chunks, [0] * len(candidate.balance), options, peak_of)
+    return replace(candidate, offload=tuple(settled)) if settled is not None else None
+
+
+State = TypeVar("State")
+
+
+def _settle_ranks(schedule: Schedule, peaks: list[int], budget: list[int], chunks: int, state: State,
+                  options: Callable[[State, int], Iterable[tuple[State, float, bool]]],
+                  peak_of: Callable[[State, int], int]) -> Optional[State]:
+    """Settles each rank over budget on its own, greedily: one move at a time on one of its stages
+    (``options(state, stage)``: the next states, the seconds each adds per micro-batch, and whether it may
+    open a later move), the one saving the most bytes per second added, until the rank fits; where no
+    move lowers the rank's peak (``peak_of(state, rank)``), the cheapest that opens a later one. None when
+    a rank's moves run out before it fits.
+    """
     for rank in range(schedule.ranks):
         peak = peaks[rank]
         while peak > budget[rank]:
-            best: Optional[tuple[float, int, int]] = None  # (score, stage, its new peak)
-            unlock: Optional[tuple[float, int, int]] = None  # the move that raises the peak least: the next may save
+            best: Optional[tuple[float, State, int]] = None
+            unlock: Optional[tuple[float, State, int]] = None
             for s in schedule.stages_of(rank):
-                if counts[s] == candidate.balance[s]:
-                    continue
-                more = [*counts[:s], counts[s] + 1, *counts[s + 1:]]
-                new_peak = predict_memory(costs, replace(candidate, offload=tuple(more)), runner=runner,
-                                          ranks=[rank])[0][rank]
-                added = max(seconds(s, more[s]) - seconds(s, counts[s]), 1e-12) * candidate.chunks
-                score = (peak - new_peak) / added
-                if new_peak < peak and (best is None or score > best[0]):
-                    best = (score, s, new_peak)
-                elif new_peak >= peak and (unlock is None or new_peak < unlock[2]):
-                    unlock = (score, s, new_peak)  # e.g. a first layer saving a view of the caller's batch
-            best = best or unlock
-            if best is None:
-                return None  # every layer of the rank offloads, still over
-            counts[best[1]] += 1
-            peak = best[2]
-    return replace(candidate, offload=tuple(counts))
+                for new, seconds, opens in options(state, s):
+                    if math.isinf(seconds):
+                        continue
+                    new_peak = peak_of(new, rank)
+                    score = (peak - new_peak) / max(seconds * chunks, 1e-12)
+                    if new_peak < peak and (best is None or score > best[0]):
+                        best = (score, new, new_peak)
+                    elif new_peak >= peak and opens and (unlock is None or seconds < unlock[0]):
+                        unlock = (seconds, new, new_peak)
+            chosen = best or unlock
+            if chosen is None:
+                return None  # every layer of the rank marked, still over
+            _, state, peak = chosen
+    return state

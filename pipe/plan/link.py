@@ -214,7 +214,8 @@ def _sharding_per_byte(link: Link, tiny: float, wide: float) -> float:
 def _overhead(link: Optional[Link], step: float, runner: str = "processes") -> float:
     """The overhead per action that makes the empty plan's predicted step on ``runner`` the measured one."""
     from pipe.plan.cost import Costs
-    from pipe.plan.predict import Candidate, predict
+    from pipe.plan.candidate import Candidate
+    from pipe.plan.predict import predict
     from pipe.plan.timing import TimeModel
 
     kind, chunks = OVERHEAD_PLAN

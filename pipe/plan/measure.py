@@ -28,7 +28,7 @@ from pipe.recompute.module import policy_of
 from pipe.recompute.selective import SelectiveRecompute
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipe.plan.predict import Candidate
+    from pipe.plan.candidate import Candidate
     from pipe.plan.search import Plan
 
 __all__: list[str] = []

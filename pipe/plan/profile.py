@@ -179,9 +179,9 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 if chosen:  # the marks plan on their first two calls (the second where they narrow)
                     _warm_up(nn.Sequential(*stage), inputs[rows][first], first == 0, calls=2)
                 loss = (loss_fn, targets[rows]) if loss_fn is not None and stop == len(layers) else None
-                given = inputs[rows][first]
-                if first == 0 and offloaded:  # a view of the mini-batch, as the runners give it: an offloader
-                    given = scatter(as_input(sample, device).value, batch // rows)[0]  # moves its whole storage
+                # The first stage gets a micro-batch of a fresh copy of the mini-batch, a view, as the runners give
+                # it: a layer working in place changes no later count, and an offloader moves the whole storage.
+                given = scatter(as_input(sample, device).value, batch // rows)[0] if first == 0 else inputs[rows][first]
                 return _count_stage(nn.Sequential(*stage), given, first == 0, checkpointed, loss,
                                     split, fresh, offloader if offloaded else None, prefetch < 0)
         finally:

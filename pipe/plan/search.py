@@ -34,7 +34,8 @@ from pipe.core.schedule import Schedule
 from pipe.plan.candidates import candidates, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
 from pipe.plan.profile import profile_costs, verify_threads
-from pipe.plan.predict import Candidate, Prediction, busy_bound, predict, predict_memory
+from pipe.plan.candidate import Candidate
+from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import Link, TimeModel
 from pipe.recompute.selective import DEFAULT_SELECT

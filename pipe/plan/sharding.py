@@ -51,7 +51,8 @@ from pipe.core.schedule import Action, Phase, Schedule
 from pipe.plan.cost import Costs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipe.plan.predict import Candidate, Prediction
+    from pipe.plan.candidate import Candidate
+    from pipe.plan.predict import Prediction
     from pipe.plan.timing import Link
 
 __all__: list[str] = []

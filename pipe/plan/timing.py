@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     from pipe.core.schedule import Action, TimedAction
     from pipe.plan.cost import Costs
-    from pipe.plan.predict import Candidate
+    from pipe.plan.candidate import Candidate
 
 __all__: list[str] = []
 
