@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from planner import QUIET, reference  # noqa: E402
+from planner import QUIET, is_quiet, reference  # noqa: E402
 
 
 def series(seconds: float, results: "multiprocessing.Queue[list[float]] | None" = None) -> list[float]:
@@ -46,7 +46,7 @@ def series(seconds: float, results: "multiprocessing.Queue[list[float]] | None" 
 
 def summary(times: list[float], fastest: float) -> dict[str, Any]:
     return {"count": len(times), "fastest_ms": min(times) * 1e3, "median_ms": statistics.median(times) * 1e3,
-            "fast_share": sum(t <= fastest * (1 + QUIET) for t in times) / len(times)}
+            "fast_share": sum(is_quiet(t, fastest) for t in times) / len(times)}
 
 
 def main() -> None:

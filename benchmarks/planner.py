@@ -185,27 +185,37 @@ def quiet_profile(profile: Callable[[], Costs], attempts: int = 3) -> tuple[Cost
     while time.perf_counter() < until:
         probes.append(reference())
         time.sleep(0.1)
-    quiet = min(probes)
-    best: tuple[float, Costs] | None = None
-    for attempt in range(1, attempts + 1):
+    fastest = min(probes)
+
+    def attempt() -> tuple[float, Costs]:  # (slowest reference around it over the fastest, the profile)
         deadline = time.perf_counter() + 30
-        while reference() > quiet * (1 + QUIET) and time.perf_counter() < deadline:
+        while not is_quiet(reference(), fastest) and time.perf_counter() < deadline:
             time.sleep(0.2)
         before = reference()
         costs = profile()
-        factor = max(before, reference()) / quiet
-        if best is None or factor < best[0]:
-            best = (factor, costs)
-        if factor <= 1 + QUIET:
-            break
-    assert best is not None
-    return best[1], {"reference_factor": best[0], "attempts": attempt}
+        return max(before, reference()) / fastest, costs
+
+    best, taken = attempt(), 1
+    while not is_quiet(best[0], 1.0) and taken < attempts:
+        best, taken = min(best, attempt(), key=lambda a: a[0]), taken + 1
+    return best[1], {"reference_factor": best[0], "attempts": taken}
 
 
-def quiet_steps(steps: list[float], refs: list[float], quiet: float) -> list[float]:
+def is_quiet(ref: float, fastest: float) -> bool:
+    """Whether a :func:`reference` of ``ref`` seconds ran in the fast state (within :data:`QUIET` of ``fastest``)."""
+    return ref <= fastest * (1 + QUIET)
+
+
+def quiet_steps(steps: list[float], refs: list[float], fastest: float) -> list[float]:
     """The sorted steps of a plan measured while the machine was in its fast state (all of them if fewer than two were)."""
-    calm = sorted(s for s, r in zip(steps, refs) if r <= quiet * (1 + QUIET))
+    calm = sorted(s for s, r in zip(steps, refs) if is_quiet(r, fastest))
     return calm if len(calm) >= 2 else sorted(steps)
+
+
+def settled(steps: list[float], refs: list[float], fastest: float) -> bool:
+    """Whether a plan has two quiet sweeps whose steps agree within :data:`AGREE`."""
+    calm = sorted(s for s, r in zip(steps, refs) if is_quiet(r, fastest))
+    return len(calm) >= 2 and calm[1] <= calm[0] * (1 + AGREE)
 
 
 def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Candidate], record: Candidate,
@@ -232,10 +242,8 @@ def _rank(rank: int, port: int, name: str, size: dict[str, int], grid: list[Cand
             refs[k].append(float(times[1, i]))
 
     def unsettled() -> list[int]:
-        quiet = min(min(r) for r in refs)
-        return [k for k in range(len(grid))
-                if sum(r <= quiet * (1 + QUIET) for r in refs[k]) < 2
-                or quiet_steps(steps[k], refs[k], quiet)[1] > quiet_steps(steps[k], refs[k], quiet)[0] * (1 + AGREE)]
+        fastest = min(map(min, refs))
+        return [k for k in range(len(grid)) if not settled(steps[k], refs[k], fastest)]
 
     for number in range(sweeps):  # sweeps over the grid, minutes apart: the fastest time of each plan counts
         if rank == 0:
@@ -285,10 +293,10 @@ def run_ranks(name: str, size: dict[str, int], grid: list[Candidate], record: Ca
 
 def timed_sweeps(result: dict[str, Any]) -> tuple[list[list[float]], float]:
     """Per plan, its sorted quiet steps (:func:`quiet_steps`), and the share of all sweeps that were quiet."""
-    quiet = min(map(min, result["refs"]))
+    fastest = min(map(min, result["refs"]))
     refs = [r for plan in result["refs"] for r in plan]
-    share = sum(r <= quiet * (1 + QUIET) for r in refs) / len(refs)
-    return [quiet_steps(s, r, quiet) for s, r in zip(result["steps"], result["refs"])], share
+    share = sum(is_quiet(r, fastest) for r in refs) / len(refs)
+    return [quiet_steps(s, r, fastest) for s, r in zip(result["steps"], result["refs"])], share
 
 
 def balances_for(layers: int) -> list[list[int]]:
