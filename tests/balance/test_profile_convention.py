@@ -48,7 +48,7 @@ def test_balancers_on_pipe_sequential(balancer: str) -> None:
     model = heavy_model()
     before = [t.clone() for t in model.state_dict().values()]
     if balancer == "time":
-        balance = balance_by_time(3, model, SAMPLE, timeout=0.2)
+        balance = balance_by_time(3, model, SAMPLE, timeout=1.0)  # more rounds: a stall on a busy machine fades
     elif balancer == "size":
         balance = balance_by_size(3, model, SAMPLE, chunks=4)
     else:
