@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import statistics
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -46,6 +47,9 @@ from pipe.recompute.selective import DEFAULT_SELECT
 from pipe.plan.search import PlanError, parse_bytes
 
 __all__: list[str] = []
+
+VERIFY_STEPS = 5
+"""Steps ``--verify`` times after its warm-up: the fastest is compared, the others show the machine's spread."""
 
 
 def _function(text: str) -> Callable[[], Any]:
@@ -152,10 +156,9 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     predicted = chosen.best
     lines = ["verified (measured beside predicted):"]
     if args.runner == "processes":
-        measured = verify_plan(args.model, chosen, sample, sample, mean_output_loss)
-        step = max(m.step_time for m in measured)
-        lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
-                     f"({predicted.step_time / step - 1:+.1%})")
+        measured = verify_plan(args.model, chosen, sample, sample, mean_output_loss, repeat=VERIFY_STEPS)
+        # each step is as long as its slowest rank's
+        lines.append(_step_line(predicted.step_time, [max(times) for times in zip(*(m.step_times for m in measured))]))
         for rank, m in enumerate(measured):
             peak = predicted.peaks[m.pipeline_rank]
             where = f" (pipeline rank {m.pipeline_rank})" if chosen.candidate.parts > 1 else ""
@@ -166,16 +169,25 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
 
     model = Pipe(args.model(), devices=["cpu"] * chosen.candidate.ranks, **chosen.pipe_kwargs())
     times = []
-    for _ in range(4):
+    for _ in range(1 + VERIFY_STEPS):  # the first warms up
         begun = time.perf_counter()
         mean_output_loss(model(sample), None).backward()
         times.append(time.perf_counter() - begun)
     model.close()
-    step = min(times[1:])
-    lines.append(f"  step  predicted {predicted.step_time * 1e3:9.2f} ms  measured {step * 1e3:9.2f} ms "
-                 f"({predicted.step_time / step - 1:+.1%}); per-stage peaks are not measured in one process "
-                 f"(plan with --runner processes to check them)")
+    lines.append(_step_line(predicted.step_time, times[1:]))
+    lines.append("  per-stage peaks are not measured in one process (plan with --runner processes to check them)")
     return "\n".join(lines)
+
+
+def _step_line(predicted: float, steps: Sequence[float]) -> str:
+    """The predicted step beside the fastest of the measured ``steps`` (seconds), and how far those spread: a
+    prediction between the fastest and the slowest cannot be told wrong by this measurement."""
+    fastest, slowest = min(steps), max(steps)
+    within = ": the prediction lies within them" if fastest <= predicted <= slowest else ""
+    return (f"  step  predicted {predicted * 1e3:9.2f} ms  measured {fastest * 1e3:9.2f} ms "
+            f"({predicted / fastest - 1:+.1%})\n"
+            f"        the fastest of {len(steps)} steps; median {statistics.median(steps) * 1e3:.2f} ms, "
+            f"slowest {slowest * 1e3:.2f} ms{within}")
 
 
 class _Name(str):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -37,13 +37,15 @@ __all__: list[str] = []
 @dataclass(frozen=True)
 class Measured:
     """One rank's measured step: counted peak (bytes; activations, plus the static bytes in
-    :func:`verify_plan`) and wall time (seconds); ``pipeline_rank``: its rank in the pipeline
-    (its index in a prediction's ``peaks``; a sharded or replicated plan has ``dp_replicate x dp_shard`` ranks
-    per pipeline rank)."""
+    :func:`verify_plan`) and wall time (seconds, the fastest timed step); ``pipeline_rank``: its rank in the
+    pipeline (its index in a prediction's ``peaks``; a sharded or replicated plan has ``dp_replicate x dp_shard``
+    ranks per pipeline rank); ``step_times``: every timed step, in order (over every sweep of
+    :func:`run_plans`), how far the machine's speed spread the measurement."""
 
     activation_peak: int
     step_time: float
     pipeline_rank: int = 0
+    step_times: tuple[float, ...] = ()
 
 
 def mean_output_loss(output: Any, target: Any) -> Any:
@@ -80,7 +82,7 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
         step(inputs, target, loss_fn)
         times.append(time.perf_counter() - begun)
     torch.distributed.barrier()
-    return Measured(peak, min(times))
+    return Measured(peak, min(times), step_times=tuple(times))
 
 
 @contextlib.contextmanager
@@ -152,12 +154,13 @@ def _plans_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module]
                 x, y = inputs, target
                 if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
                     x, y = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
-                m = measure_step(model, x, y, loss_fn, repeat=repeat)
-                m = Measured(m.activation_peak, m.step_time, model.topology.pipeline_rank)
+                m = replace(measure_step(model, x, y, loss_fn, repeat=repeat),
+                            pipeline_rank=model.topology.pipeline_rank)
                 if sweep == 0:
                     best.append(m)
-                elif m.step_time < best[k].step_time:
-                    best[k] = Measured(best[k].activation_peak, m.step_time, m.pipeline_rank)
+                else:  # the first sweep's peak, the fastest step of all
+                    best[k] = replace(best[k], step_time=min(best[k].step_time, m.step_time),
+                                      step_times=best[k].step_times + m.step_times)
         queue.put((rank, best))
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent
@@ -238,5 +241,4 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
         TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
     """
     measured = run_plans(build, [plan.candidate], inputs, target, loss_fn, repeat=repeat, timeout=timeout)[0]
-    return [Measured(m.activation_peak + plan.best.static[m.pipeline_rank], m.step_time, m.pipeline_rank)
-            for m in measured]
+    return [replace(m, activation_peak=m.activation_peak + plan.best.static[m.pipeline_rank]) for m in measured]

@@ -128,3 +128,19 @@ def test_where_a_gpu_is_visible_the_plans_ranks_come_from_a_fork_server_so_build
         run_plans(lambda: model, plans, torch.randn(32, 64), torch.randn(32, 64), nn.functional.mse_loss)
     with pytest.raises(ValueError, match="run_plans runs candidates on one set of ranks"):
         run_plans(lambda: model, [], torch.randn(32, 64), None, nn.functional.mse_loss)
+
+
+def _two_layers() -> nn.Sequential:  # at module level: the plans' ranks may be started by a fork server
+    return mlp(layers=2)
+
+
+def test_run_plans_keeps_every_timed_step_of_every_sweep_and_the_fastest() -> None:
+    from pipe.plan.measure import run_plans
+
+    plans = candidates(costs_of(_two_layers()), 2, "processes", schedules=("gpipe",))[:2]
+    measured = run_plans(_two_layers, plans, torch.randn(32, 64), torch.randn(32, 64), nn.functional.mse_loss,
+                         repeat=2, sweeps=3)
+    for ranks in measured:
+        for m in ranks:
+            assert len(m.step_times) == 6 and m.step_time == min(m.step_times), m
+            assert m.activation_peak > 0

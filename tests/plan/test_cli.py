@@ -150,6 +150,7 @@ def test_pipe_plan_verify_prints_measured_beside_predicted(factory: str, capsys:
         out = capsys.readouterr().out
         assert status == 0, out
         assert "verified (measured beside predicted):" in out and "measured" in out.split("verified")[1]
+        assert "the fastest of 5 steps; median" in out, out  # the machine's own spread beside the figure
         assert ("rank 1 peak  predicted" in out) == (runner == "processes"), out
         assert "next best that fit:" in out and "slower by" in out
 
@@ -187,3 +188,13 @@ def test_pipe_plan_splits_ranks_between_pipeline_sharding_and_replicas(factory: 
         with pytest.raises(SystemExit) as exited:
             plan_main(args + bad)
         assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_verify_says_when_the_prediction_lies_within_the_measured_steps() -> None:
+    from pipe.plan.cli import _step_line
+
+    inside = _step_line(0.011, [0.012, 0.010, 0.015, 0.011, 0.013])
+    assert "predicted     11.00 ms  measured     10.00 ms (+10.0%)\n" in inside, inside
+    assert inside.endswith("the fastest of 5 steps; median 12.00 ms, slowest 15.00 ms: the prediction lies within them")
+    outside = _step_line(0.009, [0.012, 0.010, 0.015])
+    assert "(-10.0%)\n" in outside and outside.endswith("the fastest of 3 steps; median 12.00 ms, slowest 15.00 ms")
