@@ -302,20 +302,26 @@ def timed_sweeps(result: dict[str, Any]) -> tuple[list[list[float]], float]:
     return [quiet_steps(s, r, fastest) for s, r in zip(result["steps"], result["refs"])], share
 
 
-def per_stage_model_bound(costs: Costs, budgets: list[int], layers: int, model: planner.TimeModel
-                          ) -> list[dict[str, Any]]:
-    """What per-stage recompute can gain by the time model itself: at each budget, over every two-way balance
-    (and the four-way one of :func:`balances_for`) with the per-stage plans derived for the budgets, the
-    fastest plan whose predicted peak fits against the fastest uniform one (both predicted, with the fitted
-    ``model``), where both kinds fit. A measured gain beyond it is the measurement's, not the plans'."""
-    balances = [[k, layers - k] for k in range(1, layers)] + [b for b in balances_for(layers) if len(b) == 4]
-    base = candidates(costs, 2, "processes", balances=balances)
+def with_per_stage(costs: Costs, base: list[Candidate], budgets: list[int]) -> list[Candidate]:
+    """``base`` and the per-stage recompute plans the search derives from them for ``budgets`` on 2 ranks (the
+    same function it calls)."""
     plans = list(base)
     for budget in budgets:
         for c in base:
             marked = per_stage_recompute(costs, c, [budget] * 2, "processes")
             if marked is not None and marked not in plans:
                 plans.append(marked)
+    return plans
+
+
+def per_stage_model_bound(costs: Costs, budgets: list[int], layers: int, model: planner.TimeModel
+                          ) -> list[dict[str, Any]]:
+    """What per-stage recompute can gain by the time model itself: at each budget, over every two-way balance
+    (and the four-way one of :func:`balances_for`) with the per-stage plans derived for the budgets, the
+    fastest plan whose predicted peak fits against the fastest uniform one (both predicted, with the fitted
+    ``model``), where both kinds fit: the gain the model expects, to read the measured one against."""
+    balances = [[k, layers - k] for k in range(1, layers)] + [b for b in balances_for(layers) if len(b) == 4]
+    plans = with_per_stage(costs, candidates(costs, 2, "processes", balances=balances), budgets)
     predicted = {c: planner.predict(costs, c, runner="processes", timeline=False, model=model) for c in plans}
 
     def fastest(kind: list[Candidate], budget: int) -> Candidate | None:
@@ -361,13 +367,7 @@ def validate(name: str, size: dict[str, int], mode: dict[str, Any]) -> dict[str,
     hi = planner.search(costs, 2, most, runner="processes", balances=balances, model=default_model).best.peak
     hi = hi if hi > lo else most
     budgets = [int(lo + (hi - lo) * k / (budgets_count - 1)) for k in range(budgets_count)]
-    # The per-stage recompute plans the search derives for these budgets (the same function it calls).
-    grid = list(base)
-    for budget in budgets:
-        for c in base:
-            marked = per_stage_recompute(costs, c, [budget] * 2, "processes")
-            if marked is not None and marked not in grid:
-                grid.append(marked)
+    grid = with_per_stage(costs, base, budgets)
     planning_s = time.perf_counter() - begun
     recorded = planner.search(costs, 2, budgets[budgets_count // 2], runner="processes", balances=balances,
                               model=default_model)
