@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
@@ -43,6 +44,10 @@ logger = logging.getLogger(__name__)
 CALIBRATION: tuple[tuple[str, int, str], ...] = (
     ("gpipe", 1, "never"), ("1f1b", 8, "never"), ("interleaved", 4, "always"), ("zb-h1", 2, "never"),
     ("zbv", 8, "never"))
+
+SPREAD_WARNING = 0.2
+"""A calibration warns where its plans' median step ran more than this over their fastest (at the median plan):
+the machine's speed changed under it, and the fitted constants are as uncertain."""
 
 
 def calibration_plans(grid: Sequence[Candidate], costs: Costs) -> list[Candidate]:
@@ -73,15 +78,20 @@ class Calibration:
         model: the fitted :class:`TimeModel` (pass it as ``model=`` to :func:`pipe.plan.search`).
         measured: each calibration plan's step time, the fastest over the sweeps (seconds; the slowest rank).
         errors: each calibration plan's predicted step with ``model``, relative to the measured one.
+        spread: each calibration plan's median step over its fastest, less 1 (every timed step of every
+            sweep, each its slowest rank's): how far the machine's speed moved while it ran.
     """
 
     model: TimeModel
     measured: dict[Candidate, float]
     errors: dict[Candidate, float]
+    spread: dict[Candidate, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         rms = math.sqrt(math.fsum(e * e for e in self.errors.values()) / max(len(self.errors), 1))
-        return (f"calibrated on {len(self.measured)} plans run here (rms error {rms:.1%}): "
+        moved = (f"; a plan's median step +{statistics.median(self.spread.values()):.1%} over its fastest, at the "
+                 "median plan" if self.spread else "")
+        return (f"calibrated on {len(self.measured)} plans run here (rms error {rms:.1%}{moved}): "
                 + ", ".join(f"{c.describe()} {t * 1e3:.1f} ms" for c, t in self.measured.items()))
 
 
@@ -124,7 +134,13 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
                          repeat=repeat, sweeps=sweeps, timeout=timeout)
     times = {c: max(m.step_time for m in ranks) for c, ranks in zip(chosen, measured)}
+    steps = {c: [max(step) for step in zip(*(m.step_times for m in ranks))] for c, ranks in zip(chosen, measured)}
+    spread = {c: statistics.median(s) / min(s) - 1 for c, s in steps.items() if s}
+    if spread and statistics.median(spread.values()) > SPREAD_WARNING:
+        logger.warning("calibrating: a plan's median step ran %.0f%% over its fastest (the median plan): the "
+                       "machine's speed changed while the plans ran, so the fitted time model is as uncertain; "
+                       "calibrate with nothing else running, or with more sweeps", 100 * statistics.median(spread.values()))
     model = fit(costs, times, runner="processes", link=link, cores=cores)
     errors = {c: predict(costs, c, runner="processes", timeline=False, model=model).step_time / t - 1
               for c, t in times.items()}
-    return Calibration(model, times, errors)
+    return Calibration(model, times, errors, spread)

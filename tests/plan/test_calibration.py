@@ -6,6 +6,7 @@ import functools
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +67,8 @@ def test_calibrate_fits_the_model_no_worse_than_the_layers_times_alone() -> None
     assert rms(calibration.model) == pytest.approx(
         math.sqrt(sum(e * e for e in calibration.errors.values()) / 3))
     assert "calibrated on 3 plans run here" in calibration.describe()
+    assert set(calibration.spread) == set(calibration.measured) and all(v >= 0 for v in calibration.spread.values())
+    assert "over its fastest, at the median plan" in calibration.describe()
 
 
 def test_calibrate_refuses_what_it_cannot_run() -> None:
@@ -144,3 +147,31 @@ def test_run_plans_keeps_every_timed_step_of_every_sweep_and_the_fastest() -> No
         for m in ranks:
             assert len(m.step_times) == 6 and m.step_time == min(m.step_times), m
             assert m.activation_peak > 0
+
+
+def test_calibrate_warns_when_the_machine_s_speed_moved_under_the_plans(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    import pipe.plan.calibration as calibration_module
+    from pipe.plan.measure import Measured
+
+    model = mlp(layers=2)
+    costs = costs_of(model)
+    plans = candidates(costs, 2, "processes", schedules=("gpipe",))[:2]
+
+    def steady_or_not(spread: float) -> Any:
+        def run(build: Any, chosen: Any, *args: Any, **kwargs: Any) -> list[list[Measured]]:
+            times = (0.010, 0.010 * (1 + spread), 0.010 * (1 + 2 * spread))
+            return [[Measured(1, 0.010, 0, times), Measured(1, 0.010, 1, times)] for _ in chosen]
+        return run
+
+    monkeypatch.setattr(calibration_module, "run_plans", steady_or_not(0.5))
+    with caplog.at_level("WARNING", logger="pipe.plan.calibration"):
+        moved = calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=plans)
+    assert moved.spread == {c: pytest.approx(0.5) for c in plans}
+    assert "a plan's median step ran 50% over its fastest" in caplog.text and "calibrate with nothing else" in caplog.text
+    assert "a plan's median step +50.0% over its fastest" in moved.describe()
+    caplog.clear()
+    monkeypatch.setattr(calibration_module, "run_plans", steady_or_not(0.05))
+    with caplog.at_level("WARNING", logger="pipe.plan.calibration"):
+        steady = calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=plans)
+    assert steady.spread == {c: pytest.approx(0.05) for c in plans} and not caplog.text
