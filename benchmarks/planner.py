@@ -47,8 +47,8 @@ fixed at one sequence each), on 2 ranks of DistributedPipe over gloo on the CPU:
    fitting plan with one checkpoint mode for all stages (measured, throughput
    ratio; `per_stage_vs_uniform_max` the largest over the budgets), and the
    same by the fitted model's own predictions over every two-way balance
-   (`per_stage_vs_uniform_model`, `_model_max`): what per-stage recompute can
-   gain on the model at all;
+   (`per_stage_vs_uniform_model`, `_model_max`): the gain the time model
+   expects, to read the measured one against;
 6. one step of a chosen plan is recorded (pipe.trace) and explained;
 7. planning time as the model grows (tabled costs, 25 to 100 layers, 4 and 8 stages).
 
