@@ -31,7 +31,7 @@ from torch import nn
 
 from pipe.plan.candidates import candidates
 from pipe.plan.cost import Costs
-from pipe.plan.measure import mean_output_loss, run_plans
+from pipe.plan.measure import mean_output_loss, pipeline_steps, run_plans
 from pipe.plan.candidate import Candidate
 from pipe.plan.predict import predict
 from pipe.plan.timing import Link, TimeModel, fit
@@ -134,7 +134,7 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
                          repeat=repeat, sweeps=sweeps, timeout=timeout)
     times = {c: max(m.step_time for m in ranks) for c, ranks in zip(chosen, measured)}
-    steps = {c: [max(step) for step in zip(*(m.step_times for m in ranks))] for c, ranks in zip(chosen, measured)}
+    steps = {c: pipeline_steps(ranks) for c, ranks in zip(chosen, measured)}
     spread = {c: statistics.median(s) / min(s) - 1 for c, s in steps.items() if s}
     if spread and statistics.median(spread.values()) > SPREAD_WARNING:
         logger.warning("calibrating: a plan's median step ran %.0f%% over its fastest (the median plan): the "

@@ -41,7 +41,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from pipe.plan.candidates import RUNNERS
-from pipe.plan.measure import mean_output_loss
+from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT
 from pipe.plan.search import PlanError, parse_bytes
@@ -157,8 +157,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     lines = ["verified (measured beside predicted):"]
     if args.runner == "processes":
         measured = verify_plan(args.model, chosen, sample, sample, mean_output_loss, repeat=VERIFY_STEPS)
-        # each step is as long as its slowest rank's
-        lines.append(_step_line(predicted.step_time, [max(times) for times in zip(*(m.step_times for m in measured))]))
+        lines.append(_step_line(predicted.step_time, pipeline_steps(measured)))
         for rank, m in enumerate(measured):
             peak = predicted.peaks[m.pipeline_rank]
             where = f" (pipeline rank {m.pipeline_rank})" if chosen.candidate.parts > 1 else ""

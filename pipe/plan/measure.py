@@ -48,6 +48,12 @@ class Measured:
     step_times: tuple[float, ...] = ()
 
 
+def pipeline_steps(ranks: Sequence[Measured]) -> list[float]:
+    """The timed steps of one plan measured on ``ranks`` (one :class:`Measured` each), each as long as its
+    slowest rank's."""
+    return [max(step) for step in zip(*(m.step_times for m in ranks))]
+
+
 def mean_output_loss(output: Any, target: Any) -> Any:
     """The loss of a measured step when none is given: the mean of the output's tensors (``target`` unused)."""
     tensors = [t for t in (output if isinstance(output, (tuple, list)) else [output]) if isinstance(t, torch.Tensor)]
