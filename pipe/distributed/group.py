@@ -135,16 +135,16 @@ class Topology:
                 mine = group
         return mine
 
-    def new_group(self, members: list[int], role: str) -> dist.ProcessGroup:
-        """The process group of ``members`` for ``role``, with the pipeline's timeout.
+    def new_group(self, members: list[int], role: str) -> Optional[dist.ProcessGroup]:
+        """The process group of ``members`` for ``role``, with the pipeline's timeout; None on a non-member.
 
         Created on first use (collective over the world) and shared by every
         pipeline of the process afterwards (:func:`pipe.distributed.mesh.reuse`).
         """
-        def make() -> dist.ProcessGroup:
+        def make() -> Optional[dist.ProcessGroup]:
             group = dist.new_group(members, timeout=self.timeout)
-            assert group is not None
-            return group
+            # torch gives a non-member a sentinel (GroupMember.NON_GROUP_MEMBER), typed as such from torch 2.14
+            return group if isinstance(group, dist.ProcessGroup) else None
         return reuse(("group", tuple(members), role, self.timeout.total_seconds()), make)
 
     def global_rank(self, pipeline_rank: int, pipeline: Optional[int] = None) -> int:
