@@ -44,7 +44,8 @@ from pipe.plan.candidates import RUNNERS
 from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT
-from pipe.plan.search import PlanError, parse_bytes
+from pipe.plan.search import PlanError
+from pipe.plan.units import parse_bytes
 
 __all__: list[str] = []
 
@@ -152,7 +153,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     import time
 
     from pipe.plan.measure import verify_plan
-    from pipe.plan.search import format_bytes
+    from pipe.plan.units import format_bytes
 
     predicted = chosen.best
     lines = ["verified (measured beside predicted):"]
