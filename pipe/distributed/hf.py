@@ -231,10 +231,13 @@ def _local(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
 
 
 def _model_order(model: nn.Module) -> dict[str, int]:
-    """The plain model's keys in its order, where the module knows them (a split model does)."""
-    stage = next((m for m in model.modules() if isinstance(m, SplitStage)), None)
-    keys = stage.model_keys if stage is not None else tuple(model.state_dict(keep_vars=True))
-    return {key: i for i, key in enumerate(keys)}
+    """The plain model's keys in its order where the module knows them (a split model does), else none.
+
+    (Without them the export keeps the ranks' order, which is the same on every rank.)
+    """
+    modules = (module for _, module in nn.Module.named_modules(model))  # a DistributedPipe's hides its stages
+    stage = next((module for module in modules if isinstance(module, SplitStage)), None)
+    return {key: i for i, key in enumerate(stage.model_keys)} if stage is not None else {}
 
 
 def _gather(value: Any, collective: bool) -> list[Any]:
