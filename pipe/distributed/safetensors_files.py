@@ -117,7 +117,7 @@ def _indices(extents: Sequence[int]) -> Iterator[tuple[int, ...]]:
 
 def _bytes(tensor: Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, as bytes."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def read_into(entry: Entry, offset: Sequence[int], target: Tensor) -> int:
