@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pipe.distributed import safetensors_files as files
@@ -109,7 +109,7 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
     if dtype is not None:
         _convert(model, dtype)
     collective = _collective(model)
-    plan: list[tuple[files.Entry, Tensor]] = []
+    plan: list[tuple[str, files.Entry, Tensor]] = []
     names: list[str] = []
     missing: list[str] = []
     mismatched: list[str] = []
@@ -121,7 +121,7 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
         elif tuple(tensor.shape) != entries[key].shape:
             mismatched.append(f"{key}: checkpoint {list(entries[key].shape)}, model {list(tensor.shape)}")
         else:
-            plan.append((entries[key], tensor))
+            plan.append((key, entries[key], tensor))
     every = _gather((names, missing, mismatched), collective)
     unexpected = sorted(set(entries) - {name for held, _, _ in every for name in held})
     missing = sorted({name for _, lacking, _ in every for name in lacking})
@@ -131,8 +131,8 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
         raise ValueError(_mismatch(directory, config, missing, unexpected, mismatched, foreign))
     read = held = 0
     with torch.no_grad():
-        for entry, tensor in plan:
-            local, offset = _local(tensor)
+        for key, entry, tensor in plan:
+            local, offset = _local(tensor, key)
             if local.is_meta:
                 raise ValueError("the model is on the meta device: give it to DistributedPipe (which allocates "
                                  "each rank's layers) or call to_empty(device=...) before loading")
@@ -176,7 +176,7 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
     mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
     pieces = []
     for aliases, tensor in _tensors(model):
-        local, offset = _local(tensor)
+        local, offset = _local(tensor, aliases[0])
         mine[aliases[0], offset] = local
         pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
     layout, writers = _layout(_gather(pieces, collective), _model_order(model), limit)
@@ -218,9 +218,14 @@ def _tensors(model: nn.Module) -> list[tuple[list[str], Tensor]]:
     return list(groups.values())
 
 
-def _local(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def _local(tensor: Tensor, name: str) -> tuple[Tensor, tuple[int, ...]]:
     """This rank's slice of ``tensor`` (its memory, to fill or write) and the slice's offset in the whole."""
     if isinstance(tensor, DTensor):
+        strided = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
+        if strided:  # _StridedShard (FSDP over a tensor-parallel dimension): not one block of the whole
+            raise ValueError(f"{name} is placed as {tensor.placements}: hf.load and hf.save read and write blocks "
+                             f"of a tensor (Shard, Replicate), not {strided[0]}; shard FSDP and tensor "
+                             "parallelism along different dimensions, or use pipe.distributed.state")
         shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         local = tensor.to_local()
         if tuple(local.shape) != tuple(shape):
