@@ -190,9 +190,19 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
     entries = {key: entry for name, tensors in layout.items()
                for key, entry in files.create(os.path.join(staging, name), tensors, write=False).items()}
     written = 0
-    for (key, offset), local in mine.items():
-        if writers[key, offset] == rank:
-            written += files.write_slice(entries[key], offset, local)
+    opened: dict[str, int] = {}
+    try:
+        for (key, offset), local in mine.items():
+            if writers[key, offset] == rank:
+                entry = entries[key]
+                if entry.file not in opened:
+                    opened[entry.file] = os.open(entry.file, os.O_WRONLY)
+                written += files.write_slice(entry, offset, local, opened[entry.file])
+        for fd in opened.values():
+            os.fsync(fd)  # on disk before the rename publishes the export
+    finally:
+        for fd in opened.values():
+            os.close(fd)
     _barrier(collective)
     if rank == 0:
         _replace(staging, final)

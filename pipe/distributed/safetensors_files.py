@@ -169,21 +169,19 @@ def create(file: str, tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]
             for key, dtype, shape in tensors}
 
 
-def write_slice(entry: Entry, offset: Sequence[int], local: Tensor) -> int:
-    """Writes ``local``, the slice of ``entry``'s tensor at ``offset``, into its file; returns the bytes written."""
+def write_slice(entry: Entry, offset: Sequence[int], local: Tensor, fd: int) -> int:
+    """Writes ``local``, the slice of ``entry``'s tensor at ``offset``, into its file (open as ``fd``).
+
+    Returns the bytes written. The caller syncs and closes the file.
+    """
     data = local.detach().to("cpu", entry.dtype).contiguous()
     memory = _bytes(data) if data.numel() else memoryview(b"")
     size = entry.dtype.itemsize
     done = 0
-    fd = os.open(entry.file, os.O_WRONLY)
-    try:
-        for start, count in runs(entry.shape, offset, tuple(local.shape)):
-            view, position = memory[done:done + count * size], entry.start + start * size
-            while len(view):
-                written = os.pwrite(fd, view, position)
-                view, position = view[written:], position + written
-            done += count * size
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for start, count in runs(entry.shape, offset, tuple(local.shape)):
+        view, position = memory[done:done + count * size], entry.start + start * size
+        while len(view):
+            written = os.pwrite(fd, view, position)
+            view, position = view[written:], position + written
+        done += count * size
     return done
