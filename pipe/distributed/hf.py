@@ -114,6 +114,9 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
     missing: list[str] = []
     mismatched: list[str] = []
     for aliases, tensor in _tensors(model):
+        if tensor.is_meta:
+            raise ValueError(f"{aliases[0]} is on the meta device: give the model to DistributedPipe (which "
+                             "allocates each rank's layers) or call to_empty(device=...) before loading")
         names += aliases
         key = next((name for name in aliases if name in entries), None)
         if key is None:
@@ -133,9 +136,6 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
     with torch.no_grad():
         for key, entry, tensor in plan:
             local, offset = _local(tensor, key)
-            if local.is_meta:
-                raise ValueError("the model is on the meta device: give it to DistributedPipe (which allocates "
-                                 "each rank's layers) or call to_empty(device=...) before loading")
             read += files.read_into(entry, offset, local)
             held += local.numel() * local.element_size()
     _last = LoadStats(len(plan), read, held, time.perf_counter() - started)

@@ -256,7 +256,7 @@ def test_refusals_name_the_keys_and_the_fix(checkpoints: dict[str, str], tmp_pat
         hf.save(tmp_path / "out", fresh, max_shard_size="big")
     with torch.device("meta"):
         on_meta = gpt2(LAYERS)
-    with pytest.raises(ValueError, match=r"the model is on the meta device"):
+    with pytest.raises(ValueError, match=r"transformer.wte.weight is on the meta device: give the model to DistributedPipe"):
         hf.load(checkpoints["gpt2"], on_meta)
     assert not torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)  # a refusal loads nothing
 
