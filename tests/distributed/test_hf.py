@@ -304,3 +304,19 @@ def test_plain_model_dtypes_and_an_interrupted_export(checkpoints: dict[str, str
     hf.save(out, model, max_shard_size="30KB")
     assert not (tmp_path / "export.saving").exists()
     assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(out).lm_head.weight, model.lm_head.weight)
+
+
+def test_pipe_in_one_process(checkpoints: dict[str, str], tmp_path: Path) -> None:
+    """A split LLaMA in a ``pipe.Pipe`` (tied: the head's partition holds the embedding's replica)."""
+    torch.manual_seed(0)
+    expected = llama(LAYERS)
+    stages, config = _split("llama", 2)
+    piped = pipe.Pipe(stages, chunks=2, balance=[1, 1], devices=["cpu", "cpu"])
+    hf.load(checkpoints["llama"], piped)
+    assert all(torch.equal(t, expected.state_dict()[k]) for k, t in piped.state_dict().items())
+    hf.save(tmp_path / "out", piped, config=config)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(t, reloaded.state_dict()[k]) for k, t in expected.state_dict().items())
+    ids, mask, _ = lm_batch(8, 8, seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(piped(ids, mask), reloaded(ids, attention_mask=mask).logits)
