@@ -104,7 +104,8 @@ def _rank(rank: int, port: int, layout: str, directory: str, export: str, args: 
         raise
 
 
-def _measure(rank: int, port: int, layout: str, directory: str, export: str, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(rank: int, port: int, layout: str, directory: str, export: str,
+             args: argparse.Namespace) -> dict[str, Any]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=1800))

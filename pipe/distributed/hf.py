@@ -286,10 +286,11 @@ def _convert(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 Pieces = Sequence[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+Files = dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]
 
 
 def _layout(every: Sequence[Pieces], order: dict[str, int], limit: int
-            ) -> tuple[dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]], dict[tuple[str, tuple[int, ...]], int]]:
+            ) -> tuple[Files, dict[tuple[str, tuple[int, ...]], int]]:
     """The files (name -> tensors in order) and the writer of each slice, the same on every rank."""
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     first: dict[str, tuple[int, int]] = {}
@@ -326,8 +327,7 @@ def _layout(every: Sequence[Pieces], order: dict[str, int], limit: int
     return {f"model-{i + 1:05d}-of-{count:05d}.safetensors": chunk for i, chunk in enumerate(chunks)}, writers
 
 
-def _write_headers(staging: str, layout: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]],
-                   config: Any) -> None:
+def _write_headers(staging: str, layout: Files, config: Any) -> None:
     for name, tensors in layout.items():
         files.create(os.path.join(staging, name), tensors)
     if len(layout) > 1:

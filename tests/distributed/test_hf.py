@@ -51,7 +51,8 @@ llama_untied = _untied(llama)
 
 
 MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {
-    "gpt2": (gpt2, "transformer.h.{}"), "llama": (llama, "model.layers.{}"), "llama_untied": (llama_untied, "model.layers.{}")}
+    "gpt2": (gpt2, "transformer.h.{}"), "llama": (llama, "model.layers.{}"),
+    "llama_untied": (llama_untied, "model.layers.{}")}
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -160,11 +161,13 @@ def _tensor_parallel_and_meta(rank: int, world: int, checkpoints: dict[str, str]
     if rank == 0:
         hf.save(os.path.join(out, "plain"), plain)  # one process, no config
     torch.distributed.barrier()
-    piped = DistributedPipe(decoder(1), chunks=2, mesh=make_mesh(pp=2, tp=2), tensor_parallel=tensor_parallel_plan(False))
+    piped = DistributedPipe(decoder(1), chunks=2, mesh=make_mesh(pp=2, tp=2),
+                            tensor_parallel=tensor_parallel_plan(False))
     hf.load(os.path.join(out, "plain"), piped)
     stats = hf.last_load()
     assert stats is not None and stats.bytes_read == stats.bytes_held
-    sliced = [name for name, p in piped.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() < p.numel()]
+    sliced = [name for name, p in piped.named_parameters()
+              if isinstance(p, DTensor) and p.to_local().numel() < p.numel()]
     assert sliced, "no tensor-parallel slice to read"
     for name, tensor in piped.state_dict().items():
         assert torch.equal(_full(tensor), plain.state_dict()[name]), name
@@ -231,8 +234,10 @@ def test_refusals_name_the_keys_and_the_fix(checkpoints: dict[str, str], tmp_pat
     model = gpt2(LAYERS)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # stored once, as HF does
     fresh = gpt2(LAYERS)
-    lacking = _write(tmp_path / "lacking", {k: v for k, v in state.items() if k != "transformer.ln_f.bias"}, model.config)
-    with pytest.raises(ValueError, match=r"1 tensors the model holds are not in the checkpoint: transformer\.ln_f\.bias\n"):
+    lacking = _write(tmp_path / "lacking", {k: v for k, v in state.items() if k != "transformer.ln_f.bias"},
+                     model.config)
+    with pytest.raises(ValueError,
+                       match=r"1 tensors the model holds are not in the checkpoint: transformer\.ln_f\.bias\n"):
         hf.load(lacking, fresh)
     extra = _write(tmp_path / "extra", {**state, "transformer.extra.weight": torch.zeros(2)}, model.config)
     with pytest.raises(ValueError, match=r"1 tensors of the checkpoint are not in the model: transformer\.extra\.weight"
@@ -256,7 +261,7 @@ def test_refusals_name_the_keys_and_the_fix(checkpoints: dict[str, str], tmp_pat
         hf.save(tmp_path / "out", fresh, max_shard_size="big")
     with torch.device("meta"):
         on_meta = gpt2(LAYERS)
-    with pytest.raises(ValueError, match=r"transformer.wte.weight is on the meta device: give the model to DistributedPipe"):
+    with pytest.raises(ValueError, match=r"transformer\.wte\.weight is on the meta device: give the model to "):
         hf.load(checkpoints["gpt2"], on_meta)
     assert not torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)  # a refusal loads nothing
 
