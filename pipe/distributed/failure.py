@@ -195,8 +195,7 @@ class Failures:
             return self._raised(where, error)
         peer_rank, timed_out = peer
         first_line = str(error).splitlines()[0] if str(error) else ""
-        self._set(self._key(f"lost/{self.rank}"),
-                  f"{'?' if peer_rank is None else peer_rank} {'timeout' if timed_out else 'closed'} {where}")
+        self._publish("lost", f"{'?' if peer_rank is None else peer_rank} {'timeout' if timed_out else 'closed'} {where}")
         cause = self._root_cause(peer_rank, timed_out, where)
         if cause is not None:
             headline = self._agree(cause)
@@ -231,7 +230,7 @@ class Failures:
     def _raised(self, where: str, error: BaseException) -> BaseException:
         """This rank's own error: published (a root-cause candidate) and returned with a note."""
         message = f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}"
-        self._set(self._key(f"raised/{self.rank}"), message)
+        self._publish("raised", message)
         self._agree(message)
         logger.error("%s", message)
         if hasattr(error, "add_note"):
@@ -241,6 +240,23 @@ class Failures:
     def _raised_by_others(self) -> list[str]:
         found = (self._get(self._key(f"raised/{rank}")) for rank in range(self.world) if rank != self.rank)
         return [message for message in found if message is not None]
+
+    def _publish(self, kind: str, message: str) -> None:
+        """Writes this rank's evidence (``raised`` or ``lost``) and counts it among the step's reports."""
+        self._set(self._key(f"{kind}/{self.rank}"), message)
+        store = _store()
+        if store is not None:
+            try:
+                store.add(self._key("reported"), 1)
+            except Exception:
+                logger.debug("could not count this rank's report", exc_info=True)
+
+    def _reported(self) -> int:
+        store = _store()
+        try:
+            return int(store.add(self._key("reported"), 0)) if store is not None else 0
+        except Exception:
+            return 0
 
     def _silent(self) -> list[int]:
         """The other ranks that published nothing this step (neither an error nor a lost peer)."""
@@ -276,6 +292,9 @@ class Failures:
             time.sleep(_POLL)
 
     def _only_silent(self) -> Optional[int]:
+        """The one rank that published nothing this step, once all the others have (one counter read till then)."""
+        if self._reported() < self.world - 1:
+            return None
         silent = self._silent()
         return silent[0] if len(silent) == 1 else None
 
