@@ -44,7 +44,7 @@ def spawned(layout: str, how: str) -> dict[int, tuple[str, float]]:
     """Each survivor's ``(message, seconds)`` with ranks started by ``run_ranks`` (the store in rank 0)."""
     results = run_ranks(fault_ranks.run, 4, layout, how, timeout=TIMEOUT, barrier=False, expect_missing=(VICTIM,),
                         deadline=90)
-    return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}  # type: ignore[misc]
+    return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
 
 
 def launched(layout: str, how: str) -> tuple[dict[int, tuple[str, float]], str, float]:
@@ -55,17 +55,26 @@ def launched(layout: str, how: str) -> tuple[dict[int, tuple[str, float]], str, 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(Path(__file__).parent),
                                                        os.environ.get("PYTHONPATH", "")]))
     script = str(Path(fault_ranks.__file__).resolve())
-    with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
-        env["FAULT_REPORTS"] = folder
-        done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=150, env=env,
-                            start_new_session=True)
-        end = time.time()
-        names = os.listdir(folder)
-        reports = {int(name[:-5]): tuple(json.loads(Path(folder, name).read_text())[k] for k in ("message", "seconds"))
-                   for name in names if name.endswith(".json")}
-        began = min(float(Path(folder, name).read_text()) for name in names if name.startswith("began"))
+    reports: dict[int, Any] = {}
+    began: list[float] = []
+    for _ in range(2):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
+        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:  # machine) is launched once more
+            env["FAULT_REPORTS"] = folder
+            done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=150, env=env,
+                                start_new_session=True)
+            end = time.time()
+            for name in os.listdir(folder):
+                text = Path(folder, name).read_text()
+                if name.startswith("began"):
+                    began.append(float(text))
+                else:
+                    report = json.loads(text)
+                    reports[report["rank"]] = (report["message"], report["seconds"])
+        if began:
+            break
+    assert began, (done.stdout + done.stderr)[-3000:]
     out = done.stdout + done.stderr
-    return reports, out, end - began  # type: ignore[return-value]
+    return reports, out, end - min(began)
 
 
 def logged(out: str) -> dict[int, str]:
@@ -98,7 +107,9 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
         assert f"rank      : {VICTIM} (local_rank: {VICTIM})" in summary, out[-3000:]
     else:  # nothing ends rank 2: every survivor gives up on it after the timeout and names it
         assert {0, 1, 3} <= set(heard), (heard, out[-3000:])
-    assert seconds < TIMEOUT + MARGIN + 5.0, (seconds, out[-3000:])  # +5: torchrun's teardown
+    # The job: + up to 15 s for the processes to end (gloo joins its threads, waiting out their receives) and
+    # torchrun to notice, on a loaded 2-core machine.
+    assert seconds < TIMEOUT + MARGIN + 15.0, (seconds, out[-3000:])
 
 
 def _row(layout: str, how: str, launcher: str) -> str:
