@@ -268,9 +268,23 @@ class StageSharding:
         self._gathered.discard(stage)
 
     def abandon(self) -> None:
-        """After a failed step: waits for gathers in flight and reshards everything."""
+        """After a failed step: waits for gathers in flight and reshards everything.
+
+        A gather whose partner is gone fails too; that is the step's failure,
+        already reported, so it is logged and the stage resharded all the same.
+        """
         for s in list(self._gathered):
-            self.reshard(s)
+            try:
+                self.reshard(s)
+            except Exception:
+                logger.debug("resharding stage %d after a failed step", s, exc_info=True)
+                self._handles.pop(s, None)
+                for module in self.modules[s]:
+                    try:
+                        module.reshard()
+                    except Exception:
+                        logger.debug("resharding a module of stage %d", s, exc_info=True)
+                self._gathered.discard(s)
 
 
 def _param_groups(fsdp_state: Any) -> list[Any]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipe.distributed.mesh import agree_on_reuse, mesh_size, reuse, reuse_spoiled
+from pipe.distributed.mesh import agree_on_reuse, bound_timeouts, mesh_size, reuse, reuse_spoiled
 from pipe.distributed.transport import Channel
 
 __all__: list[str] = []
@@ -98,6 +98,7 @@ class Topology:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.timeout = world_timeout()
+        bound_timeouts(mesh, self.timeout)  # FSDP, HSDP and tp collectives end within the job's timeout too
         self._channels: dict[tuple[int, int, str, str], Channel] = {}
         self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
         self.replicate = mesh_size(mesh, "dp_replicate")

@@ -184,10 +184,12 @@ def _layer_bytes(width: int) -> int:
 def _sharded_step(layers: int, width: int = 4) -> float:
     """The fastest of a few steps of ``layers`` layers ``width`` wide (4: tiny) sharded over the 2 ranks
     (pp 1 x dp_shard 2), on one sample: the collectives are the step."""
+    import torch
     from torch import nn
 
     from pipe.distributed import DistributedPipe, make_mesh
 
+    torch.manual_seed(0)  # shard partners start alike (DistributedPipe checks it)
     model = DistributedPipe(nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), chunks=1,
                             schedule="gpipe", checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
     return _fastest_step(model, 1, width)
