@@ -325,3 +325,33 @@ def test_pipe_in_one_process(checkpoints: dict[str, str], tmp_path: Path) -> Non
     ids, mask, _ = lm_batch(8, 8, seed=7)
     with torch.no_grad():
         torch.testing.assert_close(piped(ids, mask), reloaded(ids, attention_mask=mask).logits)
+
+
+def _on_cuda(rank: int, world: int, directory: str, out: str) -> str:
+    """(pp 2) of the tied LLaMA with each rank's stage on the GPU (gloo carries CUDA tensors via the host)."""
+    device = torch.device("cuda", 0)
+    stages, config = _split("llama", 2, meta=True)
+    piped = DistributedPipe(stages, chunks=2, loss_reduction="count", device=device)
+    hf.load(directory, piped)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).to(device)
+    for name, tensor in piped.state_dict().items():
+        assert tensor.device == device and torch.equal(tensor, reference.state_dict()[name]), name
+    ids, mask, labels = (t.to(device) for t in lm_batch(8, 8, seed=3))
+    loss = piped.step((ids, mask), labels, _sum_count, broadcast_loss=True)
+    total, count = _sum_count(reference(ids, attention_mask=mask).logits, labels)
+    (total / count).backward()
+    torch.testing.assert_close(loss, (total / count).detach(), atol=1e-5, rtol=1e-4)
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+    hf.save(out, piped, config=config)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in piped.state_dict().items():
+        assert torch.equal(tensor.cpu(), reloaded.state_dict()[name]), f"export {name}"
+    return "ok"
+
+
+@pytest.mark.cuda
+def test_load_step_and_export_with_stages_on_the_gpu(checkpoints: dict[str, str], tmp_path: Path) -> None:
+    assert run_ranks(_on_cuda, 2, checkpoints["llama"], str(tmp_path / "out"), timeout=60.0,
+                     deadline=240.0) == ["ok", "ok"]
