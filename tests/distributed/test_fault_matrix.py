@@ -1,4 +1,4 @@
-"""The fault matrix: FSDP, HSDP, TP and replicas x exit, SIGKILL, raise and stall on rank 2 of 4 x spawn and torchrun.
+"""The fault matrix: FSDP, HSDP, TP, replicas x exit, SIGKILL, raise, stall of rank 2 of 4 x spawn, fork server, torchrun.
 
 Every case asserts that each survivor's error names rank 2 (and how it
 failed: ``failed in`` for a raise, ``died`` for an exit or a kill, ``stalled``
@@ -9,7 +9,8 @@ The stalled rank sleeps :data:`fault_ranks.STALL` seconds (60): the job must
 not wait for it (the mesh's groups used to keep torch's 30-minute default).
 
 A representative subset runs in CI (every layout, every fault, each
-launcher at least once); the full product is ``slow`` (``pytest -m slow``).
+launcher at least once); the full product is ``slow`` (``pytest -m slow``). "spawn" forks the
+ranks (``run_ranks``' default on the CPU), "forkserver" starts them from a fork server, as where a GPU is seen.
 ``python tests/distributed/test_fault_matrix.py`` runs the full product and
 prints the table of seconds and the rank named.
 """
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -35,15 +36,18 @@ MARGIN = 6.0  # what a survivor may take beyond the timeout (evidence settles in
 NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled"}
 CI = {("fsdp", "stall", "spawn"), ("hsdp", "stall", "spawn"), ("tp", "kill", "spawn"), ("replicas", "raise", "spawn"),
       ("fsdp", "exit", "spawn"), ("hsdp", "exit", "torchrun")}
+CI |= {("fsdp", "kill", "forkserver")}
+LAUNCHERS = ("spawn", "torchrun", "forkserver")
 CASES = [pytest.param(layout, how, launcher, marks=() if (layout, how, launcher) in CI else pytest.mark.slow,
                       id=f"{layout}-{how}-{launcher}")
-         for launcher in ("spawn", "torchrun") for layout in LAYOUTS for how in FAULTS]
+         for launcher in LAUNCHERS for layout in LAYOUTS for how in FAULTS]
 
 
-def spawned(layout: str, how: str) -> dict[int, tuple[str, float]]:
-    """Each survivor's ``(message, seconds)`` with ranks started by ``run_ranks`` (the store in rank 0)."""
+def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[int, tuple[str, float]]:
+    """Each survivor's ``(message, seconds)`` with ranks started by ``run_ranks`` (the store in rank 0):
+    forked (the default on the CPU), or from a fork server (``start_method="forkserver"``)."""
     results = run_ranks(fault_ranks.run, 4, layout, how, timeout=TIMEOUT, barrier=False, expect_missing=(VICTIM,),
-                        deadline=90)
+                        deadline=90, start_method=start_method)
     return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
 
 
@@ -79,7 +83,8 @@ def launched(layout: str, how: str) -> tuple[dict[int, tuple[str, float]], str, 
 
 def logged(out: str) -> dict[int, str]:
     """The headline each rank logged (``rank 0 stopped in B0@0 because rank 2 died: ...``), by rank."""
-    return {int(rank): cause for rank, cause in re.findall(r"rank (\d) stopped in \S+ because (rank \d [a-z]+(?: in)?)", out)}
+    found = re.findall(r"rank (\d) stopped in [^\n]*? because (rank \d [a-z]+(?: in)?)", out)  # in F0@1, in the end of
+    return {int(rank): cause for rank, cause in found}  # the step
 
 
 def check(layout: str, how: str, reports: dict[int, tuple[str, float]]) -> None:
@@ -92,8 +97,8 @@ def check(layout: str, how: str, reports: dict[int, tuple[str, float]]) -> None:
 
 @pytest.mark.parametrize("layout,how,launcher", CASES)
 def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, launcher: str) -> None:
-    if launcher == "spawn":
-        reports = spawned(layout, how)
+    if launcher != "torchrun":
+        reports = spawned(layout, how, None if launcher == "spawn" else launcher)
         assert set(reports) == {0, 1, 3}, reports
         check(layout, how, reports)
         return
@@ -114,8 +119,8 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
 
 def _row(layout: str, how: str, launcher: str) -> str:
     """One line of the table: each survivor's seconds from the start of the faulty step, and who it named."""
-    if launcher == "spawn":
-        reports = spawned(layout, how)
+    if launcher != "torchrun":
+        reports = spawned(layout, how, None if launcher == "spawn" else launcher)
         named = {rank: headline(message) for rank, (message, _) in reports.items()}
         total = max(seconds for _, seconds in reports.values())
     else:
@@ -129,7 +134,7 @@ def _row(layout: str, how: str, launcher: str) -> str:
 if __name__ == "__main__":  # the full product as a table
     print("| layout | fault | launcher | seconds to exit: job (each survivor that reported) | named |")
     print("|---|---|---|---|---|")
-    for launcher in ("spawn", "torchrun"):
+    for launcher in LAUNCHERS:
         for layout in LAYOUTS:
             for how in FAULTS:
                 try:
