@@ -53,6 +53,13 @@ def _rank_device(device: Optional[torch.device]) -> torch.device:
     return torch.device(device)
 
 
+def _every_ranks(names: list[str]) -> list[str]:
+    """The names every rank found (a refusal at construction is raised on every rank alike)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return list(dict.fromkeys(name for part in gathered for name in part))
+
+
 class DistributedPipe(PlainNamed, nn.Module):
     """Trains an ``nn.Sequential`` as a pipeline over the ranks of a torchrun job.
 
@@ -67,10 +74,14 @@ class DistributedPipe(PlainNamed, nn.Module):
             optimizer.step(); optimizer.zero_grad()
 
     Args:
-        model: an ``nn.Sequential`` (build it on ``torch.device("meta")`` to
-            allocate nothing; owned layers are then allocated and reset with
-            ``reset_parameters()``), or a layer factory ``factory(index) ->
-            nn.Module`` called only for the layers this rank owns (with ``layers=``).
+        model: an ``nn.Sequential`` or ``pipe.PipeSequential``, such as a model
+            cut by :func:`pipe.split` (build it on ``torch.device("meta")`` to
+            allocate nothing; owned layers are then allocated and initialised
+            by their modules' ``reset_parameters()`` and, for a split model, the
+            model's own initialiser such as HuggingFace's ``_init_weights``; a
+            tensor neither sets is refused, :mod:`pipe.distributed.materialize`),
+            or a layer factory ``factory(index) -> nn.Module`` called only for
+            the layers this rank owns (with ``layers=``).
         chunks: micro-batches per mini-batch; every step runs exactly ``chunks``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
@@ -224,10 +235,11 @@ class DistributedPipe(PlainNamed, nn.Module):
         shard = verify_shard(shard, mesh)
         self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
-        self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
+        self.balance = list(balance) if balance is not None \
+            else even_balance(layers, self.schedule.stages, model, self.schedule)
         self.device = _rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
-                                                 self.topology.pipeline_rank, self.device)
+                                                 self.topology.pipeline_rank, self.device, _every_ranks)
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
         layout = inspect_skip_layout(skeleton)
         self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
