@@ -126,8 +126,9 @@ class DistributedPipe(PlainNamed, nn.Module):
             batch, so the step's loss and gradients are those of the whole
             batch; ``"sum"`` if it sums; ``"count"`` if it returns ``(sum,
             count)``, e.g. for a mean over tokens that are not padding: the
-            step divides by the whole (global) batch's count
-            (:mod:`pipe.distributed.loss`).
+            step divides by the whole global batch's count, summed over every
+            data-parallel rank (replicas and shards): the token mean over the
+            global batch (:mod:`pipe.distributed.loss`).
         device: where this rank's layers and tensors live; default ``cuda``
             (current device) under NCCL, else the CPU.
         deferred_batch_norm: update BatchNorm running statistics once per
@@ -309,8 +310,10 @@ class DistributedPipe(PlainNamed, nn.Module):
             broadcast_loss: return the loss on every rank (one broadcast), not only the last stage's.
 
         Returns:
-            The mini-batch's loss (averaged over data-parallel replicas), on the
-            rank of the last stage, or everywhere with ``broadcast_loss``; else None.
+            The mini-batch's loss (averaged over the data-parallel ranks, replicas
+            and shards; with ``loss_reduction="count"`` the token mean over the
+            global batch), on the rank of the last stage, or everywhere with
+            ``broadcast_loss``; else None.
 
         Raises:
             ValueError, TypeError: bad inputs or targets. If any rank fails, the
@@ -347,7 +350,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         the schedule's order, under ``torch.no_grad()``: nothing is
         checkpointed, no graph and no activation is kept, no gradient is
         touched. The loss is reduced as :meth:`step` reduces it
-        (``loss_reduction``, averaged over data-parallel replicas), so it equals
+        (``loss_reduction``: averaged over the data-parallel ranks, or the global token mean), so it equals
         the plain model's loss under ``torch.no_grad()``. For a validation
         loss call ``model.eval()`` first (dropout off, BatchNorm's running
         statistics), as for the plain model. Every rank of the pipeline calls it.

@@ -1,4 +1,4 @@
-"""A rank's layers built on ``meta``: allocated on the rank's device and initialised by the model's own code, or refused.
+"""A rank's layers built on ``meta``: allocated on its device and initialised by the model's own code, or refused.
 
 ``DistributedPipe`` takes a model built under ``torch.device("meta")`` (no
 memory) and allocates only the layers of its rank's stages. Allocation gives

@@ -16,13 +16,13 @@ parameters, buffers and modules are mapped the same way:
   plain model and are not listed; an intermediate module that two stages
   both hold a part of (``"transformer"``) is listed once, as the first stage's.
 
-``torch.distributed.checkpoint`` walks a module by attribute from the names
-``named_parameters()`` gives, so :meth:`PlainNames.raw` turns the mapping off
-while it runs (:mod:`pipe.distributed.state`).
+``torch.distributed.checkpoint`` walks a module by attribute from its
+state-dict keys, which these names are not for split stages:
+:mod:`pipe.distributed.state` gives it a view that holds the same tensors under
+these names (:func:`pipe.distributed.state.plain_view`).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
@@ -54,16 +54,6 @@ class PlainNames:
         ties = find_ties(skeleton)
         self._tied = {id(tie.tensor): tie.uses[0][3] for tie in ties}
         self._tied_names = {name: tie.uses[0][3] for tie in ties for _, _, _, name in tie.uses}
-        self._raw = False
-
-    @contextlib.contextmanager
-    def raw(self) -> Iterator[None]:
-        """The container's own names inside the ``with`` block (for ``torch.distributed.checkpoint``)."""
-        before, self._raw = self._raw, True
-        try:
-            yield
-        finally:
-            self._raw = before
 
     def tensor(self, name: str, tensor: Tensor) -> str:
         """The plain model's name of ``tensor``, registered in the container as ``name``."""
@@ -95,15 +85,12 @@ class PlainNames:
                     continue
                 seen.add(id(value))
                 name = f"{module_name}.{key}" if module_name else key
-                yield _join(prefix, name if self._raw else self.tensor(name, value)), value
+                yield _join(prefix, self.tensor(name, value)), value
 
     def modules(self, memo: Optional[set[nn.Module]], prefix: str,
                 remove_duplicate: bool) -> Iterator[tuple[str, nn.Module]]:
         """``(plain name, module)`` of the container and its submodules that the plain model has."""
         raw = nn.Module.named_modules(self.container, memo, "", remove_duplicate)
-        if self._raw:
-            yield from ((_join(prefix, name), module) for name, module in raw)
-            return
         names: set[str] = set()
         for name, module in raw:
             plain = self.module(name) if name else ""

@@ -6,8 +6,9 @@ built on the ``meta`` device, which costs no memory) or as a layer factory
 (:meth:`pipe.core.schedule.Schedule.stages_of`) and materialises only those layers
 on its device (a layer built on ``meta`` is allocated there and initialised by
 known code, or refused: :mod:`pipe.distributed.materialize`); the others stay
-on ``meta`` (factory) or where the user left them. Layers keep their names in the original ``nn.Sequential``, so state-dict
-keys are the original model's on every rank.
+on ``meta`` (factory) or where the user left them. Layers keep their names in
+the original ``nn.Sequential``, so state-dict keys are the original model's on
+every rank.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def even_balance(layers: int, stages: int, model: object = None, schedule: Optio
             where = f" ({schedule.ranks} pipeline ranks x {per_rank})"
         if _is_split(model):
             raise ValueError(
-                f"the model has {layers} pieces (pipe.split with {layers - 1} cut points) but the pipeline has "
+                f"the model has {layers} pieces (pipe.split with {layers - 1} cut point{'s' if layers != 2 else ''}) "
+                f"but the pipeline has "
                 f"{stages} stages{where}; every stage needs a piece: give pipe.split at least {stages - 1} cut "
                 f"points (at=[...], e.g. one per block: at=['model.layers.1', 'model.layers.2', ...]), or use "
                 f"fewer pipeline ranks or stages per rank"

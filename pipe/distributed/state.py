@@ -1,13 +1,21 @@
 """Stage-agnostic training checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-Every rank saves the state of the layers it owns under the original
-``nn.Sequential``'s keys (``"3.linear.weight"``), and its optimizer's state
+Every rank saves the state of the layers it owns under the plain model's
+keys: the original ``nn.Sequential``'s (``"3.linear.weight"``) or, for a model
+cut by :func:`pipe.split`, the split model's (a HuggingFace LLaMA's
+``"model.layers.0.self_attn.q_proj.weight"``), and its optimizer's state
 flattened per parameter under the same keys (``"state.3.linear.weight.exp_avg"``,
-``"param_groups.3.linear.weight.lr"``). A checkpoint therefore does not
-remember how the model was cut: a run with K stages resumes with K' stages (each
-rank reads only its own keys), with more or fewer data-parallel replicas
-(replicas hold the same keys, DCP writes them once), or into the plain module
-in one process (:func:`load_module`).
+``"param_groups.3.linear.weight.lr"``). A tensor listed under several keys (a
+tied weight: the embedding is the LM head, a replica on each holding rank) is
+saved once, under the name the plain model's ``named_parameters()`` gives it,
+and loaded into every replica. A checkpoint therefore does not remember how
+the model was cut: a run with K stages resumes with K' stages (each rank reads
+only its own keys), with more or fewer data-parallel replicas (replicas hold
+the same keys, DCP writes them once), into ``pipe.Pipe``, or into the plain
+module in one process (:func:`load_module`). torch's state-dict functions find
+a tensor by walking the module from its key, which the stages of a split model
+do not allow (``0.model.layers...``): they are given :func:`plain_view`, a
+module that holds the same tensor objects under the plain keys.
 
 Sharded stages save sharded: under a mesh with "dp_shard" (FSDP2) or "tp"
 (tensor parallel), ``get_model_state_dict`` and ``get_optimizer_state_dict``
@@ -16,8 +24,10 @@ only its shard, and the metadata records which slice of each tensor each file
 holds. A load asks for the slices the loading rank's own ``DTensor``s (or
 plain tensors) cover, so a checkpoint saved at one (pipeline, shard) layout
 resumes at any other: (pp 2, dp_shard 2) -> (pp 4) or (pp 1, dp_shard 4),
-bit for bit (tests/distributed/test_state_resharding.py). Nothing is gathered
-to one rank on either side.
+bit for bit (tests/distributed/test_state_resharding.py; split HuggingFace
+models through pipeline-only, replica, ZeRO-3, ZeRO-2, HSDP and
+(pp 1, dp_shard 4) layouts: tests/distributed/test_state_split.py). Nothing is
+gathered to one rank on either side.
 
 A save is atomic: every rank writes into ``<path>.saving``, and once all
 have finished (DCP writes the ``.metadata`` file last) that folder is renamed
@@ -210,9 +220,14 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     Collective: every rank of the job calls it with its ``DistributedPipe``
     (or, in one process, the plain module).
 
+    The keys are the plain model's (:func:`model_state_dict`): an
+    ``nn.Sequential``'s, or for a model cut by :func:`pipe.split` the split
+    model's, a tied weight once; so the checkpoint loads at any other layout,
+    into ``pipe.Pipe`` and into the plain model (:func:`load_module`).
+
     Args:
         path: a directory (created).
-        module: a ``DistributedPipe`` or any module whose keys are the original model's.
+        module: a ``DistributedPipe``, a ``pipe.Pipe``, or the plain module (in one process).
         optimizer: the optimizer over ``module.parameters()``.
         extra: small values every rank agrees on (step number, ...), returned by :func:`load`.
     """

@@ -156,6 +156,7 @@ def _meta_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
         _verify_initialised(list(piped.named_parameters()) + list(piped.named_buffers()), cpu, f"{which} rank {rank}")
         embedding = next(n for n, p in cpu.named_parameters() if p is cpu.get_input_embeddings().weight)
         results[f"{which} tied"] = dict(piped.named_parameters())[embedding].detach().flatten().tolist()
+        results[f"{which} buffers"] = [name for name, _ in piped.named_buffers()]  # the plain model's names
         # The CPU build's checkpoint in: one step equals the plain model's, to the last bit.
         assert state.load(f"{folder}/{which}", piped) == {"built": "cpu"}
         ids, mask, labels = lm_batch(4, 8, seed=3)
@@ -186,3 +187,5 @@ def test_meta_split_models_train_from_known_values_on_two_ranks(tmp_path: Path) 
         _CAPTURED.clear()
     for which in MODELS:
         assert first[f"{which} tied"] == second[f"{which} tied"]  # the embedding and the LM head start equal
+    assert first["llama buffers"] == second["llama buffers"] == ["model.rotary_emb.inv_freq"]  # each its copy
+    assert first["gpt2 buffers"] == second["gpt2 buffers"] == []

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import Tensor, nn
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import pipe
@@ -138,6 +139,9 @@ def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
         with pytest.raises(ValueError) as refused:
             DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4))
         results["refusal"] = str(refused.value)
+        with pytest.raises(ValueError) as refused:  # ZB-V puts the first and the last stage on rank 0
+            DistributedPipe(_stages(which), chunks=2, schedule="zbv", mesh=make_mesh(pp=2, dp_shard=2))
+        results["zbv refusal"] = str(refused.value)
     for k, (label, sizes, zero3) in enumerate(LAYOUTS[1:], start=1):
         piped, optimizer = _build(_stages(which, other=True), which, sizes, zero3)
         assert state.load(f"{folder}/after{k}", piped, optimizer) == {"step": k}
@@ -179,10 +183,20 @@ def test_split_model_checkpoint_through_every_layout(which: str, tmp_path: Path)
     for result in per_rank:
         last.update(result["last weights"])
     assert last == reference_weights  # six layouts saved and loaded in turn: the reference's weights
-    if MODELS[which][2]:
+    embedding = EMBEDDING[which.split("-")[0]]
+    if MODELS[which][2]:  # refused by the plain model's name of the tied weight, with the fix
         refusal = per_rank[0]["refusal"]
-        assert f"parameter {EMBEDDING[which.split('-')[0]]!r} is held by two blocks of stage 0, '0' and '3'" in refusal
+        assert f"parameter {embedding!r} is held by two blocks of stage 0, '0' and '3'" in refusal
         assert "Shard(blocks=lambda name, module: False)" in refusal
+        assert per_rank[0]["zbv refusal"].startswith(f"the tied weight {embedding!r} of stages [0, 3] on pipeline "
+                                                     "rank 0 is held by two stages of one rank")
+    # The checkpoint's keys are the plain model's, a tied weight once (under its named_parameters() name).
+    metadata = dcp.FileSystemReader(str(tmp_path / "after1")).read_metadata().state_dict_metadata
+    saved = {key.split(".", 1)[1] for key in metadata if key.startswith("model.")}
+    assert saved == {name for name, _ in plain.named_parameters()} | {
+        name for name, _ in plain.named_buffers() if name in plain.state_dict()}
+    assert ("lm_head.weight" in saved) != MODELS[which][2] and embedding in saved
+    assert f"optimizer.state.{embedding}.exp_avg" in metadata
     # The last checkpoint, saved at (pp 1, dp_shard 4), in this process: into the plain model and into Pipe.
     final = tmp_path / f"after{len(LAYOUTS)}"
     assert state.load_module(final, plain) == {"step": len(LAYOUTS)}
