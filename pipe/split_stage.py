@@ -9,6 +9,7 @@ stages lists the original model's state-dict keys (:func:`keep_original_names`).
 """
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -16,6 +17,7 @@ import torch
 from torch import fx, nn
 
 from pipe.core.checkpoint import is_recomputing
+from pipe.core.original_names import SOURCE
 
 __all__: list[str] = []
 
@@ -28,6 +30,12 @@ class SplitStage(fx.GraphModule):
     Attributes:
         original_keys: this stage's state-dict keys -> the original model's keys
             for the same tensor (several for tied weights).
+        original_names: this stage's parameter and buffer names -> the original
+            model's names for the same tensor, in the model's order (the first is
+            the one ``named_parameters()`` of the model gives): the state-dict keys,
+            and the non-persistent buffers (``model.rotary_emb.inv_freq``) and the
+            copies of them that later stages get. A constant that ``torch.export``
+            lifted out of the code has none.
         model_keys: every state-dict key of the original model, in its order.
         captured_training: the model's ``training`` flag at capture.
         mode_dependent: whether the graph has dropout or batch norm (fixed to the captured mode).
@@ -37,6 +45,7 @@ class SplitStage(fx.GraphModule):
     """
 
     original_keys: dict[str, list[str]]
+    original_names: dict[str, list[str]]
     model_keys: tuple[str, ...]
     captured_training: bool
     mode_dependent: bool
@@ -47,6 +56,25 @@ class SplitStage(fx.GraphModule):
         super()._apply(fn, recurse)
         _retarget_devices(self)
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SplitStage":
+        """A copy that is a stage too: ``GraphModule``'s copy keeps the graph's tensors and the state-dict
+        hooks only; the stage's attributes, its forward hooks and its model (copied along, sharing the
+        copied tensors) are kept here."""
+        name = type(self).__name__
+        result = super().__deepcopy__(memo)
+        for attr in _STAGE_ATTRIBUTES:
+            if attr in self.__dict__:
+                result.__dict__[attr] = copy.deepcopy(self.__dict__[attr], memo)
+        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            setattr(result, hooks, copy.copy(getattr(self, hooks)))
+        type(result).__name__ = name
+        return result  # type: ignore[return-value]
+
+
+_STAGE_ATTRIBUTES = ("original_keys", "original_names", "model_keys", "captured_training", "mode_dependent",
+                     "input_count", "captured_batch_norm", SOURCE)
 
 
 def _retarget_devices(stage: fx.GraphModule) -> None:
@@ -85,10 +113,17 @@ def attach(stage: nn.Module, key: str, tensor: torch.Tensor) -> None:
 
 def adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[str]],
                  model_keys: tuple[str, ...]) -> None:
-    """Records the original keys of the stage's tensors; captured constants leave the state dict."""
+    """Records the original keys and names of the stage's tensors; captured constants leave the state dict.
+
+    The stage also keeps ``model`` (:func:`pipe.core.original_names.source_model`): a stage built on
+    ``meta`` is initialised by the model's own code when a rank materialises it
+    (:mod:`pipe.distributed.materialize`).
+    """
     stage.original_keys = {}
+    stage.original_names = {}
     stage.model_keys = model_keys
     stage.captured_training = model.training
+    stage.__dict__[SOURCE] = model  # not a submodule: the stage holds only its own tensors (pipe.core.original_names)
     for name, tensor in list(stage.state_dict(keep_vars=True).items()):
         keys = aliases.get(id(tensor))
         if keys:
@@ -97,10 +132,33 @@ def adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[str
         owner_path, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_path)
         owner._non_persistent_buffers_set.add(attr)  # a constant torch.export lifted out of the code
+    stage.original_names = model_names(stage, model)
     stage.register_forward_pre_hook(_check_mode)
     stage.register_forward_pre_hook(_unpack_one_tuple)
     stage.register_forward_pre_hook(_keep_buffers_on_recompute)
     stage.register_forward_hook(_restore_buffers)
+
+
+def model_names(stage: nn.Module, model: nn.Module) -> dict[str, list[str]]:
+    """``stage``'s tensor names -> ``model``'s names for the same tensor, in ``model``'s order.
+
+    By identity; a buffer that a later stage got as a copy (:func:`pipe.graph_split._cut`)
+    is registered under the path of the model's buffer, and gets that name.
+    """
+    by_id: dict[int, list[str]] = {}
+    buffers: set[str] = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(parameter), []).append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(buffer), []).append(name)
+        buffers.add(name)
+    names: dict[str, list[str]] = {}
+    held = list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers(remove_duplicate=False))
+    for local, tensor in held:
+        found = by_id.get(id(tensor)) or ([local] if local in buffers else None)
+        if found:
+            names[local] = found
+    return names
 
 
 def _check_mode(stage: nn.Module, args: Any) -> None:

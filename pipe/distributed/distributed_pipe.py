@@ -53,6 +53,13 @@ def _rank_device(device: Optional[torch.device]) -> torch.device:
     return torch.device(device)
 
 
+def _every_ranks(names: list[str]) -> list[str]:
+    """The names every rank found (a refusal at construction is raised on every rank alike)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return list(dict.fromkeys(name for part in gathered for name in part))
+
+
 class DistributedPipe(PlainNamed, nn.Module):
     """Trains an ``nn.Sequential`` as a pipeline over the ranks of a torchrun job.
 
@@ -67,10 +74,14 @@ class DistributedPipe(PlainNamed, nn.Module):
             optimizer.step(); optimizer.zero_grad()
 
     Args:
-        model: an ``nn.Sequential`` (build it on ``torch.device("meta")`` to
-            allocate nothing; owned layers are then allocated and reset with
-            ``reset_parameters()``), or a layer factory ``factory(index) ->
-            nn.Module`` called only for the layers this rank owns (with ``layers=``).
+        model: an ``nn.Sequential`` or ``pipe.PipeSequential``, such as a model
+            cut by :func:`pipe.split` (build it on ``torch.device("meta")`` to
+            allocate nothing; owned layers are then allocated and initialised
+            by their modules' ``reset_parameters()`` and, for a split model, the
+            model's own initialiser such as HuggingFace's ``_init_weights``; a
+            tensor neither sets is refused, :mod:`pipe.distributed.materialize`),
+            or a layer factory ``factory(index) -> nn.Module`` called only for
+            the layers this rank owns (with ``layers=``).
         chunks: micro-batches per mini-batch; every step runs exactly ``chunks``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``, as for ``Pipe``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, or the zero-bubble
@@ -115,8 +126,9 @@ class DistributedPipe(PlainNamed, nn.Module):
             batch, so the step's loss and gradients are those of the whole
             batch; ``"sum"`` if it sums; ``"count"`` if it returns ``(sum,
             count)``, e.g. for a mean over tokens that are not padding: the
-            step divides by the whole (global) batch's count
-            (:mod:`pipe.distributed.loss`).
+            step divides by the whole global batch's count, summed over every
+            data-parallel rank (replicas and shards): the token mean over the
+            global batch (:mod:`pipe.distributed.loss`).
         device: where this rank's layers and tensors live; default ``cuda``
             (current device) under NCCL, else the CPU.
         deferred_batch_norm: update BatchNorm running statistics once per
@@ -224,10 +236,11 @@ class DistributedPipe(PlainNamed, nn.Module):
         shard = verify_shard(shard, mesh)
         self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
-        self.balance = list(balance) if balance is not None else even_balance(layers, self.schedule.stages)
+        self.balance = list(balance) if balance is not None \
+            else even_balance(layers, self.schedule.stages, model, self.schedule)
         self.device = _rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
-                                                 self.topology.pipeline_rank, self.device)
+                                                 self.topology.pipeline_rank, self.device, _every_ranks)
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
         layout = inspect_skip_layout(skeleton)
         self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
@@ -297,8 +310,10 @@ class DistributedPipe(PlainNamed, nn.Module):
             broadcast_loss: return the loss on every rank (one broadcast), not only the last stage's.
 
         Returns:
-            The mini-batch's loss (averaged over data-parallel replicas), on the
-            rank of the last stage, or everywhere with ``broadcast_loss``; else None.
+            The mini-batch's loss (averaged over the data-parallel ranks, replicas
+            and shards; with ``loss_reduction="count"`` the token mean over the
+            global batch), on the rank of the last stage, or everywhere with
+            ``broadcast_loss``; else None.
 
         Raises:
             ValueError, TypeError: bad inputs or targets. If any rank fails, the
@@ -335,7 +350,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         the schedule's order, under ``torch.no_grad()``: nothing is
         checkpointed, no graph and no activation is kept, no gradient is
         touched. The loss is reduced as :meth:`step` reduces it
-        (``loss_reduction``, averaged over data-parallel replicas), so it equals
+        (``loss_reduction``: averaged over the data-parallel ranks, or the global token mean), so it equals
         the plain model's loss under ``torch.no_grad()``. For a validation
         loss call ``model.eval()`` first (dropout off, BatchNorm's running
         statistics), as for the plain model. Every rank of the pipeline calls it.

@@ -4,7 +4,7 @@
 wraps each of this rank's stages with torch's ``fully_shard`` over the mesh's
 "dp_shard" dimension (HSDP over ("dp_replicate", "dp_shard") when the mesh
 has both): first the modules ``Shard.blocks`` chooses (by default each layer of
-the stage, under its plain-model name), then the stage itself. Parameters,
+the stage; the policy sees the plain model's names), then the stage itself. Parameters,
 gradients and optimizer state are then ``DTensor`` shards.
 
 FSDP's own hooks would gather and reduce once per micro-batch. A pipeline
@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 
 from pipe.core.schedule import Action, Phase
+from pipe.core.original_names import partition_name
 
 __all__: list[str] = []
 
@@ -59,8 +60,15 @@ class Shard:
         mp_policy: FSDP's ``MixedPrecisionPolicy`` (default: full precision).
         blocks: ``blocks(name, module) -> bool`` chooses the modules of a stage
             that get their own ``fully_shard`` (names are the plain model's, as
-            in ``state_dict()``); default: each layer of the stage that has
-            parameters. The stage itself is always wrapped last.
+            in ``state_dict()``: ``"3"``, ``"3.attn"``; in a model cut by
+            :func:`pipe.split`, the split model's module paths, ``"model.layers.0"``,
+            and a piece of the split, which the model has no module for, by its
+            index ``"0"``); default: each layer of the stage that has parameters
+            (each piece of a split model). The stage itself is always wrapped
+            last. ``Shard(blocks=lambda name, module: False)`` wraps only the
+            stage: one group, as a stage is gathered whole anyway; needed where
+            one stage holds two layers that share a weight (a tied split model
+            at pipeline size 1).
     """
 
     reshard_after_forward: bool = True
@@ -111,26 +119,33 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
     stage_of: dict[int, tuple[int, str]] = {}
     for s, stage in sorted(stages.items()):
         refuse_wrapped(stage, f"stage {s}")
-        owner: dict[int, str] = {}
-        policy = config.blocks or _default_blocks(stage)
-        chosen = [(name, module) for name, module in stage.named_modules() if name and policy(name, module)]
+        owner: dict[int, tuple[str, str]] = {}  # parameter -> (its name in the stage, the block holding it first)
+        if config.blocks is None:
+            chosen = [(name, module) for name, module in stage.named_modules() if name
+                      and _default_blocks(stage)(name, module)]
+        else:
+            chosen = [(name, module) for name, module in stage.named_modules()
+                      if name and config.blocks(partition_name(stage, name, module=True), module)]
         for block_name, block in chosen:
             for pname, param in block.named_parameters():
-                where = f"{block_name}.{pname} of stage {s}"
-                if id(param) in owner and not owner[id(param)].startswith(f"{block_name}."):
+                plain = partition_name(stage, f"{block_name}.{pname}")
+                if id(param) in owner and not owner[id(param)][0].startswith(f"{block_name}."):
+                    blocks = f"{partition_name(stage, owner[id(param)][1], module=True)!r} and " \
+                             f"{partition_name(stage, block_name, module=True)!r}"
                     raise ValueError(
-                        f"parameter {where} is also {owner[id(param)]}: FSDP cannot shard one parameter in "
-                        f"two groups; tie weights only between stages on different pipeline ranks, or "
-                        f"choose blocks (Shard(blocks=...)) that keep both uses in one block"
+                        f"parameter {plain!r} is held by two blocks of stage {s}, {blocks} (a tied weight): FSDP "
+                        f"cannot shard one parameter in two groups; pass Shard(blocks=lambda name, module: False) "
+                        f"to shard the stage as one group, or choose blocks (Shard(blocks=...)) that keep both "
+                        f"uses in one block, or put the two uses on different pipeline ranks"
                     )
-                owner.setdefault(id(param), where)
+                owner.setdefault(id(param), (f"{block_name}.{pname}", block_name))
         for pname, param in stage.named_parameters():
-            other = stage_of.setdefault(id(param), (s, pname))
+            other = stage_of.setdefault(id(param), (s, partition_name(stage, pname)))
             if other[0] != s:
                 raise ValueError(
-                    f"parameter {pname} of stage {s} is also {other[1]} of stage {other[0]}: two stages of this "
-                    f"rank share it, and FSDP cannot shard one parameter for two stages; place the stages on "
-                    f"different pipeline ranks (another schedule or pipeline size), or untie the weights"
+                    f"parameter {other[1]!r} is held by stages {other[0]} and {s} of this rank (a tied weight), "
+                    f"and FSDP cannot shard one parameter for two stages; place the stages on different pipeline "
+                    f"ranks (another schedule or pipeline size), or untie the weights"
                 )
         mp_policy = config.mp_policy or MixedPrecisionPolicy()
         # Innermost first: fully_shard of a parent leaves the parameters of wrapped children to them.

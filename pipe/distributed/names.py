@@ -7,7 +7,8 @@ Its ``state_dict()`` already uses the plain model's keys; here the names of
 parameters, buffers and modules are mapped the same way:
 
 * a split stage's tensor gets the original model's name (a stage knows every
-  original key of each tensor it holds);
+  original name of each tensor it holds, buffers outside the state dict such
+  as ``model.rotary_emb.inv_freq`` included);
 * a tied tensor (embedding = LM head) gets the name the plain model's
   ``named_parameters()`` gives it, the first it is registered under
   (``"transformer.wte.weight"``), also on the rank that holds only the head;
@@ -15,13 +16,13 @@ parameters, buffers and modules are mapped the same way:
   plain model and are not listed; an intermediate module that two stages
   both hold a part of (``"transformer"``) is listed once, as the first stage's.
 
-``torch.distributed.checkpoint`` walks a module by attribute from the names
-``named_parameters()`` gives, so :meth:`PlainNames.raw` turns the mapping off
-while it runs (:mod:`pipe.distributed.state`).
+``torch.distributed.checkpoint`` walks a module by attribute from its
+state-dict keys, which these names are not for split stages:
+:mod:`pipe.distributed.state` gives it a view that holds the same tensors under
+these names (:func:`pipe.distributed.state.plain_view`).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from torch import Tensor, nn
@@ -43,7 +44,9 @@ class PlainNames:
     def __init__(self, container: nn.Module, skeleton: Sequence[nn.Module]) -> None:
         self.container = container
         self.stages = {name: child for name, child in container.named_children() if isinstance(child, SplitStage)}
-        self._order = {name: {key: i for i, key in enumerate(stage.model_keys)} for name, stage in self.stages.items()}
+        # Every name of the plain model a stage's submodules lead to (buffers outside the state dict too).
+        self._prefixes = {name: {key.rsplit(".", 1)[0] for names in stage.original_names.values() for key in names}
+                          for name, stage in self.stages.items()}
         # A tie's first use, in stage and registration order, is where the plain model registers it first
         # (a split stage lists a tied tensor's original names itself).
         # By name too: a partition's qualified names are the container's, and FSDP and tensor parallelism
@@ -51,32 +54,21 @@ class PlainNames:
         ties = find_ties(skeleton)
         self._tied = {id(tie.tensor): tie.uses[0][3] for tie in ties}
         self._tied_names = {name: tie.uses[0][3] for tie in ties for _, _, _, name in tie.uses}
-        self._raw = False
-
-    @contextlib.contextmanager
-    def raw(self) -> Iterator[None]:
-        """The container's own names inside the ``with`` block (for ``torch.distributed.checkpoint``)."""
-        before, self._raw = self._raw, True
-        try:
-            yield
-        finally:
-            self._raw = before
 
     def tensor(self, name: str, tensor: Tensor) -> str:
         """The plain model's name of ``tensor``, registered in the container as ``name``."""
         child, _, local = name.partition(".")
         stage = self.stages.get(child)
-        if stage is None or local not in stage.original_keys:
+        if stage is None or local not in stage.original_names:
             return self._tied.get(id(tensor)) or self._tied_names.get(name, name)
-        order = self._order[child]
-        return min(stage.original_keys[local], key=lambda key: order.get(key, len(order)))
+        return stage.original_names[local][0]  # in the model's order: the name its named_parameters() gives
 
     def module(self, name: str) -> Optional[str]:
         """The plain model's name of the container's submodule ``name``, or None if the plain model has none."""
         child, _, local = name.partition(".")
         if child not in self.stages:
             return name
-        if local and any(key.startswith(local + ".") for key in self._order[child]):
+        if local and any(prefix == local or prefix.startswith(local + ".") for prefix in self._prefixes[child]):
             return local
         return None  # the stage itself, or a helper of its graph
 
@@ -93,15 +85,12 @@ class PlainNames:
                     continue
                 seen.add(id(value))
                 name = f"{module_name}.{key}" if module_name else key
-                yield _join(prefix, name if self._raw else self.tensor(name, value)), value
+                yield _join(prefix, self.tensor(name, value)), value
 
     def modules(self, memo: Optional[set[nn.Module]], prefix: str,
                 remove_duplicate: bool) -> Iterator[tuple[str, nn.Module]]:
         """``(plain name, module)`` of the container and its submodules that the plain model has."""
         raw = nn.Module.named_modules(self.container, memo, "", remove_duplicate)
-        if self._raw:
-            yield from ((_join(prefix, name), module) for name, module in raw)
-            return
         names: set[str] = set()
         for name, module in raw:
             plain = self.module(name) if name else ""

@@ -4,9 +4,11 @@ Every rank describes the same model, either as an ``nn.Sequential`` (possibly
 built on the ``meta`` device, which costs no memory) or as a layer factory
 ``factory(index) -> nn.Module``. A rank keeps the stages the schedule gives it
 (:meth:`pipe.core.schedule.Schedule.stages_of`) and materialises only those layers
-on its device; the others stay on ``meta`` (factory) or where the user left
-them. Layers keep their names in the original ``nn.Sequential``, so state-dict
-keys are the original model's on every rank.
+on its device (a layer built on ``meta`` is allocated there and initialised by
+known code, or refused: :mod:`pipe.distributed.materialize`); the others stay
+on ``meta`` (factory) or where the user left them. Layers keep their names in
+the original ``nn.Sequential``, so state-dict keys are the original model's on
+every rank.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from torch import nn
 from pipe.core.partition import verify_balance, verify_module
 from pipe.core.schedule import Schedule
 from pipe.core.sequential import sequential_like
+from pipe.distributed.materialize import materialize, refusal
+from pipe.core.original_names import original_names
 
 __all__: list[str] = []
 
@@ -28,19 +32,45 @@ LayerFactory = Callable[[int], nn.Module]
 ModelSpec = Union[nn.Sequential, LayerFactory]
 
 
-def even_balance(layers: int, stages: int) -> list[int]:
+def even_balance(layers: int, stages: int, model: object = None, schedule: Optional[Schedule] = None
+                 ) -> list[int]:
     """Layers per stage, as equal as possible, the first stages taking the remainder.
+
+    Args:
+        layers: how many layers the model has.
+        stages: how many stages the pipeline has.
+        model: the model, to advise on a refusal (a model cut by :func:`pipe.split` needs more cut points).
+        schedule: the pipeline's schedule, to say where its stage count comes from.
 
     Raises:
         ValueError: fewer layers than stages.
     """
     if layers < stages:
+        where = ""
+        if schedule is not None and getattr(schedule, "virtual_stages", None) is not None:
+            per_rank = f"{schedule.virtual_stages} stage{'s' if schedule.virtual_stages > 1 else ''} per rank"
+            if getattr(schedule, "kind", None) == "zbv":
+                per_rank += ", in a V"
+            where = f" ({schedule.ranks} pipeline ranks x {per_rank})"
+        if _is_split(model):
+            raise ValueError(
+                f"the model has {layers} pieces (pipe.split with {layers - 1} cut point{'s' if layers != 2 else ''}) "
+                f"but the pipeline has "
+                f"{stages} stages{where}; every stage needs a piece: give pipe.split at least {stages - 1} cut "
+                f"points (at=[...], e.g. one per block: at=['model.layers.1', 'model.layers.2', ...]), or use "
+                f"fewer pipeline ranks or stages per rank"
+            )
         raise ValueError(
-            f"the model has {layers} layers but the pipeline has {stages} stages; every stage needs a layer "
+            f"the model has {layers} layers but the pipeline has {stages} stages{where}; every stage needs a layer "
             f"(use fewer ranks or virtual_stages, or split layers into smaller nn.Sequential entries)"
         )
     base, extra = divmod(layers, stages)
     return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def _is_split(model: object) -> bool:
+    return isinstance(model, nn.Sequential) and len(model) > 0 and all(original_names(layer) is not None
+                                                                       for layer in model)
 
 
 def layer_count(model: ModelSpec, layers: Optional[int]) -> int:
@@ -82,19 +112,6 @@ def _build_layer(model: ModelSpec, index: int) -> nn.Module:
     return layer
 
 
-def _materialize(layer: nn.Module, device: torch.device) -> nn.Module:
-    """Moves ``layer`` to ``device``; a layer on ``meta`` is allocated there and reset."""
-    on_meta = any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
-    if not on_meta:
-        return layer.to(device)
-    layer.to_empty(device=device)
-    for module in layer.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-    return layer
-
-
 def build_stages(
     model: ModelSpec,
     layers: int,
@@ -102,6 +119,7 @@ def build_stages(
     schedule: Schedule,
     rank: int,
     device: torch.device,
+    agree: Callable[[list[str]], list[str]] = lambda names: names,
 ) -> tuple[dict[int, nn.Sequential], list[nn.Sequential]]:
     """The stages ``rank`` runs, on ``device``, and a skeleton of every stage.
 
@@ -111,7 +129,10 @@ def build_stages(
         balance: layers per stage; one entry per stage of ``schedule``.
         schedule: says which stages ``rank`` owns.
         rank: the pipeline rank.
-        device: where owned layers go.
+        device: where owned layers go. Tensors on ``meta`` are allocated there
+            and initialised (:mod:`pipe.distributed.materialize`).
+        agree: gathers every rank's uninitialised tensors (so that all refuse
+            together); default: this rank's alone.
 
     Returns:
         ``(owned, skeleton)``: ``owned[stage]`` is an ``nn.Sequential`` of the
@@ -121,7 +142,8 @@ def build_stages(
         builds them on ``meta``), to read skip declarations from.
 
     Raises:
-        ValueError: ``balance`` does not fit the model or the schedule.
+        ValueError: ``balance`` does not fit the model or the schedule, or a
+            tensor built on ``meta`` has nothing to initialise it (naming it).
     """
     balance = verify_balance(balance, layers)
     if len(balance) != schedule.stages:
@@ -132,24 +154,33 @@ def build_stages(
         )
     names = layer_names(model, layers)
     mine = set(schedule.stages_of(rank))
-    owned: dict[int, nn.Sequential] = {}
-    skeleton: list[nn.Sequential] = []
+    built: list[tuple[str, nn.Module]] = []
+    stage_of: list[int] = []
+    owned_layers: list[int] = []
     start = 0
     for stage, size in enumerate(balance):
-        entries = []
         for index in range(start, start + size):
-            if stage in mine:
-                layer = _materialize(_build_layer(model, index), device)
-            elif isinstance(model, nn.Sequential):
-                layer = model[index]
+            if stage in mine or isinstance(model, nn.Sequential):
+                layer = _build_layer(model, index)
             else:
                 with torch.device("meta"):
                     layer = _build_layer(model, index)
-            entries.append((names[index], layer))
+            if stage in mine:
+                owned_layers.append(index)
+            built.append((names[index], layer))
+            stage_of.append(stage)
+        start += size
+    unset = agree(materialize(built, owned_layers, device))
+    message = refusal(unset)
+    if message is not None:
+        raise ValueError(message)
+    owned: dict[int, nn.Sequential] = {}
+    skeleton: list[nn.Sequential] = []
+    for stage in range(len(balance)):
+        entries = [entry for entry, s in zip(built, stage_of) if s == stage]
         partition = sequential_like(model, entries)  # a PipeSequential's stages keep its calling convention
         skeleton.append(partition)
         if stage in mine:
             owned[stage] = partition
-        start += size
     logger.info("rank %d owns stages %s (balance %s) on %s", rank, sorted(owned), balance, device)
     return owned, skeleton

@@ -1,13 +1,21 @@
 """Stage-agnostic training checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-Every rank saves the state of the layers it owns under the original
-``nn.Sequential``'s keys (``"3.linear.weight"``), and its optimizer's state
+Every rank saves the state of the layers it owns under the plain model's
+keys: the original ``nn.Sequential``'s (``"3.linear.weight"``) or, for a model
+cut by :func:`pipe.split`, the split model's (a HuggingFace LLaMA's
+``"model.layers.0.self_attn.q_proj.weight"``), and its optimizer's state
 flattened per parameter under the same keys (``"state.3.linear.weight.exp_avg"``,
-``"param_groups.3.linear.weight.lr"``). A checkpoint therefore does not
-remember how the model was cut: a run with K stages resumes with K' stages (each
-rank reads only its own keys), with more or fewer data-parallel replicas
-(replicas hold the same keys, DCP writes them once), or into the plain module
-in one process (:func:`load_module`).
+``"param_groups.3.linear.weight.lr"``). A tensor listed under several keys (a
+tied weight: the embedding is the LM head, a replica on each holding rank) is
+saved once, under the name the plain model's ``named_parameters()`` gives it,
+and loaded into every replica. A checkpoint therefore does not remember how
+the model was cut: a run with K stages resumes with K' stages (each rank reads
+only its own keys), with more or fewer data-parallel replicas (replicas hold
+the same keys, DCP writes them once), into ``pipe.Pipe``, or into the plain
+module in one process (:func:`load_module`). torch's state-dict functions find
+a tensor by walking the module from its key, which the stages of a split model
+do not allow (``0.model.layers...``): they are given :func:`plain_view`, a
+module that holds the same tensor objects under the plain keys.
 
 Sharded stages save sharded: under a mesh with "dp_shard" (FSDP2) or "tp"
 (tensor parallel), ``get_model_state_dict`` and ``get_optimizer_state_dict``
@@ -16,8 +24,10 @@ only its shard, and the metadata records which slice of each tensor each file
 holds. A load asks for the slices the loading rank's own ``DTensor``s (or
 plain tensors) cover, so a checkpoint saved at one (pipeline, shard) layout
 resumes at any other: (pp 2, dp_shard 2) -> (pp 4) or (pp 1, dp_shard 4),
-bit for bit (tests/distributed/test_state_resharding.py). Nothing is gathered
-to one rank on either side.
+bit for bit (tests/distributed/test_state_resharding.py; split HuggingFace
+models through pipeline-only, replica, ZeRO-3, ZeRO-2, HSDP and
+(pp 1, dp_shard 4) layouts: tests/distributed/test_state_split.py). Nothing is
+gathered to one rank on either side.
 
 A save is atomic: every rank writes into ``<path>.saving``, and once all
 have finished (DCP writes the ``.metadata`` file last) that folder is renamed
@@ -31,17 +41,17 @@ converts it to a single ``torch.save`` file if needed.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import warnings
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["save", "load", "load_module"]
+__all__ = ["save", "load", "load_module", "model_state_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +74,144 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _own_names(module: nn.Module) -> ContextManager[None]:
-    """DCP walks the module by attribute from ``named_parameters()``: a DistributedPipe's own names meanwhile."""
-    names = getattr(module, "plain_names", None)
-    return names.raw() if names is not None else contextlib.nullcontext()
+def _identity(tensor: Tensor) -> Any:
+    """What makes two entries of a state dict one tensor: the same object, or the same memory viewed alike.
+
+    (``Pipe`` lists a weight tied across devices under its other keys as a
+    detached view of the one parameter, :mod:`pipe.core.tying`.)
+    """
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.is_meta or local.numel() == 0:
+        return id(tensor)
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            local.stride(), local.dtype)
 
 
-def _state(module: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    with _own_names(module):
-        state: dict[str, Any] = {"model": get_model_state_dict(module, options=_OPTIONS)}
-        if optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
-    return state
+def _canonical(key: str) -> str:
+    """A state-dict key without the wrappers' prefixes (``torch.compile``'s, activation checkpointing's)."""
+    return key.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+class _Holder(nn.Module):
+    """A module of the view: holds tensors under one path of the plain model."""
+
+
+class _WithExtraState(_Holder):
+    """A module of the view standing for a module with ``get_extra_state`` (its state goes to and from it)."""
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_source"] = source  # not a submodule
+
+    def get_extra_state(self) -> Any:
+        return self.__dict__["_source"].get_extra_state()
+
+    def set_extra_state(self, state: Any) -> None:
+        self.__dict__["_source"].set_extra_state(state)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while True:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def plain_view(module: nn.Module) -> nn.Module:
+    """A module whose attribute paths are the plain model's names, holding ``module``'s own tensors.
+
+    torch's ``get_model_state_dict`` and ``get_optimizer_state_dict`` (and
+    ``set_...``) find a tensor by walking the module by attribute from its
+    state-dict key. A ``DistributedPipe`` or ``Pipe`` lists the plain model's
+    keys (``model.layers.0.self_attn.q_proj.weight``), which no attribute path
+    leads to when the layers are stages of :func:`pipe.split` (``0.model...``
+    inside a graph module). The view registers the very tensor objects (FSDP's
+    and tensor parallelism's ``DTensor`` parameters included) under those keys,
+    so those functions work on it as on the plain model, and loading into the
+    view writes into ``module``'s tensors. A tensor listed under several keys
+    (a tied weight: the embedding is the LM head) is held once, under the
+    first key: the name the plain model's ``named_parameters()`` gives it.
+    """
+    module = _unwrap(module)
+    entries: dict[str, Any] = {}
+    first: dict[Any, str] = {}
+    for key, value in module.state_dict(keep_vars=True).items():  # FSDP's hooks: the sharded parameters
+        key = _canonical(key)
+        if not isinstance(value, Tensor):
+            entries[key] = value
+            continue
+        identity = _identity(value)
+        if identity not in first:
+            first[identity] = key
+            entries[key] = value
+        elif isinstance(value, nn.Parameter) and not isinstance(entries[first[identity]], nn.Parameter):
+            entries[first[identity]] = value  # the parameter itself (the optimizer knows it), under the first key
+    view = _Holder()
+    modules: Optional[dict[str, nn.Module]] = None
+    for key, value in entries.items():
+        path, _, attr = key.rpartition(".")
+        if attr == nn.modules.module._EXTRA_STATE_KEY_SUFFIX:
+            if modules is None:
+                modules = {_canonical(name): m for name, m in module.named_modules()}
+            if path not in modules:
+                raise NotImplementedError(f"state: cannot find the module of extra state {key!r}; save its module "
+                                          "apart")
+            _install(view, path, _WithExtraState(modules[path]))
+            continue
+        owner = _holder(view, path)
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(attr, value)
+        else:
+            owner.register_buffer(attr, value)
+    return view
+
+
+def _holder(view: nn.Module, path: str) -> nn.Module:
+    owner = view
+    for atom in path.split(".") if path else []:
+        child = owner._modules.get(atom)
+        if child is None:
+            child = _Holder()
+            owner.add_module(atom, child)
+        owner = child
+    return owner
+
+
+def _install(view: nn.Module, path: str, module: nn.Module) -> None:
+    """Puts ``module`` at ``path`` of the view, taking over what a holder there already has."""
+    parent_path, _, name = path.rpartition(".")
+    parent = _holder(view, parent_path)
+    existing = parent._modules.get(name)
+    if existing is not None:
+        module._parameters.update(existing._parameters)
+        module._buffers.update(existing._buffers)
+        module._modules.update(existing._modules)
+    parent.add_module(name, module)
+
+
+def model_state_dict(module: nn.Module) -> dict[str, Any]:
+    """This rank's model state under the plain model's keys, each tied weight once: what :func:`save` writes.
+
+    The values are ``DTensor`` shards where the stages are sharded (FSDP2,
+    tensor parallelism) and plain tensors elsewhere; they share memory with
+    ``module``'s tensors, so writing into them (as ``torch.distributed.checkpoint.load``
+    does) writes into ``module``. Keys are those of the model given to
+    ``DistributedPipe`` or ``Pipe``: the ``nn.Sequential``'s (``"3.linear.weight"``)
+    or, for a model cut by :func:`pipe.split`, the split model's
+    (``"model.layers.0.self_attn.q_proj.weight"``).
+    """
+    return get_model_state_dict(plain_view(module), options=_OPTIONS)
+
+
+def _state(module: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[nn.Module, dict[str, Any]]:
+    view = plain_view(module)
+    state: dict[str, Any] = {"model": get_model_state_dict(view, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(view, optimizer, options=_OPTIONS)
+    return view, state
 
 
 def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> None:
@@ -84,13 +220,18 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     Collective: every rank of the job calls it with its ``DistributedPipe``
     (or, in one process, the plain module).
 
+    The keys are the plain model's (:func:`model_state_dict`): an
+    ``nn.Sequential``'s, or for a model cut by :func:`pipe.split` the split
+    model's, a tied weight once; so the checkpoint loads at any other layout,
+    into ``pipe.Pipe`` and into the plain model (:func:`load_module`).
+
     Args:
         path: a directory (created).
-        module: a ``DistributedPipe`` or any module whose keys are the original model's.
+        module: a ``DistributedPipe``, a ``pipe.Pipe``, or the plain module (in one process).
         optimizer: the optimizer over ``module.parameters()``.
         extra: small values every rank agrees on (step number, ...), returned by :func:`load`.
     """
-    state = _state(module, optimizer)
+    _, state = _state(module, optimizer)
     state["extra"] = dict(extra)
     final = os.fspath(path)
     staging = final + STAGING
@@ -123,7 +264,7 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         RuntimeError: the checkpoint lacks a key this rank needs (DCP names it).
     """
     _require_complete(os.fspath(path))
-    state = _state(module, optimizer)
+    view, state = _state(module, optimizer)
     # "extra" holds plain values whose keys the loader cannot know in advance: list them first.
     metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
     extra_keys = [key for key in metadata.state_dict_metadata if key.startswith("extra.")]
@@ -132,10 +273,9 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         # Loading in one process is intended here (load_module); DCP warns about it regardless.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
-    with _own_names(module):
-        set_model_state_dict(module, state["model"], options=_OPTIONS)
-        if optimizer is not None:
-            set_optimizer_state_dict(module, optimizer, state["optimizer"], options=_OPTIONS)
+    set_model_state_dict(view, state["model"], options=_OPTIONS)
+    if optimizer is not None:
+        set_optimizer_state_dict(view, optimizer, state["optimizer"], options=_OPTIONS)
     logger.info("loaded %d tensors of the model from %s", len(state["model"]), path)
     return dict(state["extra"])
 

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from pipe.core.schedule import Schedule
 from pipe.distributed.group import Topology
+from pipe.core.original_names import partition_name
 from pipe.core.tying import find_ties
 
 __all__: list[str] = []
@@ -65,10 +66,11 @@ class TiedReplicas:
             for r in ranks:
                 together = [s for s in stages if schedule.rank_of(s) == r]
                 if len(together) > 1:
-                    self.within_rank.append(f"{tie.name(together[0])!r} of stages {together} on pipeline rank {r}")
+                    name = partition_name(skeleton[together[0]], tie.name(together[0]))
+                    self.within_rank.append(f"{name!r} of stages {together} on pipeline rank {r}")
             if len(ranks) < 2:
                 continue
-            name = tie.name(stages[0])
+            name = partition_name(skeleton[stages[0]], tie.name(stages[0]))  # the plain model's
             if tie.is_buffer:
                 raise ValueError(
                     f"buffer {name!r} of stage {stages[0]} is shared with stage(s) {stages[1:]} on other ranks; a "

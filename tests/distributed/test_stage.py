@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch import nn
 
+import pipe
+
 from pipe.distributed.stage import build_stages, even_balance, layer_count
 from pipe.core.schedule import Schedule
 
@@ -14,6 +16,19 @@ def test_even_balance() -> None:
     assert even_balance(4, 4) == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="the model has 2 layers but the pipeline has 3 stages"):
         even_balance(2, 3)
+
+
+def test_a_split_model_with_too_few_pieces_is_told_to_add_cut_points() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    stages = pipe.split(model, (torch.randn(2, 4),), at=["2"])  # 2 pieces
+    zbv = Schedule("zbv", ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"the model has 2 pieces \(pipe.split with 1 cut point\) but the pipeline "
+                                         r"has 4 stages \(2 pipeline ranks x 2 stages per rank, in a V\); every "
+                                         r"stage needs a piece: give pipe.split at least 3 cut points \(at="):
+        even_balance(len(stages), zbv.stages, stages, zbv)
+    interleaved = Schedule("interleaved", ranks=2, microbatches=2, virtual_stages=3)
+    with pytest.raises(ValueError, match=r"has 6 stages \(2 pipeline ranks x 3 stages per rank\).* at least 5 cut"):
+        even_balance(len(stages), interleaved.stages, stages, interleaved)
 
 
 def test_layer_count_errors() -> None:
