@@ -78,21 +78,29 @@ _STAGE_ATTRIBUTES = ("original_keys", "original_names", "model_keys", "captured_
 
 
 def _retarget_devices(stage: fx.GraphModule) -> None:
-    """Points device arguments captured in the graph (``arange(device=...)``) at the stage's device."""
-    device = next((t.device for t in list(stage.parameters()) + list(stage.buffers())), None)
+    """Points device arguments captured in the graph (``arange(device=...)``) at the stage's device.
+
+    Also in the graphs nested in it: torch.export puts the body of a higher-order op (``wrap_with_autocast``,
+    ``wrap_with_set_grad_enabled``: a LLaMA's rotary embedding under PyTorch 2.11) in a submodule of its own,
+    whose ``_assert_tensor_metadata`` would otherwise still expect the capture's device (``meta``).
+    """
+    device = next((t.device for t in list(stage.parameters()) + list(stage.buffers()) if not t.is_meta), None)
     if device is None:
         return
-    changed = False
-    for node in stage.graph.nodes:
-        current = node.kwargs.get("device")
-        if isinstance(current, torch.device) and current != device:
-            node.update_kwarg("device", device)
-            changed = True
-        elif node.target is torch.ops.aten.to.device and len(node.args) > 1 and node.args[1] != device:
-            node.update_arg(1, device)
-            changed = True
-    if changed:
-        stage.recompile()
+    for module in stage.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            current = node.kwargs.get("device")
+            if isinstance(current, torch.device) and current != device:
+                node.update_kwarg("device", device)
+                changed = True
+            elif node.target is torch.ops.aten.to.device and len(node.args) > 1 and node.args[1] != device:
+                node.update_arg(1, device)
+                changed = True
+        if changed:
+            module.recompile()
 
 
 # -- state-dict names --------------------------------------------------------------------------------

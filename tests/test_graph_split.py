@@ -235,3 +235,32 @@ def test_a_table_made_from_a_constant_buffer_is_made_again_not_sent(persistent: 
     if remade:  # only the second stage uses the table now: it holds the model's buffer itself
         assert stages[1].get_buffer("freq") is model.freq and "freq" not in dict(stages[0].named_buffers())
     torch.testing.assert_close(stages(ids), model(ids), rtol=0, atol=0)
+
+
+def test_device_arguments_in_nested_graphs_follow_the_stage_s_tensors() -> None:
+    # torch.export (2.11) puts a higher-order op's body (a LLaMA's rotary embedding under wrap_with_autocast) in
+    # a submodule graph of its own; captured on meta, its device arguments must follow the stage's tensors too
+    # (found on a GPU: "_assert_tensor_metadata ... Expected: meta, Got: cuda:0").
+    import torch.fx as fx
+
+    from pipe.split_stage import _retarget_devices
+
+    class Inner(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.arange(x.size(0), device=torch.device("meta"))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+            self.inner = fx.symbolic_trace(Inner())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x * self.weight)
+
+    outer = fx.symbolic_trace(Outer())
+    outer.inner = fx.symbolic_trace(Inner())  # kept as a submodule graph, as export keeps a HOP's body
+    _retarget_devices(outer)
+    devices = [n.kwargs["device"] for n in outer.inner.graph.nodes if "device" in n.kwargs]
+    assert devices == [torch.device("cpu")]
+    torch.testing.assert_close(outer.inner(torch.zeros(3)), torch.arange(3.0))
