@@ -69,7 +69,7 @@ def _meta_split(which: str) -> nn.Module:
     build, cut = MODELS[which]
     with torch.device("meta"):
         model = build()
-    ids, mask, _ = lm_batch(4, 8)
+    ids, mask, _ = (t.to("meta") for t in lm_batch(4, 8))  # on meta too (torch 2.11's export wants one device)
     return pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=[cut])
 
 
