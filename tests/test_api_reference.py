@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api"
 PUBLIC = ["pipe", "pipe.distributed", "pipe.balance", "pipe.skip", "pipe.recompute", "pipe.batchnorm",
-          "pipe.trace", "pipe.viz", "pipe.plan"]
+          "pipe.trace", "pipe.viz", "pipe.plan", "pipe.distributed.hf"]
 _DIRECTIVE = re.compile(r"^\.\. (?:auto(?:class|function|data|exception)|py:data)::\s+([\w.]+)", re.M)
 
 

@@ -6,7 +6,6 @@ then one backward call, shared out to the layers by hooks on their inputs.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import statistics
@@ -17,11 +16,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipe.balance.chain import LayerFailed, run_chain, skips_snapshot
 from pipe.balance.clock import Clock
 from pipe.balance.profile import as_input, check_output_sizes, detach, layer_copies, sandbox
 from pipe.core.iw_backward import IWBackward
 from pipe.core.microbatch import Batch
-from pipe.skip.tracker import current_skip_tracker
 
 __all__: list[str] = []
 
@@ -146,7 +145,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
                     _time_round(layers, selective, lambda: as_input(samples[rows], device), device, split,
                                 recompute, done, {name: table[rows] for name, table in found.items()}, needs_grad,
                                 refused, failed, window)
-                except _LayerFailed as error:
+                except LayerFailed as error:
                     layer = layers[error.layer]
                     raise RuntimeError(
                         f"cannot time layer {error.layer} ({names[error.layer]!r}: "
@@ -210,7 +209,7 @@ def _time_round(layers: Sequence[nn.Module], selective: Sequence[nn.Module], sam
         plain = sum(_alone(layer, given[k], device, k))
         try:
             seconds = sum(_alone(selective[k], given[k], device, k))
-        except _LayerFailed as error:  # the mark's own limits
+        except LayerFailed as error:  # the mark's own limits
             logger.info("layer %d fails marked for selective recompute (%s: %s); it is not planned so", k,
                         type(error.cause).__name__, error.cause)
             failed.add(k)
@@ -258,7 +257,7 @@ def _cell_split(layers: Sequence[nn.Module], batch: Batch, device: torch.device)
     """Seconds of the I and of the W of ``layers`` run as one cell on ``batch``, as a stage's backward is split
     (its input made to need a gradient, as a later stage's does); run twice, timed the second time (the
     weights in the caches, as :func:`_windows` runs them). None where some layer's output needs no gradient."""
-    restore = _skips_snapshot()
+    restore = skips_snapshot()
     try:
         for _ in range(2):
             restore()  # the layers run again: their skips too
@@ -295,7 +294,7 @@ def _marked_times(layers: Sequence[nn.Module], sample: Callable[[], Batch], devi
         try:
             _, forward, backward = _windows(layers, sample(), device, window)
             return [f + b for f, b in zip(forward, backward)]
-        except _LayerFailed as error:  # the mark's own limits: the plain chain ran
+        except LayerFailed as error:  # the mark's own limits: the plain chain ran
             if error.layer in refused:
                 raise
             logger.info("layer %d fails marked for recompute (%s: %s); its replay is taken as its forward",
@@ -304,15 +303,6 @@ def _marked_times(layers: Sequence[nn.Module], sample: Callable[[], Batch], devi
         finally:
             for layer in layers:
                 unmark(layer)
-
-
-class _LayerFailed(Exception):
-    """Layer ``layer`` of a chain raised ``cause``."""
-
-    def __init__(self, layer: int, cause: Exception) -> None:
-        super().__init__(layer, cause)
-        self.layer = layer
-        self.cause = cause
 
 
 def _windows(layers: Sequence[nn.Module], batch: Batch, device: torch.device, window: int
@@ -327,107 +317,17 @@ def _windows(layers: Sequence[nn.Module], batch: Batch, device: torch.device, wi
     for start in range(0, len(layers), size):
         try:
             if window > 0:  # once untimed: a stage's next micro-batch finds its weights in the caches
-                restore = _skips_snapshot()
-                _chain(layers[start:start + size], batch, device)
+                restore = skips_snapshot()
+                run_chain(layers[start:start + size], batch, device)
                 restore()  # the timed pass pops and stashes the skips again
-            inputs, f, b, _ = _chain(layers[start:start + size], batch, device)
-        except _LayerFailed as error:
-            raise _LayerFailed(start + error.layer, error.cause) from error.cause
+            inputs, f, b, _ = run_chain(layers[start:start + size], batch, device)
+        except LayerFailed as error:
+            raise LayerFailed(start + error.layer, error.cause) from error.cause
         given += inputs[:-1]
         forward += f
         backward += b
         batch = inputs[-1]
     return [*given, batch], forward, backward
-
-
-def _chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *, split: bool = False,
-           connected: bool = True) -> tuple[list[Batch], list[float], list[float], list[float]]:
-    """One micro-batch through ``layers`` as a stage runs it, timed per layer: every forward in order,
-    then the backward from ones as the last output's gradient, as one call, each layer's share timed
-    from the moment its output's gradient is ready to the moment its input's is (hooks on the layers'
-    inputs; a backward call per layer cost small layers a call each, which a stage pays once).
-
-    Where some layer's output needs no gradient, no gradient would reach the layers before it, so the
-    chain is run again disconnected: each layer on its input detached, with ones as the gradient of
-    its own output in a call of its own. With ``split``, the same per layer: every I in reverse order
-    (:class:`pipe.core.iw_backward.IWBackward`), then every W.
-
-    Returns:
-        Each layer's input and the last layer's output; seconds of each layer's forward, of its
-        backward (of its I with ``split``), and of its W (0 without ``split``).
-
-    Raises:
-        _LayerFailed: a layer failed.
-    """
-    count = len(layers)
-    connected = connected and not split
-    clock = Clock(device)
-    restore = _skips_snapshot()
-    given: list[Batch] = []
-    outputs: list[Batch] = []
-    for k, layer in enumerate(layers):
-        if connected and k > 0 and not any(t.requires_grad for t in batch.tensors):
-            restore()  # the layers run again: their skips too
-            return _chain(layers, given[0], device, connected=False)
-        given.append(batch if connected and k > 0 else detach(batch))
-        if connected and k > 0:
-            for tensor in given[k].tensors:  # hooked before the layer runs: an in-place layer's stays on its input
-                if tensor.requires_grad:
-                    tensor.register_hook(functools.partial(_reached, clock, k))
-        try:
-            with clock.span(("forward", k)):
-                batch = given[k].call(layer)
-        except Exception as error:
-            raise _LayerFailed(k, error) from error
-        outputs.append(batch)
-    if connected:
-        roots = [t for t in batch.tensors if t.requires_grad]
-        if roots:
-            clock.stamp(("reached", count))
-            try:
-                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-            except Exception as error:  # in the layer whose output's gradient was the last to be ready
-                raise _LayerFailed(min(k for k in range(count + 1) if ("reached", k) in clock.stamps) - 1,
-                                   error) from error
-            clock.stamp(("reached", 0))
-        backward = [clock.between(("reached", k + 1), ("reached", k)) for k in range(count)]
-        return [*given, batch], clock.spans("forward", count), backward, [0.0] * count
-    halves: list[tuple[int, IWBackward]] = []
-    for k in reversed(range(count)):
-        roots = [t for t in outputs[k].tensors if t.requires_grad]
-        if not roots:
-            continue
-        grads = [torch.ones_like(t) for t in roots]
-        try:
-            if split:
-                leaves = [t for t in given[k].tensors if t.requires_grad]
-                halves.append((k, IWBackward(roots, grads, leaves, list(layers[k].parameters()))))
-            with clock.span(("backward", k)):
-                if split:
-                    halves[-1][1].backward_input()
-                else:
-                    torch.autograd.backward(roots, grads)
-        except Exception as error:
-            raise _LayerFailed(k, error) from error
-    for k, part in halves:
-        with clock.span(("weight", k)):
-            part.backward_weight()
-    return [*given, batch], clock.spans("forward", count), clock.spans("backward", count), clock.spans("weight", count)
-
-
-def _skips_snapshot() -> Callable[[], None]:
-    """A function that puts back the skips stashed now (:mod:`pipe.skip`), for layers about to run again."""
-    tracker = current_skip_tracker()
-    stashed = dict(tracker.tensors)
-
-    def restore() -> None:
-        tracker.tensors = dict(stashed)
-    return restore
-
-
-def _reached(clock: Clock, k: int, grad: torch.Tensor) -> None:
-    """A hook on layer ``k``'s input: its gradient is ready, layer ``k``'s backward is over."""
-    clock.stamp(("reached", k))
 
 
 def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,
@@ -436,12 +336,12 @@ def _alone(layer: nn.Module, batch: Batch, device: torch.device, k: int,
     its W (0 without ``split``).
 
     Raises:
-        _LayerFailed: the layer failed (named ``k``).
+        LayerFailed: the layer failed (named ``k``).
     """
     try:
-        _, forward, backward, weight = _chain([layer], batch, device, split=split)
-    except _LayerFailed as error:
-        raise _LayerFailed(k, error.cause) from error.cause
+        _, forward, backward, weight = run_chain([layer], batch, device, split=split)
+    except LayerFailed as error:
+        raise LayerFailed(k, error.cause) from error.cause
     return forward[0], backward[0], weight[0]
 
 

@@ -21,8 +21,8 @@ from pipe.distributed.mesh import replica_mesh, verify_mesh
 from pipe.distributed.group import Topology, require_initialized, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
-from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, broadcast_from, divide_by_count, sample_weights,
-                                   verify_loss_reduction, warn_if_ignored_targets)
+from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, broadcast_from, divide_by_count, replica_share,
+                                   sample_weights, verify_loss_reduction, warn_if_ignored_targets)
 from pipe.distributed.runtime import MAIN, Runtime, StageSkips
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute_ranks import attach_to_ranks
@@ -217,7 +217,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         layers = layer_count(model, layers)
         require_initialized()
         if mesh is not None:
-            verify_mesh(mesh, data_parallel)
+            verify_mesh(mesh, data_parallel, _rank_device(device))
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint,
@@ -418,6 +418,14 @@ class DistributedPipe(PlainNamed, nn.Module):
         except (TypeError, ValueError) as error:
             self._runtime.failures.begin_step()  # the step the other ranks run
             raise self._runtime.failures.failure_from(where, error) from None
+        if targets is not None and weights is not None and self.loss_reduction == "mean" \
+                and self.topology.data_parallel > 1:
+            try:  # replicas with uneven shares of the global batch: weighted by their samples
+                weights = replica_share(weights, targets, self.topology.data_parallel_group,
+                                        self.topology.data_parallel, self.device)
+            except Exception as error:
+                self._runtime.failures.begin_step()
+                raise self._runtime.failures.failure_from(where, error) from None
         return batches, targets, weights
 
     def _move_to(self, what: str) -> str:

@@ -83,12 +83,24 @@ def _start_time(pid: int) -> str:
         return "?"
 
 
-def _stopped(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` a zombie...), ``?`` if unknown."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+            return stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
+        return "?"
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) == "T"
+
+
+def _gone(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` has ended (a zombie has: it waits to be reaped)."""
+    if start == "?":
         return False
+    return _start_time(pid) != start or _state(pid) in ("Z", "X")
 
 
 class Failures:
@@ -183,14 +195,21 @@ class Failures:
             return self._raised(where, error)
         peer_rank, timed_out = peer
         first_line = str(error).splitlines()[0] if str(error) else ""
-        self._set(self._key(f"lost/{self.rank}"), f"{peer_rank} {'timeout' if timed_out else 'closed'} {where}")
+        self._publish("lost", f"{'?' if peer_rank is None else peer_rank} {'timeout' if timed_out else 'closed'} {where}")
         cause = self._root_cause(peer_rank, timed_out, where)
-        if cause is None and peer_rank is not None:  # no store to agree through: what this rank saw
-            cause = self._describe(peer_rank, timed_out, f"rank {self.rank} in {where}")
-        if cause is None:
-            cause = (f"a collective operation failed and no rank reported why ({type(error).__name__}: "
-                     f"{first_line})")
-        headline = self._agree(cause)
+        if cause is not None:
+            headline = self._agree(cause)
+        else:  # never agreed: a verdict without a rank must not become the headline of ranks that know one
+            agreed = self._get(self._key("root"))
+            if agreed is not None:
+                headline = agreed
+            elif peer_rank is not None:  # no store to agree through: what this rank saw
+                headline = self._describe(peer_rank, timed_out, f"rank {self.rank} in {where}")
+            else:
+                silent = self._silent()
+                suspects = f"; ranks that reported nothing: {', '.join(map(str, silent))}" if silent else ""
+                headline = (f"a collective operation failed and no rank reported why ({type(error).__name__}: "
+                            f"{first_line}){suspects}")
         if self._stopped_peer is not None and "was ended with SIGKILL" in headline:
             try:
                 os.kill(self._stopped_peer, signal.SIGKILL)  # torchrun's SIGTERM cannot end a stopped process
@@ -211,7 +230,7 @@ class Failures:
     def _raised(self, where: str, error: BaseException) -> BaseException:
         """This rank's own error: published (a root-cause candidate) and returned with a note."""
         message = f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}"
-        self._set(self._key(f"raised/{self.rank}"), message)
+        self._publish("raised", message)
         self._agree(message)
         logger.error("%s", message)
         if hasattr(error, "add_note"):
@@ -222,11 +241,42 @@ class Failures:
         found = (self._get(self._key(f"raised/{rank}")) for rank in range(self.world) if rank != self.rank)
         return [message for message in found if message is not None]
 
+    def _publish(self, kind: str, message: str) -> None:
+        """Writes this rank's evidence (``raised`` or ``lost``) and counts it among the step's reports."""
+        self._set(self._key(f"{kind}/{self.rank}"), message)
+        store = _store()
+        if store is not None:
+            try:
+                store.add(self._key("reported"), 1)
+            except Exception:
+                logger.debug("could not count this rank's report", exc_info=True)
+
+    def _reported(self) -> int:
+        store = _store()
+        try:
+            return int(store.add(self._key("reported"), 0)) if store is not None else 0
+        except Exception:
+            return 0
+
+    def _silent(self) -> list[int]:
+        """The other ranks that published nothing this step (neither an error nor a lost peer)."""
+        return [rank for rank in range(self.world) if rank != self.rank
+                and self._get(self._key(f"raised/{rank}")) is None and self._get(self._key(f"lost/{rank}")) is None]
+
     def _root_cause(self, peer: Optional[int], timed_out: bool, where: str) -> Optional[str]:
-        """The root cause as a phrase (``"rank 1 died ..."``), or None without evidence to go on."""
+        """The root cause as a phrase (``"rank 1 died ..."``), or None without evidence to go on.
+
+        A lost peer that is not known (a collective of FSDP, HSDP or tensor
+        parallelism failed: gloo names an address, not a rank) is the one rank
+        that published nothing once every other rank has: the survivors all
+        end their waits within about the timeout, the failed rank never writes.
+        """
         if _store() is None:
             return None
-        deadline = time.monotonic() + (min(_SETTLE, self.timeout) if timed_out else 0.0)
+        settle = min(_SETTLE, self.timeout) if timed_out else 0.0
+        if peer is None:  # the others' waits end within the timeout: then only the failed rank is silent
+            settle = self.timeout + _SETTLE
+        deadline = time.monotonic() + settle
         while True:
             raised = self._raised_by_others()
             if raised:
@@ -234,20 +284,29 @@ class Failures:
             agreed = self._get(self._key("root"))
             if agreed is not None:
                 return agreed
-            blamed = self._follow(peer)
-            if blamed is not None and (time.monotonic() >= deadline or not timed_out):
+            blamed = self._follow(peer if peer is not None else self._only_silent())
+            if blamed is not None and (time.monotonic() >= deadline or not timed_out or peer is None):
                 return self._describe(*blamed)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL)
 
+    def _only_silent(self) -> Optional[int]:
+        """The one rank that published nothing this step, once all the others have (one counter read till then)."""
+        if self._reported() < self.world - 1:
+            return None
+        silent = self._silent()
+        return silent[0] if len(silent) == 1 else None
+
     def _follow(self, peer: Optional[int]) -> Optional[tuple[int, bool, str]]:
         """From ``peer`` along the lost-contact records to the rank to blame: ``(rank, stalled, seen by)``.
 
         The chain ends at a rank that published nothing (it died or stalled).
-        If it comes back to a rank already visited, the ranks lost each other:
-        a wait that timed out closes the connection, so the other end sees it
-        closed; the rank that one timed out on is the one to blame.
+        A record whose peer is not known (``?``: a collective failed) leads to
+        the one rank that published nothing, if only one did. If the chain
+        comes back to a rank already visited, the ranks lost each other: a wait
+        that timed out closes the connection, so the other end sees it closed;
+        the rank that one timed out on is the one to blame.
         """
         if peer is None:
             return None
@@ -271,6 +330,11 @@ class Failures:
             if record is None:
                 return peer, timed_out, f"rank {rank} in {where}"
             next_peer, how, next_where = record.split(" ", 2)
+            if next_peer == "?":
+                found = self._only_silent()
+                if found is None:
+                    return None
+                next_peer = str(found)
             rank, timed_out, where, peer = peer, how == "timeout", next_where, int(next_peer)
 
     def _describe(self, rank: int, timed_out: bool, seen: str) -> str:
@@ -281,6 +345,9 @@ class Failures:
         stopped = ""
         if identity is not None:
             host, pid, start = identity.split(" ")
+            if host == socket.gethostname() and _gone(int(pid), start):  # gloo's collectives may time out
+                return (f"rank {rank} died: its process (pid {pid} on this machine) ended without raising an "
+                        f"error (a wait on it timed out, seen by {seen})")
             if host == socket.gethostname() and _stopped(int(pid)) and _start_time(int(pid)) == start:
                 stopped = (f"; its process (pid {pid} on this machine) is stopped (SIGSTOP?) and was ended "
                            "with SIGKILL so that the job ends now")
@@ -289,13 +356,18 @@ class Failures:
                 f"(seen by {seen}){stopped}")
 
 
+_CLOSED = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
+           "end of file")  # gloo's words for a peer whose process ended (its sockets closed)
+
+
 def _peer_of(error: BaseException) -> Optional[tuple[Optional[int], bool]]:
-    """``(peer, timed out)`` if ``error`` is a lost connection or a timeout, else None."""
+    """``(peer, timed out)`` if ``error`` is a lost connection or a timeout, else None (the peer None if not known)."""
     if isinstance(error, PeerError):
         return error.peer, error.timed_out
     backend_error = getattr(dist, "DistBackendError", None)
     text = str(error).lower()
+    timed_out = "timed out" in text or "timeout" in text
     if (backend_error is not None and isinstance(error, backend_error)) or (
-            isinstance(error, RuntimeError) and ("connection closed" in text or "timed out" in text)):
-        return None, "timed out" in text or "timeout" in text
+            isinstance(error, RuntimeError) and (timed_out or any(words in text for words in _CLOSED))):
+        return None, timed_out
     return None

@@ -28,6 +28,8 @@ its actions, not once per micro-batch.
 from __future__ import annotations
 
 import logging
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -151,6 +153,24 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
             fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
         logger.info("stage %d: fully_shard on %d block(s) and the stage, mesh %s", s, len(chosen), mesh)
+        _quiet_view_warning([stage] + [block for _, block in chosen])
+
+
+def _quiet_view_warning(wrapped: list[nn.Module]) -> None:
+    """Hides FSDP's "returned a view tensor" warning for the modules pipe wrapped, and logs why once.
+
+    FSDP warns that an in-place op on a wrapped module's view output drops its pre-backward hook, and with
+    it the gather of the parameters for backward. pipe does not rely on that hook: :class:`StageSharding`
+    gathers each stage before every one of its actions and reduce-scatters explicitly, so the gradients stay
+    exact (tests/distributed/test_fsdp_ranks.py changes a stage's output in place). Other modules keep the warning.
+    """
+    names = sorted({type(module).__name__ for module in wrapped})
+    for name in names:
+        warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({re.escape(name)}\) returned a view tensor",
+                                category=UserWarning)
+    logger.info("FSDP's 'returned a view tensor' warning is hidden for %s: the runner gathers each stage before "
+                "every action and reduces explicitly, so an in-place op on a stage's output cannot skip a gather",
+                ", ".join(names))
 
 
 @dataclass
@@ -263,9 +283,23 @@ class StageSharding:
         self._gathered.discard(stage)
 
     def abandon(self) -> None:
-        """After a failed step: waits for gathers in flight and reshards everything."""
+        """After a failed step: waits for gathers in flight and reshards everything.
+
+        A gather whose partner is gone fails too; that is the step's failure,
+        already reported, so it is logged and the stage resharded all the same.
+        """
         for s in list(self._gathered):
-            self.reshard(s)
+            try:
+                self.reshard(s)
+            except Exception:
+                logger.debug("resharding stage %d after a failed step", s, exc_info=True)
+                self._handles.pop(s, None)
+                for module in self.modules[s]:
+                    try:
+                        module.reshard()
+                    except Exception:
+                        logger.debug("resharding a module of stage %d", s, exc_info=True)
+                self._gathered.discard(s)
 
 
 def _param_groups(fsdp_state: Any) -> list[Any]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipe.distributed.mesh import agree_on_reuse, mesh_size, reuse, reuse_spoiled
+from pipe.distributed.mesh import agree_on_reuse, bound_timeouts, mesh_size, reuse, reuse_spoiled
 from pipe.distributed.transport import Channel
 
 __all__: list[str] = []
@@ -98,6 +98,7 @@ class Topology:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.timeout = world_timeout()
+        bound_timeouts(mesh, self.timeout)  # FSDP, HSDP and tp collectives end within the job's timeout too
         self._channels: dict[tuple[int, int, str, str], Channel] = {}
         self.names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
         self.replicate = mesh_size(mesh, "dp_replicate")
@@ -135,16 +136,16 @@ class Topology:
                 mine = group
         return mine
 
-    def new_group(self, members: list[int], role: str) -> dist.ProcessGroup:
-        """The process group of ``members`` for ``role``, with the pipeline's timeout.
+    def new_group(self, members: list[int], role: str) -> Optional[dist.ProcessGroup]:
+        """The process group of ``members`` for ``role``, with the pipeline's timeout; None on a non-member.
 
         Created on first use (collective over the world) and shared by every
         pipeline of the process afterwards (:func:`pipe.distributed.mesh.reuse`).
         """
-        def make() -> dist.ProcessGroup:
+        def make() -> Optional[dist.ProcessGroup]:
             group = dist.new_group(members, timeout=self.timeout)
-            assert group is not None
-            return group
+            # torch gives a non-member a sentinel (GroupMember.NON_GROUP_MEMBER), typed as such from torch 2.14
+            return group if isinstance(group, dist.ProcessGroup) else None
         return reuse(("group", tuple(members), role, self.timeout.total_seconds()), make)
 
     def global_rank(self, pipeline_rank: int, pipeline: Optional[int] = None) -> int:

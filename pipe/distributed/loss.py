@@ -75,6 +75,27 @@ def sample_weights(reduction: str, targets: list[Batch]) -> list[float]:
     return [size / total for size in sizes]
 
 
+def replica_share(weights: list[float], targets: list[Batch], group: Optional[dist.ProcessGroup], replicas: int,
+                  device: torch.device) -> list[float]:
+    """``weights`` scaled so that the replicas' average is the mean over the global batch (``"mean"``).
+
+    Gradients and losses are averaged over the data-parallel ranks with equal
+    weights, which is the global batch's mean only when every rank holds as
+    many samples. A rank holding ``n`` of the global batch's ``N`` samples
+    weighs its loss by ``n * replicas / N`` (1 when the split is even: then
+    nothing changes), so a global batch of 7 split 4/3 gets the mean over 7.
+    Every last-stage rank of the data-parallel group calls it (one all-reduce).
+    """
+    rows = sum(t.tensors[0].size(0) for t in targets)
+    counts = torch.tensor([rows], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=group)
+    total = int(counts.item())
+    if total == rows * replicas:
+        return weights
+    factor = rows * replicas / total
+    return [w * factor for w in weights]
+
+
 def warn_if_ignored_targets(reduction: str, target: Any) -> bool:
     """Warns when ``"mean"`` meets integer targets holding :data:`IGNORE_INDEX`; returns whether it warned."""
     if reduction != "mean":

@@ -29,6 +29,7 @@ leak them in a process that builds many (a planner trying candidates).
 from __future__ import annotations
 
 import atexit
+import datetime
 import logging
 import math
 from typing import Any, Callable, Optional, TypeVar
@@ -164,22 +165,44 @@ def mesh_size(mesh: DeviceMesh, name: str) -> int:
     return int(mesh.mesh.shape[names.index(name)]) if name in names else 1
 
 
-def verify_mesh(mesh: object, data_parallel: Optional[int]) -> DeviceMesh:
+def bound_timeouts(mesh: DeviceMesh, timeout: datetime.timedelta) -> None:
+    """Gives every process group of ``mesh`` (one per dimension) the job's ``timeout``.
+
+    ``init_device_mesh`` and ``DeviceMesh`` create their groups with torch's
+    default (30 minutes on gloo), whatever ``init_process_group(timeout=...)``
+    said: a collective of FSDP, HSDP or tensor parallelism waiting for a
+    stalled rank would otherwise hold its partners for half an hour. Setting
+    it again is harmless (a group shared by two meshes gets the same value).
+    """
+    for group in mesh.get_all_groups():
+        if not dist.distributed_c10d._rank_not_in_group(group):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def verify_mesh(mesh: object, data_parallel: Optional[int], device: torch.device) -> DeviceMesh:
     """Checks that ``mesh`` can carry a pipeline on this world.
 
     Args:
         mesh: what the user passed as ``mesh=``.
         data_parallel: ``data_parallel=`` if the user passed it too, else None.
+        device: where this rank's layers live (the mesh's device type must be its type).
 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         ValueError: no "pp" dimension, an unknown or repeated dimension name, a
-            mesh that does not cover the world, or a ``data_parallel`` that disagrees.
+            mesh that does not cover the world, a device type other than the
+            rank's, or a ``data_parallel`` that disagrees.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "
             f"build one with pipe.distributed.make_mesh(pp=..., dp_shard=...)"
+        )
+    if mesh.device_type != device.type:
+        raise ValueError(
+            f"the mesh's device type is {mesh.device_type!r} but this rank's layers are on {device} "
+            f"(backend {dist.get_backend()}); build the mesh on {device.type!r}, e.g. with "
+            f"pipe.distributed.make_mesh(pp=...) (it follows the backend), or pass device= the mesh's device"
         )
     names = mesh.mesh_dim_names
     if not names or "pp" not in names:

@@ -10,6 +10,7 @@ across pipeline, shard and tensor-parallel ranks.
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -54,7 +55,12 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
     """Applies tensor parallelism, then FSDP (or the replicas' averager) to this rank's stages.
 
     Returns what the runtime drives once per step: the FSDP stages, or the averager.
+
+    Raises:
+        ValueError: ranks of one pipeline rank hold different parameters (:func:`verify_partners`).
     """
+    if topology.data_parallel * topology.tensor_parallel > 1:
+        verify_partners(partitions, topology)
     if tensor_parallel is not None:
         tp.apply(partitions, tp.resolve_plan(tensor_parallel, skeleton), mesh["tp"])
     elif parallelize is None and topology.tensor_parallel > 1:
@@ -82,6 +88,60 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
     tied.refresh()  # parallelize_module and fully_shard replace the parameters by DTensors
     tied.verify_layouts()  # the holders of a tie must hold the same shard of it to sum their gradients
     return sharding, averager
+
+
+def _fingerprint(tensor: Tensor) -> str:
+    """A digest of ``tensor``'s bytes: equal exactly when the values are (no reduction whose order could vary)."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def verify_partners(partitions: dict[int, nn.Sequential], topology: Topology) -> None:
+    """Checks, before anything is sharded, that the ranks of one pipeline rank hold the same parameters.
+
+    Shard partners (FSDP keeps each rank's own part), replicas (their gradients
+    are averaged, their values never sent) and tensor-parallel ranks must start
+    from the same shapes and the same values, or the job trains a model that is
+    none of theirs (or fails deep in a collective). One all-gather over the
+    world of each parameter's name, shape, dtype and a digest of its bytes.
+
+    Raises:
+        ValueError: naming the first parameter that differs, the ranks and the fix.
+    """
+    mine = [(name, tuple(p.shape), str(p.dtype), _fingerprint(p))
+            for s in sorted(partitions) for name, p in partitions[s].named_parameters()]
+    everyone: list[Any] = [None] * topology.world
+    dist.all_gather_object(everyone, (topology.pipeline_rank, sorted(partitions), mine))
+    for pipeline_rank in range(topology.ranks):  # every rank checks every pipeline rank: all raise alike
+        partners = [rank for rank, (p, _, _) in enumerate(everyone) if p == pipeline_rank]
+        first, (_, stages, reference) = partners[0], everyone[partners[0]]
+        for rank in partners[1:]:
+            difference = _first_difference(reference, everyone[rank][2])
+            if difference is None:
+                continue
+            a, b = difference
+            name = a[0] if a is not None else b[0]  # one of them is not None
+            partnership = (f"ranks {first} and {rank} hold pipeline rank {pipeline_rank}'s stages {stages} as "
+                           f"data-parallel or tensor-parallel partners, but parameter {name!r}")
+            if a is None or b is None or a[:3] != b[:3]:
+                def held(x: Any) -> str:
+                    return "nothing" if x is None else f"{x[0]} {x[1]} {x[2]}"
+                raise ValueError(f"{partnership} differs: rank {first} has {held(a)}, rank {rank} {held(b)}; "
+                                 f"build the same model on every rank")
+            raise ValueError(
+                f"{partnership} starts with other values on each (FSDP would keep each rank's own part, replicas "
+                f"would drift apart); seed every rank alike before building the model (torch.manual_seed(0)), or "
+                f"load the same weights on every rank")
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> Optional[tuple[Any, Any]]:
+    """The first entries of ``a`` and ``b`` that differ (None past the end of one), or None if they are equal."""
+    for k in range(max(len(a), len(b))):
+        x = a[k] if k < len(a) else None
+        y = b[k] if k < len(b) else None
+        if x != y:
+            return x, y
+    return None
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], tied: TiedReplicas, pipeline_group: Optional[dist.ProcessGroup],

@@ -295,10 +295,11 @@ class Runtime:
             if self.averager is not None and training:
                 self.averager.finish()
         except BaseException as error:
+            where = str(action) if action is not None else "the end of the step"
+            failure = self.failures.failure_from(where, error)  # published first: the partners wait for it
             if sharding is not None:
                 sharding.abandon()
-            where = str(action) if action is not None else "the end of the step"
-            raise self.failures.failure_from(where, error) from None
+            raise failure from None
         return loss, [outputs[i] for i in sorted(outputs)]
 
     # -- receives ---------------------------------------------------------------------------

@@ -80,6 +80,9 @@ class TiedReplicas:
             for pipeline in range(topology.pipelines):
                 group = topology.new_group([topology.global_rank(r, pipeline) for r in ranks], f"tied {name}")
                 if pipeline == topology.pipeline and topology.pipeline_rank in ranks:
+                    if group is None:
+                        raise RuntimeError(f"rank {dist.get_rank()} got no process group for the tie {name!r} "
+                                           "it is a member of: a bug in pipe, please report it")
                     self._mine.append((name, tie.tensor, group))
                     mine = set(schedule.stages_of(topology.pipeline_rank))
                     self._places.append(next((m, attr) for j, m, attr, _ in tie.uses if j in mine))

@@ -33,7 +33,8 @@ from pipe.plan.candidate import Candidate
 from pipe.plan.predict import Prediction, predict
 from pipe.plan.timing import Link, TimeModel, fit
 from pipe.plan.calibration import Calibration, calibrate
-from pipe.plan.search import Plan, PlanError, format_bytes, parse_bytes, plan, search
+from pipe.plan.search import Plan, PlanError, plan, search
+from pipe.plan.units import format_bytes, parse_bytes
 
 __all__ = ["Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
            "StageTime", "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",

@@ -152,7 +152,8 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     from pipe.distributed.mesh import mesh_size, verify_mesh
 
     if mesh is not None:
-        verify_mesh(mesh, data_parallel)
+        verify_mesh(mesh, data_parallel, torch.device(device) if device is not None
+                    else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
         ranks, shards, replicas = mesh_size(mesh, "pp"), mesh_size(mesh, "dp_shard"), mesh_size(mesh, "dp_replicate")
         tensor_parallel = mesh_size(mesh, "tp")
         sharding = verify_shard(shard, mesh)

@@ -44,7 +44,8 @@ from pipe.plan.candidates import RUNNERS
 from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern
 from pipe.recompute.selective import DEFAULT_SELECT
-from pipe.plan.search import PlanError, parse_bytes
+from pipe.plan.search import PlanError
+from pipe.plan.units import parse_bytes
 
 __all__: list[str] = []
 
@@ -96,11 +97,12 @@ def _regex(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipe-plan", description="Measure a model and print the fastest pipeline plans that fit a memory budget.")
-    parser.add_argument("--model", type=_function, required=True, metavar="MODULE:FUNCTION",
-                        help="a function returning the nn.Sequential")
+    parser.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
+                        help="a function returning the nn.Sequential, importable from the current directory "
+                             "(e.g. examples.cli_models:build in pipe's source tree)")
     sample = parser.add_mutually_exclusive_group(required=True)
     sample.add_argument("--input-shape", type=_shape, metavar="B,...", help="a random float mini-batch of this shape")
-    sample.add_argument("--input", type=_function, metavar="MODULE:FUNCTION", help="a function returning a mini-batch")
+    sample.add_argument("--input", metavar="MODULE:FUNCTION", help="a function returning a mini-batch")
     parser.add_argument("--budget", type=_budget, required=True, help="memory per device, e.g. 2GiB or 512MB")
     parser.add_argument("--stages", type=int, required=True, help="devices (Pipe partitions or pipeline ranks; with --dp-shard, all the ranks to split)")
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="threads",
@@ -151,7 +153,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     import time
 
     from pipe.plan.measure import verify_plan
-    from pipe.plan.search import format_bytes
+    from pipe.plan.units import format_bytes
 
     predicted = chosen.best
     lines = ["verified (measured beside predicted):"]
@@ -221,6 +223,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:  # resolved here, not as argparse types: a wrong name gets one line, not the whole usage before it
+        args.model = _function(args.model)
+        args.input = _function(args.input) if args.input else None
+    except argparse.ArgumentTypeError as error:
+        sys.stderr.write(f"pipe-plan: {error}\n")
+        return 2
     model = args.model()
     sample = torch.randn(*args.input_shape) if args.input_shape else args.input()
     with_loss = args.verify and args.runner == "processes"

@@ -36,10 +36,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import multiprocessing
 import os
+import pickle
 import platform
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -68,7 +71,8 @@ def cache_path() -> Path:
     return Path(os.environ.get("PIPE_CACHE_DIR") or Path.home() / ".cache" / "pipe") / "link.json"
 
 
-def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "multiprocessing.Queue[Any]") -> None:
+def peer(rank: int, port: int, sizes: Sequence[int], repeats: int) -> Any:
+    """One of :func:`measure_link`'s two processes: its timings, or its error as a string."""
     import datetime
 
     import torch
@@ -103,9 +107,9 @@ def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, queue: "mult
 
         gc.collect()  # the sharded pipelines' groups go before the default group
         dist.destroy_process_group()
-        queue.put((rank, (best, step, sharded, reduced, wide)))
+        return best, step, sharded, reduced, wide
     except BaseException as error:  # reported to the parent, which raises it
-        queue.put((rank, f"{type(error).__name__}: {error}"))
+        return f"{type(error).__name__}: {error}"
 
 
 def _averaged(nbytes: int) -> float:
@@ -180,10 +184,12 @@ def _layer_bytes(width: int) -> int:
 def _sharded_step(layers: int, width: int = 4) -> float:
     """The fastest of a few steps of ``layers`` layers ``width`` wide (4: tiny) sharded over the 2 ranks
     (pp 1 x dp_shard 2), on one sample: the collectives are the step."""
+    import torch
     from torch import nn
 
     from pipe.distributed import DistributedPipe, make_mesh
 
+    torch.manual_seed(0)  # shard partners start alike (DistributedPipe checks it)
     model = DistributedPipe(nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]), chunks=1,
                             schedule="gpipe", checkpoint="never", mesh=make_mesh(pp=1, dp_shard=2))
     return _fastest_step(model, 1, width)
@@ -280,22 +286,7 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    queue: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_peer, args=(rank, port, list(sizes), repeats, queue), daemon=True)
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    try:
-        results = dict(queue.get(timeout=timeout) for _ in processes)
-    except Exception:
-        raise RuntimeError(f"measuring the transport between two local gloo processes took more than {timeout} s; "
-                           f"pass link=pipe.plan.Link(latency, per_byte) to plan instead") from None
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+    results = _run_peers(port, list(sizes), repeats, timeout)
     failed = [f"rank {r}: {v}" for r, v in results.items() if isinstance(v, str)]
     if failed:
         raise RuntimeError("measuring the transport failed: " + "; ".join(failed))
@@ -315,6 +306,51 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
                 collective * 1e3, per_byte_fsdp * 1e9, per_step * 1e3, reduce_latency * 1e6, reduce_per_byte * 1e9)
     return replace(link, collective_overhead=collective, shard_step_overhead=per_step, reduce_latency=reduce_latency,
                    reduce_per_byte=reduce_per_byte, collective_per_byte=per_byte_fsdp)
+
+
+def _run_peers(port: int, sizes: list[int], repeats: int, timeout: float) -> dict[int, Any]:
+    """Runs :func:`peer` in two fresh interpreters (``python -m pipe.plan.link_peer``); returns their results.
+
+    Fresh interpreters, not ``multiprocessing``: its spawn and fork-server children import the caller's
+    ``__main__`` again, so a user's script without ``if __name__ == "__main__":`` would run once more in
+    each, and a fork cannot use CUDA or autograd once its parent has.
+    """
+    root = str(Path(__file__).resolve().parents[2])  # pipe importable there too when run from a source tree
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="pipe-link-") as folder:
+        out = [os.path.join(folder, f"rank{rank}") for rank in range(2)]
+        logs = [open(path + ".log", "w") for path in out]
+        try:
+            processes = [subprocess.Popen([sys.executable, "-m", "pipe.plan.link_peer", str(rank), str(port),
+                                           ",".join(map(str, sizes)), str(repeats), out[rank]],
+                                          stdin=subprocess.DEVNULL, stdout=logs[rank], stderr=subprocess.STDOUT,
+                                          env=env) for rank in range(2)]
+            end = time.monotonic() + timeout
+            try:
+                for process in processes:
+                    process.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"measuring the transport between two local gloo processes took more than "
+                                   f"{timeout} s; pass link=pipe.plan.Link(latency, per_byte) to plan instead"
+                                   ) from None
+            finally:
+                for process in processes:  # only the two this function started
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+        finally:
+            for log in logs:
+                log.close()
+        results: dict[int, Any] = {}
+        for rank, path in enumerate(out):
+            if not os.path.exists(path):
+                with open(path + ".log") as log:
+                    printed = log.read()[-2000:]
+                raise RuntimeError(f"measuring the transport failed: rank {rank} exited with code "
+                                   f"{processes[rank].returncode} and no result:\n{printed}")
+            with open(path, "rb") as result:
+                results[rank] = pickle.load(result)
+    return results
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:

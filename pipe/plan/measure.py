@@ -155,6 +155,7 @@ def _plans_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module]
                 kwargs = candidate.distributed_kwargs()
                 if candidate.parts > 1:
                     kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
+                torch.manual_seed(0)  # partners start alike (DistributedPipe checks it), whatever build() seeds
                 model = DistributedPipe(build(), **kwargs)
                 parts, part = model.topology.data_parallel, model.topology.replica
                 x, y = inputs, target

@@ -17,7 +17,7 @@ then marks an op
 - skip if autograd does not keep its output and no replayed op reads it (the
   qkv matmul whose q, k, v are kept as contiguous copies): the replay gets an
   uninitialised tensor of the right shape instead of running it (a dispatch
-  mode under the replay, :class:`SkipDead`), so it costs neither memory nor
+  mode under the replay, :class:`pipe.recompute.replay.SkipDead`), so it costs neither memory nor
   FLOPs; ops that draw random numbers or write in place always replay;
 - otherwise recompute if it comes after the last kept tensor (checkpoint's
   early stop never replays it) or is cheap, and save if it is a matmul.
@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -52,6 +50,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy
 
 from pipe.core.inplace import plain_tensors
 from pipe.recompute.scope import Scope, compile_pattern
+
+if TYPE_CHECKING:
+    from pipe.recompute.replay import SkipDead
 
 __all__: list[str] = []
 
@@ -282,6 +283,8 @@ class OpDecisions:
 
     def replay_context(self) -> "SkipDead":
         """Under the recomputation: dead ops yield uninitialised tensors instead of running."""
+        from pipe.recompute.replay import SkipDead  # replay.py reads this module's plans
+
         return SkipDead(self)
 
     def policy(self, on_mismatch: Callable[[], None]) -> Callable[..., CheckpointPolicy]:
@@ -418,39 +421,3 @@ def decide_ops(ops: list[_Op], saved: set[int], last_pack: int, buffers: frozens
     plan.regions = [r for r in regions if not any(r.startswith(o + ".") for o in regions if o)] \
         if "" not in regions else [""]
     return plan
-
-
-@contextmanager
-def below(outer: Any, inner: Any) -> Iterator[None]:
-    """Enters ``outer`` then ``inner``: a mode entered first sees what the later one passes down."""
-    with outer, inner:
-        yield
-
-
-class SkipDead(TorchDispatchMode):
-    """Sits below selective checkpointing's replay mode, which hands it the ops to recompute.
-
-    Ops are matched to the plan by their per-op invocation count (as the replay
-    mode does); a dead op returns an uninitialised tensor of its recorded shape.
-    """
-
-    def __init__(self, plan: OpDecisions) -> None:
-        super().__init__()
-        self.plan = plan
-        self.queues: dict[Any, deque[int]] = {}
-        for k, (func, decision) in enumerate(zip(plan.ops, plan.decisions)):
-            if decision == CheckpointPolicy.MUST_RECOMPUTE:
-                self.queues.setdefault(func, deque()).append(k)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        queue = self.queues.get(func)
-        if func in SAC_IGNORED_OPS or not queue or self.plan.stale:
-            return func(*args, **kwargs)
-        meta = self.plan.dead.get(queue.popleft())
-        if meta is None:
-            return func(*args, **kwargs)
-        shape, stride, dtype, device = meta
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-
-

@@ -26,7 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from pipe.core.deprecation import warn
 from pipe.recompute.module import Policy, checkpoint, mark, policy_of
-from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, below, decide_ops
+from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, decide_ops
+from pipe.recompute.replay import below
 from pipe.recompute.scope import Scope
 
 __all__: list[str] = []

@@ -87,13 +87,27 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
             warnings.warn(f"{getattr(fn, '__name__', fn)}: ranks crashed, spawning once more: {crashes}")
             continue
         break
-    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in sorted(collected.items()) if not ok]
+    failures = [f"rank {rank}:\n{payload}" for rank, (ok, payload) in _cause_first(collected) if not ok]
     missing = [rank for rank in range(world) if rank not in collected and rank not in expect_missing]
     if failures or missing:
         raise AssertionError("\n".join(failures) + (f"\nranks {missing} returned nothing (hang or crash)"
                                                      if missing else "")
                              + "".join(f"\nrank {rank}: {deaths[rank]}" for rank in missing if rank in deaths))
     return [collected[rank][1] if rank in collected else None for rank in range(world)]
+
+
+def _cause_first(collected: dict[int, tuple[bool, Any]]) -> list[tuple[int, tuple[bool, Any]]]:
+    """The ranks' results with a failed assertion first, then in the order they arrived.
+
+    A rank whose check fails ends its process group, and its partners then fail with knock-on errors (gloo's
+    "Connection reset by peer", pipe's verdict naming the rank): the cause is read first, not under them.
+    """
+    def cause(item: tuple[int, tuple[bool, Any]]) -> bool:
+        ok, payload = item[1]
+        lines = str(payload).strip().splitlines()
+        return not ok and bool(lines) and lines[-1].startswith("AssertionError")
+    arrived = list(collected.items())
+    return sorted(arrived, key=lambda item: not cause(item))  # stable: the order of arrival otherwise
 
 
 def _spawn(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,

@@ -40,9 +40,9 @@ def _against_plain(mesh: Any, sequence_parallel: bool, schedule: str, checkpoint
                                mesh=mesh, tensor_parallel=tensor_parallel_plan(sequence_parallel),
                                shard=None if reshard is None else pd.Shard(reshard_after_forward=reshard))
     label = f"sequence_parallel={sequence_parallel} {schedule} {checkpoint} reshard={reshard} tied={tied}"
-    # AdamW divides each update by the gradient's running size, so an element whose gradient is near zero
-    # moves by up to lr whatever its last bits: the gradients are checked to 1e-6, the weights to 1e-4.
-    trained = train_against(piped, reference, label, batch=lambda step: 8, clip=0.5, weights_atol=1e-4)
+    # The reference steps on the pipeline's gradients once they are compared (train_against says why), so the
+    # weights compare as tightly as the gradients, on any CPU.
+    trained = train_against(piped, reference, label, batch=lambda step: 8, clip=0.5, weights_atol=1e-5)
     # Each block's weights are DTensors over both the shard and the tp dimension of the mesh.
     layouts = {name: tuple(p.device_mesh.mesh_dim_names or ()) for name, p in piped.named_parameters()
                if isinstance(p, DTensor) and ".mlp.fc." in name}

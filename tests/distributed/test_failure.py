@@ -77,3 +77,17 @@ def test_hanging_rank_ends_the_job_after_the_timeout() -> None:
     # hosts it and rank 1 would read the agreed headline naming itself).
     assert hung.startswith("PipelineFailure: rank 1 stopped in"), hung
     assert "rank 0" in hung, hung
+
+
+def test_a_connection_reset_or_closed_by_gloo_is_a_lost_peer_not_this_ranks_own_error() -> None:
+    from pipe.distributed.failure import _peer_of
+
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4225: Connection reset by peer. "
+                         "This is typically caused by a remote worker hanging")
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:46259")
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation")
+    assert _peer_of(reset) == (None, False)  # the peer is not known: the rank that published nothing is blamed
+    assert _peer_of(closed) == (None, False)
+    assert _peer_of(timeout) == (None, True)
+    assert _peer_of(ValueError("boom in layer 3")) is None  # this rank's own error
+    assert _peer_of(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None

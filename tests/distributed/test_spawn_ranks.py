@@ -34,3 +34,19 @@ def test_a_rank_that_crashes_twice_fails_with_its_signal_and_stacks() -> None:
     assert "ranks [1] returned nothing" in message
     assert "rank 1: killed by signal 11; fault handler:" in message
     assert "Segmentation fault" in message and "_crash_always" in message, message
+
+
+def _check_fails_on_rank_1(rank: int, world: int) -> int:
+    import torch.distributed as dist
+    if rank == 1:
+        assert rank == 0, "the check that failed"
+    dist.barrier()  # rank 0 waits for rank 1, whose process group is gone: a knock-on error, first to arrive
+    return rank
+
+
+def test_the_failed_assertion_is_reported_before_the_knock_on_errors() -> None:
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_check_fails_on_rank_1, 2, barrier=False, timeout=5.0)
+    message = str(failure.value)
+    assert message.startswith("rank 1:\n") and "the check that failed" in message, message
+    assert "\nrank 0:\n" in message, message  # the knock-on error is still reported, after the cause

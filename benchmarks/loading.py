@@ -1,0 +1,268 @@
+"""Loading a HuggingFace checkpoint into a pipeline (``pipe.distributed.hf``) against ``from_pretrained``.
+
+A LLaMA-style model (default 0.5B parameters, untied head, fp32) is written
+by ``save_pretrained`` as sharded safetensors into a temporary directory, then
+loaded on 4 gloo ranks at (pp 4) and at (pp 2, dp_shard 2): each rank builds
+the model on ``meta``, cuts it with ``pipe.split``, gives it to
+``DistributedPipe`` (which allocates only that rank's stages) and calls
+``hf.load``; then ``hf.save`` exports it. For reference ``from_pretrained``
+loads the whole model in one process. Per rank:
+
+* ``load_peak_over_share``: the peak resident memory the rank gained from
+  before the model was built to the end of the load (VmHWM, reset at the
+  start), over the bytes of the tensors it holds (target <= 1.25); with
+  ``--device cuda`` the peak of ``torch.cuda.max_memory_allocated`` instead;
+* ``load_only_peak_over_share``: the same, from just before ``hf.load`` (what the load itself adds);
+* ``bytes_read_over_share``: bytes read from the files over the bytes held (1.0: only its own);
+* the load's time, and the slowest rank's over ``from_pretrained``'s
+  (``load_time_vs_from_pretrained``, target <= 1.0). ``from_pretrained``'s is
+  until its weights are in memory: transformers 5 returns tensors that may
+  still be pages of the mmapped files (``returned_s``), read when first used,
+  so one element of every page of every tensor is read after it returns
+  (``load_s``). It includes building the model on ``meta``; ours excludes the
+  build (``DistributedPipe`` allocating and initialising the stages), reported
+  apart as ``build_s``;
+* the export's time, and ``export_roundtrip_exact``: every rank's tensors read
+  back from the export equal its own bit for bit, and ``from_pretrained`` of the
+  export equals ``from_pretrained`` of the source, bit for bit.
+
+Run:
+    python benchmarks/loading.py                 # 0.5B parameters: several minutes, ~10 GB of RAM at peak
+    python benchmarks/loading.py --quick         # 6M parameters: about a minute
+    python benchmarks/loading.py --device cuda   # each rank's stages on the (shared) GPU, over gloo
+Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+LAYOUTS = {"pp 4": {"pp": 4}, "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2}}
+
+
+def _config(quick: bool) -> Any:
+    from transformers import LlamaConfig
+
+    if quick:
+        sizes = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=4000)
+    else:  # 501M parameters
+        sizes = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
+                     num_key_value_heads=4, vocab_size=32000)
+    return LlamaConfig(**sizes, max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+
+
+def _status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+
+
+def _write_checkpoint(directory: str, quick: bool) -> None:
+    """Random weights (normal 0.02, norms at 1) saved in 200 MB files; run in a child, so its memory goes."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(quick))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.fill_(1.0) if name.endswith("norm.weight") else parameter.normal_(0, 0.02)
+    model.save_pretrained(directory, max_shard_size="20MB" if quick else "200MB")
+
+
+def _rank(rank: int, port: int, layout: str, directory: str, export: str, args: argparse.Namespace,
+          results: "multiprocessing.Queue[Any]") -> None:
+    try:
+        results.put(_measure(rank, port, layout, directory, export, args))
+    except BaseException as error:  # report instead of leaving the parent waiting
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        raise
+
+
+def _measure(rank: int, port: int, layout: str, directory: str, export: str,
+             args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=1800))
+    import pipe
+    from pipe.distributed import DistributedPipe, hf, make_mesh
+    from pipe.distributed import safetensors_files
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    cuda = args.device == "cuda"
+    dist.barrier()
+    _reset_peak()
+    baseline = _status("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    config = _config(args.quick)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    pp = LAYOUTS[layout]["pp"]
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    at = [f"model.layers.{config.num_hidden_layers * (i + 1) // pp}" for i in range(pp - 1)]
+    stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
+    piped = DistributedPipe(stages, mesh=make_mesh(**LAYOUTS[layout]), device=torch.device(args.device))
+    del model, stages
+    build_s = time.perf_counter() - started
+    before_load = _status("VmRSS")
+    dist.barrier()
+    hf.load(directory, piped)
+    stats = hf.last_load()
+    assert stats is not None
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - baseline)
+    load_only = _status("VmHWM") - before_load
+    dist.barrier()
+    started = time.perf_counter()
+    hf.save(export, piped, config=config, max_shard_size="20MB" if args.quick else "200MB")
+    export_s = time.perf_counter() - started
+    exported = safetensors_files.directory(export)
+    exact = True
+    with torch.no_grad():
+        for name, tensor in piped.state_dict().items():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            offset = hf._local(tensor, name)[1]
+            again = torch.empty(local.shape, dtype=local.dtype)
+            safetensors_files.read_into(exported[name], offset, again)
+            exact = exact and torch.equal(again, local.cpu())
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "share_bytes": stats.bytes_held, "bytes_read": stats.bytes_read, "keys": stats.keys,
+            "load_s": stats.seconds, "build_s": build_s, "export_s": export_s,
+            "load_peak_over_share": peak / stats.bytes_held, "load_only_peak_over_share": load_only / stats.bytes_held,
+            "bytes_read_over_share": stats.bytes_read / stats.bytes_held, "exact": exact}
+
+
+def _from_pretrained(directory: str, export: str, device: str, results: "multiprocessing.Queue[Any]") -> None:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401 (imported before the clock)
+
+    torch.set_num_threads(1)  # as each rank
+    _reset_peak()
+    baseline = _status("VmRSS")
+    started = time.perf_counter()
+    kwargs = {"device_map": "cuda"} if device == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    returned = time.perf_counter() - started
+    with torch.no_grad():  # its tensors may still be pages of the files, read when first used: use each once
+        for tensor in model.state_dict().values():
+            flat = tensor.reshape(-1)
+            float(flat[::max(1, 4096 // tensor.element_size())].sum())
+    seconds = time.perf_counter() - started
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM") - baseline)
+    share = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    exact = None
+    if export:
+        again = AutoModelForCausalLM.from_pretrained(export, **kwargs)
+        theirs = again.state_dict()
+        exact = all(torch.equal(t, theirs[k]) for k, t in model.state_dict().items()) and len(theirs) == len(
+            model.state_dict())
+    results.put({"load_s": seconds, "returned_s": returned, "peak_over_model": peak / share, "model_bytes": share,
+                 "parameters": sum(p.numel() for p in model.parameters()), "export_exact": exact})
+
+
+def _child(target: Any, *args: Any) -> Any:
+    context = multiprocessing.get_context("fork")
+    results: "multiprocessing.Queue[Any]" = context.Queue()
+    process = context.Process(target=target, args=(*args, results))
+    process.start()
+    result = results.get(timeout=3600)
+    process.join()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
+    args = parser.parse_args()
+    from forked_ranks import run_forked_ranks
+
+    root = tempfile.mkdtemp(prefix="pipe-loading-", dir=args.dir)
+    try:
+        source = os.path.join(root, "source")
+        started = time.perf_counter()
+        context = multiprocessing.get_context("fork")
+        writer = context.Process(target=_write_checkpoint, args=(source, args.quick))
+        writer.start()
+        writer.join()
+        if writer.exitcode != 0:
+            raise SystemExit("writing the checkpoint failed")
+        print(f"checkpoint written in {time.perf_counter() - started:.1f} s: {source}")
+        reference = _child(_from_pretrained, source, "", args.device)
+        print(f"from_pretrained: {reference['load_s']:.2f} s with its weights read ({reference['returned_s']:.2f} s "
+              f"to return), {reference['parameters'] / 1e6:.0f}M parameters")
+        layouts: dict[str, Any] = {}
+        export = ""
+        for layout in LAYOUTS:
+            export = os.path.join(root, "export-" + layout.replace(" ", ""))
+            ranks = run_forked_ranks(_rank, layout, source, export, args, ranks=4, timeout=3600)
+            errors = [r["error"] for r in ranks if "error" in r]
+            if errors:
+                raise SystemExit(f"{layout}: {errors}")
+            load_s = max(r["load_s"] for r in ranks)
+            layouts[layout] = {
+                "ranks": ranks, "load_s": load_s, "export_s": max(r["export_s"] for r in ranks),
+                "load_time_vs_from_pretrained": load_s / reference["load_s"],
+                "load_peak_over_share": max(r["load_peak_over_share"] for r in ranks),
+                "export_exact_per_rank": all(r["exact"] for r in ranks)}
+            print(f"{layout:18s} load {load_s:6.2f} s ({layouts[layout]['load_time_vs_from_pretrained']:.2f}x "
+                  f"from_pretrained), peak over share {layouts[layout]['load_peak_over_share']:.2f}, "
+                  f"export {layouts[layout]['export_s']:.2f} s, exact {layouts[layout]['export_exact_per_rank']}")
+        roundtrip = _child(_from_pretrained, source, export, args.device)
+        exact = bool(roundtrip["export_exact"]) and all(v["export_exact_per_rank"] for v in layouts.values())
+        result = {
+            "config": {"parameters": reference["parameters"], "model_bytes": reference["model_bytes"],
+                       "dtype": "float32", "device": args.device, "quick": args.quick, "ranks": 4,
+                       "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB"},
+            "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
+                                "peak_over_model": reference["peak_over_model"]},
+            "layouts": layouts,
+            "load_peak_over_share": max(v["load_peak_over_share"] for v in layouts.values()),
+            "load_time_vs_from_pretrained": max(v["load_time_vs_from_pretrained"] for v in layouts.values()),
+            "export_s": {k: v["export_s"] for k, v in layouts.items()},
+            "export_roundtrip_exact": exact,
+            "targets": {"load_peak_over_share": 1.25, "load_time_vs_from_pretrained": 1.0},
+            "load_average": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=HERE).stdout.strip(),
+        }
+        print(f"export round trip exact: {exact}; load average {result['load_average'][0]:.1f}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    RESULTS.mkdir(exist_ok=True)
+    name = "loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "") + ".json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {RESULTS / name}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()

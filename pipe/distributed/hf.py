@@ -1,0 +1,388 @@
+"""HuggingFace model directories in and out of a pipeline, each rank reading and writing only its part.
+
+:func:`load` fills a ``DistributedPipe`` (any mesh: "pp", "dp_replicate",
+"dp_shard", "tp") or a plain module from a directory that ``save_pretrained``
+wrote (``model.safetensors``, or shards named by
+``model.safetensors.index.json``). The split model's names are the HF names
+(:mod:`pipe.distributed.names`), so each rank looks up the keys of the
+tensors it holds, and under FSDP2 or tensor parallelism reads only the bytes
+of its own slice of each (safetensors stores every tensor contiguously:
+:mod:`pipe.distributed.safetensors_files`). No rank reads, or holds, the
+whole model.
+
+:func:`save` writes such a directory from every rank at once: the ranks agree
+on the files and their headers, then each writes the bytes of its own tensors
+(its slices, for sharded ones) at their place in the files. A tensor that
+several ranks hold (a replica, a tied embedding and LM head) is written once,
+under the name ``from_pretrained`` expects (the first the plain model gives
+it: ``model.embed_tokens.weight``, not ``lm_head.weight``). Like
+:func:`pipe.distributed.state.save`, the export goes to ``<path>.saving`` and
+is renamed to ``path`` once complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from pipe.distributed import safetensors_files as files
+from pipe.distributed.state import STAGING, _replace
+from pipe.split_stage import SplitStage
+
+__all__ = ["load", "save", "LoadStats", "last_load"]
+
+logger = logging.getLogger(__name__)
+
+Path = Union[str, "os.PathLike[str]"]
+_SHOWN = 8  # keys named in an error, per kind
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What this rank's last :func:`load` read.
+
+    Attributes:
+        keys: checkpoint tensors read (a slice of one counts once).
+        bytes_read: bytes read from the safetensors files.
+        bytes_held: bytes of the tensors (this rank's slices) that were filled.
+        seconds: the load's wall time on this rank.
+    """
+
+    keys: int
+    bytes_read: int
+    bytes_held: int
+    seconds: float
+
+
+_last: Optional[LoadStats] = None
+
+
+def last_load() -> Optional[LoadStats]:
+    """The :class:`LoadStats` of this process's last :func:`load`, or None before any."""
+    return _last
+
+
+def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -> None:
+    """Loads the HuggingFace model directory ``path`` into ``model``; each rank reads only what it holds.
+
+    Collective when ``model`` is a ``DistributedPipe``: every rank of the job
+    calls it. A plain module (or a ``pipe.Pipe``) is loaded by its process
+    alone. Every persistent parameter and buffer the rank holds is
+    overwritten (a model built on ``meta`` and materialised holds no stale
+    value after it); non-persistent buffers (rotary ``inv_freq``) are left as
+    construction made them. Tied weights are filled from the one key the
+    checkpoint stores, on every rank that holds them.
+
+    Args:
+        path: a directory with ``model.safetensors`` or ``model.safetensors.index.json``
+            and its shards (``config.json`` beside them is checked when present).
+        model: a ``DistributedPipe`` of a model cut by :func:`pipe.split` (its names are
+            the HF names), or the plain HF model.
+        dtype: convert the model's floating-point tensors to this dtype first
+            (not under FSDP or tensor parallelism: build the model in the dtype).
+            Without it, the checkpoint's values are converted to the model's dtypes.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory of safetensors weights.
+        ValueError: keys the model needs are missing, the checkpoint has keys
+            the model lacks, shapes differ, or ``config.json`` names another
+            architecture; the message names the keys and the fix. Raised on
+            every rank alike.
+    """
+    global _last
+    started = time.perf_counter()
+    directory = os.fspath(path)
+    entries = files.directory(directory)
+    config = _read_config(directory)
+    _check_architecture(config, model, directory)
+    if dtype is not None:
+        _convert(model, dtype)
+    collective = _collective(model)
+    plan: list[tuple[str, files.Entry, Tensor]] = []
+    names: list[str] = []
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for aliases, tensor in _tensors(model):
+        if tensor.is_meta:
+            raise ValueError(f"{aliases[0]} is on the meta device: give the model to DistributedPipe (which "
+                             "allocates each rank's layers) or call to_empty(device=...) before loading")
+        names += aliases
+        key = next((name for name in aliases if name in entries), None)
+        if key is None:
+            missing.append(aliases[0])
+        elif tuple(tensor.shape) != entries[key].shape:
+            mismatched.append(f"{key}: checkpoint {list(entries[key].shape)}, model {list(tensor.shape)}")
+        else:
+            plan.append((key, entries[key], tensor))
+    every = _gather((names, missing, mismatched), collective)
+    unexpected = sorted(set(entries) - {name for held, _, _ in every for name in held})
+    missing = sorted({name for _, lacking, _ in every for name in lacking})
+    mismatched = sorted({line for _, _, lines in every for line in lines})
+    if missing or unexpected or mismatched:
+        foreign = not set(entries) & {name for held, _, _ in every for name in held}
+        raise ValueError(_mismatch(directory, config, missing, unexpected, mismatched, foreign))
+    read = held = 0
+    with torch.no_grad():
+        for key, entry, tensor in plan:
+            local, offset = _local(tensor, key)
+            read += files.read_into(entry, offset, local)
+            held += local.numel() * local.element_size()
+    _last = LoadStats(len(plan), read, held, time.perf_counter() - started)
+    logger.info("loaded %d tensors (%d bytes read for %d bytes held) from %s", len(plan), read, held, directory)
+
+
+def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Union[int, str] = "2GB") -> None:
+    """Writes ``model`` as a HuggingFace model directory that ``from_pretrained`` loads; each rank writes its part.
+
+    Collective when ``model`` is a ``DistributedPipe``. Writes safetensors
+    files of at most ``max_shard_size`` (a tensor larger than that gets a
+    file of its own), ``model.safetensors.index.json`` when there are several,
+    and ``config.json``. Nothing is gathered: each rank writes the bytes of the
+    tensors (slices, under FSDP or tensor parallelism) it holds, and a tensor
+    several ranks hold is written by one of them. The files are written into
+    ``<path>.saving``, which is renamed to ``path`` when complete (replacing an
+    older export): an interrupted export leaves the previous one intact.
+
+    Args:
+        path: the directory to write.
+        model: a ``DistributedPipe`` of a model cut by :func:`pipe.split`, or the plain model.
+        config: the model's ``PretrainedConfig`` (the plain model's ``config``
+            before splitting), saved with its ``save_pretrained``; default: ``model.config``
+            where the module has one. Without a config, ``from_pretrained`` needs one given.
+        max_shard_size: bytes per file, a number or ``"2GB"``, ``"500MiB"``.
+    """
+    from pipe.plan.units import parse_bytes
+
+    try:
+        limit = parse_bytes(max_shard_size)
+    except ValueError:
+        raise ValueError(f"max_shard_size must be a size such as '2GB' or '500MiB', or bytes; "
+                         f"got {max_shard_size!r}") from None
+    if config is None:
+        config = getattr(model, "config", None)
+    collective = _collective(model)
+    rank = dist.get_rank() if collective else 0
+    mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+    pieces = []
+    for aliases, tensor in _tensors(model):
+        local, offset = _local(tensor, aliases[0])
+        mine[aliases[0], offset] = local
+        pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
+    layout, writers = _layout(_gather(pieces, collective), _model_order(model), limit)
+    final = os.fspath(path)
+    staging = final + STAGING
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted export left
+        os.makedirs(staging)
+        _write_headers(staging, layout, config)
+    _barrier(collective)
+    entries = {key: entry for name, tensors in layout.items()
+               for key, entry in files.create(os.path.join(staging, name), tensors, write=False).items()}
+    written = 0
+    opened: dict[str, int] = {}
+    try:
+        for (key, offset), local in mine.items():
+            if writers[key, offset] == rank:
+                entry = entries[key]
+                if entry.file not in opened:
+                    opened[entry.file] = os.open(entry.file, os.O_WRONLY)
+                written += files.write_slice(entry, offset, local, opened[entry.file])
+        for fd in opened.values():
+            os.fsync(fd)  # on disk before the rename publishes the export
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+    _barrier(collective)
+    if rank == 0:
+        _replace(staging, final)
+    _barrier(collective)
+    logger.info("exported %d bytes of the model to %s (%d tensors in %d files)", written, final, len(entries),
+                len(layout))
+
+
+# -- what a rank holds ---------------------------------------------------------------------------------
+
+
+def _collective(model: nn.Module) -> bool:
+    from pipe.distributed.distributed_pipe import DistributedPipe
+
+    return isinstance(model, DistributedPipe) and dist.is_available() and dist.is_initialized()
+
+
+def _tensors(model: nn.Module) -> list[tuple[list[str], Tensor]]:
+    """Each persistent tensor the module holds once, with every plain-model name it has (the first first)."""
+    groups: dict[int, tuple[list[str], Tensor]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+    return list(groups.values())
+
+
+def _local(tensor: Tensor, name: str) -> tuple[Tensor, tuple[int, ...]]:
+    """This rank's slice of ``tensor`` (its memory, to fill or write) and the slice's offset in the whole."""
+    if isinstance(tensor, DTensor):
+        strided = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
+        if strided:  # _StridedShard (FSDP over a tensor-parallel dimension): not one block of the whole
+            raise ValueError(f"{name} is placed as {tensor.placements}: hf.load and hf.save read and write blocks "
+                             f"of a tensor (Shard, Replicate), not {strided[0]}; shard FSDP and tensor "
+                             "parallelism along different dimensions, or use pipe.distributed.state")
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+        if tuple(local.shape) != tuple(shape):
+            raise ValueError(f"a DTensor of shape {list(tensor.shape)} with placements {tensor.placements} holds a "
+                             f"local tensor of shape {list(local.shape)}, not {list(shape)}: not an even slice")
+        return local, tuple(offset)
+    return tensor.detach(), (0,) * tensor.dim()
+
+
+def _model_order(model: nn.Module) -> dict[str, int]:
+    """The plain model's keys in its order where the module knows them (a split model does), else none.
+
+    (Without them the export keeps the ranks' order, which is the same on every rank.)
+    """
+    modules = (module for _, module in nn.Module.named_modules(model))  # a DistributedPipe's hides its stages
+    stage = next((module for module in modules if isinstance(module, SplitStage)), None)
+    return {key: i for i, key in enumerate(stage.model_keys)} if stage is not None else {}
+
+
+def _gather(value: Any, collective: bool) -> list[Any]:
+    if not collective:
+        return [value]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _barrier(collective: bool) -> None:
+    if collective:
+        dist.barrier()
+
+
+def _convert(model: nn.Module, dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype such as torch.bfloat16, got {dtype}")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(f"dtype={dtype} cannot convert a model sharded by FSDP or tensor parallelism; build the "
+                         f"model in {dtype} (e.g. from_config(config, torch_dtype={dtype})) before DistributedPipe, "
+                         "and load without dtype")
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is not None and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(dtype)
+
+
+# -- the export's files --------------------------------------------------------------------------------
+
+
+Pieces = Sequence[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+Files = dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]
+
+
+def _layout(every: Sequence[Pieces], order: dict[str, int], limit: int
+            ) -> tuple[Files, dict[tuple[str, tuple[int, ...]], int]]:
+    """The files (name -> tensors in order) and the writer of each slice, the same on every rank."""
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    first: dict[str, tuple[int, int]] = {}
+    writers: dict[tuple[str, tuple[int, ...]], int] = {}
+    covered: dict[str, int] = {}
+    for rank, pieces in enumerate(every):
+        for position, (key, dtype, shape, offset, local) in enumerate(pieces):
+            if tensors.setdefault(key, (dtype, shape)) != (dtype, shape):
+                raise ValueError(f"ranks disagree on {key!r}: {tensors[key]} and {(dtype, shape)}; every rank "
+                                 "must hold the same model (same config and dtype)")
+            first.setdefault(key, (rank, position))
+            if (key, offset) not in writers:
+                writers[key, offset] = rank
+                covered[key] = covered.get(key, 0) + math.prod(local)
+    for key, (_, shape) in tensors.items():
+        if covered[key] != math.prod(shape):
+            raise ValueError(f"the ranks' slices of {key!r} cover {covered[key]} of its {math.prod(shape)} elements; "
+                             "hf.save writes slices of DTensors sharded evenly (Shard placements)")
+    keys = sorted(tensors, key=lambda key: (order.get(key, len(order)), first[key]))
+    chunks: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for key in keys:
+        dtype = getattr(torch, tensors[key][0].removeprefix("torch."))
+        shape = tensors[key][1]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if chunks[-1] and size + nbytes > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((key, dtype, shape))
+        size += nbytes
+    if len(chunks) == 1:
+        return {files.SINGLE: chunks[0]}, writers
+    count = len(chunks)
+    return {f"model-{i + 1:05d}-of-{count:05d}.safetensors": chunk for i, chunk in enumerate(chunks)}, writers
+
+
+def _write_headers(staging: str, layout: Files, config: Any) -> None:
+    for name, tensors in layout.items():
+        files.create(os.path.join(staging, name), tensors)
+    if len(layout) > 1:
+        weight_map = {key: name for name, tensors in layout.items() for key, _, _ in tensors}
+        total = sum(math.prod(shape) * dtype.itemsize for tensors in layout.values() for _, dtype, shape in tensors)
+        with open(os.path.join(staging, files.INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if config is not None:
+        config.save_pretrained(staging)
+    else:
+        logger.warning("hf.save without config: %s has no config.json, so from_pretrained needs the config given; "
+                       "pass config=<the model's PretrainedConfig>", staging)
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+
+
+def _read_config(directory: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            config: dict[str, Any] = json.load(f)
+            return config
+    except FileNotFoundError:
+        return {}
+
+
+def _describe(config: dict[str, Any]) -> str:
+    if not config:
+        return "no config.json"
+    return f"{'/'.join(config.get('architectures') or ['?'])} (model_type {config.get('model_type', '?')!r})"
+
+
+def _check_architecture(config: dict[str, Any], model: nn.Module, directory: str) -> None:
+    """A plain HF model whose ``model_type`` is not the directory's is refused (a split model's is not known)."""
+    own = getattr(getattr(model, "config", None), "model_type", None)
+    if own and config.get("model_type") and own != config["model_type"]:
+        raise ValueError(f"{directory!r} holds a {_describe(config)} checkpoint, but the model is a "
+                         f"{type(model).__name__} (model_type {own!r}); load a checkpoint of this architecture, or "
+                         f"build the model from the directory's config (AutoConfig.from_pretrained)")
+
+
+def _mismatch(directory: str, config: dict[str, Any], missing: list[str], unexpected: list[str],
+              mismatched: list[str], foreign: bool) -> str:
+    def shown(keys: list[str]) -> str:
+        return ", ".join(keys[:_SHOWN]) + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+    lines = [f"cannot load {directory!r} ({_describe(config)}) into this model:"]
+    if missing:
+        lines.append(f"- {len(missing)} tensors the model holds are not in the checkpoint: {shown(missing)}")
+    if unexpected:
+        lines.append(f"- {len(unexpected)} tensors of the checkpoint are not in the model: {shown(unexpected)}")
+    if mismatched:
+        lines.append(f"- {len(mismatched)} shapes differ: {shown(mismatched)}")
+    if foreign:
+        lines.append("- no key of the checkpoint is one of the model's: another architecture")
+    lines.append("Fix: build the model from the checkpoint's own config (AutoConfig.from_pretrained(path), then "
+                 "from_config and pipe.split), so that its names and shapes are the checkpoint's")
+    return "\n".join(lines)

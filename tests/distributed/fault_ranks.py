@@ -1,0 +1,151 @@
+"""One fault on rank 2 of 4 gloo ranks, on a mesh: what every survivor names, and when it ends.
+
+Used by ``test_fault_matrix.py`` two ways: :func:`run` on ranks started by
+``spawn_ranks.run_ranks`` (the store in rank 0), and as a script under
+``torchrun`` (the store in the agent): ``python fault_ranks.py LAYOUT HOW TIMEOUT``.
+
+Layouts (rank 2 and its partners):
+
+    fsdp      make_mesh(pp=2, dp_shard=2): rank 2 is stage 1, shard partner of rank 3
+    hsdp      make_mesh(pp=1, dp_replicate=2, dp_shard=2): shard partner of 3, replica of 0
+    tp        make_mesh(pp=2, tp=2) with a tensor-parallel plan: rank 2 is stage 1, tp partner of 3
+    replicas  data_parallel=2: rank 2 is stage 0 of pipeline 1, replica of rank 0
+
+Faults, in the forward of a layer of rank 2 at step 2 (the third): ``exit``
+(``os._exit``), ``kill`` (SIGKILL), ``raise`` (ValueError) or ``stall`` (sleeps
+:data:`STALL` seconds, far past the timeout). Each survivor reports
+``(message, seconds from the start of step 2 to its error)``; under torchrun the agent may
+end a survivor first (it ends every rank once one's process ended), after it logged its headline.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import pipe.distributed as pd
+
+WIDTH, ROWS = 8, 8
+VICTIM, AT_STEP = 2, 2
+STALL = 60.0
+LAYOUTS = ("fsdp", "hsdp", "tp", "replicas")
+FAULTS = ("exit", "kill", "raise", "stall")
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Fault(nn.Module):
+    """Does ``how`` on rank :data:`VICTIM` when ``armed`` (set by the driver at step :data:`AT_STEP`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.mix = Mix()
+        self.how = how
+        self.armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed and dist.get_rank() == VICTIM:
+            self.armed = False
+            if self.how == "exit":
+                os._exit(3)
+            elif self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.how == "raise":
+                raise ValueError("boom on rank 2")
+            else:
+                time.sleep(STALL)
+        return self.mix(x)
+
+
+def _pipe(layout: str, how: str) -> pd.DistributedPipe:
+    torch.manual_seed(0)
+    model = nn.Sequential(Mix(), Mix(), Fault(how), Mix())  # the fault is in stage 1 (pp 2), or anywhere (pp 1)
+    if layout == "fsdp":
+        return pd.DistributedPipe(model, chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2))
+    if layout == "hsdp":
+        return pd.DistributedPipe(model, chunks=2, mesh=pd.make_mesh(pp=1, dp_replicate=2, dp_shard=2))
+    if layout == "tp":
+        plan = {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+        return pd.DistributedPipe(model, chunks=2, mesh=pd.make_mesh(pp=2, tp=2), tensor_parallel=plan)
+    # replicas: pipelines {0, 1} and {2, 3}; rank 2 runs stage 0, where the fault goes
+    model = nn.Sequential(Fault(how), Mix(), Mix(), Mix())
+    return pd.DistributedPipe(model, chunks=2, data_parallel=2)
+
+
+def run(rank: int, world: int, layout: str, how: str, wait_for_others: bool = True) -> tuple[str, float]:
+    """Trains until the fault; returns ``(this rank's error, seconds from the start of step 2 to it)``.
+
+    Under torchrun (``FAULT_REPORTS`` set) also writes them, with the step's start, to ``$FAULT_REPORTS/<rank>.json``.
+    """
+    piped = _pipe(layout, how)
+    x, y = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1)), torch.zeros(ROWS, WIDTH)
+    fault = next((m for m in piped.modules() if isinstance(m, Fault)), None)
+    start = time.monotonic()
+    message = "no error"
+    for step in range(AT_STEP + 2):
+        if step == AT_STEP:
+            start = time.monotonic()
+            if os.environ.get("FAULT_REPORTS"):  # under torchrun: when the faulty step started, for the job's time
+                with open(os.path.join(os.environ["FAULT_REPORTS"], f"began{rank}"), "w") as began:
+                    began.write(repr(time.time()))
+            if fault is not None:
+                fault.armed = True
+        try:
+            piped.step(x, y, F.mse_loss)
+        except Exception as error:  # the victim's own ValueError, or a survivor's PipelineFailure
+            message = f"{type(error).__name__}: {error}"
+            break
+    seconds = time.monotonic() - start
+    if os.environ.get("FAULT_REPORTS"):
+        with open(os.path.join(os.environ["FAULT_REPORTS"], f"{rank}.json"), "w") as report:
+            json.dump({"rank": rank, "message": message, "seconds": seconds}, report)
+    if wait_for_others:  # ranks started by run_ranks: rank 0 hosts the store, so it waits for the other verdicts
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"test/verdict/{rank}", "done")
+        if rank == 0:
+            survivors = [f"test/verdict/{r}" for r in range(1, world) if r != VICTIM]
+            try:
+                store.wait(survivors, datetime.timedelta(seconds=30))
+            except Exception:
+                pass
+    return message, seconds
+
+
+def headline(message: str) -> str:
+    """The root cause in a survivor's message: what follows ``because``, without the local detail."""
+    if " because " not in message:
+        return message
+    return message.split(" because ", 1)[1].rsplit(" (here: ", 1)[0]
+
+
+def main() -> None:
+    layout, how, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    pd.init_from_env("gloo", timeout=timeout, cpu_threads=1)
+    rank = dist.get_rank()
+    message, _ = run(rank, dist.get_world_size(), layout, how, wait_for_others=False)
+    if message != "no error":
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()
