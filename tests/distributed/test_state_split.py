@@ -152,6 +152,7 @@ def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_split_model_checkpoint_through_every_layout(which: str, tmp_path: Path) -> None:
