@@ -111,11 +111,13 @@ class _WithExtraState(_Holder):
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
+    """The module inside DDP's and ``torch.compile``'s wrappers (whose keys have a prefix of their own)."""
     while True:
+        compiled = module._modules.get("_orig_mod") if type(module).__name__ == "OptimizedModule" else None
         if isinstance(module, nn.parallel.DistributedDataParallel):
             module = module.module
-        elif isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            module = module._orig_mod
+        elif compiled is not None:  # torch.compile(module)
+            module = compiled
         else:
             return module
 

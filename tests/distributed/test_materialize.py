@@ -69,7 +69,7 @@ def _meta_split(which: str) -> nn.Module:
     build, cut = MODELS[which]
     with torch.device("meta"):
         model = build()
-    ids, mask, _ = lm_batch(4, 8)
+    ids, mask, _ = (t.to("meta") for t in lm_batch(4, 8))  # on meta too (torch 2.11's export wants one device)
     return pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=[cut])
 
 
@@ -189,3 +189,18 @@ def test_meta_split_models_train_from_known_values_on_two_ranks(tmp_path: Path) 
         assert first[f"{which} tied"] == second[f"{which} tied"]  # the embedding and the LM head start equal
     assert first["llama buffers"] == second["llama buffers"] == ["model.rotary_emb.inv_freq"]  # each its copy
     assert first["gpt2 buffers"] == second["gpt2 buffers"] == []
+
+
+@pytest.mark.cuda
+def test_a_meta_split_model_is_initialised_on_a_gpu() -> None:
+    # The allocation, the model's initialiser and the checks on the GPU (inv_freq is computed on the CPU and
+    # copied in; the graph's device arguments follow the stage).
+    stages = _meta_split("llama")
+    device = torch.device("cuda", torch.cuda.current_device())
+    owned, _ = build_stages(stages, 2, [2], Schedule("1f1b", ranks=1, microbatches=1), rank=0, device=device)
+    cpu = _cpu("llama")
+    named = _plain(owned[0])
+    assert all(t.device == device for _, t in named)
+    _verify_initialised([(name, t.cpu()) for name, t in named], cpu, "llama on cuda")
+    ids, mask, _ = lm_batch(4, 8)
+    assert bool(torch.isfinite(owned[0](ids.to(device), mask.to(device))).all())
