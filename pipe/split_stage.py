@@ -84,7 +84,9 @@ def _retarget_devices(stage: fx.GraphModule) -> None:
     ``wrap_with_set_grad_enabled``: a LLaMA's rotary embedding under PyTorch 2.11) in a submodule of its own,
     whose ``_assert_tensor_metadata`` would otherwise still expect the capture's device (``meta``).
     """
-    device = next((t.device for t in list(stage.parameters()) + list(stage.buffers()) if not t.is_meta), None)
+    tensors = list(stage.parameters()) + list(stage.buffers())
+    # A real device where the stage has one (a rank's materialised stage may still hold meta tensors of others).
+    device = next((t.device for t in tensors if not t.is_meta), tensors[0].device if tensors else None)
     if device is None:
         return
     for module in stage.modules():
