@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                   "pipe.batchnorm", "pipe.compile"]),
     ("runners", ["pipe.threads", "pipe.threads.", "pipe.distributed."]),
     ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
-                    "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf", "pipe.viz.cli", "pipe.viz.__main__", "pipe.plan", "pipe.plan.",
+                    "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
+                    "pipe.distributed.step_inputs", "pipe.viz.cli", "pipe.viz.__main__", "pipe.plan", "pipe.plan.",
                     "pipe.sequential", "pipe.tied"]),
 ]
 

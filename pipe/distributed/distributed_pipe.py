@@ -18,11 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.distributed.fsdp import Shard, describe_shard, refuse_wrapped, verify_shard
 from pipe.distributed.mesh import replica_mesh, verify_mesh
-from pipe.distributed.group import Topology, require_initialized, verify_same_config
+from pipe.distributed.env import rank_device
+from pipe.distributed.group import Topology, require_initialized, union_over_ranks, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
-from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, broadcast_from, divide_by_count, replica_share,
-                                   sample_weights, verify_loss_reduction, warn_if_ignored_targets)
+from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, divide_step_by_count, share_loss,
+                                   verify_loss_reduction)
+from pipe.distributed.step_inputs import prepare_step
 from pipe.distributed.runtime import MAIN, Runtime, StageSkips
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute_ranks import attach_to_ranks
@@ -32,7 +34,7 @@ from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages, verify_compile
-from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly, verify_device
+from pipe.core.microbatch import Batch, gather, pack_inputs
 from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
@@ -43,21 +45,6 @@ from pipe.skip.skippable import verify_skippables
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-
-def _rank_device(device: Optional[torch.device]) -> torch.device:
-    """Where this rank's layers live: ``device``, else the current CUDA device under NCCL, else the CPU."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
-    return torch.device(device)
-
-
-def _every_ranks(names: list[str]) -> list[str]:
-    """The names every rank found (a refusal at construction is raised on every rank alike)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return list(dict.fromkeys(name for part in gathered for name in part))
 
 
 class DistributedPipe(PlainNamed, nn.Module):
@@ -199,7 +186,7 @@ class DistributedPipe(PlainNamed, nn.Module):
                           schedule=None if isinstance(schedule, str) and schedule == "1f1b" else schedule,
                           virtual_stages=None if virtual_stages == 1 else virtual_stages)
             planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard, device=_rank_device(device))
+                                     data_parallel=data_parallel, shard=shard, device=rank_device(device))
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any
@@ -217,7 +204,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         layers = layer_count(model, layers)
         require_initialized()
         if mesh is not None:
-            verify_mesh(mesh, data_parallel, _rank_device(device))
+            verify_mesh(mesh, data_parallel, rank_device(device))
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             "chunks": chunks, "checkpoint": checkpoint,
@@ -238,9 +225,9 @@ class DistributedPipe(PlainNamed, nn.Module):
         self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
         self.balance = list(balance) if balance is not None \
             else even_balance(layers, self.schedule.stages, model, self.schedule)
-        self.device = _rank_device(device)
+        self.device = rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
-                                                 self.topology.pipeline_rank, self.device, _every_ranks)
+                                                 self.topology.pipeline_rank, self.device, union_over_ranks)
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
         layout = inspect_skip_layout(skeleton)
         self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
@@ -401,62 +388,19 @@ class DistributedPipe(PlainNamed, nn.Module):
     def _prepare(self, inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
                  need_target: bool) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
         """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
-        targets = weights = None
-        try:  # a bad argument on one rank must not leave the others waiting: report it
-            batches = None
-            if self.is_first:
-                verify_device(inputs, self.device, "an input", self._move_to("inputs"))
-                batches = scatter_exactly(inputs, self.chunks, "inputs")
-            if self.is_last and need_target:
-                if loss_fn is None:
-                    raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
-                verify_device(target, self.device, "a target", self._move_to("target"))
-                targets = scatter_exactly(target, self.chunks, "target")
-                weights = sample_weights(self.loss_reduction, targets)
-                if not self._warned_ignored_targets:
-                    self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
-        except (TypeError, ValueError) as error:
-            self._runtime.failures.begin_step()  # the step the other ranks run
-            raise self._runtime.failures.failure_from(where, error) from None
-        if targets is not None and weights is not None and self.loss_reduction == "mean" \
-                and self.topology.data_parallel > 1:
-            try:  # replicas with uneven shares of the global batch: weighted by their samples
-                weights = replica_share(weights, targets, self.topology.data_parallel_group,
-                                        self.topology.data_parallel, self.device)
-            except Exception as error:
-                self._runtime.failures.begin_step()
-                raise self._runtime.failures.failure_from(where, error) from None
-        return batches, targets, weights
-
-    def _move_to(self, what: str) -> str:
-        return f"this rank's stages are on {self.device}; move it with {what}.to(pipe.device)"
+        return prepare_step(self, inputs, target, loss_fn, where, need_target)
 
     def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:
-        """The loss averaged over data-parallel replicas, and sent to every rank with ``broadcast_loss``."""
-        if average and loss is not None and self.is_last and self.topology.data_parallel > 1:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.topology.data_parallel_group)
-            loss /= self.topology.data_parallel
-        if broadcast_loss and self.topology.ranks > 1:
-            source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
-            loss = broadcast_from(loss, source, self._pipeline_group, self.device)
-        return loss
+        return share_loss(loss, self.topology, self._last_stage_rank(), self._pipeline_group, self.device,
+                          is_last=self.is_last, average=average, broadcast=broadcast_loss)
 
     def _divide_by_count(self, counted: Optional[CountedLoss], loss: Optional[Tensor],
                          step_grads: StepGradients) -> Optional[Tensor]:
-        """Divides this step's gradients and loss by the global count (``loss_reduction="count"``)."""
-        source = self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
+        return divide_step_by_count(counted, loss, step_grads, self.topology, self._last_stage_rank(),
+                                    self._pipeline_group, self.device, is_last=self.is_last)
 
-        def broadcast(value: Optional[Tensor]) -> Tensor:
-            if self.topology.ranks == 1:
-                assert value is not None
-                return value
-            return broadcast_from(value, source, self._pipeline_group, self.device)
-
-        # Every rank learns the same count, so a count of 0 raises the same ValueError everywhere.
-        return divide_by_count(counted, loss, step_grads, is_last=self.is_last,
-                               data_parallel_group=self.topology.data_parallel_group,
-                               replicas=self.topology.data_parallel, broadcast=broadcast, device=self.device)
+    def _last_stage_rank(self) -> int:
+        return self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
 
     def forward(self, *inputs: Any) -> Any:
         """Runs forwards only (no graph is kept): the output on the last stage's rank, None elsewhere.

@@ -175,3 +175,11 @@ def rank_processes(method: Optional[str] = None) -> Any:
     if method == "forkserver":  # imported once in the server, before it forks the ranks
         context.set_forkserver_preload(["torch", "torch.distributed", "pipe", "pipe.distributed"])
     return context
+
+
+def rank_device(device: Optional[torch.device]) -> torch.device:
+    """Where this rank's layers live: ``device``, else the current CUDA device under NCCL, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+    return torch.device(device)

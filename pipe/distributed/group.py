@@ -206,3 +206,10 @@ def verify_same_config(config: dict[str, Any]) -> None:
                 f"ranks disagree on {key} ({per_rank}); every rank must build the pipeline with the "
                 f"same arguments (pass the same {key} on every rank)"
             )
+
+
+def union_over_ranks(names: list[str]) -> list[str]:
+    """The names every rank found, in order (a refusal at construction is raised on every rank alike)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return list(dict.fromkeys(name for part in gathered for name in part))

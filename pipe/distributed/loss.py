@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from pipe.core.microbatch import Batch, flatten
+
+if TYPE_CHECKING:
+    from pipe.distributed.group import Topology
 
 __all__: list[str] = []
 
@@ -284,3 +287,32 @@ def broadcast_from(value: Optional[Tensor], source: int, group: Optional[dist.Pr
     buffer = value.detach().float().clone() if value is not None else torch.zeros((), device=device)
     dist.broadcast(buffer, source, group=group)
     return buffer
+
+
+def share_loss(loss: Optional[Tensor], topology: "Topology", source: int, group: Optional[dist.ProcessGroup],
+               device: torch.device, *, is_last: bool, average: bool, broadcast: bool) -> Optional[Tensor]:
+    """The loss averaged over data-parallel replicas (``average``), and sent from the last stage's rank
+    ``source`` to every rank of the pipeline (``broadcast``)."""
+    if average and loss is not None and is_last and topology.data_parallel > 1:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=topology.data_parallel_group)
+        loss /= topology.data_parallel
+    if broadcast and topology.ranks > 1:
+        loss = broadcast_from(loss, source, group, device)
+    return loss
+
+
+def divide_step_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step_grads: StepGradients,
+                         topology: "Topology", source: int, group: Optional[dist.ProcessGroup], device: torch.device,
+                         *, is_last: bool) -> Optional[Tensor]:
+    """Divides a step's gradients and loss by the global count (``loss_reduction="count"``); every rank learns
+    the same count from the last stage's rank ``source``, so a count of 0 raises the same error everywhere."""
+    def broadcast(value: Optional[Tensor]) -> Tensor:
+        if topology.ranks == 1:
+            if value is None:
+                raise RuntimeError("a one-rank pipeline has no count: a bug in pipe, please report it")
+            return value
+        return broadcast_from(value, source, group, device)
+
+    return divide_by_count(counted, loss, step_grads, is_last=is_last, data_parallel_group=topology.data_parallel_group,
+                           replicas=topology.data_parallel, broadcast=broadcast, device=device)
