@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pipe.distributed import safetensors_files as files
-from pipe.distributed.state import STAGING, _replace
+from pipe.distributed.state import STAGING, _replace, tensor_groups
 from pipe.split_stage import SplitStage
 
 __all__ = ["load", "save", "LoadStats", "last_load"]
@@ -113,7 +113,7 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
     names: list[str] = []
     missing: list[str] = []
     mismatched: list[str] = []
-    for aliases, tensor in _tensors(model):
+    for aliases, tensor in tensor_groups(model):
         if tensor.is_meta:
             raise ValueError(f"{aliases[0]} is on the meta device: give the model to DistributedPipe (which "
                              "allocates each rank's layers) or call to_empty(device=...) before loading")
@@ -175,7 +175,7 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
     rank = dist.get_rank() if collective else 0
     mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
     pieces = []
-    for aliases, tensor in _tensors(model):
+    for aliases, tensor in tensor_groups(model):
         local, offset = _local(tensor, aliases[0])
         mine[aliases[0], offset] = local
         pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
@@ -218,14 +218,6 @@ def _collective(model: nn.Module) -> bool:
     from pipe.distributed.distributed_pipe import DistributedPipe
 
     return isinstance(model, DistributedPipe) and dist.is_available() and dist.is_initialized()
-
-
-def _tensors(model: nn.Module) -> list[tuple[list[str], Tensor]]:
-    """Each persistent tensor the module holds once, with every plain-model name it has (the first first)."""
-    groups: dict[int, tuple[list[str], Tensor]] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), ([], tensor))[0].append(key)
-    return list(groups.values())
 
 
 def _local(tensor: Tensor, name: str) -> tuple[Tensor, tuple[int, ...]]:

@@ -122,6 +122,26 @@ def _unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+def tensor_groups(module: nn.Module) -> list[tuple[list[str], Tensor]]:
+    """Each tensor of ``module``'s state dict once, with every key it has there, the first first.
+
+    A tensor listed under several keys (a tied weight) is one group; where a
+    key lists a view of a parameter (``Pipe``'s tie across devices), the group
+    holds the parameter itself, which the optimizer knows. FSDP's hooks give
+    the sharded parameters.
+    """
+    groups: dict[Any, tuple[list[str], Tensor]] = {}
+    for key, value in _unwrap(module).state_dict(keep_vars=True).items():
+        if not isinstance(value, Tensor):
+            continue
+        identity = _identity(value)
+        names, held = groups.setdefault(identity, ([], value))
+        names.append(_canonical(key))
+        if isinstance(value, nn.Parameter) and not isinstance(held, nn.Parameter):
+            groups[identity] = (names, value)
+    return list(groups.values())
+
+
 def plain_view(module: nn.Module) -> nn.Module:
     """A module whose attribute paths are the plain model's names, holding ``module``'s own tensors.
 
@@ -138,19 +158,9 @@ def plain_view(module: nn.Module) -> nn.Module:
     first key: the name the plain model's ``named_parameters()`` gives it.
     """
     module = _unwrap(module)
-    entries: dict[str, Any] = {}
-    first: dict[Any, str] = {}
-    for key, value in module.state_dict(keep_vars=True).items():  # FSDP's hooks: the sharded parameters
-        key = _canonical(key)
-        if not isinstance(value, Tensor):
-            entries[key] = value
-            continue
-        identity = _identity(value)
-        if identity not in first:
-            first[identity] = key
-            entries[key] = value
-        elif isinstance(value, nn.Parameter) and not isinstance(entries[first[identity]], nn.Parameter):
-            entries[first[identity]] = value  # the parameter itself (the optimizer knows it), under the first key
+    entries: dict[str, Any] = {_canonical(key): value for key, value in module.state_dict(keep_vars=True).items()
+                               if not isinstance(value, Tensor)}  # extra state
+    entries.update((names[0], tensor) for names, tensor in tensor_groups(module))
     view = _Holder()
     modules: Optional[dict[str, nn.Module]] = None
     for key, value in entries.items():
