@@ -41,7 +41,7 @@ def _timed(profile: Profile, name: str, function: Callable[..., Any]) -> Callabl
 
 #: Per engine, the profiled names that are compute: a forward, a backward (pipe: B or I), a weight gradient.
 COMPUTE: dict[str, tuple[str, str, str]] = {
-    "pipe": ("forward+send", "backward+send", "weight"),
+    "pipe": ("forward", "backward", "weight"),  # a lowered program's sends are steps of their own
     "torch": ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"),
 }
 
@@ -54,8 +54,8 @@ def instrument(engine: str) -> Profile:
 
         transport.Transport.send = _timed(profile, "send", transport.Transport.send)  # type: ignore[method-assign]
         transport.Incoming.wait = _timed(profile, "wait", transport.Incoming.wait)  # type: ignore[method-assign]
-        runtime.Runtime._forward = _timed(profile, "forward+send", runtime.Runtime._forward)  # type: ignore
-        runtime.Runtime._backward = _timed(profile, "backward+send", runtime.Runtime._backward)  # type: ignore
+        runtime.Runtime._forward = _timed(profile, "forward", runtime.Runtime._forward)  # type: ignore
+        runtime.Runtime._backward = _timed(profile, "backward", runtime.Runtime._backward)  # type: ignore
         from pipe.core import iw_backward
 
         iw_backward.IWBackward.backward_weight = _timed(  # type: ignore[method-assign]
@@ -74,7 +74,7 @@ def report(profile: Profile, steps: int, transport_stats: dict[str, float] | Non
     """Milliseconds and calls per step of each profiled function (pipe: compute without the sends, and headers)."""
     out = {name: {"ms_per_step": 1e3 * seconds / steps, "calls_per_step": calls / steps}
            for name, (seconds, calls) in sorted(profile.items())}
-    if "forward+send" in profile and transport_stats is not None:
+    if "forward" in profile and transport_stats is not None:
         send = 1e3 * transport_stats.get("send_s", 0.0) / steps
         out["transport"] = {"messages_per_step": transport_stats.get("messages", 0) / steps,
                             "whole_headers_per_step": transport_stats.get("headers", 0) / steps,
@@ -82,6 +82,8 @@ def report(profile: Profile, steps: int, transport_stats: dict[str, float] | Non
                             "inline_values_per_step": transport_stats.get("inline", 0) / steps,
                             "send_ms_per_step": send,
                             "wait_ms_per_step": 1e3 * transport_stats.get("wait_s", 0.0) / steps}
-        compute = out["forward+send"]["ms_per_step"] + out.get("backward+send", {}).get("ms_per_step", 0.0)
-        out["compute_ms_per_step_without_sends"] = compute - out.get("send", {}).get("ms_per_step", 0.0)
+        # Before the lowered programs (results of 2026-11-27 and earlier) these were "forward+send" and
+        # "backward+send", the sends inside them, and the send time was subtracted here.
+        out["compute_ms_per_step_without_sends"] = (out["forward"]["ms_per_step"]
+                                                    + out.get("backward", {}).get("ms_per_step", 0.0))
     return out

@@ -70,6 +70,7 @@ def _measure(rank: int, port: int, mode: str, args: argparse.Namespace, results:
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=600))
     import pipe.distributed as pd
     from pipe.distributed.fsdp import StageSharding
+    from pipe.distributed.runtime import Runtime
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     torch.manual_seed(0)
@@ -82,9 +83,9 @@ def _measure(rank: int, port: int, mode: str, args: argparse.Namespace, results:
             for layer in stage.children():
                 replicate(layer, mesh=replicas)
             replicate(stage, mesh=replicas)
-        runtime = pipe._runtime
-        runtime.averager = None
-        runtime.sharding = StageSharding(dict(pipe.partitions), pd.Shard(reshard_after_forward=False))
+        runtime = pipe._runtime  # the same runner, with torch's replicas reduced as FSDP stages
+        pipe._runtime = Runtime(runtime.stages, runtime.schedule, runtime.topology, runtime.transport, runtime.skips,
+                                None, StageSharding(dict(pipe.partitions), pd.Shard(reshard_after_forward=False)))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1 + pipe.topology.replica)
     x = torch.randn(args.batch, args.width, generator=generator)

@@ -11,12 +11,14 @@ driven by the schedule, so the reduction is started by the runner instead.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from pipe.core.lowering import Kind, Step
 
 __all__: list[str] = []
 
@@ -39,6 +41,11 @@ class GradientAverager:
         self.group = group
         self.replicas = replicas
         self._inflight: list[tuple[dist.Work, Tensor, list[Tensor]]] = []
+
+    def executors(self) -> dict[Kind, Callable[[Step], None]]:
+        """The runner's executors of the replicas' steps of a lowered program."""
+        return {Kind.REDUCE_REPLICAS: lambda step: self.start(step.stage),
+                Kind.FINISH_REPLICAS: lambda step: self.finish()}
 
     def start(self, stage: int) -> None:
         """Starts averaging the gradients of ``stage`` (returns at once)."""

@@ -25,13 +25,15 @@ from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, ver
 from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, divide_step_by_count, share_loss,
                                    verify_loss_reduction)
 from pipe.distributed.step_inputs import prepare_step
-from pipe.distributed.runtime import MAIN, Runtime, StageSkips
+from pipe.distributed.runtime import Runtime
+from pipe.distributed.stage_function import StageSkips
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute_ranks import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
+from pipe.core.lowering import MAIN
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages, verify_compile
 from pipe.core.microbatch import Batch, gather, pack_inputs
@@ -248,14 +250,15 @@ class DistributedPipe(PlainNamed, nn.Module):
         self.shard = shard
         sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,
                                                 parallelize, tensor_parallel, schedule)
-        self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
-                                self.skips, averager, sharding)
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
         self.recompute_strategy: Optional[RecomputeStrategy] = None
+        swap = None
         if recompute is not None:
-            self.recompute_strategy, self._runtime.swap = attach_to_ranks(
+            self.recompute_strategy, swap = attach_to_ranks(
                 self.partitions, recompute, self.balance, layer_names(model, layers), self.schedule,
                 self.checkpoint, self.topology.rank)
+        self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
+                                self.skips, averager, sharding, swap)
         logger.info("DistributedPipe: rank %d = pipeline rank %d of replica %d, stages %s, schedule %s, "
                     "chunks %d, checkpoint %s", self.topology.rank, self.topology.pipeline_rank,
                     self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)

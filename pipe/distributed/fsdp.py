@@ -9,8 +9,9 @@ gradients and optimizer state are then ``DTensor`` shards.
 
 FSDP's own hooks would gather and reduce once per micro-batch. A pipeline
 knows better, since it knows the rank's whole program for the step
-(:meth:`pipe.core.schedule.Schedule.actions`), so :class:`StageSharding` takes
-over, as torch's ``PipelineStage`` does:
+(:meth:`pipe.core.schedule.Schedule.actions`), so the lowering of that program places the gathers, reduces and reshards
+(:func:`pipe.core.lowering.gathers`) and :class:`StageSharding` executes them,
+as torch's ``PipelineStage`` does:
 
 * a stage is gathered (``unshard``, asynchronous) before its first action of
   the step, and the next stage of the program is prefetched while the current one computes;
@@ -37,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 
-from pipe.core.schedule import Action, Phase
+from pipe.core.lowering import Kind, Step
 from pipe.core.original_names import partition_name
 
 __all__: list[str] = []
@@ -173,45 +174,6 @@ def _quiet_view_warning(wrapped: list[nn.Module]) -> None:
                 ", ".join(names))
 
 
-@dataclass
-class Event:
-    """What the runner does to FSDP stages around one action of the program."""
-
-    unshard: list[int]  # gathered before the action (the next action's stage: a prefetch)
-    reduce: list[int]  # reduce-scattered after the action
-    reshard: list[int]  # resharded after the action
-
-
-def sharding_plan(program: list[Action], zero3: bool, training: bool) -> list[Event]:
-    """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it.
-
-    Before action k the stages of actions k and k + 1 are gathered (k + 1's
-    is the prefetch). ZeRO-3 reshards a stage as soon as neither needs it;
-    ZeRO-2 after the stage's last action. A stage is reduced after its last
-    backward (``B``, or ``W`` in zero-bubble schedules) when ``training``.
-    """
-    last = {a.stage: k for k, a in enumerate(program)}
-    last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
-    events = [Event([], [], []) for _ in program]
-    active: list[int] = []
-    for k, action in enumerate(program):
-        wanted = [action.stage] + [a.stage for a in program[k + 1:k + 2] if a.stage != action.stage]
-        if zero3 and k:
-            for s in [s for s in active if s not in wanted]:
-                active.remove(s)
-                events[k - 1].reshard.append(s)
-        for s in wanted:
-            if s not in active:
-                active.append(s)
-                events[k].unshard.append(s)
-        if training and last_backward.get(action.stage) == k:
-            events[k].reduce.append(action.stage)
-        if last[action.stage] == k:
-            active.remove(action.stage)
-            events[k].reshard.append(action.stage)
-    return events
-
-
 class StageSharding:
     """Gathers, reduces and reshards this rank's FSDP stages as its program runs.
 
@@ -230,36 +192,38 @@ class StageSharding:
             self.roots[s] = stage
         self._handles: dict[int, list[UnshardHandle]] = {}
         self._gathered: set[int] = set()
-        self._events: list[Event] = []
 
     # -- the plan of one step ------------------------------------------------------------------
 
-    def begin_step(self, program: list[Action], training: bool) -> None:
+    def begin_step(self) -> None:
         """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
 
-        (Resharding after forward is off since :func:`shard_stages`.)
+        (Resharding after forward is off since :func:`shard_stages`.) When to
+        gather, reduce and reshard is the lowered program's
+        (:func:`pipe.core.lowering.gathers`).
         """
         for modules in self.modules.values():
             for module in modules:
                 module.set_reshard_after_backward(False, recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
                 module.set_is_last_backward(False)
-        self._events = sharding_plan(program, self.config.reshard_after_forward, training)
 
-    def before(self, k: int, stage: int) -> None:
-        """Starts the gathers due before action ``k`` and waits for ``stage``'s own."""
-        for s in self._events[k].unshard:
-            self._handles[s] = [h for m in self.modules[s] if (h := m.unshard(async_op=True)) is not None]
-            self._gathered.add(s)
+    def executors(self) -> dict[Kind, Callable[[Step], None]]:
+        """The runner's executors of the FSDP steps of a lowered program."""
+        return {Kind.UNSHARD: lambda step: self.unshard(step.stage),
+                Kind.WAIT_UNSHARD: lambda step: self.wait(step.stage),
+                Kind.REDUCE_GRAD: lambda step: self.reduce(step.stage),
+                Kind.RESHARD: lambda step: self.reshard(step.stage)}
+
+    def unshard(self, stage: int) -> None:
+        """Starts gathering ``stage``'s parameters (returns at once)."""
+        self._handles[stage] = [h for m in self.modules[stage] if (h := m.unshard(async_op=True)) is not None]
+        self._gathered.add(stage)
+
+    def wait(self, stage: int) -> None:
+        """Waits for ``stage``'s gather."""
         for handle in self._handles.pop(stage, []):
             handle.wait()
-
-    def after(self, k: int) -> None:
-        """Reduces and reshards what is due after action ``k``."""
-        for s in self._events[k].reduce:
-            self.reduce(s)
-        for s in self._events[k].reshard:
-            self.reshard(s)
 
     def reduce(self, stage: int) -> None:
         """Reduce-scatters ``stage``'s accumulated gradients once (its last backward of the step is done)."""

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from pipe.core.microbatch import Batch
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.lowering import Kind, Step
+from pipe.core.schedule import Schedule
 from pipe.distributed.group import verify_same_config
 from pipe.recompute.attach import apply_strategy, warn_checkpoint_interplay
 from pipe.recompute.config import ConfigSource, parse_config
@@ -77,26 +78,33 @@ class RankSwap:
         if self.record_events:
             self.events.append((kind, tag, name))
 
-    def before(self, program: Sequence[Action], k: int) -> None:
-        """Called as the rank starts ``program[k]``: prefetch for the backwards ahead, tag what this action makes.
+    def offloading_stages(self) -> list[int]:
+        """The stages whose backwards are prefetched (those that offload layers' or checkpoints' tensors)."""
+        return sorted(set(self.layer_offloaders) | set(self.checkpoint_offloaders))
 
-        The units of ``B i@s`` at position ``b`` come back when the rank starts
-        action ``b - p`` (``p``: their ``backward_prefetch``), or, if they were
-        made later than that (a forward right before its backward), when
-        backward needs them.
+    def executors(self) -> dict[Kind, Callable[[Step], None]]:
+        """The runner's executors of the offload steps of a lowered program (:func:`pipe.core.lowering.offload`).
+
+        ``OFFLOAD a`` as the rank starts action ``a``: what its forward makes
+        belongs to its cell. ``PREFETCH b``: the units of the backward ``b``
+        come back now, ``ahead`` actions before it (their ``backward_prefetch``
+        bounds the horizon); units made later than that (a forward right
+        before its backward) come back when backward needs them.
         """
-        action = program[k]
+        return {Kind.OFFLOAD: self._tag, Kind.PREFETCH: self._prefetch}
+
+    def _tag(self, step: Step) -> None:
+        action = step.action
         if self.record_events:
             self.events.append(("run", str(action)))
-        for b in range(k + 1, min(len(program), k + 1 + self.horizon)):
-            ahead = program[b]
-            if ahead.phase is Phase.BACKWARD:
-                cell = (ahead.microbatch, ahead.stage)
-                for offloader in self._of(ahead.stage):
-                    offloader.prefetch(cell, b - k)
         cell = (action.microbatch, action.stage)
         for offloader in self._of(action.stage):
             offloader.current_tag = cell  # units made by this action's forward belong to its cell
+
+    def _prefetch(self, step: Step) -> None:
+        cell = (step.microbatch, step.stage)
+        for offloader in self._of(step.stage):
+            offloader.prefetch(cell, step.ahead)
 
     def _of(self, stage: int) -> list[Offloader]:
         return [o for o in (self.layer_offloaders.get(stage), self.checkpoint_offloaders.get(stage)) if o is not None]

@@ -18,7 +18,7 @@ other. A stage whose output is a ``DTensor`` (sequence parallelism, or
     out: DTensor(Shard(1)) ─ to_local() ─▶ (Layout, local) ─ from_local(mesh["tp"]) ─▶ DTensor(Shard(1))
 
 Both conversions are differentiable and run inside the stage's cell
-(:func:`pipe.distributed.runtime.stage_function`, for the stage's value and
+(:func:`pipe.distributed.stage_function.stage_function`, for the stage's value and
 its skips alike), so the gradient that comes back is the local shard's
 gradient, and nothing else in the runtime needs to know about DTensors. This is what torch's ``PipelineStage`` does with its ``get_mesh``
 callback; here the receiver's mesh is its own ``"tp"`` sub-mesh.

@@ -8,7 +8,7 @@ stage prefetched), kept gathered within a run of its actions, resharded when
 the program moves on (ZeRO-3, ``reshard_after_forward=True``) or after its
 last action (ZeRO-2), and its gradients are reduce-scattered once, after its
 last backward. The planner follows the very same per-action plan
-(:func:`pipe.distributed.fsdp.sharding_plan`):
+(:func:`pipe.core.lowering.gathers`):
 
 * **batch**: each of the S pipelines of a shard group gets B/S of the
   mini-batch, so chunks c at ``dp_shard`` S run micro-batches of B/(S*c)
@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
+from pipe.core.lowering import gather_events
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.plan.cost import Costs
 
@@ -151,7 +152,7 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
                  zero3: bool) -> Held:
     """What FSDP holds unsharded during each action of ``rank``'s program (activations apart).
 
-    Follows the runner's plan (:func:`pipe.distributed.fsdp.sharding_plan`): a
+    Follows the runner's plan (:func:`pipe.core.lowering.gathers`): a
     stage's full parameters from the wait for its gather to its reshard; a
     prefetch issued before action k and waited for before action k + 1 holds
     its gathered buffer (the stage's bytes; the input shard is a view of it) during action k;
@@ -160,10 +161,8 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     creates in its own peak: each weight's new gradient becomes its
     ``.grad``, where a later one is added to it).
     """
-    from pipe.distributed.fsdp import sharding_plan
-
     program = _program(schedule, rank)
-    events = sharding_plan(program, zero3, training=True)
+    events = gather_events(program, zero3, training=True)
     first_grad: dict[int, int] = {}
     for k, action in enumerate(program):
         if action.phase in _gradient_phases(schedule):
@@ -251,8 +250,6 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
             return sum(link.all_reduce(b, replicas) for b in buckets + ([size] if size else []))
 
         return {program[k]: average(s) for s, k in ends.items()}
-    from pipe.distributed.fsdp import sharding_plan
-
     def groups(stage: int) -> list[int]:
         return [b for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]] if b]
 
@@ -263,7 +260,7 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
         total = sum(_ring(link, b, shard) + link.all_reduce(-(-b // shard), replicas) for b in groups(stage))
         return total + link.shard_step_overhead
 
-    events = sharding_plan(program, candidate.reshard_after_forward, training=True)
+    events = gather_events(program, candidate.reshard_after_forward, training=True)
     return {action: sum(gather(s) for s in events[k].unshard) + sum(reduce(s) for s in events[k].reduce)
             for k, action in enumerate(program)}
 

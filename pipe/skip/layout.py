@@ -5,7 +5,7 @@ The layout is the routing table of skip tensors, computed once when a
 a skip tensor from the stash partition's device straight to the pop
 partition's (:meth:`SkipLayout.arriving`); the process runner turns its
 ``routes`` into one channel per skip, from the stash stage to the pop stage,
-however many stages lie in between (``pipe.distributed.runtime.StageSkips``).
+however many stages lie in between (``pipe.distributed.stage_function.StageSkips``).
 """
 from __future__ import annotations
 

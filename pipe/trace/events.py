@@ -23,6 +23,8 @@ KINDS: dict[str, str] = {
     "copy": "C",
     "send": "send ",
     "recv": "recv ",
+    "gather": "gather ",  # FSDP: a stage's parameters gathered (issued, or waited for)
+    "reduce": "reduce ",  # FSDP's reduce-scatter, or the replicas' average, of a stage's gradients
 }
 
 FORMAT_VERSION = 1

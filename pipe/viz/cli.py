@@ -3,7 +3,8 @@
 Usage::
 
     pipe-viz plan --schedule 1f1b --ranks 4 --microbatches 8 [--virtual-stages 2]
-                  [--checkpoint always] [-o out.svg]
+                  [--checkpoint always] [--transfer 0.2] [--fsdp zero3 --gather 0.5 --reduce 0.5]
+                  [-o out.svg]
     pipe-viz trace run.json [more ranks' files ...] [--step N] [--plan] [--explain] [-o out.html]
 
 The output format follows the extension of ``-o``: ``.svg``, ``.html``,
@@ -26,7 +27,7 @@ from pipe.core.schedule import SCHEDULE_KINDS
 from pipe.trace import TraceError, load, merge
 from pipe.viz.html import render_html
 from pipe.viz.measured import from_trace, schedule_like
-from pipe.viz.planned import schedule_timeline
+from pipe.viz.planned import Communication, schedule_timeline
 from pipe.viz.svg import render_svg
 from pipe.viz.text import render_text
 from pipe.viz.timeline import Timeline
@@ -53,6 +54,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def _time(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a time >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite time >= 0, got {text!r}")
     return value
 
 
@@ -91,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", type=_positive_float, default=2.0, help="backward time of a stage (default: 2)")
     p.add_argument("--recompute", type=_positive_float, default=None,
                    help="recompute time of a stage (default: the forward time)")
+    p.add_argument("--transfer", type=_time, default=None,
+                   help="time of each message between stages; given (or --fsdp), the plan is the ranks' lowered "
+                        "programs, with sends, waits, gathers and reduces drawn as marks (default: free)")
+    p.add_argument("--fsdp", choices=("zero2", "zero3"), default=None,
+                   help="FSDP stages: gathered before use, reduced after their last backward, resharded after "
+                        "their last action (zero2) or whenever the rank moves to another stage (zero3)")
+    p.add_argument("--gather", type=_time, default=0.0, help="time to gather one FSDP stage (with --fsdp)")
+    p.add_argument("--reduce", type=_time, default=0.0, help="time to reduce one FSDP stage's gradients (with --fsdp)")
     p.add_argument("-o", "--output", type=_output, help=f"output file ({', '.join(FORMATS)}); default: text to stdout")
     p.set_defaults(subparser=p)
 
@@ -169,12 +188,15 @@ def _run(args: argparse.Namespace) -> int:
             sys.stderr.write("pipe-viz plan: --stages is deprecated and will be removed in the next release; "
                              "use --ranks\n")
             args.ranks = args.stages
+        if (args.gather or args.reduce) and args.fsdp is None:
+            sub.error("--gather and --reduce time FSDP stages: add --fsdp zero2 or --fsdp zero3")
         if args.table is not None:
             return _plan_table(args)
         try:
             timeline = schedule_timeline(args.schedule, args.ranks, args.microbatches,
                                          virtual_stages=args.virtual_stages, checkpoint=args.checkpoint,
-                                         forward=args.forward, backward=args.backward, recompute=args.recompute)
+                                         forward=args.forward, backward=args.backward, recompute=args.recompute,
+                                         communication=_communication(args))
         except ValueError as error:
             sub.error(str(error))
         try:
@@ -200,6 +222,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _communication(args: argparse.Namespace) -> Optional[Communication]:
+    """The plan's communication costs, if any option asks for them."""
+    if args.transfer is None and args.fsdp is None:
+        return None
+    return Communication(args.transfer or 0.0, args.gather, args.reduce,
+                         None if args.fsdp is None else args.fsdp == "zero3")
+
+
 def _plan_table(args: argparse.Namespace) -> int:
     from pipe.core.options import checkpoint_stop
     from pipe.core.schedule_table import TableSchedule
@@ -214,7 +244,7 @@ def _plan_table(args: argparse.Namespace) -> int:
         sub.error(f"--table {args.table!r}: {error}")
     stop = checkpoint_stop(args.checkpoint, schedule.microbatches)
     redo = args.forward if args.recompute is None else args.recompute
-    timeline = lay_out(schedule, args.forward, args.backward, redo, stop)
+    timeline = lay_out(schedule, args.forward, args.backward, redo, stop, communication=_communication(args))
     timeline.title += f" · checkpoint={args.checkpoint} · bubble {timeline.bubble():.1%}"
     try:
         _write([timeline], args.output, "pipe-viz plan")

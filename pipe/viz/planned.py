@@ -2,15 +2,22 @@
 
 The picture must show what the engines execute, so nothing here decides an
 order: the cells are ``Schedule.simulate()``'s timed actions and the peak
-in-flight counts are ``Schedule.peak_inflight()``. This module only names the
-rows, picks durations and writes the title.
+in-flight counts are ``Schedule.peak_inflight()``. With :class:`Communication`
+costs, the cells are the timed steps of the ranks' lowered programs
+(:mod:`pipe.core.lowering`, :func:`pipe.core.program_time.simulate`): the
+compute, and marks for sends, waits for messages, FSDP gathers and reduces,
+under the names a measured trace gives them. This module only names the rows,
+picks durations and writes the title.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pipe.core.deprecation import warn
 from pipe.core.options import checkpoint_stop, verify_checkpoint
+from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind, Routes, lower
+from pipe.core.program_time import simulate
 from pipe.core.schedule import Phase, Schedule
 from pipe.viz.timeline import Span, Timeline
 
@@ -23,6 +30,33 @@ _KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: 
          Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
 
+@dataclass(frozen=True)
+class Communication:
+    """What a plan's communication costs, in the plan's unit.
+
+    Attributes:
+        transfer: each message between stages (activation or gradient).
+        gather: gathering one FSDP stage's parameters.
+        reduce: reduce-scattering one FSDP stage's gradients.
+        zero3: FSDP stages: None for none, False ZeRO-2 (gathered until the
+            stage's last action), True ZeRO-3 (resharded whenever the rank
+            moves to another stage).
+    """
+
+    transfer: float = 0.0
+    gather: float = 0.0
+    reduce: float = 0.0
+    zero3: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in ("transfer", "gather", "reduce"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0 (time in the plan's unit), got {value!r}")
+        if (self.gather or self.reduce) and self.zero3 is None:
+            raise ValueError("gather and reduce times need FSDP stages: pass zero3=True (ZeRO-3) or False (ZeRO-2)")
+
+
 def schedule_timeline(
     schedule: str = "gpipe",
     ranks: int = 4,
@@ -33,6 +67,7 @@ def schedule_timeline(
     forward: float = 1.0,
     backward: float = 2.0,
     recompute: Optional[float] = None,
+    communication: Optional[Communication] = None,
 ) -> Timeline:
     """The planned timeline of a schedule, in time steps (a forward takes ``forward``).
 
@@ -49,6 +84,8 @@ def schedule_timeline(
             whole stage; with virtual stages each model chunk takes
             ``1 / virtual_stages`` of them, so schedules compare on one axis.
         recompute: duration of one recomputation (default: ``forward``).
+        communication: the time of messages, gathers and reduces; given, the
+            plan is the ranks' lowered programs, with their waits drawn.
 
     Returns:
         A :class:`Timeline` titled with the configuration and the bubble.
@@ -65,14 +102,14 @@ def schedule_timeline(
     stop = checkpoint_stop(mode, microbatches)
     share = 1.0 / shape.virtual_stages  # zbv has 2 whatever the argument
     redo = forward if recompute is None else recompute
-    timeline = lay_out(shape, forward * share, backward * share, redo * share, stop)
+    timeline = lay_out(shape, forward * share, backward * share, redo * share, stop, communication=communication)
     timeline.title = f"{_describe(shape)} · checkpoint={mode} · bubble {timeline.bubble():.1%}"
     return timeline
 
 
 def lay_out(
     schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step",
-    split: Optional[tuple[float, float]] = None,
+    split: Optional[tuple[float, float]] = None, communication: Optional[Communication] = None,
 ) -> Timeline:
     """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
 
@@ -81,20 +118,28 @@ def lay_out(
     and the trace renderer add to it.
     """
     input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
-    timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
-                              input_grad=input_grad, weight_grad=weight_grad)
     chunk = {s: schedule.stages_of(schedule.rank_of(s)).index(s) for s in range(schedule.stages)}
-    cells = [
-        Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
-             microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
-        for t in timed
-    ]
+    if communication is not None:
+        cells = _lowered_cells(schedule, (forward, backward, recompute if stop > 0 else 0.0, input_grad, weight_grad),
+                               stop, communication, chunk)
+    else:
+        timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
+                                  input_grad=input_grad, weight_grad=weight_grad)
+        cells = [
+            Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
+                 microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
+            for t in timed
+        ]
     rows = [f"stage {r}" for r in range(schedule.ranks)]
     notes = [
         f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"
         + (f" (I {input_grad:g} + W {weight_grad:g})" if schedule.splits_backward else "")
         + (f", recompute {recompute:g}" if stop > 0 else "") + f" ({'time steps' if unit == 'step' else unit});"
-        " transfers are free",
+        + (" transfers are free" if communication is None else
+           f" each message {communication.transfer:g}"
+           + ("" if communication.zero3 is None else f", FSDP (ZeRO-{3 if communication.zero3 else 2}) gather "
+              f"{communication.gather:g} and reduce {communication.reduce:g} per stage")
+           + "; thin marks: sends, waits for a message (recv), gathers and reduces"),
     ]
     if schedule.splits_backward:
         notes.append("I: input gradient (sent upstream at once); W: weight gradient, deferred into the bubble; "
@@ -115,6 +160,26 @@ def lay_out(
         peak_inflight=schedule.peak_inflight(),
         notes=notes,
     )
+
+
+def _lowered_cells(schedule: Schedule, durations: tuple[float, float, float, float, float], stop: int,
+                   communication: Communication, chunk: dict[int, int]) -> list[Span]:
+    """The timed steps of every rank's lowered program that take time, as cells."""
+    forward, backward, recompute, input_grad, weight_grad = durations
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.INPUT: input_grad, Kind.WEIGHT: weight_grad,
+             Kind.RECOMPUTE: recompute, Kind.SEND: communication.transfer, Kind.UNSHARD: communication.gather,
+             Kind.REDUCE_GRAD: communication.reduce}
+    routes = Routes.chain(schedule.stages)
+    programs = [lower(schedule.actions(rank), routes, checkpoint_stop=stop if recompute > 0 else 0,
+                      zero3=communication.zero3) for rank in range(schedule.ranks)]
+    cells = []
+    for t in simulate(programs, lambda step: costs.get(step.kind, 0.0)):
+        if t.end <= t.start and t.step.kind not in COMPUTE:
+            continue
+        stage = t.step.action.stage
+        cells.append(Span(row=t.rank, kind=TRACE_KINDS[t.step.kind], start=t.start, end=t.end,
+                          microbatch=t.step.microbatch, stage=stage, chunk=chunk[stage]))
+    return cells
 
 
 def _describe(schedule: Schedule) -> str:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from xml.sax.saxutils import escape
 
 from pipe.viz.text import nice_step
-from pipe.viz.timeline import Span, Timeline
+from pipe.viz.timeline import COMPUTE, Span, Timeline
 
 __all__: list[str] = []
 
@@ -26,6 +26,8 @@ COLOURS: dict[str, str] = {
     "copy": "#b07aa1",
     "send": "#9c755f",
     "recv": "#bab0ac",
+    "gather": "#76b7b2",
+    "reduce": "#ff9da7",
 }
 _OTHER = "#7f7f7f"
 _IDLE = "#eeeeee"
@@ -36,6 +38,7 @@ _LEFT = 150  # row names and utilisation
 _RIGHT = 24
 _ROW = 30
 _GAP = 6
+_MARK = 8  # the height of a communication mark
 _TITLE = 54  # title and note above the rows
 _AXIS = 44  # ticks and axis caption below the rows
 _LEGEND = 30
@@ -88,14 +91,17 @@ def _panel(timeline: Timeline, top: float, width: int, span: float) -> list[str]
         x = _LEFT + (cell.start - origin) * scale
         w = max(cell.duration * scale, 1.0)
         y = rows_top + cell.row * (_ROW + _GAP)
+        height = float(_ROW)
+        if cell.kind not in COMPUTE:  # communication and copies: a thin mark along the row's foot
+            y, height = y + _ROW - _MARK, float(_MARK)
         fill = _fill(cell, timeline.chunks)
         when = (f"{cell.start - origin:g}–{cell.end - origin:g} steps" if timeline.unit == "step"
                 else f"{cell.start - origin:.3f}–{cell.end - origin:.3f} ms ({cell.duration:.3f} ms)")
         where = "" if cell.stage is None else f" · model stage {cell.stage}"
         tip = f"{cell.kind} of micro-batch {cell.microbatch}{where} · {when}"
-        out.append(f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{_ROW}" fill="{fill}" '
+        out.append(f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{height:g}" fill="{fill}" '
                    f'stroke="#fff" stroke-width="1"><title>{escape(tip)}</title></rect>')
-        if cell.microbatch is not None:
+        if cell.microbatch is not None and height == _ROW:
             text = str(cell.microbatch)
             if w >= 7 * len(text) + 4:
                 dark = cell.chunk > 0 and timeline.chunks > 1 or cell.kind == "recv"

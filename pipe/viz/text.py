@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from pipe.viz.timeline import LETTERS, Timeline
+from pipe.viz.timeline import COMPUTE, LETTERS, Timeline
 
 __all__: list[str] = []
 
@@ -52,7 +52,8 @@ def _render(timeline: Timeline, width: int) -> str:
     by_row = timeline.by_row()
     for row, name in enumerate(timeline.rows):
         line = [("." if k % 3 == 0 else " ") if grid else "." for k in range(columns)]
-        for cell in sorted(by_row[row], key=lambda c: c.start):
+        # Waits first, communication over them, compute last: a gather shows where the row waits for it.
+        for cell in sorted(by_row[row], key=lambda c: (2 if c.kind in COMPUTE else c.kind != "recv", c.start)):
             a = int(round((cell.start - origin) * per_unit))
             if a >= columns:
                 continue

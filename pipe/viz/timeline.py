@@ -21,7 +21,8 @@ from pipe.trace import complete_event
 __all__: list[str] = []
 
 #: Kinds in legend order; anything else is drawn as "other".
-KIND_ORDER: tuple[str, ...] = ("forward", "backward", "input", "weight", "recompute", "copy", "send", "recv")
+KIND_ORDER: tuple[str, ...] = ("forward", "backward", "input", "weight", "recompute", "copy", "send", "recv",
+                               "gather", "reduce")
 
 #: Kinds that count as busy in utilisation and bubble: compute. Copies, sends and
 #: receives (which include waiting for the peer) are drawn but are not compute.
@@ -29,7 +30,7 @@ COMPUTE: frozenset[str] = frozenset({"forward", "backward", "input", "weight", "
 
 #: The letter of each kind in labels (``F3``) and text timelines.
 LETTERS: dict[str, str] = {"forward": "F", "backward": "B", "input": "I", "weight": "W", "recompute": "R",
-                           "copy": "C", "send": "S", "recv": "V"}
+                           "copy": "C", "send": "S", "recv": "V", "gather": "G", "reduce": "D"}
 
 
 @dataclass(frozen=True, slots=True)  # slots: plans of millions of cells (pipe-viz plan) in less memory
@@ -39,7 +40,8 @@ class Span:
     Attributes:
         row: index into :attr:`Timeline.rows`.
         kind: "forward", "backward", "input" and "weight" (the two halves of a split
-            backward), "recompute", "copy", "send", "recv", ...
+            backward), "recompute", "copy", "send", "recv" (waiting for a
+            message), "gather" (FSDP's, and the wait for it) and "reduce", ...
         start, end: in the timeline's unit, ``end >= start``.
         microbatch: the micro-batch, or None when unknown.
         stage: the model stage (virtual stage in interleaved schedules).

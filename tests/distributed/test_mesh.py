@@ -125,15 +125,15 @@ def test_sharded_stages_match_the_plain_model() -> None:
 
 
 def _events(kind: str, rank: int, zero3: bool, virtual: int = 2) -> list[str]:
+    """The FSDP steps of the rank's lowered program around its compute actions."""
+    from pipe.core.lowering import COMPUTE, Kind, Routes, lower
     from pipe.core.schedule import Schedule
-    from pipe.distributed.fsdp import sharding_plan
 
-    program = Schedule(kind, 2, 2, virtual).actions(rank)
-    out = []
-    for action, event in zip(program, sharding_plan(program, zero3, training=True)):
-        out += [f"gather {s}" for s in event.unshard] + [str(action)]
-        out += [f"reduce {s}" for s in event.reduce] + [f"reshard {s}" for s in event.reshard]
-    return out
+    schedule = Schedule(kind, 2, 2, virtual)
+    names = {Kind.UNSHARD: "gather", Kind.REDUCE_GRAD: "reduce", Kind.RESHARD: "reshard"}
+    return [str(step) if step.kind in COMPUTE else f"{names[step.kind]} {step.stage}"
+            for step in lower(schedule.actions(rank), Routes.chain(schedule.stages), zero3=zero3)
+            if step.kind in COMPUTE or step.kind in names]
 
 
 def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_backward() -> None:

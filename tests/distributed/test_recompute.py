@@ -120,9 +120,10 @@ def _measured_kept(pipe: DistributedPipe, x: torch.Tensor, y: torch.Tensor) -> i
     """Bytes alive on this rank when its first backward starts (gpipe: after every forward), second step,
     less what a checkpointed cell recomputed ahead of its gradient (without offload it does; with, it does not)."""
     from pipe.core.checkpoint import Checkpointing
+    from pipe.core.lowering import Kind
 
     runtime = pipe._runtime
-    originals = (runtime._backward, Checkpointing.recompute_ahead)
+    originals = (runtime.executors[Kind.BACKWARD], Checkpointing.recompute_ahead)
     for _ in range(2):  # the first step plans the selective layers
         seen: list[int] = []
         recomputed = [0]
@@ -137,12 +138,12 @@ def _measured_kept(pipe: DistributedPipe, x: torch.Tensor, y: torch.Tensor) -> i
                 originals[1](record)
                 recomputed[0] += memory.live_bytes - before
 
-            runtime._backward = backward  # type: ignore[method-assign]
+            runtime.executors[Kind.BACKWARD] = backward
             Checkpointing.recompute_ahead = recompute_ahead  # type: ignore[method-assign]
             try:
                 pipe.step(x, y, F.mse_loss)
             finally:
-                runtime._backward = originals[0]  # type: ignore[method-assign]
+                runtime.executors[Kind.BACKWARD] = originals[0]
                 Checkpointing.recompute_ahead = originals[1]  # type: ignore[method-assign]
     return seen[0]
 

@@ -42,3 +42,26 @@ def test_each_rank_records_a_file_and_the_files_merge(tmp_path: Path) -> None:
     assert f0.end <= f1.start
     assert timeline.title.startswith("measured 1F1B · 2 ranks · 4 micro-batches · checkpoint=except_last")
     assert pipe_viz(["trace", *map(str, files), "--plan", "-o", str(tmp_path / "run.svg")]) == 0
+
+
+def _record_sharded(rank: int, world: int, directory: str) -> int:
+    from pipe.distributed import Shard, make_mesh
+
+    pipe = DistributedPipe(copy.deepcopy(blocks(4)), chunks=2, checkpoint="never", schedule="1f1b",
+                           mesh=make_mesh(pp=2, dp_shard=2), shard=Shard(), loss_fn=F.mse_loss)
+    inputs, target = batch(4)  # each shard partner its own rows: the same ones will do for a trace
+    pipe.step(inputs, target)  # warm-up, not recorded
+    with trace.record(Path(directory) / "run.{rank}.json", rank=rank, schedule="1f1b"):
+        pipe.step(inputs, target)
+    return rank
+
+
+def test_fsdp_gathers_and_reduces_are_recorded_under_the_plans_names(tmp_path: Path) -> None:
+    """The lowered program's UNSHARD, WAIT_UNSHARD and REDUCE_GRAD steps are spans named as pipe-viz plan names them."""
+    assert run_ranks(_record_sharded, 4, str(tmp_path)) == [0, 1, 2, 3]
+    timeline = from_trace(trace.load(tmp_path / "run.0.json"))
+    # Rank 0 holds stage 0: gathered once (issued and waited for), reduced once after its last backward.
+    assert timeline.count(0, "gather") == 2 and timeline.count(0, "reduce") == 1, timeline.counts()
+    reduce = next(c for c in timeline.cells if c.kind == "reduce")
+    last_backward = max((c for c in timeline.cells if c.kind == "backward"), key=lambda c: c.end)
+    assert reduce.start >= last_backward.end - 1e-6

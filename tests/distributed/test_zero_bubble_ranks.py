@@ -213,23 +213,18 @@ def _bytes_after_weights(rank: int, world: int) -> list[tuple[str, int, int]]:
     piped.step(x, y)
     seen: list[tuple[str, int, int]] = []
 
-    class Spy:  # the runner's FSDP hooks are called around every action: count bytes there
-        program: list[Any] = []
+    from pipe.core.lowering import Kind
 
-        def begin_step(self, program: list[Any], training: bool) -> None:
-            Spy.program = program
+    executors = piped._runtime.executors
+    weight = executors[Kind.WEIGHT]
 
-        def before(self, k: int, stage: int) -> None:
-            seen.append((str(Spy.program[k]), 0, memory.live_bytes))
-
-        def after(self, k: int) -> None:
-            seen.append((str(Spy.program[k]), 1, memory.live_bytes))
-
-        def abandon(self) -> None:
-            pass
+    def spy(step: Any) -> None:  # the bytes alive around each W
+        seen.append((str(step.action), 0, memory.live_bytes))
+        weight(step)
+        seen.append((str(step.action), 1, memory.live_bytes))
 
     with ActivationMemory() as memory:
-        piped._runtime.sharding = Spy()  # type: ignore[assignment]
+        executors[Kind.WEIGHT] = spy
         piped.step(x, y)
     return seen
 
