@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from pipe.compile import CompileOption, compile_stages, verify_compile
-from pipe.core.options import checkpoint_stop, verify_checkpoint, verify_chunks, verify_one_value_layers
+from pipe.spec import PipelineSpec
+from pipe.core.options import checkpoint_stop, verify_one_value_layers
 from pipe.core.microbatch import gather, pack_inputs, scatter, verify_device, verify_gatherable
 from pipe.core.partition import Device, split_module
 from pipe.core.sequential import PipeSequential, sequential_like
@@ -112,32 +113,28 @@ class Pipe(nn.Module):
         compile: CompileOption = False,
     ) -> None:
         super().__init__()
-        compile_options = verify_compile(compile)
-        if cpu_threads is not None and (not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool)
-                                        or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
         self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
         if memory_budget is not None:
             from pipe.plan.apply import Given, plan_for_pipe
 
-            given = Given(balance=balance, recompute=recompute, compiled=compile_options is not None,
+            given = Given(balance=balance, recompute=recompute, compiled=verify_compile(compile) is not None,
                           chunks=None if chunks == 1 else chunks,  # what differs from the defaults is kept
                           checkpoint=None if checkpoint == "except_last" else checkpoint, threads=cpu_threads)
             self.plan = plan_for_pipe(module, sample, memory_budget, devices, given)
             chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
                 list(self.plan.candidate.balance)
             recompute = self.plan.candidate.recompute_config()  # the plan's per-stage marks, if it has any
-        self.chunks = verify_chunks(chunks)
-        self.checkpoint = verify_checkpoint(checkpoint)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
-        self.deferred_batch_norm = deferred_batch_norm
+        spec = self.spec = PipelineSpec.checked(chunks, checkpoint, balance=balance,
+                                                deferred_batch_norm=deferred_batch_norm, recompute=recompute,
+                                                compile=compile, cpu_threads=cpu_threads)
+        self.chunks, self.checkpoint, self.deferred_batch_norm = spec.chunks, spec.checkpoint, spec.deferred_batch_norm
         if deferred_batch_norm and isinstance(module, nn.Sequential):
             module = convert_deferred_batch_norm(module)
 
         if isinstance(module, nn.Sequential) and not isinstance(module, PipeSequential):  # one value per layer
             verify_one_value_layers(module.named_children())
-        partitions, balance, devices = split_module(module, balance, devices)
+        partitions, balance, devices = split_module(module, None if spec.balance is None else list(spec.balance),
+                                                    devices)
         verify_skippables(module)
         self._deferred_batch_norms = deferred_batch_norms(module, self.chunks)
         self.skip_layout = inspect_skip_layout(partitions)
@@ -149,10 +146,10 @@ class Pipe(nn.Module):
         self.partitions: list[nn.Sequential] = partitions
         self.balance: list[int] = balance
         self.devices: list[torch.device] = devices
-        self.compiled_layers = compile_stages(partitions, compile_options)
+        self.compiled_layers = compile_stages(partitions, spec.compile)
 
         cpu_partitions = sum(1 for d in devices if d.type == "cpu")
-        cpu_threads = partition_threads(cpu_threads, cpu_partitions)
+        cpu_threads = partition_threads(spec.cpu_threads, cpu_partitions)
         cores = os.cpu_count() or 1
         if cpu_partitions > 1 and cpu_threads is not None and cpu_threads * cpu_partitions > cores:
             fix = (f"cpu_threads={max(1, cores // cpu_partitions)}" if cpu_threads > 1
@@ -169,8 +166,8 @@ class Pipe(nn.Module):
         # Calls from several threads run one at a time (pipe.threads.call; docs/reliability.md).
         self._call_lock = CallLock()
         self.recompute_strategy: Optional[RecomputeStrategy] = None
-        if recompute is not None:
-            self.recompute_strategy = attach_to_pipeline(self.partitions, recompute, self.checkpoint,
+        if spec.recompute is not None:
+            self.recompute_strategy = attach_to_pipeline(self.partitions, spec.recompute, self.checkpoint,
                                                          self._pipeline)
         logger.info("Pipe: balance=%s devices=%s chunks=%d checkpoint=%s cpu_threads=%s",
                     balance, [str(d) for d in devices], self.chunks, self.checkpoint, cpu_threads)

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("core", ["pipe.core", "pipe.core."]),
     ("observation", ["pipe.viz", "pipe.viz."]),
     ("features", ["pipe.skip", "pipe.skip.", "pipe.recompute", "pipe.recompute.", "pipe.balance", "pipe.balance.",
-                  "pipe.batchnorm", "pipe.compile"]),
+                  "pipe.batchnorm", "pipe.compile", "pipe.spec"]),
     ("runners", ["pipe.threads", "pipe.threads.", "pipe.distributed."]),
     ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",

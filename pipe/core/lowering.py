@@ -154,6 +154,11 @@ class Routes:
             routes.arriving[dst].append((src, name))
         return routes
 
+    def channels(self) -> list[tuple[int, int, str]]:
+        """Every ``(source stage, destination stage, channel)`` that carries activations (gradients go back)."""
+        return [(s, s + 1, MAIN) for s in range(self.stages - 1)] + [
+            (src, dst, name) for src, leaving in enumerate(self.leaving) for dst, name in leaving]
+
 
 @dataclass
 class _Slot:

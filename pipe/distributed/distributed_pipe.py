@@ -22,22 +22,21 @@ from pipe.distributed.env import rank_device
 from pipe.distributed.group import Topology, require_initialized, union_over_ranks, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
-from pipe.distributed.loss import (CountedLoss, LossFn, StepGradients, divide_step_by_count, share_loss,
-                                   verify_loss_reduction)
+from pipe.distributed.loss import CountedLoss, LossFn, StepGradients, divide_step_by_count, share_loss
 from pipe.distributed.step_inputs import prepare_step
 from pipe.distributed.runtime import Runtime
-from pipe.distributed.stage_function import StageSkips
+from pipe.distributed.stage_function import StageSkips, skip_routes
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
 from pipe.distributed.recompute_ranks import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
-from pipe.core.lowering import MAIN
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages, verify_compile
+from pipe.spec import PipelineSpec
 from pipe.core.microbatch import Batch, gather, pack_inputs
-from pipe.core.options import checkpoint_stop, pipeline_schedule, positive_int, verify_checkpoint, verify_chunks
+from pipe.core.options import checkpoint_stop, pipeline_schedule
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
 from pipe.split_stage import refuse_tensor_parallel
@@ -172,17 +171,15 @@ class DistributedPipe(PlainNamed, nn.Module):
         compile: CompileOption = False,
     ) -> None:
         super().__init__()
-        if data_parallel is not None:
-            positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
         if tensor_parallel:
             refuse_tensor_parallel(model)
-        compile_options = verify_compile(compile, tensor_parallel is not None or parallelize is not None)
+        dtensors = tensor_parallel is not None or parallelize is not None
         if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
             from pipe.plan.apply import Given, plan_for_ranks
 
             require_initialized()
-            given = Given(balance=balance, recompute=recompute, compiled=compile_options is not None,
+            given = Given(balance=balance, recompute=recompute, compiled=verify_compile(compile, dtensors) is not None,
                           parallelize=parallelize, chunks=None if chunks == 1 else chunks,  # non-defaults are kept
                           checkpoint=None if checkpoint == "except_last" else checkpoint,
                           schedule=None if isinstance(schedule, str) and schedule == "1f1b" else schedule,
@@ -192,13 +189,13 @@ class DistributedPipe(PlainNamed, nn.Module):
             chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
             balance, virtual_stages = planned["balance"], planned["virtual_stages"]
             recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any
-        self.chunks = verify_chunks(chunks)
-        self.checkpoint = verify_checkpoint(checkpoint)
-        self.loss_reduction = verify_loss_reduction(loss_reduction)
+        spec = self.spec = PipelineSpec.checked(
+            chunks, checkpoint, balance=balance, deferred_batch_norm=deferred_batch_norm, recompute=recompute,
+            compile=compile, tensor_parallel=dtensors, schedule=schedule, virtual_stages=virtual_stages,
+            loss_reduction=loss_reduction, data_parallel=data_parallel)
+        self.chunks, self.checkpoint, self.loss_reduction = spec.chunks, spec.checkpoint, spec.loss_reduction
         self._warned_ignored_targets = False
         self.loss_fn = loss_fn
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
         if isinstance(model, nn.Module):
             refuse_wrapped(model)  # on every rank alike, before anything collective
         if deferred_batch_norm:
@@ -209,23 +206,17 @@ class DistributedPipe(PlainNamed, nn.Module):
             verify_mesh(mesh, data_parallel, rank_device(device))
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
-            "chunks": chunks, "checkpoint": checkpoint,
-            "schedule": schedule if isinstance(schedule, str)
-            else [list(map(str, schedule.actions(r))) for r in range(schedule.ranks)],
-            "balance": None if balance is None else list(balance), "virtual_stages": virtual_stages,
-            "data_parallel": data_parallel, "layers": layers,
+            **spec.describe(), "layers": layers,
             "mesh": None if mesh is None else [mesh.mesh_dim_names, mesh.mesh.tolist()],
             "shard": describe_shard(shard), "parallelize": parallelize is not None,
-            "tensor_parallel": None if tensor_parallel is None else sorted(tensor_parallel), "loss_reduction": loss_reduction,
-            "deferred_batch_norm": deferred_batch_norm, "recompute": recompute is not None,
-            "compile": compile_options is not None,
+            "tensor_parallel": None if tensor_parallel is None else sorted(tensor_parallel),
         })
         if mesh is None:
             mesh = replica_mesh(data_parallel or 1)
         shard = verify_shard(shard, mesh)
         self.topology = Topology(mesh)
-        self.schedule = pipeline_schedule(schedule, self.topology.ranks, self.chunks, virtual_stages)
-        self.balance = list(balance) if balance is not None \
+        self.schedule = pipeline_schedule(spec.schedule, self.topology.ranks, self.chunks, spec.virtual_stages)
+        self.balance = list(spec.balance) if spec.balance is not None \
             else even_balance(layers, self.schedule.stages, model, self.schedule)
         self.device = rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
@@ -233,9 +224,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
         layout = inspect_skip_layout(skeleton)
         self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
-        routes = [(s, s + 1, MAIN) for s in range(self.schedule.stages - 1)]
-        routes += [(s, dst, name) for s, stage in enumerate(self.skips) for dst, _, name in stage.leaving]
-        self.topology.create_groups(routes, self.schedule.rank_of)
+        self.topology.create_groups(skip_routes(self.skips).channels(), self.schedule.rank_of)
         self._pipeline_group = self.topology.pipeline_group
         # Owned layers are this module's children under their original names, so
         # state_dict() keys are those of the original nn.Sequential.
@@ -243,7 +232,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             for name, layer in self.partitions[stage].named_children():
                 self.add_module(name, layer)
         keep_original_names(self)  # stages of pipe.split: the original model's keys
-        self.compiled_layers = compile_stages(self.partitions.values(), compile_options)
+        self.compiled_layers = compile_stages(self.partitions.values(), spec.compile)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         self.plain_names = PlainNames(self, skeleton)  # named_parameters() and named_modules() as the plain model
         # Tensor parallelism first, then FSDP (or the replicas' averager), as torchtitan composes them.
@@ -253,15 +242,15 @@ class DistributedPipe(PlainNamed, nn.Module):
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
         self.recompute_strategy: Optional[RecomputeStrategy] = None
         swap = None
-        if recompute is not None:
+        if spec.recompute is not None:
             self.recompute_strategy, swap = attach_to_ranks(
-                self.partitions, recompute, self.balance, layer_names(model, layers), self.schedule,
+                self.partitions, spec.recompute, self.balance, layer_names(model, layers), self.schedule,
                 self.checkpoint, self.topology.rank)
         self._runtime = Runtime(self.partitions, self.schedule, self.topology, Transport(self.device, self.topology.timeout),
                                 self.skips, averager, sharding, swap)
         logger.info("DistributedPipe: rank %d = pipeline rank %d of replica %d, stages %s, schedule %s, "
                     "chunks %d, checkpoint %s", self.topology.rank, self.topology.pipeline_rank,
-                    self.topology.replica, sorted(self.partitions), schedule, chunks, checkpoint)
+                    self.topology.replica, sorted(self.partitions), self.schedule, self.chunks, self.checkpoint)
 
     # -- where things live --------------------------------------------------------------------
 

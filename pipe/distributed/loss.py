@@ -50,23 +50,8 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-LOSS_REDUCTIONS = ("mean", "sum", "count")
 IGNORE_INDEX = -100  # the default ignore_index of F.cross_entropy and F.nll_loss
 LossFn = Callable[[Any, Any], Tensor]
-
-
-def verify_loss_reduction(value: Any) -> str:
-    """Checks ``loss_reduction``.
-
-    Raises:
-        ValueError: not one of :data:`LOSS_REDUCTIONS`.
-    """
-    if value not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"loss_reduction must be 'mean', 'sum' or 'count', got {value!r} ('mean': loss_fn averages over "
-            "samples; 'sum': it sums; 'count': it returns (sum, count), e.g. for a mean over non-padding tokens)"
-        )
-    return str(value)
 
 
 def sample_weights(reduction: str, targets: list[Batch]) -> list[float]:

@@ -57,11 +57,11 @@ from pipe.distributed.fsdp import StageSharding
 from pipe.distributed.group import Topology
 from pipe.distributed.loss import LossFn, micro_batch_loss, reported_loss
 from pipe.distributed.recompute_ranks import RankSwap
-from pipe.distributed.stage_function import StageSkips, count_tensors, stage_function
+from pipe.distributed.stage_function import StageSkips, count_tensors, skip_routes, stage_function
 from pipe.distributed.tensor_parallel import tp_submesh
 from pipe.distributed.transport import Incoming, Transport
 from pipe.core.microbatch import Batch
-from pipe.core.lowering import MAIN, TRACE_KINDS, Kind, Routes, Step, lower
+from pipe.core.lowering import MAIN, TRACE_KINDS, Kind, Step, lower
 from pipe.core.schedule import Schedule
 
 __all__: list[str] = []
@@ -140,8 +140,7 @@ class Runtime:
                           for s, partition in stages.items()}
         self.input_guards = {s: InputGuard(describe_partition(s, partition, "stage"), shared=s == 0,
                                            partition=partition) for s, partition in stages.items()}
-        self.routes = Routes.chain(schedule.stages, [(src, dst, name) for src, stage in enumerate(skips)
-                                                     for dst, _, name in stage.leaving])
+        self.routes = skip_routes(skips)
         self.failures = Failures(topology.rank, topology.world, topology.timeout.total_seconds())
         self.executors: dict[Kind, Executor] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward, Kind.INPUT: self._backward,

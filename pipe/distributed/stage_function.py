@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.core.checkpoint import Function
+from pipe.core.lowering import Routes
 from pipe.core.microbatch import Batch, flatten
 from pipe.distributed.tensor_parallel import from_wire, to_wire
 from pipe.skip.layout import SkipLayout
@@ -67,6 +68,12 @@ class _CrossStageTracker(SkipTracker):
         if (ns, name) in self.arriving:
             return self.arriving[(ns, name)]
         return super().load(batch, ns, name)
+
+
+def skip_routes(skips: list[StageSkips]) -> Routes:
+    """The channels between stages: the chain, and each skip crossing stages (for the lowering and the groups)."""
+    return Routes.chain(len(skips), [(src, dst, name) for src, stage in enumerate(skips)
+                                     for dst, _, name in stage.leaving])
 
 
 def stage_function(partition: nn.Module, skips: StageSkips, tp_mesh: Optional[DeviceMesh] = None,
