@@ -12,7 +12,7 @@ On a ``DeviceMesh`` (pipeline x FSDP2 shards, replicas, tensor parallel)::
     model = pd.DistributedPipe(nn.Sequential(...), chunks=8, mesh=pd.make_mesh(pp=2, dp_shard=2),
                                shard=pd.Shard(reshard_after_forward=False))
 
-See docs/distributed.md.
+See docs/distributed.md and docs/distributed_training.md.
 """
 from pipe.distributed.env import DistributedEnv, init_from_env
 from pipe.distributed.failure import PipelineFailure

@@ -121,7 +121,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             (current device) under NCCL, else the CPU.
         deferred_batch_norm: update BatchNorm running statistics once per
             mini-batch (of this replica), as ``Pipe`` does; not averaged over
-            replicas (docs/distributed.md).
+            replicas (docs/distributed_training.md).
         recompute: a recompute/swap config (YAML path or dict), as for
             ``Pipe``: stage = ``balance`` entry, each rank applies its part
             (:mod:`pipe.distributed.recompute_ranks`); the normalised strategy is

@@ -20,7 +20,7 @@ checkpointed cell keeps for its recomputation go to host memory in the cell's
 forward; they come back ``backward_prefetch`` *actions* ahead of the cell's
 backward in the rank's own program (:meth:`pipe.core.schedule.Schedule.actions`),
 so a 1F1B or interleaved rank prefetches the micro-batch whose backward comes
-next, not the unit that was offloaded last. See docs/distributed.md.
+next, not the unit that was offloaded last. See docs/distributed_training.md.
 """
 from __future__ import annotations
 
