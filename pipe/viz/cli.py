@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "configuration, with its bubble and micro-batches in flight.")
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
     p.add_argument("--table", metavar="CSV", default=None,
-                   help="draw a schedule of your own: a CSV table, one row of actions per rank (docs/distributed.md); "
+                   help="draw a schedule of your own: a CSV table, one row of actions per rank (docs/schedules.md); "
                         "its ranks, stages and micro-batches replace --schedule, --ranks and --microbatches")
     p.add_argument("--ranks", type=_positive_int, default=4, help="pipeline ranks, one row each (default: 4)")
     p.add_argument("--stages", type=_positive_int, dest="stages", default=None,
