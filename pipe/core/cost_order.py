@@ -38,7 +38,7 @@ from pipe.core.schedule import Action, Phase, Schedule
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
 
-__all__ = ["StageCosts", "Candidate", "schedule_from_costs", "candidate_orders", "busy_bound"]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ Number = Union[int, float]
 
 def _numbers(name: str, values: Union[Number, Sequence[Number]], count: int, positive: bool = False) -> tuple[float, ...]:
     """``values`` (one number, or ``count`` numbers) as floats, checked finite and >= 0 (> 0 if ``positive``)."""
-    listed = [values] * count if isinstance(values, (int, float)) and not isinstance(values, bool) else list(values)
+    listed: list[Any] = [values] * count if isinstance(values, (int, float)) else list(values)
     if len(listed) != count:
         raise ValueError(f"{name} needs {count} entries (one per stage{' boundary' if name == 'transfer' else ''}), "
                          f"got {len(listed)}: {listed!r}")
@@ -302,7 +302,7 @@ def _check(costs: Any, ranks: Any, microbatches: Any, placement: Any, in_flight:
     if in_flight is not None and memory_limit is not None:
         raise ValueError("give in_flight (cells per rank) or memory_limit (costs.activation per rank), not both")
     if placement == "best":
-        placements = [p for p in ("looped", "v") if (p == "v" and costs.stages == 2 * ranks)
+        placements: list[str] = [p for p in ("looped", "v") if (p == "v" and costs.stages == 2 * ranks)
                       or (p == "looped" and costs.stages % ranks == 0)]
         if not placements:
             _rank_of("looped", costs.stages, ranks)  # raises with the fix
