@@ -56,7 +56,8 @@ class AutoSchedule:
 
 
 def stage_costs(times: LayerTimes, rows: int, balance: Sequence[int], *, seconds_per_byte: float = 0.0,
-                message_seconds: float = 0.0, activation_bytes: bool = False) -> StageCosts:
+                message_seconds: float = 0.0, action_seconds: float = 0.0, activation_bytes: bool = False
+                ) -> StageCosts:
     """Each stage's F, I and W (its layers' sums) from per-layer times measured with ``split=True``.
 
     The first stage's input needs no gradient, so its I does nothing and its W the whole backward, as the
@@ -84,7 +85,7 @@ def stage_costs(times: LayerTimes, rows: int, balance: Sequence[int], *, seconds
     sizes = times.output_bytes.get(rows, [0] * layers)
     transfer = [message_seconds + seconds_per_byte * sizes[b[-1]] for b in bounds[:-1]]
     activation = [float(max(1, sum(sizes[k] for k in b))) for b in bounds] if activation_bytes else 1.0
-    return StageCosts.of(f, i, w, transfer=transfer, activation=activation)
+    return StageCosts.of(f, i, w, transfer=transfer, activation=activation, overhead=action_seconds)
 
 
 def _rank_loads(totals: Sequence[float], balance: Sequence[int], rank_of: Sequence[int], ranks: int
@@ -121,7 +122,8 @@ def cut_for_ranks(totals: Sequence[float], stages: int, rank_of: Sequence[int], 
 
 def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chunks: int, checkpoint: str = "never",
                   placement: str = "best", in_flight: Optional[float] = None, memory_limit: Optional[float] = None,
-                  seconds_per_byte: float = 0.0, message_seconds: float = 0.0, timeout: float = 1.0,
+                  seconds_per_byte: float = 0.0, message_seconds: float = 0.0, action_seconds: float = 0.0,
+                  timeout: float = 1.0,
                   device: Optional[torch.device] = None, times: Optional[LayerTimes] = None) -> AutoSchedule:
     """Stages and each rank's order from ``module``'s measured layer costs (see the module docstring).
 
@@ -134,6 +136,8 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
         in_flight: cells a rank may hold (default: 1F1B's peak); or ``memory_limit``, bytes of activations
             a rank may hold (a cell weighs its layers' output bytes).
         seconds_per_byte, message_seconds: the cost of a message between ranks (default: free).
+        action_seconds: what the runner adds to each action (default: nothing); a few tens of microseconds
+            on the CPU, which matters where layers are small.
         timeout: seconds to keep timing the layers (more rounds, less noise).
         device: where to time them (default: the CPU).
         times: layer times measured before (``time_layers(..., split=True)`` on one micro-batch): skips timing.
@@ -175,7 +179,8 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
         rank_of = [v_rank_of(s, ranks) if where == "v" else s % ranks for s in range(stages)]
         for balance in cut_for_ranks(totals, stages, rank_of, ranks):
             costs = stage_costs(times, rows, balance, seconds_per_byte=seconds_per_byte,
-                                message_seconds=message_seconds, activation_bytes=memory_limit is not None)
+                                message_seconds=message_seconds, action_seconds=action_seconds,
+                                activation_bytes=memory_limit is not None)
             found = [c for c in candidate_orders(costs, ranks=ranks, microbatches=chunks, placement=where,
                                                  in_flight=in_flight, memory_limit=memory_limit,
                                                  checkpoint=checkpoint) if c.fits]

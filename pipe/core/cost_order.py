@@ -70,6 +70,8 @@ class StageCosts:
         transfer: seconds of the message (an activation forward, its gradient back) across each of
             the ``stages - 1`` boundaries between stages on different ranks.
         activation: what a cell of each stage holds from its F to its W (bytes, or 1 per cell).
+        overhead: seconds the runner adds to every F, I, W or B action (dispatch, message headers): a
+            split backward pays it twice, a B once.
     """
 
     forward: tuple[float, ...]
@@ -78,11 +80,12 @@ class StageCosts:
     backward: tuple[float, ...]
     transfer: tuple[float, ...]
     activation: tuple[float, ...]
+    overhead: float = 0.0
 
     @classmethod
     def of(cls, forward: Sequence[Number], input_grad: Sequence[Number], weight_grad: Sequence[Number], *,
            backward: Optional[Sequence[Number]] = None, transfer: Union[Number, Sequence[Number]] = 0.0,
-           activation: Union[Number, Sequence[Number]] = 1.0) -> "StageCosts":
+           activation: Union[Number, Sequence[Number]] = 1.0, overhead: Number = 0.0) -> "StageCosts":
         """The costs of ``len(forward)`` stages, checked.
 
         Raises:
@@ -97,7 +100,8 @@ class StageCosts:
         for k in range(n):
             if f[k] + i[k] + w[k] <= 0:
                 raise ValueError(f"stage {k} costs nothing (F, I and W all 0); give it its measured times")
-        return cls(f, i, w, b, _numbers("transfer", transfer, n - 1), _numbers("activation", activation, n, True))
+        return cls(f, i, w, b, _numbers("transfer", transfer, n - 1), _numbers("activation", activation, n, True),
+                   _numbers("overhead", overhead, 1)[0])
 
     @property
     def stages(self) -> int:
@@ -107,7 +111,7 @@ class StageCosts:
         """Seconds of ``phase`` (``"F"``, ``"I"``, ``"W"``, ``"B"``, or ``"R"``, a recompute: the forward again)."""
         table = {"F": self.forward, "R": self.forward, "I": self.input_grad, "W": self.weight_grad,
                  "B": self.backward}
-        return table[phase][stage]
+        return table[phase][stage] + (self.overhead if phase != "R" else 0.0)
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ def busy_bound(costs: StageCosts, ranks: int, microbatches: int, placement: str 
     no waits."""
     rank_of = _rank_of(placement, costs.stages, ranks)
     redo = checkpoint_stop(checkpoint, microbatches)
-    return max(sum(microbatches * (costs.forward[s] + min(costs.backward[s], costs.input_grad[s] + costs.weight_grad[s]))
+    return max(sum(microbatches * (costs.cost("F", s) + min(costs.cost("B", s), costs.cost("I", s) + costs.cost("W", s)))
                    + redo * costs.forward[s] for s in range(costs.stages) if rank_of[s] == r) for r in range(ranks))
 
 

@@ -111,3 +111,10 @@ def test_in_flight_bounds_each_rank() -> None:
 def test_bad_input_is_refused_with_the_fix(call, message) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         call()
+
+
+def test_the_runners_overhead_counts_per_action() -> None:
+    """A split backward pays the overhead twice (I and W), a B once; a recompute none."""
+    costs = StageCosts.of([1.0], [1.0], [2.0], overhead=0.5)
+    assert [costs.cost(p, 0) for p in "FIWBR"] == [1.5, 1.5, 2.5, 3.5, 1.0]
+    assert busy_bound(costs, 1, 2) == 2 * (1.5 + 3.5)
