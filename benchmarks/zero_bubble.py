@@ -114,7 +114,7 @@ def _auto(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor) -
     shared: list[Any] = [None]
     if rank == 0:
         auto = auto_schedule(full, x, ranks=args.ranks, chunks=args.microbatches, checkpoint=args.checkpoint,
-                             timeout=args.auto_timeout)
+                             timeout=args.auto_timeout, action_seconds=args.auto_action_us * 1e-6)
         shared = [{"csv": auto.schedule.to_csv(), "name": auto.schedule.name, "balance": auto.balance,
                    "simulated_step_s": auto.step, "bound_step_s": auto.bound,
                    "placement": list(auto.schedule.placement)}]
@@ -292,6 +292,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks (processes), 2 or 4")
     parser.add_argument("--auto-timeout", type=float, default=2.0,
                         help="seconds rank 0 times the layers for the auto schedule")
+    parser.add_argument("--auto-action-us", type=float, default=0.0,
+                        help="microseconds the runner adds per action, for the auto schedule's costs")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -322,7 +324,8 @@ def main() -> None:
                 flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                          "--microbatches", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup),
                          "--engine", engine, "--schedule", schedule, "--checkpoint", checkpoint,
-                         "--ranks", str(args.ranks), "--auto-timeout", str(args.auto_timeout)]
+                         "--ranks", str(args.ranks), "--auto-timeout", str(args.auto_timeout),
+                         "--auto-action-us", str(args.auto_action_us)]
                 flags += ["--profile"] if args.profile else []
                 done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
                 key = (m, checkpoint, engine, schedule)
