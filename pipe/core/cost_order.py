@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from pipe.core.greedy_order import Rule, Stuck, greedy_programs
+from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.core.schedule_table import TableSchedule
@@ -215,9 +215,11 @@ def _rules(costs: StageCosts) -> list[Rule]:
 
 def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placement: str = "best",
                      in_flight: Optional[float] = None, memory_limit: Optional[float] = None,
-                     checkpoint: str = "never") -> list[Candidate]:
+                     checkpoint: str = "never", budget: int = 100) -> list[Candidate]:
     """Every order :func:`schedule_from_costs` weighs, fixed and greedy, each with its simulated step and
-    peak (arguments as there); orders the greedy rule could not finish under the limit are left out."""
+    peak (arguments as there); orders the greedy rule could not finish under the limit are left out.
+    The fastest of each placement is then polished (:func:`pipe.core.greedy_order.polish`) with at most
+    ``budget`` simulations."""
     given, placements = _check(costs, ranks, microbatches, placement, in_flight, memory_limit, checkpoint)
     found: list[Candidate] = []
     seen: set[tuple[tuple[Action, ...], ...]] = set()
@@ -246,7 +248,33 @@ def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placem
                 continue
             judge(f"auto {where} ({rule})", TableSchedule.from_table(
                 [[f"{phase}{i}@{s}" for phase, i, s in program] for program in programs], name="auto"))
+        mine = [c for c in found if c.fits and c.schedule.placement == tuple(rank_of)]
+        if mine and budget > 0:  # the fastest order of this placement, its neighbouring actions swapped
+            start = min(mine, key=lambda c: c.step)
+            shape = (ranks, microbatches, start.schedule.virtual_stages, tuple(rank_of))
+            programs, step = polish([[(a.phase.value, a.microbatch, a.stage) for a in p]
+                                     for p in start.schedule.programs],
+                                    lambda p: _judged(p, shape, costs, checkpoint, limit), budget)
+            if step is not None and step < start.step - 1e-12:
+                judge(f"auto {where} ({start.name.partition('(')[2].rstrip(')') or start.name}, polished)",
+                      TableSchedule.from_table(programs, name="auto"))
     return found
+
+
+def _judged(programs: list[list[Step]], shape: tuple[int, int, int, tuple[int, ...]], costs: StageCosts,
+            checkpoint: str, limit: float) -> Optional[float]:
+    """The simulated step of ``programs`` (unchecked: :func:`polish` keeps each cell's order), None where they
+    deadlock or hold more than ``limit``."""
+    ranks, microbatches, per_rank, placement = shape
+    table = TableSchedule("table", ranks, microbatches, per_rank,
+                          tuple(tuple(Action(Phase(p), i, s) for p, i, s in program) for program in programs),
+                          placement, "polish")
+    if max(peak_held(table, costs.activation)) > limit + 1e-9:
+        return None
+    try:
+        return simulate_with_costs(table, costs, checkpoint)
+    except RuntimeError:
+        return None
 
 
 def schedule_from_costs(costs: StageCosts, *, ranks: int, microbatches: int, placement: str = "best",

@@ -17,7 +17,9 @@ and otherwise waits for the earliest input to arrive. :class:`Rule` varies
 the priorities (I or F first, which stage's F first, whether a W may delay
 an input that arrives while it runs, a memory limit tapered by rank, I and
 W apart or fused as B), and :mod:`pipe.core.cost_order` keeps the variant
-the simulator finds fastest. The module imports no torch.
+the simulator finds fastest, and :func:`polish` then swaps neighbouring
+actions of that order while the simulated step gets shorter. The module
+imports no torch.
 """
 from __future__ import annotations
 
@@ -175,3 +177,33 @@ def greedy_programs(
         else:
             free[rank] = wake
     return programs
+
+
+def polish(programs: list[list[Step]], evaluate: Callable[[list[list[Step]]], float | None], budget: int
+           ) -> tuple[list[list[Step]], float | None]:
+    """Swaps neighbouring actions of one rank while the step gets shorter: first improvement, at most ``budget``
+    evaluations. ``evaluate`` gives a program's step, or None where it cannot run or holds too much.
+
+    Two actions of the same cell (its F, I and W) keep their order, and so do the micro-batches of one phase on
+    one stage; a swap that deadlocks or breaks the memory limit is for ``evaluate`` to refuse.
+    """
+    best = evaluate(programs)
+    if best is None:
+        return programs, None
+    current = [list(p) for p in programs]
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for rank, program in enumerate(current):
+            for k in range(len(program) - 1):
+                a, b = program[k], program[k + 1]
+                if a[1:] == b[1:] or (a[0], a[2]) == (b[0], b[2]) or budget <= 0:
+                    continue
+                program[k], program[k + 1] = b, a
+                budget -= 1
+                step = evaluate(current)
+                if step is not None and step < best - 1e-12:
+                    best, improved = step, True
+                else:
+                    program[k], program[k + 1] = a, b
+    return current, best
