@@ -50,12 +50,29 @@ def _orders(rank: int, world: int) -> list[str]:
         x, target = torch.randn(10, WIDTH, generator=generator), torch.randn(10, WIDTH, generator=generator)
         check_against_oracle(piped, model, x, target, piped.step(x, target, F.mse_loss), f"skip {placement}")
         checked.append(f"skip {placement}")
+    # Orders the greedy rule won for other costs: one stage per rank, and more of both placements.
+    for seed, (forward, input_grad, weight_grad) in enumerate(MORE):
+        table = schedule_from_costs(StageCosts.of(forward, input_grad, weight_grad, transfer=0.1), ranks=2,
+                                    microbatches=4, checkpoint="except_last")
+        assert table.name == "auto"
+        model = blocks(8)
+        piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint="except_last", schedule=table,
+                                loss_fn=F.mse_loss)
+        inputs, target = batch(10, seed)
+        check_against_oracle(piped, model, inputs, target, piped.step(inputs, target), f"more {seed}")
+        checked.append(f"{table.stages} stages")
     return checked
+
+
+MORE = [([1.7, 1.3], [1.1, 0.9], [3.0, 1.0]), ([0.9, 1.4], [1.0, 1.5], [2.3, 2.7]),
+        ([1.8, 1.8, 1.7, 1.2], [1.7, 0.5, 1.6, 1.1], [1.9, 0.7, 1.5, 0.6]),
+        ([1.4, 1.4, 1.7, 2.0], [0.3, 0.9, 0.4, 0.3], [0.2, 1.7, 2.8, 0.3])]
 
 
 def test_auto_orders_match_the_plain_module() -> None:
     expected = [f"{p}/{c}" for p in ("v", "looped") for c in CHECKPOINTS]
     expected = expected[:3] + ["skip v"] + expected[3:] + ["skip looped"]
+    expected += ["2 stages", "2 stages", "4 stages", "4 stages"]
     assert run_ranks(_orders, 2, deadline=240) == [expected, expected]
 
 
