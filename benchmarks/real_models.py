@@ -32,7 +32,10 @@ message: ``r2_bound_halves_vs_plain``, and ``r2_best_of_bound``, the best
 pipeline's share of it), and this process runs the split stages in turn,
 micro-batch by micro-batch on one thread, eager and compiled
 (``compiled_vs_eager_stages_alone``: what compiling gains a pipeline's own
-compute).
+compute). R2's ``auto`` runs GPT-2 split at every block, cut into stages and
+ordered by ``pipe.balance.auto_schedule`` from the pieces' F, I and W timed on
+rank 0 (``r2_auto_vs_plain``; ``auto_prediction_error``, its simulated step
+against the measured one).
 Compiled configurations use inductor (a C++ compiler is needed); ``--quick``
 uses ``aot_eager`` (graphs without code generation) so that it runs in seconds,
 which makes its compiled figures a smoke test only.
@@ -167,6 +170,7 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
                 return time.perf_counter() - start
 
             steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = step
+    steps["auto_eager"], chosen = _r2_auto(rank, size, ids, mask, labels)
     # The bound of any 2-rank schedule: each rank runs the plain model on its half of the batch, with no
     # message and no bubble (data parallelism without its gradient all-reduce), in the same alternation.
     half = slice(rank * size["batch"] // 2, (rank + 1) * size["batch"] // 2)
@@ -182,8 +186,45 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
 
     steps["halves_no_pipeline"] = halves
     seconds = measure(steps, warmup, repeat)
-    results.put({"rank": rank, "seconds": seconds})
+    results.put({"rank": rank, "seconds": seconds, "auto": chosen})
     dist.destroy_process_group()
+
+
+def _r2_auto(rank: int, size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+             ) -> tuple[Callable[[], float], dict[str, Any]]:
+    """R2's auto configuration: GPT-2 split at every block, the cut into stages and each rank's order chosen by
+    ``pipe.balance.auto_schedule`` from the pieces' F, I and W timed on rank 0, shared with rank 1."""
+    import io
+
+    import torch.distributed as dist
+
+    from pipe.balance import auto_schedule
+    from pipe.core.schedule_table import TableSchedule
+    from pipe.distributed import DistributedPipe
+
+    pieces = pipe.split(build(size), (ids,), {"attention_mask": mask, "use_cache": False},
+                        at=[f"transformer.h.{k}" for k in range(1, size["layers"])])
+    shared: list[Any] = [None]
+    if rank == 0:
+        auto = auto_schedule(pieces, (ids, mask), ranks=2, chunks=R2_CHUNKS, checkpoint="never", timeout=2.0)
+        shared = [{"csv": auto.schedule.to_csv(), "name": auto.schedule.name, "balance": auto.balance,
+                   "placement": list(auto.schedule.placement), "simulated_step_s": auto.step,
+                   "bound_step_s": auto.bound}]
+    dist.broadcast_object_list(shared, src=0)
+    chosen = shared[0]
+    table = TableSchedule.from_csv(io.StringIO(chosen.pop("csv")), name=chosen["name"])
+    piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=table, balance=chosen["balance"],
+                            loss_fn=lm_loss)
+
+    def step() -> float:
+        piped.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        piped.step((ids, mask) if piped.is_first else None, labels if piped.is_last else None)
+        dist.barrier()
+        return time.perf_counter() - start
+
+    return step, chosen
 
 
 def microbatched_stepper(model: nn.Module, data: tuple[torch.Tensor, ...], chunks: int) -> Callable[[], float]:
@@ -223,6 +264,8 @@ def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> d
     seconds = {name: statistics.median([before[name], after[name]]) for name in plain}
     seconds.update(ranks[0]["seconds"])
     bound = seconds.pop("halves_no_pipeline")
+    auto = seconds.pop("auto_eager")
+    chosen = ranks[0]["auto"]
     pipelines = {name: value for name, value in seconds.items() if not name.startswith(("plain", "stages"))}
     best = min(pipelines, key=pipelines.__getitem__)
     per_schedule = {s: seconds[f"{s}_eager"] / seconds[f"{s}_compiled"] for s in R2_SCHEDULES}
@@ -243,6 +286,11 @@ def r2(size: dict[str, int], compile_option: Any, warmup: int, repeat: int) -> d
         "compiled_vs_eager_stages_alone": seconds["stages_alone_eager"] / seconds["stages_alone_compiled"],
         "speedup_vs_plain_1thread_eager": {name: seconds["plain_1thread_eager"] / value
                                            for name, value in pipelines.items()},
+        # The auto order (eager): its ratio, what it chose, and its simulated step against the measured one.
+        "r2_auto_vs_plain": seconds["plain_1thread_eager"] / auto,
+        "auto_eager_s": auto,
+        "auto_chosen": chosen,
+        "auto_prediction_error": chosen["simulated_step_s"] / auto - 1,
     }
 
 
@@ -361,7 +409,7 @@ def main() -> None:
         result["r2"] = r2(size, compile_option, warmup, repeat)
         result["r2"]["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
         result["r2"]["compile"] = compile_option
-        for key in ("r2_best_vs_plain", "r2_compiled_vs_eager"):
+        for key in ("r2_best_vs_plain", "r2_compiled_vs_eager", "r2_auto_vs_plain"):
             result[key] = result["r2"][key]
         print(json.dumps(result["r2"], indent=2))
     if args.profile:

@@ -1,7 +1,7 @@
 """Zero-bubble schedules: step time of 1F1B, interleaved 1F1B, ZB-H1 and ZB-V, with and without checkpointing.
 
 The P5 model (a stack of L Linear+ReLU blocks of width W, B-row batches, MSE
-loss) on 2 gloo ranks of this machine, one intra-op thread each, M
+loss) on 2 gloo ranks of this machine (``--ranks 4``: 4), one intra-op thread each, M
 micro-batches, ``checkpoint="never"`` and ``"always"``. Every configuration runs
 in fresh processes (so peak memory is its own), configurations alternating,
 ``--repeats`` times. Besides ``pipe``'s four schedules it runs
@@ -28,6 +28,11 @@ Run:
     python benchmarks/zero_bubble.py              # W=1024 L=8 B=4096, M=4 and 8, 2 repeats: ~20 minutes
     python benchmarks/zero_bubble.py --quick      # W=256 B=512, M=4, 1 repeat: about two minutes
     python benchmarks/zero_bubble.py --split-only # only the cost of the split backward, seconds
+    python benchmarks/zero_bubble.py --repeats 3 --ranks 4 --microbatches 4  # auto_vs_torch_best_4
+
+``pipe auto`` is the order and cut of ``pipe.balance.auto_schedule`` from the layers' F, I and W timed on
+rank 0 in the same run; the JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
+the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step.
 """
 from __future__ import annotations
 
@@ -60,9 +65,11 @@ RESULTS = HERE / "results"
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
 #: "zbv-rule": pipe's runner on the rule-of-thumb ZB-V order (pipe.core.zero_bubble; what "zbv" ran before it
 #: took the paper's V, which is torch's ZBV order), as a table, so that the two orders compare in one run.
+#: "auto": pipe.balance.auto_schedule's cut and order, from the layers' F, I and W timed on rank 0 in that run
+#: (pipe.core.cost_order), at 1F1B's peak memory (its default limit).
 RUNS: tuple[tuple[str, str], ...] = (
     ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-rule"),
-    ("torch", "1f1b"), ("torch", "zbv"),
+    ("pipe", "auto"), ("torch", "1f1b"), ("torch", "zbv"),
 )
 SAME_ORDER = {"zbv-rule": "zbv"}  # the torch schedule a pipe row is compared with, where names differ
 
@@ -96,24 +103,49 @@ def model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*[Counted(nn.Sequential(nn.Linear(width, width), nn.ReLU())) for _ in range(layers)])
 
 
+def _auto(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor) -> tuple[Any, list[int], dict[str, Any]]:
+    """Rank 0 times the layers and chooses the cut and the order (pipe.balance.auto_schedule); every rank gets
+    its choice (timings differ between processes, the table must not)."""
+    import io
+
+    from pipe.balance import auto_schedule
+    from pipe.core.schedule_table import TableSchedule
+
+    shared: list[Any] = [None]
+    if rank == 0:
+        auto = auto_schedule(full, x, ranks=args.ranks, chunks=args.microbatches, checkpoint=args.checkpoint,
+                             timeout=args.auto_timeout, action_seconds=args.auto_action_us * 1e-6)
+        shared = [{"csv": auto.schedule.to_csv(), "name": auto.schedule.name, "balance": auto.balance,
+                   "simulated_step_s": auto.step, "bound_step_s": auto.bound,
+                   "placement": list(auto.schedule.placement)}]
+    dist.broadcast_object_list(shared, src=0)
+    chosen = shared[0]
+    table = TableSchedule.from_csv(io.StringIO(chosen.pop("csv")), name=chosen["name"])
+    return table, chosen["balance"], chosen
+
+
 def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
     from pipe.distributed import DistributedPipe
 
     schedule: Any = args.schedule
+    balance, chosen = None, None
     if args.schedule == "zbv-rule":
         from pipe.core.schedule_table import TableSchedule
         from pipe.core.zero_bubble import _v_rule
 
         schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
-                                             for program in _v_rule(2, args.microbatches)], name="zbv-rule")
+                                             for program in _v_rule(args.ranks, args.microbatches)], name="zbv-rule")
+    elif args.schedule == "auto":
+        schedule, balance, chosen = _auto(rank, full, args, x)
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
-                           virtual_stages=2 if args.schedule == "interleaved" else 1)
+                           balance=balance, virtual_stages=2 if args.schedule == "interleaved" else 1)
 
     def step() -> None:
         pipe.step(x, y, F.mse_loss)
         pipe.zero_grad(set_to_none=True)
 
     step.stats = pipe._runtime.transport.stats  # type: ignore[attr-defined]
+    step.auto = chosen  # type: ignore[attr-defined]
     return step
 
 
@@ -121,18 +153,19 @@ def _torch_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Ten
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
     blocks = [TorchCheckpointed(b) if args.checkpoint == "always" else b for b in full]
+    p = args.ranks
     if args.schedule == "1f1b":
-        half = len(blocks) // 2
-        module = nn.Sequential(*(blocks[:half] if rank == 0 else blocks[half:]))
-        stage = PipelineStage(module, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+        share = len(blocks) // p
+        module = nn.Sequential(*blocks[rank * share:(rank + 1) * share])
+        stage = PipelineStage(module, stage_index=rank, num_stages=p, device=torch.device("cpu"))
         schedule: Any = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
         modules = [module]
-        first, last = rank == 0, rank == 1
-    else:  # the V: rank r holds stages r and 3 - r
-        quarter = len(blocks) // 4
-        chunks = [nn.Sequential(*blocks[s * quarter:(s + 1) * quarter]) for s in range(4)]
-        mine = [rank, 3 - rank]
-        stages = [PipelineStage(chunks[s], stage_index=s, num_stages=4, device=torch.device("cpu")) for s in mine]
+        first, last = rank == 0, rank == p - 1
+    else:  # the V: rank r holds stages r and 2p - 1 - r
+        share = len(blocks) // (2 * p)
+        chunks = [nn.Sequential(*blocks[s * share:(s + 1) * share]) for s in range(2 * p)]
+        mine = [rank, 2 * p - 1 - rank]
+        stages = [PipelineStage(chunks[s], stage_index=s, num_stages=2 * p, device=torch.device("cpu")) for s in mine]
         schedule = ScheduleZBVZeroBubble(stages, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
         modules = [chunks[s] for s in mine]
         first = last = rank == 0
@@ -150,9 +183,9 @@ def _torch_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Ten
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocessing.Queue[Any]") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks, timeout=datetime.timedelta(seconds=600))
     profile = instrument(args.engine) if args.profile else None
     before = _rss_bytes()
     full = model(args.width, args.layers)
@@ -180,6 +213,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
               "forwards_per_block_per_microbatch": per_microbatch}
     if profile is not None:
         result["profile"] = report(profile, args.steps, stats)
+    if getattr(step, "auto", None) is not None:
+        result["auto"] = step.auto  # type: ignore[attr-defined]
     results.put(result)
     dist.destroy_process_group()
 
@@ -232,8 +267,8 @@ def split_costs(args: argparse.Namespace, repeats: int = 7) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One engine and schedule on 2 ranks forked from this process; prints one JSON line."""
-    print(json.dumps(run_forked_ranks(_rank, args)))
+    """One engine and schedule on ``--ranks`` ranks forked from this process; prints one JSON line."""
+    print(json.dumps(run_forked_ranks(_rank, args, ranks=args.ranks)))
 
 
 def main() -> None:
@@ -248,11 +283,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, alternating")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--split-only", action="store_true", help="only time the split backward of one stage")
+    parser.add_argument("--output", type=Path, default=None, help="the JSON file (default: benchmarks/results/...)")
     parser.add_argument("--profile", action="store_true",
                         help="also time each engine's actions, sends, receive waits and headers, per rank")
     parser.add_argument("--schedules", nargs="+", choices=sorted({s for _, s in RUNS}),
                         help="run only these schedules (both engines), e.g. --schedules zbv")
     parser.add_argument("--checkpoints", nargs="+", choices=["never", "always"], default=["never", "always"])
+    parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks (processes), 2 or 4")
+    parser.add_argument("--auto-timeout", type=float, default=2.0,
+                        help="seconds rank 0 times the layers for the auto schedule")
+    parser.add_argument("--auto-action-us", type=float, default=0.0,
+                        help="microseconds the runner adds per action, for the auto schedule's costs")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -282,7 +323,9 @@ def main() -> None:
             for engine, schedule in runs:
                 flags = ["--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                          "--microbatches", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                         "--engine", engine, "--schedule", schedule, "--checkpoint", checkpoint]
+                         "--engine", engine, "--schedule", schedule, "--checkpoint", checkpoint,
+                         "--ranks", str(args.ranks), "--auto-timeout", str(args.auto_timeout),
+                         "--auto-action-us", str(args.auto_action_us)]
                 flags += ["--profile"] if args.profile else []
                 done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
                 key = (m, checkpoint, engine, schedule)
@@ -308,6 +351,14 @@ def main() -> None:
                     statistics.fmean(r["forwards_per_block_per_microbatch"] for r in run) for run in repeats),
                 "ratio_runs": speeds,
             }
+            if schedule == "auto":  # what rank 0 chose, and the step it predicted, per repeat
+                chosen = [run[0].get("auto", {}) for run in repeats]
+                measured_s = [1 / min(r["steps_per_s"] for r in run) for run in repeats]
+                rows["pipe auto"].update(
+                    chosen=[{k: c.get(k) for k in ("name", "balance", "placement")} for c in chosen],
+                    simulated_step_s=[c.get("simulated_step_s") for c in chosen], measured_step_s=measured_s,
+                    prediction_error=[c["simulated_step_s"] / t - 1 for c, t in zip(chosen, measured_s)],
+                    of_bound=statistics.median(c["bound_step_s"] / t for c, t in zip(chosen, measured_s)))
             if args.profile:  # the last repeat's, per rank, and the step no schedule can beat on its compute
                 profiles = [r.get("profile") or {} for r in repeats[-1]]
                 rows[f"{engine} {schedule}"].update(
@@ -324,10 +375,14 @@ def main() -> None:
                     if args.profile and not suffix:  # torch's step over the busier rank's compute, whichever is less
                         row["ceiling_vs_torch"] = rows[peer]["step_ms_last_repeat"] / min(
                             row["no_bubble_step_ms"], rows[peer]["no_bubble_step_ms"])
+        torch_best = max((row["samples_per_s"] for name, row in rows.items() if name.startswith("torch ")),
+                         default=None)
+        if "pipe auto" in rows and torch_best:
+            rows["pipe auto"]["vs_torch_best"] = rows["pipe auto"]["samples_per_s"] / torch_best
         table.append({"microbatches": m, "checkpoint": checkpoint, "runs": rows})
 
     result = {
-        "config": {"width": args.width, "layers": args.layers, "batch": args.batch, "ranks": 2,
+        "config": {"width": args.width, "layers": args.layers, "batch": args.batch, "ranks": args.ranks,
                    "threads_per_rank": 1, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                    "quick": args.quick, "torch_checkpoint": "torch.utils.checkpoint around every block",
                    "pipe_checkpoint": "checkpoint='always' (every stage cell)"},
@@ -336,7 +391,8 @@ def main() -> None:
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
     }
-    print(f"zero bubble (W={args.width} L={args.layers} B={args.batch}, 2 ranks x 1 thread, "
+    result.update(_auto_keys(table, args.ranks))
+    print(f"zero bubble (W={args.width} L={args.layers} B={args.batch}, {args.ranks} ranks x 1 thread, "
           f"{args.steps} steps, median and best of {args.repeats}):")
     for entry in table:
         print(f"  M={entry['microbatches']} checkpoint={entry['checkpoint']}")
@@ -357,12 +413,37 @@ def main() -> None:
                     for key, value in (profile or {}).items() if isinstance(value, dict) and "ms_per_step" in value)
                       + "".join(f"; {key} {value}" for key, value in (profile or {}).items()
                                 if isinstance(value, dict) and "ms_per_step" not in value))
+    for key, value in result.items():
+        if key.startswith("auto_"):
+            print(f"  {key} {value:.3f}" if isinstance(value, float) else f"  {key} {value}")
     print(f"  load average {result['load_average'][0]:.2f}")
     _print_split(result["split_backward"])
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"zero_bubble{'-quick' if args.quick else ''}{'-profile' if args.profile else ''}.json"
+    path = args.output or RESULTS / (f"zero_bubble{'-quick' if args.quick else ''}{'-profile' if args.profile else ''}"
+                                     f"{f'-{args.ranks}ranks' if args.ranks != 2 else ''}.json")
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"  saved {path.relative_to(HERE.parent)}")
+    print(f"  saved {path}")
+
+
+def _auto_keys(table: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
+    """The issue's figures of the auto order: auto / torch's fastest schedule (M=4 and 8, checkpoint never and
+    always; ``_4`` with 4 ranks), auto / the bound (the busiest rank's own compute from the timed costs), and the
+    worst |simulated / measured step - 1| over the auto runs."""
+    keys: dict[str, Any] = {}
+    for entry in table:
+        auto = entry["runs"].get("pipe auto")
+        if not auto or auto.get("vs_torch_best") is None:
+            continue
+        m, checkpoint = entry["microbatches"], entry["checkpoint"]
+        suffix = ("" if m == 4 else f"_m{m}") + ("" if checkpoint == "never" else "_ckpt") + ("" if ranks == 2
+                                                                                            else f"_{ranks}")
+        keys["auto_vs_torch_best" + suffix] = auto["vs_torch_best"]
+        if m == 4 and checkpoint == "never":
+            keys["auto_of_bound" + ("" if ranks == 2 else f"_{ranks}")] = auto["of_bound"]
+    errors = [abs(e) for entry in table for e in entry["runs"].get("pipe auto", {}).get("prediction_error", [])]
+    if errors:
+        keys["auto_prediction_error_worst"] = max(errors)
+    return keys
 
 
 def _print_split(costs: dict[str, Any]) -> None:

@@ -38,9 +38,10 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.graph_split import SplitError, split
     from pipe.threads.call import PipeClosedError
     from pipe.compile import CompileError
+    from pipe.core.cost_order import StageCosts, schedule_from_costs
 
 __all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip",
-           "PipeClosedError", "SplitError", "CompileError"]
+           "PipeClosedError", "SplitError", "CompileError", "schedule_from_costs", "StageCosts"]
 __version__ = "0.1.0"
 
 _NAMES = {
@@ -53,6 +54,8 @@ _NAMES = {
     "PipeClosedError": ("pipe.threads.call", "PipeClosedError"),
     "SplitError": ("pipe.graph_split", "SplitError"),
     "CompileError": ("pipe.compile", "CompileError"),
+    "schedule_from_costs": ("pipe.core.cost_order", "schedule_from_costs"),
+    "StageCosts": ("pipe.core.cost_order", "StageCosts"),
 }
 _SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads",
                "plan"}

@@ -8,7 +8,8 @@ Usage::
 
 Each helper measures a cost per layer (:mod:`pipe.balance.timing`, :mod:`pipe.balance.profile`) and
 cuts the layers so that the costliest partition is as cheap as possible
-(:mod:`pipe.balance.solver`).
+(:mod:`pipe.balance.solver`). :func:`auto_schedule` cuts by the measured F, I and W of each layer
+and orders each rank's work by them (:mod:`pipe.balance.auto`).
 """
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from pipe.balance.auto import AutoSchedule, auto_schedule, stage_costs
 from pipe.balance.profile import profile_params, profile_sizes
 from pipe.balance.timing import LayerTimes, profile_times, time_layers
 from pipe.balance.solver import solve
 from pipe.core.options import is_int, positive_int
 from pipe.core.partition import verify_module
 
-__all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost", "time_layers", "LayerTimes"]
+__all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost", "time_layers", "LayerTimes",
+           "auto_schedule", "AutoSchedule", "stage_costs"]
 
 Device = Union[torch.device, int, str]
 

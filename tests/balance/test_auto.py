@@ -1,0 +1,80 @@
+"""pipe.balance.auto_schedule: the cut and the order from per-layer F, I and W (given here, so the test is exact;
+tests/distributed/test_auto_ranks.py times a model and runs the result)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipe.balance import LayerTimes, auto_schedule, stage_costs
+from pipe.balance.auto import cut_for_ranks
+from pipe.core.cost_order import simulate_with_costs
+
+
+def _times(forward: list[float], input_grad: list[float], weight_grad: list[float]) -> LayerTimes:
+    n = len(forward)
+    return LayerTimes({4: forward}, {4: [i + w for i, w in zip(input_grad, weight_grad)]}, {4: input_grad},
+                      {4: [1000] * n}, 3, weight_grad={4: weight_grad})
+
+
+def _model(layers: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+
+
+def test_a_heavy_head_gets_a_stage_of_its_own_and_the_result_beats_an_even_cut() -> None:
+    # Ten blocks and a head that costs four of them (an LM head and its loss).
+    forward = [1.0] * 10 + [4.0]
+    times = _times(forward, [1.0] * 11, [2.0] * 10 + [8.0])
+    auto = auto_schedule(_model(11), ranks=2, chunks=8, times=times)
+    assert sum(auto.balance) == 11 and len(auto.balance) == auto.schedule.stages
+    last_rank = auto.schedule.rank_of(auto.schedule.stages - 1)
+    layers_with_head = sum(n for s, n in enumerate(auto.balance) if auto.schedule.rank_of(s) == last_rank)
+    assert layers_with_head < 11 / 2  # the rank holding the head holds fewer layers
+    even = stage_costs(times, 4, [6, 5])
+    from pipe.core.schedule import Schedule
+
+    assert auto.step < simulate_with_costs(Schedule("zb-h1", 2, 8), even)
+    assert auto.bound <= auto.step
+    assert simulate_with_costs(auto.schedule, auto.costs) == pytest.approx(auto.step)
+
+
+def test_the_v_cut_balances_ranks_not_stages() -> None:
+    totals = [3.0] + [1.0] * 14 + [3.0]  # embedding and head: the first and the last stage share rank 0 in a V
+    rank_of = [0, 1, 1, 0]
+    cuts = cut_for_ranks(totals, 4, rank_of, 2)
+    best = cuts[-1]
+
+    def load(rank: int) -> float:
+        bounds = [sum(best[:k]) for k in range(5)]
+        return sum(sum(totals[bounds[s]:bounds[s + 1]]) for s in range(4) if rank_of[s] == rank)
+
+    assert abs(load(0) - load(1)) <= 1.0 and sum(best) == 16
+
+
+def test_stage_costs_put_the_first_stage_backward_in_its_w() -> None:
+    costs = stage_costs(_times([1.0] * 4, [0.5] * 4, [2.0] * 4), 4, [2, 2], seconds_per_byte=1e-3,
+                        message_seconds=0.5)
+    assert costs.input_grad == (0.0, 1.0) and costs.weight_grad == (5.0, 4.0)
+    assert costs.transfer == (pytest.approx(1.5),)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: auto_schedule(_model(4), ranks=2, chunks=4), r"needs sample="),
+    (lambda: auto_schedule(_model(1), torch.randn(4, 4), ranks=2, chunks=4), r"cannot cut 1 layers"),
+    (lambda: auto_schedule(_model(3), ranks=2, chunks=4, placement="v",
+                           times=_times([1.0] * 3, [1.0] * 3, [1.0] * 3)), r"placement='v' needs 4 layers"),
+    (lambda: stage_costs(LayerTimes({4: [1.0]}, {4: [1.0]}, {}, {4: [1]}, 1), 4, [1]), r"split=True"),
+    (lambda: stage_costs(_times([1.0] * 3, [1.0] * 3, [1.0] * 3), 4, [2, 2]), r"does not cut 3 layers"),
+    (lambda: auto_schedule(_model(4), ranks=2, chunks=4, checkpoint="maybe"), r"checkpoint must be one of"),
+])
+def test_bad_input_is_refused_with_the_fix(call, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_auto_schedule_times_a_real_model() -> None:
+    model = nn.Sequential(nn.Embedding(50, 16), *[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)],
+                          nn.Linear(16, 50))
+    auto = auto_schedule(model, torch.randint(0, 50, (8, 5)), ranks=2, chunks=4, timeout=0.01)
+    assert sum(auto.balance) == len(model) and auto.schedule.microbatches == 4
+    auto.schedule.validate()
