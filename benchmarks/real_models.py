@@ -160,16 +160,7 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
             stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=cuts)
             piped = DistributedPipe(stages, chunks=R2_CHUNKS, checkpoint="never", schedule=schedule, loss_fn=lm_loss,
                                     compile=compile_option if compiled else False)
-
-            def step(piped: DistributedPipe = piped) -> float:
-                piped.zero_grad(set_to_none=True)
-                dist.barrier()
-                start = time.perf_counter()
-                piped.step((ids, mask) if piped.is_first else None, labels if piped.is_last else None)
-                dist.barrier()
-                return time.perf_counter() - start
-
-            steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = step
+            steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = _timed_step(piped, ids, mask, labels)
     steps["auto_eager"], chosen = _r2_auto(rank, size, ids, mask, labels)
     # The bound of any 2-rank schedule: each rank runs the plain model on its half of the batch, with no
     # message and no bubble (data parallelism without its gradient all-reduce), in the same alternation.
@@ -215,16 +206,7 @@ def _r2_auto(rank: int, size: dict[str, int], ids: torch.Tensor, mask: torch.Ten
     table = TableSchedule.from_csv(io.StringIO(chosen.pop("csv")), name=chosen["name"])
     piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=table, balance=chosen["balance"],
                             loss_fn=lm_loss)
-
-    def step() -> float:
-        piped.zero_grad(set_to_none=True)
-        dist.barrier()
-        start = time.perf_counter()
-        piped.step((ids, mask) if piped.is_first else None, labels if piped.is_last else None)
-        dist.barrier()
-        return time.perf_counter() - start
-
-    return step, chosen
+    return _timed_step(piped, ids, mask, labels), chosen
 
 
 def microbatched_stepper(model: nn.Module, data: tuple[torch.Tensor, ...], chunks: int) -> Callable[[], float]:
@@ -477,6 +459,21 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out.relative_to(HERE.parent)}")
 
+
+
+def _timed_step(piped: Any, ids: Any, mask: Any, labels: Any) -> Callable[[], float]:
+    """One timed step of R2's split GPT-2 (a ``DistributedPipe``) on these ranks, between barriers (seconds)."""
+    import torch.distributed as dist
+
+    def step() -> float:
+        piped.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        piped.step((ids, mask) if piped.is_first else None, labels if piped.is_last else None)
+        dist.barrier()
+        return time.perf_counter() - start
+
+    return step
 
 if __name__ == "__main__":
     main()
