@@ -1,6 +1,6 @@
 """The planner's step times for `Pipe` (the thread runner) against measured steps.
 
-`Pipe(memory_budget=...)` plans with runner="threads". Its time model gives
+`pipe.plan.planned_pipe` plans with runner="threads". Its time model gives
 each action its layers' profiled times plus the thread runner's overhead per
 action, measured once per machine on partitions too small to take time
 (pipe.plan.link.cached_thread_overhead), and lets the two partitions overlap

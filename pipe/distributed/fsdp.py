@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 
-from pipe.core.schedule import Action, Phase
+from pipe.core.schedule import Action
+from pipe.core.sharding_events import Event, sharding_plan
 from pipe.core.original_names import partition_name
 
 __all__: list[str] = []
@@ -171,45 +172,6 @@ def _quiet_view_warning(wrapped: list[nn.Module]) -> None:
     logger.info("FSDP's 'returned a view tensor' warning is hidden for %s: the runner gathers each stage before "
                 "every action and reduces explicitly, so an in-place op on a stage's output cannot skip a gather",
                 ", ".join(names))
-
-
-@dataclass
-class Event:
-    """What the runner does to FSDP stages around one action of the program."""
-
-    unshard: list[int]  # gathered before the action (the next action's stage: a prefetch)
-    reduce: list[int]  # reduce-scattered after the action
-    reshard: list[int]  # resharded after the action
-
-
-def sharding_plan(program: list[Action], zero3: bool, training: bool) -> list[Event]:
-    """Per action of ``program``: the stages to gather before it, and to reduce and reshard after it.
-
-    Before action k the stages of actions k and k + 1 are gathered (k + 1's
-    is the prefetch). ZeRO-3 reshards a stage as soon as neither needs it;
-    ZeRO-2 after the stage's last action. A stage is reduced after its last
-    backward (``B``, or ``W`` in zero-bubble schedules) when ``training``.
-    """
-    last = {a.stage: k for k, a in enumerate(program)}
-    last_backward = {a.stage: k for k, a in enumerate(program) if a.phase in (Phase.BACKWARD, Phase.WEIGHT)}
-    events = [Event([], [], []) for _ in program]
-    active: list[int] = []
-    for k, action in enumerate(program):
-        wanted = [action.stage] + [a.stage for a in program[k + 1:k + 2] if a.stage != action.stage]
-        if zero3 and k:
-            for s in [s for s in active if s not in wanted]:
-                active.remove(s)
-                events[k - 1].reshard.append(s)
-        for s in wanted:
-            if s not in active:
-                active.append(s)
-                events[k].unshard.append(s)
-        if training and last_backward.get(action.stage) == k:
-            events[k].reduce.append(action.stage)
-        if last[action.stage] == k:
-            active.remove(action.stage)
-            events[k].reshard.append(action.stage)
-    return events
 
 
 class StageSharding:

@@ -8,7 +8,7 @@ stage prefetched), kept gathered within a run of its actions, resharded when
 the program moves on (ZeRO-3, ``reshard_after_forward=True``) or after its
 last action (ZeRO-2), and its gradients are reduce-scattered once, after its
 last backward. The planner follows the very same per-action plan
-(:func:`pipe.distributed.fsdp.sharding_plan`):
+(:func:`pipe.core.sharding_events.sharding_plan`):
 
 * **batch**: each of the S pipelines of a shard group gets B/S of the
   mini-batch, so chunks c at ``dp_shard`` S run micro-batches of B/(S*c)
@@ -48,6 +48,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.sharding_events import sharding_plan
+from pipe.core.units import format_bytes
 from pipe.plan.cost import Costs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -151,7 +153,7 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
                  zero3: bool) -> Held:
     """What FSDP holds unsharded during each action of ``rank``'s program (activations apart).
 
-    Follows the runner's plan (:func:`pipe.distributed.fsdp.sharding_plan`): a
+    Follows the runner's plan (:func:`pipe.core.sharding_events.sharding_plan`): a
     stage's full parameters from the wait for its gather to its reshard; a
     prefetch issued before action k and waited for before action k + 1 holds
     its gathered buffer (the stage's bytes; the input shard is a view of it) during action k;
@@ -160,8 +162,6 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     creates in its own peak: each weight's new gradient becomes its
     ``.grad``, where a later one is added to it).
     """
-    from pipe.distributed.fsdp import sharding_plan
-
     program = _program(schedule, rank)
     events = sharding_plan(program, zero3, training=True)
     first_grad: dict[int, int] = {}
@@ -251,8 +251,6 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
             return sum(link.all_reduce(b, replicas) for b in buckets + ([size] if size else []))
 
         return {program[k]: average(s) for s, k in ends.items()}
-    from pipe.distributed.fsdp import sharding_plan
-
     def groups(stage: int) -> list[int]:
         return [b for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]] if b]
 
@@ -399,8 +397,6 @@ def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
                   fits: Callable[["Candidate"], bool], best: "Prediction", budget: int) -> list[str]:
     """One line per split (``pp x dp_replicate x dp_shard``, ZeRO mode): its best plan, or why it lost."""
-    from pipe.plan.units import format_bytes
-
     def key(c: "Candidate") -> tuple[int, int, bool]:
         return c.dp_replicate, c.dp_shard, c.dp_shard == 1 or c.reshard_after_forward
 
