@@ -36,7 +36,7 @@ action's message has arrived::
 
 The last three are fitted by :func:`fit` to measured steps of a few plans
 (least squares on the relative error), then every other plan is predicted
-with them; ``benchmarks/planner.py`` validates them on more plans than were
+with them; ``benchmarks/planner.py budget`` validates them on more plans than were
 fitted. Recomputation and the I/W split need no parameter: their durations
 are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
