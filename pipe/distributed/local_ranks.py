@@ -91,7 +91,7 @@ def default_start_method() -> str:
 
 def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 20.0, deadline: float = 90.0,
                     env: Optional[dict[str, str]] = None, barrier: bool = True, expect_missing: Collection[int] = (),
-                    start_method: Optional[str] = None) -> list[Any]:
+                    start_method: Optional[str] = None, init: bool = True) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` local gloo ranks; returns each rank's result, by rank.
 
     Args:
@@ -102,6 +102,8 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
         expect_missing: ranks meant to end without returning (their result is None).
         start_method: ``"fork"``, ``"interpreter"``, ``"forkserver"`` or ``"spawn"`` (module docstring);
             default :func:`default_start_method`.
+        init: make the gloo group before ``fn`` (with ``timeout``); False: ``fn`` makes it itself from the
+            torchrun variables (a benchmark that times its own setup), and ``barrier`` is not waited for.
 
     Raises:
         RankFailure: a rank raised, crashed or outran ``deadline``; the message names each rank.
@@ -111,7 +113,8 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
     if method not in START_METHODS:
         raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {method!r}")
     for _ in range(3):  # a port found free may be taken before rank 0's store binds it: start again on another
-        collected, deaths = _start(fn, world, args, timeout, deadline, env or {}, barrier, expect_missing, method)
+        collected, deaths = _start(fn, world, args, timeout if init else None, deadline, env or {},
+                                   barrier and init, expect_missing, method)
         if not any(not ok and "EADDRINUSE" in str(payload) for ok, payload in collected.values()):
             break
     ordered = _cause_first(collected)
@@ -139,16 +142,17 @@ def _cause_first(collected: dict[int, tuple[bool, Any]]) -> list[tuple[int, tupl
     return sorted(collected.items(), key=lambda item: not cause(item))  # stable: the order of arrival otherwise
 
 
-def _rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float,
+def _rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], timeout: Optional[float],
           env: dict[str, str], barrier: bool, crash_log: str, put: Callable[[tuple[int, bool, Any]], None]) -> None:
-    """One rank: the torchrun variables, one thread, gloo, ``fn``; ``put`` gets ``(rank, ok, result or
-    traceback)``."""
+    """One rank: the torchrun variables, one thread and gloo (unless ``timeout`` is None: ``fn`` sets up its
+    threads and joins itself), ``fn``; ``put`` gets ``(rank, ok, result or traceback)``."""
     faulthandler.enable(open(crash_log, "w"), all_threads=True)  # a rank that dies in C++ leaves its stacks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), **env)
-    torch.set_num_threads(1)
     try:
-        init_from_env("gloo", timeout=timeout)  # seconds
+        if timeout is not None:  # else fn sets up its process, and its threads, itself
+            torch.set_num_threads(1)
+            init_from_env("gloo", timeout=timeout)  # seconds
         result = fn(rank, world, *args)
         if barrier:
             dist.barrier()  # keep the store (hosted by rank 0) alive until every rank is done
@@ -157,8 +161,9 @@ def _rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[
         put((rank, False, traceback.format_exc()))
 
 
-def _queued_rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float,
-                 env: dict[str, str], barrier: bool, crash_log: str, results: "multiprocessing.Queue[Any]") -> None:
+def _queued_rank(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+                 timeout: Optional[float], env: dict[str, str], barrier: bool, crash_log: str,
+                 results: "multiprocessing.Queue[Any]") -> None:
     _rank(rank, world, port, fn, args, timeout, env, barrier, crash_log, results.put)
 
 
@@ -200,7 +205,7 @@ class _Interpreter:
         return self.process.returncode
 
 
-def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: float, deadline: float,
+def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: Optional[float], deadline: float,
            env: dict[str, str], barrier: bool, expect_missing: Collection[int], method: str
            ) -> tuple[dict[int, tuple[bool, Any]], dict[int, str]]:
     """One start of ``world`` ranks on a free port: each rank's (ok, result or traceback) that came back, and

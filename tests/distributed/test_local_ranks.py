@@ -26,6 +26,21 @@ def _rank_1_fails(rank: int, world: int) -> int:
     return rank
 
 
+def _joins_itself(rank: int, world: int) -> tuple[bool, int]:
+    import torch.distributed as dist
+
+    joined_before = dist.is_initialized()
+    dist.init_process_group("gloo")  # from the torchrun variables the rank was given
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return joined_before, size
+
+
+def test_a_rank_function_may_join_the_group_itself() -> None:
+    """init=False: the benchmarks' rank functions make their group with their own timeouts."""
+    assert run_local_ranks(_joins_itself, 2, init=False, deadline=60) == [(False, 2), (False, 2)]
+
+
 @pytest.mark.parametrize("start_method", ["fork", "interpreter"])
 def test_ranks_run_with_a_process_group_and_return_by_rank(start_method: str) -> None:
     assert run_local_ranks(_ranks_and_sum, 2, 10, start_method=start_method, deadline=120) == [
