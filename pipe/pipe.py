@@ -14,8 +14,9 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.compile import CompileOption, compile_stages, verify_compile
+from pipe.compile import CompileOption, compile_stages
 from pipe.spec import PipelineSpec
+from pipe.core.deprecation import refuse_planning
 from pipe.core.options import checkpoint_stop, verify_one_value_layers
 from pipe.core.microbatch import gather, pack_inputs, scatter, verify_device, verify_gatherable
 from pipe.core.partition import Device, split_module
@@ -34,6 +35,9 @@ from pipe.threads.worker import Workers, partition_threads
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
+
+PLANNED = "pipe.plan.planned_pipe(module, sample, memory_budget=..., devices=...)"
+"""What replaces ``Pipe(..., memory_budget=..., sample=...)``."""
 
 _MOVING_DENIED = (
     "a Pipe cannot be moved: it places its partitions on pipe.devices itself; "
@@ -75,14 +79,8 @@ class Pipe(nn.Module):
             docs/recompute.md): full, selective and offload policies per
             layer, stage = partition; best with ``checkpoint="never"``.
             The normalised strategy is ``pipe.recompute_strategy``.
-        memory_budget: bytes per device (``"2GiB"``, a number, or one per
-            device): measure the model on ``sample`` and use the fastest
-            ``chunks``, ``balance`` and ``checkpoint`` predicted to fit, with
-            the plan's per-stage recompute (:mod:`pipe.plan`; needs ``devices=``;
-            a ``chunks`` or ``checkpoint`` other than its default is kept, the
-            plan the fastest with it; refuses ``balance=`` and ``recompute=``;
-            the plan is ``pipe.plan``).
-        sample: one mini-batch, with ``memory_budget``.
+        memory_budget, sample: no longer taken (TypeError): the planner builds
+            a planned ``Pipe``, :func:`pipe.plan.planned_pipe`.
         compile: compile each layer of each partition with ``torch.compile``:
             ``True`` (inductor, dynamic shapes) or a dict of its keywords
             (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``) and
@@ -108,22 +106,13 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
         cpu_threads: Optional[int] = None,
         recompute: Optional[ConfigSource] = None,
-        memory_budget: Optional[Any] = None,
-        sample: Any = None,
+        memory_budget: None = None,
+        sample: None = None,
         compile: CompileOption = False,
     ) -> None:
         super().__init__()
-        self.plan: Optional[Any] = None  # the pipe.plan.Plan applied with memory_budget=
-        if memory_budget is not None:
-            from pipe.plan.apply import Given, plan_for_pipe
-
-            given = Given(balance=balance, recompute=recompute, compiled=verify_compile(compile) is not None,
-                          chunks=None if chunks == 1 else chunks,  # what differs from the defaults is kept
-                          checkpoint=None if checkpoint == "except_last" else checkpoint, threads=cpu_threads)
-            self.plan = plan_for_pipe(module, sample, memory_budget, devices, given)
-            chunks, checkpoint, balance = self.plan.candidate.chunks, self.plan.candidate.checkpoint, \
-                list(self.plan.candidate.balance)
-            recompute = self.plan.candidate.recompute_config()  # the plan's per-stage marks, if it has any
+        refuse_planning("Pipe", PLANNED, memory_budget=memory_budget, sample=sample)
+        self.plan: Optional[Any] = None  # the pipe.plan.Plan it runs, when pipe.plan.planned_pipe built it
         spec = self.spec = PipelineSpec.checked(chunks, checkpoint, balance=balance,
                                                 deferred_batch_norm=deferred_batch_norm, recompute=recompute,
                                                 compile=compile, cpu_threads=cpu_threads)

@@ -11,11 +11,16 @@ package must be placed in ``LAYERS`` first.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipe"
+
+PLANNER_MODEL = ["pipe.plan.cost", "pipe.plan.host_copy", "pipe.plan.timing", "pipe.plan.candidate",
+                 "pipe.plan.candidates", "pipe.plan.predict", "pipe.plan.sharding", "pipe.plan.search"]
 
 # Bottom to top. The first pattern that matches a module decides: an exact name, or a prefix ending in ".".
 LAYERS: list[tuple[str, list[str]]] = [
@@ -25,10 +30,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("features", ["pipe.skip", "pipe.skip.", "pipe.recompute", "pipe.recompute.", "pipe.balance", "pipe.balance.",
                   "pipe.batchnorm", "pipe.compile", "pipe.spec"]),
     ("runners", ["pipe.threads", "pipe.threads.", "pipe.distributed."]),
+    # The planner's model: costs, candidates, prediction over a schedule, search; no torch (checked below).
+    ("planner model", PLANNER_MODEL),
     ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
-                    "pipe.distributed.step_inputs", "pipe.viz.cli", "pipe.viz.__main__", "pipe.plan", "pipe.plan.",
+                    "pipe.distributed.step_inputs", "pipe.viz.cli", "pipe.viz.__main__",
                     "pipe.sequential", "pipe.tied"]),
+    # The planner's driver: it measures the model and the machine (profile, link, calibration, verify) and
+    # builds the front ends from a plan (pipe.plan.planned_pipe); nothing below imports it.
+    ("planner driver", ["pipe.plan", "pipe.plan."]),
 ]
 
 # Layers whose packages must not import each other: the thread and the process runner share only core.
@@ -119,7 +129,8 @@ def test_the_graph_reads_lazy_and_relative_imports(tmp_path: Path) -> None:
 @pytest.mark.parametrize("module, layer", [
     ("pipe.distributed.mesh", "runners"), ("pipe.distributed.distributed_pipe", "front ends"), ("pipe.distributed.names", "front ends"), ("pipe.compile", "features"),
     ("pipe.core.schedule", "core"), ("pipe.viz.cli", "front ends"), ("pipe.viz.idle", "observation"),
-    ("pipe.plan.cli", "front ends"), ("pipe.plan.search", "front ends"), ("pipe.trace.events", "recording"),
+    ("pipe.plan.cli", "planner driver"), ("pipe.plan.search", "planner model"), ("pipe.plan.link", "planner driver"),
+    ("pipe.plan.apply", "planner driver"), ("pipe.plan", "planner driver"), ("pipe.trace.events", "recording"),
 ])
 def test_layer_of(module: str, layer: str) -> None:
     assert LAYERS[layer_of(module)][0] == layer
@@ -128,3 +139,110 @@ def test_layer_of(module: str, layer: str) -> None:
 def test_an_unplaced_module_is_refused() -> None:
     with pytest.raises(LookupError, match="pipe.newthing"):
         layer_of("pipe.newthing")
+
+
+# Import circles between packages -----------------------------------------------------------------------
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to for the circle check: ``pipe.core.schedule`` is pipe.core, a top-level
+    module (``pipe.pipe``) is its own, and ``pipe`` (the root ``__init__``) is pipe."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_cycles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """The circles between the packages of ``arrows`` (module -> the modules it imports): each strongly
+    connected set of two or more packages, sorted, one ``"a -> b (module -> module)"`` line per arrow in it."""
+    edges: dict[str, dict[str, str]] = {}
+    for module, targets in sorted(arrows.items()):
+        for target in sorted(targets):
+            a, b = package_of(module), package_of(target)
+            if a != b:
+                edges.setdefault(a, {}).setdefault(b, f"{module} -> {target}")
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                members = set(component)
+                found.append([f"{a} -> {b} ({why})" for a in sorted(members) for b, why in sorted(edges[a].items())
+                              if b in members])
+
+    for node in sorted(set(edges) | {b for targets in edges.values() for b in targets}):
+        if node not in order:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_between_packages() -> None:
+    """pipe.core, pipe.distributed, pipe.plan, pipe.pipe, ...: no package imports one that imports it back,
+    however indirectly (a lazy import counts; so does ``from pipe import Pipe``, which is the root package)."""
+    cycles = package_cycles(graph())
+    assert not cycles, "import circles between packages:\n" + "\n\n".join("\n".join(c) for c in cycles)
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    """The check is the test's own code: a circle through three packages, with a module-level arrow inside one
+    package that does not count, is found whole."""
+    arrows = {"pipe.pipe": {"pipe.plan.apply"}, "pipe.plan.apply": {"pipe.plan.search", "pipe.distributed.mesh"},
+              "pipe.plan.search": {"pipe.core.schedule"}, "pipe.distributed.mesh": {"pipe.pipe"},
+              "pipe.core.schedule": set()}
+    assert package_cycles(arrows) == [["pipe.distributed -> pipe.pipe (pipe.distributed.mesh -> pipe.pipe)",
+                                       "pipe.pipe -> pipe.plan (pipe.pipe -> pipe.plan.apply)",
+                                       "pipe.plan -> pipe.distributed (pipe.plan.apply -> pipe.distributed.mesh)"]]
+    del arrows["pipe.distributed.mesh"]
+    assert package_cycles(arrows) == []
+
+
+# The planner's model needs no torch ------------------------------------------------------------------------
+
+
+def test_the_planner_model_imports_no_torch() -> None:
+    """Every module of the planner's model imports, and a search with FSDP splits runs, with torch blocked.
+
+    As for pipe.core.schedule (tests/core/test_schedule.py), the packages' ``__init__`` files are not run (they
+    re-export torch modules); the modules themselves, and every pipe module they import, must do without torch.
+    """
+    packages = {module_name(path): str(path.parent) for path in PACKAGE.rglob("__init__.py")}
+    code = f"""
+import importlib, importlib.abc, sys, types
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"the planner's model imported {{name}}")
+
+sys.meta_path.insert(0, NoTorch())
+for name, folder in {packages!r}.items():
+    package = types.ModuleType(name)
+    package.__path__ = [folder]
+    sys.modules[name] = package
+for name in {PLANNER_MODEL!r}:
+    importlib.import_module(name)
+from pipe.plan.cost import Costs
+from pipe.plan.search import search
+from pipe.plan.timing import Link, TimeModel
+costs = Costs.from_table(8, [1e-3] * 4, [2e-3] * 4, [1000] * 4, [100] * 4, param_bytes=[10**5] * 4)
+model = TimeModel(link=Link(latency=1e-4, per_byte=1e-9), action_overhead=1e-4)
+plan = search(costs, 4, "1GiB", runner="processes", dp_shard="auto", model=model)
+assert plan.table().startswith("memory budget 1.00 GiB per rank"), plan.table()
+assert not any(name == "torch" or name.startswith("torch.") for name in sys.modules)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -6,10 +6,11 @@ retried on a new port, up to three times; any other failure is the test's.
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from typing import Any
+
+from pipe.distributed.local_ranks import free_port
 
 _IN_USE = "EADDRINUSE"
 _EXIT_ABORT = "terminate called without an active exception"
@@ -22,12 +23,6 @@ def aborted_at_exit(code: int, out: str, done: str) -> bool:
     groups that torch's own caches keep alive are still destroyed in the finalization. A test may run such a
     launch once more; a second failure is the test's."""
     return code != 0 and done in out and _EXIT_ABORT in out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_torchrun(torchrun_args: list[str], script_and_args: list[str], **run: Any) -> "subprocess.CompletedProcess[str]":

@@ -89,7 +89,7 @@ def time_layers(module: nn.Sequential, samples: Mapping[int, Any], device: torch
     on the CPU, in a chain 1.10-1.45x: a backward just before leaves the
     caches cold; with a backward call per layer, their backwards summed to
     1.31-1.39x the stage's, in one call 1.12-1.14x;
-    ``benchmarks/profile_fidelity.py``.) One untimed round warms up
+    ``python benchmarks/planner.py fidelity``.) One untimed round warms up
     (allocations, kernels, autograd threads); then at least ``rounds`` timed
     rounds, and more until ``timeout`` seconds have passed. Each round visits
     every size, so a pause of this process (another one got the core) spoils

@@ -33,7 +33,8 @@ from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
-from pipe.compile import CompileOption, compile_stages, verify_compile
+from pipe.core.deprecation import refuse_planning
+from pipe.compile import CompileOption, compile_stages
 from pipe.spec import PipelineSpec
 from pipe.core.microbatch import Batch, gather, pack_inputs
 from pipe.core.options import checkpoint_stop, pipeline_schedule
@@ -42,6 +43,9 @@ from pipe.graph_split import keep_original_names
 from pipe.split_stage import refuse_tensor_parallel
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
+
+PLANNED = "pipe.plan.planned_distributed(model, sample, memory_budget=..., target=..., loss_fn=...)"
+"""What replaces ``DistributedPipe(..., memory_budget=..., sample=..., target=...)``."""
 
 __all__: list[str] = []
 
@@ -126,16 +130,8 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``Pipe``: stage = ``balance`` entry, each rank applies its part
             (:mod:`pipe.distributed.recompute_ranks`); the normalised strategy is
             ``recompute_strategy``.
-        memory_budget: bytes per rank (``"2GiB"`` or a number): rank 0 measures
-            ``model`` (an ``nn.Sequential``) on ``sample`` (with ``loss_fn`` and
-            ``target``) and every rank uses the fastest chunks, balance,
-            checkpoint mode and schedule predicted to fit (:mod:`pipe.plan`), with
-            the plan's per-stage recompute, and the replicas' and FSDP's bytes on a
-            mesh that has them. A ``chunks``, ``checkpoint`` or ``schedule`` other
-            than its default is kept (the plan is the fastest with it); "tp",
-            FSDP's mixed precision, ``parallelize=``, ``balance=``, ``recompute=``,
-            a schedule table and other ``virtual_stages`` are refused.
-        sample, target: one mini-batch of a pipeline and its targets, with ``memory_budget``.
+        memory_budget, sample, target: no longer taken (TypeError): the planner
+            builds a planned ``DistributedPipe``, :func:`pipe.plan.planned_distributed`.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
 
@@ -165,34 +161,21 @@ class DistributedPipe(PlainNamed, nn.Module):
         device: Optional[torch.device] = None,
         deferred_batch_norm: bool = False,
         recompute: Optional[ConfigSource] = None,
-        memory_budget: Optional[Any] = None,
-        sample: Any = None,
-        target: Any = None,
+        memory_budget: None = None,
+        sample: None = None,
+        target: None = None,
         compile: CompileOption = False,
     ) -> None:
         super().__init__()
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
         if tensor_parallel:
             refuse_tensor_parallel(model)
-        dtensors = tensor_parallel is not None or parallelize is not None
-        if memory_budget is not None:  # rank 0 plans (pipe.plan), every rank applies its choice
-            from pipe.plan.apply import Given, plan_for_ranks
-
-            require_initialized()
-            given = Given(balance=balance, recompute=recompute, compiled=verify_compile(compile, dtensors) is not None,
-                          parallelize=parallelize, chunks=None if chunks == 1 else chunks,  # non-defaults are kept
-                          checkpoint=None if checkpoint == "except_last" else checkpoint,
-                          schedule=None if isinstance(schedule, str) and schedule == "1f1b" else schedule,
-                          virtual_stages=None if virtual_stages == 1 else virtual_stages)
-            planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
-                                     data_parallel=data_parallel, shard=shard, device=rank_device(device))
-            chunks, checkpoint, schedule = planned["chunks"], planned["checkpoint"], planned["schedule"]
-            balance, virtual_stages = planned["balance"], planned["virtual_stages"]
-            recompute = planned.get("recompute")  # the plan's per-stage marks, if it has any
+        refuse_planning("DistributedPipe", PLANNED, memory_budget=memory_budget, sample=sample, target=target)
         spec = self.spec = PipelineSpec.checked(
             chunks, checkpoint, balance=balance, deferred_batch_norm=deferred_batch_norm, recompute=recompute,
-            compile=compile, tensor_parallel=dtensors, schedule=schedule, virtual_stages=virtual_stages,
-            loss_reduction=loss_reduction, data_parallel=data_parallel)
+            compile=compile, tensor_parallel=tensor_parallel is not None or parallelize is not None,
+            schedule=schedule, virtual_stages=virtual_stages, loss_reduction=loss_reduction,
+            data_parallel=data_parallel)
         self.chunks, self.checkpoint, self.loss_reduction = spec.chunks, spec.checkpoint, spec.loss_reduction
         self._warned_ignored_targets = False
         self.loss_fn = loss_fn

@@ -17,7 +17,6 @@ import datetime
 import gc
 import logging
 import math
-import multiprocessing
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -158,23 +157,6 @@ def as_timedelta(timeout: Union[float, datetime.timedelta, None]) -> datetime.ti
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}; e.g. timeout=60")
     return datetime.timedelta(seconds=seconds)
-
-
-def rank_processes(method: Optional[str] = None) -> Any:
-    """The ``multiprocessing`` context that starts local ranks from Python (the planner's, the tests').
-
-    Default: fork where no GPU is visible (cheapest; any function works). Where one is, a fork server: a
-    fresh interpreter that imports torch and pipe once and forks each rank. A child forked from a process
-    can use neither CUDA once that process has, nor autograd once it ran a backward (in a CUDA build with a
-    GPU, the first backward starts autograd's device threads, and torch then refuses a forked child's), and a
-    spawn re-imports torch for every rank. The fork server's ranks get their function and arguments by
-    pickling. ``method`` (``"fork"``, ``"forkserver"``, ``"spawn"``) chooses another.
-    """
-    method = method or ("forkserver" if torch.cuda.is_available() else "fork")
-    context: Any = multiprocessing.get_context(method)
-    if method == "forkserver":  # imported once in the server, before it forks the ranks
-        context.set_forkserver_preload(["torch", "torch.distributed", "pipe", "pipe.distributed"])
-    return context
 
 
 def rank_device(device: Optional[torch.device]) -> torch.device:

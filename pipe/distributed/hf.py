@@ -162,7 +162,7 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
             where the module has one. Without a config, ``from_pretrained`` needs one given.
         max_shard_size: bytes per file, a number or ``"2GB"``, ``"500MiB"``.
     """
-    from pipe.plan.units import parse_bytes
+    from pipe.core.units import parse_bytes
 
     try:
         limit = parse_bytes(max_shard_size)

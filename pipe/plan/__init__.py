@@ -3,12 +3,26 @@
 Usage::
 
     import pipe.plan
-    plan = pipe.plan.plan(model, sample, memory_budget="2GiB", stages=4)
-    text = plan.table()                       # the chosen plan, the runners-up, the rejected
-    model = Pipe(model, **plan.pipe_kwargs())
+    model = pipe.plan.planned_pipe(model, sample, memory_budget="2GiB", devices=["cuda:0", "cuda:1"])
+    text = model.plan.table()                 # the chosen plan, the runners-up, the rejected
+
+    plan = pipe.plan.plan(model, sample, memory_budget="2GiB", stages=4)   # or plan, then build yourself
+    model = Pipe(model, **plan.pipe_kwargs(), devices=...)
 
     report = pipe.plan.explain(pipe.trace.load("run.json"))   # a measured step
     text = report.table()                     # idle time per rank, by cause
+
+The planner is two layers (tests/test_layers.py). Its **model** needs no
+torch: :mod:`~pipe.plan.cost`, :mod:`~pipe.plan.host_copy`,
+:mod:`~pipe.plan.timing`, :mod:`~pipe.plan.candidate`,
+:mod:`~pipe.plan.candidates`, :mod:`~pipe.plan.predict`,
+:mod:`~pipe.plan.sharding` and :mod:`~pipe.plan.search` turn costs into the
+fastest plan that fits. Its **driver** measures and builds, above the front
+ends: :mod:`~pipe.plan.profile`, :mod:`~pipe.plan.link`,
+:mod:`~pipe.plan.measure`, :mod:`~pipe.plan.calibration`,
+:mod:`~pipe.plan.planning` (``plan``), :mod:`~pipe.plan.apply` (``planned_pipe``,
+``planned_distributed``), :mod:`~pipe.plan.explain` and :mod:`~pipe.plan.cli`.
+The front ends never import the planner.
 
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
 * :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
@@ -33,9 +47,12 @@ from pipe.plan.candidate import Candidate
 from pipe.plan.predict import Prediction, predict
 from pipe.plan.timing import Link, TimeModel, fit
 from pipe.plan.calibration import Calibration, calibrate
-from pipe.plan.search import Plan, PlanError, plan, search
-from pipe.plan.units import format_bytes, parse_bytes
+from pipe.plan.search import Plan, PlanError, search
+from pipe.plan.planning import plan
+from pipe.plan.apply import planned_distributed, planned_pipe
+from pipe.core.units import format_bytes, parse_bytes
 
 __all__ = ["Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
-           "StageTime", "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "predict",
+           "StageTime", "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "planned_distributed",
+           "planned_pipe", "predict",
            "profile_costs", "search"]

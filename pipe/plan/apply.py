@@ -1,15 +1,16 @@
-"""Applying a plan: what ``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)`` do.
+"""Building a planned pipeline: :func:`planned_pipe` and :func:`planned_distributed`.
 
-The front ends take a budget and a sample mini-batch, plan
-(:func:`pipe.plan.search.plan`) and use the plan's chunks, balance,
-checkpoint mode and per-stage recompute (and, for processes, schedule and
-virtual stages). A ``chunks``, ``checkpoint`` or ``schedule`` other than the
-front end's default is kept: the plan is searched among the plans with it.
+They take a memory budget and a sample mini-batch, plan
+(:func:`pipe.plan.plan`) and build ``Pipe`` or ``DistributedPipe`` with the
+plan's chunks, balance, checkpoint mode and per-stage recompute (and, for
+processes, schedule and virtual stages). A ``chunks``, ``checkpoint`` or
+``schedule`` given is kept: the plan is searched among the plans with it.
 What the planner cannot count (a balance or recompute marks of the user's, a
 ``parallelize`` function, tensor parallelism, FSDP's mixed precision, a
 schedule given as a table) is refused. Processes must agree on one plan, so
 the first rank plans and broadcasts it: profiles measured on several ranks
-differ a little.
+differ a little. The front ends know nothing of the planner: the planner
+builds them (this module is the planner's driver, above the front ends).
 """
 from __future__ import annotations
 
@@ -19,11 +20,22 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipe.compile import CompileOption, verify_compile
 from pipe.core.options import verify_checkpoint, verify_chunks
-from pipe.plan.search import CHUNKS, Budget, Plan, PlanError, plan
+from pipe.core.partition import Device
+from pipe.distributed.distributed_pipe import DistributedPipe
+from pipe.distributed.env import rank_device
+from pipe.distributed.fsdp import Shard, verify_shard
+from pipe.distributed.group import require_initialized
+from pipe.distributed.mesh import mesh_size, verify_mesh
+from pipe.pipe import Pipe
+from pipe.plan.planning import plan
+from pipe.plan.search import CHUNKS, Budget, Plan, PlanError
+from pipe.recompute.config import ConfigSource
 from pipe.threads.worker import partition_threads
 
 __all__: list[str] = []
@@ -33,10 +45,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Given:
-    """What a front end was given beside ``memory_budget=``.
+    """What :func:`planned_pipe` or :func:`planned_distributed` was given beside the budget.
 
-    ``chunks``, ``checkpoint`` and ``schedule`` are those other than the front end's defaults (None:
-    the default, which the plan chooses): the plan keeps them. ``balance``, ``recompute`` and
+    ``chunks``, ``checkpoint`` and ``schedule`` are those given (None: the plan chooses them): the plan keeps them. ``balance``, ``recompute`` and
     ``parallelize`` are refused; ``compiled`` warns; ``virtual_stages`` other than the plan's (2 for
     "interleaved" and "zbv", else 1) is refused. ``threads``: ``Pipe``'s ``cpu_threads``, as given.
     """
@@ -71,18 +82,18 @@ class Given:
 
 def _check(module: Any, sample: Any, front: str, given: Given) -> None:
     if given.compiled:
-        warnings.warn(f"{front}(..., memory_budget=..., compile=...) plans the layers as they run eager: the "
+        warnings.warn(f"{front}(..., compile=...) plans the layers as they run eager: the "
                       f"plan's predicted peaks and step times are eager layers', and compiled ones keep other "
                       f"activations (and run faster); leave a margin in the budget, or measure the compiled "
                       f"model's peak before training at scale", UserWarning, stacklevel=4)
     if sample is None:
-        raise ValueError(f"{front}(..., memory_budget=...) needs sample=, one mini-batch as the pipeline will get "
-                         f"it, to measure the model on")
+        raise ValueError(f"{front}() needs sample, one mini-batch as the pipeline will get it, to measure the "
+                         f"model on")
     if given.balance is not None:
-        raise ValueError(f"{front}(..., memory_budget=...) chooses the balance; leave balance= out (got "
-                         f"{given.balance!r}), or pass balance= without memory_budget=")
+        raise ValueError(f"{front}() chooses the balance; leave balance= out (got {given.balance!r}), or "
+                         f"build the pipeline with balance= yourself, unplanned")
     if given.recompute is not None:  # the plan's peaks hold for its own recompute marks (or none), not for others
-        raise ValueError(f"{front}(..., memory_budget=...) chooses what each stage recomputes, and its predicted "
+        raise ValueError(f"{front}() chooses what each stage recomputes, and its predicted "
                          f"peaks hold for that alone; leave recompute= out, or plan with pipe.plan.plan() and "
                          f"pass its arguments with recompute= of your own (its peaks then no longer hold)")
     if given.chunks is not None:
@@ -90,7 +101,7 @@ def _check(module: Any, sample: Any, front: str, given: Given) -> None:
     if given.checkpoint is not None:
         verify_checkpoint(given.checkpoint)
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"{front}(..., memory_budget=...) plans an nn.Sequential, got {type(module).__name__}; "
+        raise TypeError(f"{front}() plans an nn.Sequential, got {type(module).__name__}; "
                         f"build the model, or plan with pipe.plan.plan() and pass the arguments")
 
 
@@ -113,16 +124,16 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Opti
         ValueError: no ``sample`` or no ``devices``, or what ``given`` holds cannot be planned;
             :class:`pipe.plan.PlanError` when nothing fits.
     """
-    _check(module, sample, "Pipe", given)
+    _check(module, sample, "pipe.plan.planned_pipe", given)
     if not devices:
-        raise ValueError("Pipe(..., memory_budget=...) needs devices=, one per stage, to know how many stages "
+        raise ValueError("pipe.plan.planned_pipe() needs devices=, one per stage, to know how many stages "
                          "to plan for (e.g. devices=['cuda:0', 'cuda:1'])")
     where = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
     # The layers are timed with the threads each CPU partition's worker computes with.
     threads = partition_threads(given.threads, sum(d.type == "cpu" for d in where))
-    chosen = _planned("Pipe", given, lambda: plan(module, sample, memory_budget=memory_budget, stages=len(devices),
+    chosen = _planned("pipe.plan.planned_pipe", given, lambda: plan(module, sample, memory_budget=memory_budget, stages=len(devices),
                                                   device=where[0], threads=threads, **given.restrictions()))
-    logger.info("Pipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
+    logger.info("Pipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
     return chosen
 
 
@@ -146,11 +157,6 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
             table or ``virtual_stages`` other than the plan's, which the planner does not model (every
             rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
-    import torch.distributed as dist
-
-    from pipe.distributed.fsdp import verify_shard
-    from pipe.distributed.mesh import mesh_size, verify_mesh
-
     if mesh is not None:
         verify_mesh(mesh, data_parallel, torch.device(device) if device is not None
                     else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
@@ -164,36 +170,36 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     policy = sharding.mp_policy if sharding is not None else None
     if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) plans in the parameters' own precision, but "
+            f"pipe.plan.planned_distributed() plans in the parameters' own precision, but "
             f"shard=Shard(mp_policy=...) has FSDP gather and compute in {policy.param_dtype} and reduce in "
             f"{policy.reduce_dtype}, whose bytes and times it would not count; leave mp_policy out, or plan "
             f"without it (in full precision) and pass the plan's chunks=, balance= and checkpoint= yourself")
     if given.parallelize is not None:
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) plans the stages as the model builds them, but "
+            f"pipe.plan.planned_distributed() plans the stages as the model builds them, but "
             f"parallelize={getattr(given.parallelize, '__name__', given.parallelize)!r} changes them after the "
             f"plan, in ways it cannot count; leave parallelize= out, or plan with pipe.plan.plan() and pass its "
             f"arguments yourself")
     if tensor_parallel > 1:
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) does not plan tensor parallelism, but the mesh splits each "
+            f"pipe.plan.planned_distributed() does not plan tensor parallelism, but the mesh splits each "
             f"stage over tp={tensor_parallel} ranks, whose memory and collectives it would not count; pass "
             f"chunks=, balance= and checkpoint= yourself (plan the mesh without 'tp' to start from: "
             f"pipe.plan.plan(..., dp_shard=...), docs/planner.md)")
     if given.schedule is not None and not isinstance(given.schedule, str):
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) plans the built-in schedules, not a schedule given as a "
+            f"pipe.plan.planned_distributed() plans the built-in schedules, not a schedule given as a "
             f"table ({type(given.schedule).__name__}); pass schedule= by name (\"gpipe\", \"1f1b\", "
-            f"\"interleaved\", \"zb-h1\", \"zbv\"), or plan without memory_budget=")
+            f"\"interleaved\", \"zb-h1\", \"zbv\"), or build DistributedPipe yourself, unplanned")
     if given.virtual_stages is not None and given.virtual_stages != (2 if given.schedule in ("interleaved", "zbv")
                                                                      else 1):
         raise ValueError(
-            f"DistributedPipe(..., memory_budget=...) plans 2 virtual stages per rank for \"interleaved\" and "
+            f"pipe.plan.planned_distributed() plans 2 virtual stages per rank for \"interleaved\" and "
             f"\"zbv\" and 1 otherwise, got virtual_stages={given.virtual_stages} with schedule="
-            f"{given.schedule or 'the plan'!r}; leave virtual_stages= out, or plan without memory_budget=")
-    _check(module, sample, "DistributedPipe", given)
+            f"{given.schedule or 'the plan'!r}; leave virtual_stages= out, or build DistributedPipe yourself, unplanned")
+    _check(module, sample, "pipe.plan.planned_distributed", given)
     if any(p.is_meta for p in module.parameters()):
-        raise ValueError("DistributedPipe(..., memory_budget=...) must run the model to measure it; build it on a "
+        raise ValueError("pipe.plan.planned_distributed() must run the model to measure it; build it on a "
                          "real device, not on torch.device('meta')")
     message: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -204,13 +210,13 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
 
                 sample, target = (gather([Batch(value)] * parts) if value is not None else None
                                   for value in (sample, target))
-            chosen = _planned("DistributedPipe", given, lambda: plan(
+            chosen = _planned("pipe.plan.planned_distributed", given, lambda: plan(
                 module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
                 link="cached", loss_fn=loss_fn, target=target, device=device,
                 threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
                 dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
                 zero=(3,) if zero3 else (2,), **given.restrictions(parts)))
-            logger.info("DistributedPipe plan for memory_budget=%s:\n%s", memory_budget, chosen.table())
+            logger.info("DistributedPipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
             message = [chosen.distributed_kwargs()]
         except (TypeError, ValueError) as error:
             message = [error]
@@ -218,3 +224,85 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     if isinstance(message[0], BaseException):
         raise message[0]
     return dict(message[0])
+
+
+def planned_pipe(module: nn.Sequential, sample: Any, *, memory_budget: Budget, devices: Sequence[Device],
+                 chunks: Optional[int] = None, checkpoint: Optional[str] = None, balance: Optional[Sequence[int]] = None,
+                 recompute: Optional[ConfigSource] = None, cpu_threads: Optional[int] = None,
+                 compile: CompileOption = False, **options: Any) -> Pipe:
+    """``Pipe(module, ...)`` with the fastest plan predicted to fit ``memory_budget`` on every device.
+
+    Usage::
+
+        model = pipe.plan.planned_pipe(model, sample, memory_budget="2GiB", devices=["cuda:0", "cuda:1"])
+        print(model.plan.table())             # the plan it runs, the runners-up, the rejected
+
+    Measures ``module`` on ``sample`` (:func:`pipe.plan.plan`, GPipe over ``devices``, one stage
+    each) and builds the ``Pipe`` with the plan's ``chunks``, ``balance``, ``checkpoint`` and per-stage
+    recompute; the plan is its ``.plan``.
+
+    Args:
+        module: the ``nn.Sequential`` to plan and wrap.
+        sample: one mini-batch, as the pipeline will get it.
+        memory_budget: bytes per device (``"2GiB"``, a number, or one per device).
+        devices: one device per stage.
+        chunks, checkpoint: kept if given (the plan is the fastest with them); else the plan's.
+        balance, recompute: refused (the plan chooses them, and its peaks hold for its own choice).
+        cpu_threads, compile, options: passed to ``Pipe`` (the layers are timed with ``cpu_threads``
+            threads; compiled layers are planned as they run eager, with a warning).
+
+    Raises:
+        ValueError: no ``sample`` or ``devices``, or what is given cannot be planned;
+            :class:`pipe.plan.PlanError` when nothing fits.
+    """
+    compiled = verify_compile(compile) is not None
+    given = Given(balance=balance, recompute=recompute, compiled=compiled, chunks=chunks, checkpoint=checkpoint,
+                  threads=cpu_threads)
+    chosen = plan_for_pipe(module, sample, memory_budget, devices, given)
+    built = Pipe(module, devices=devices, cpu_threads=cpu_threads, compile=compile, **chosen.pipe_kwargs(), **options)
+    built.plan = chosen
+    return built
+
+
+def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Budget, target: Any = None,
+                        loss_fn: Optional[Callable[..., Any]] = None, chunks: Optional[int] = None,
+                        checkpoint: Optional[str] = None, schedule: Any = None,
+                        virtual_stages: Optional[int] = None, balance: Optional[Sequence[int]] = None,
+                        recompute: Optional[ConfigSource] = None, parallelize: Any = None,
+                        mesh: Optional[DeviceMesh] = None, data_parallel: Optional[int] = None,
+                        shard: Optional[Shard] = None, device: Optional[torch.device] = None,
+                        compile: CompileOption = False, **options: Any) -> DistributedPipe:
+    """``DistributedPipe(model, ...)`` with the fastest plan predicted to fit ``memory_budget`` on every rank.
+
+    A collective: every rank calls it alike. Rank 0 measures ``model`` on ``sample`` (with ``loss_fn``
+    and ``target``), plans and broadcasts its choice, and every rank builds the ``DistributedPipe``
+    with the plan's chunks, balance, checkpoint mode, schedule, virtual stages and per-stage recompute.
+    On a ``mesh`` with "dp_replicate" or "dp_shard" (or with ``data_parallel``), the replicas' and
+    FSDP's bytes and collectives are planned too (:mod:`pipe.plan.sharding`); ``sample`` is one
+    pipeline's mini-batch.
+
+    Usage::
+
+        model = pipe.plan.planned_distributed(model, x, memory_budget="2GiB", target=y, loss_fn=F.mse_loss)
+
+    Args:
+        chunks, checkpoint, schedule, virtual_stages: kept if given (the plan is the fastest with them).
+        balance, recompute, parallelize: refused, as are a mesh with "tp", FSDP's mixed precision and a
+            schedule given as a table, which the planner does not count.
+        target, loss_fn, mesh, data_parallel, shard, device, compile, options: as for ``DistributedPipe``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: what is given cannot be planned (every rank raises alike); :class:`pipe.plan.PlanError`
+            when nothing fits.
+    """
+    require_initialized()
+    given = Given(balance=balance, recompute=recompute, compiled=verify_compile(compile) is not None,
+                  parallelize=parallelize, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+                  virtual_stages=virtual_stages)
+    planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
+                             data_parallel=data_parallel, shard=shard, device=rank_device(device))
+    return DistributedPipe(model, planned["chunks"], planned["checkpoint"], schedule=planned["schedule"],
+                           balance=planned["balance"], virtual_stages=planned["virtual_stages"],
+                           recompute=planned.get("recompute"), loss_fn=loss_fn, mesh=mesh,
+                           data_parallel=data_parallel, shard=shard, device=device, compile=compile, **options)

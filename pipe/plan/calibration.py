@@ -17,7 +17,7 @@ fastest step over a few sweeps, and fits the constants to them
 
 or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibrate=True)``
 (``pipe-plan --calibrate``). It costs a few seconds per plan; the
-``benchmarks/planner.py`` figures say how far it brings predictions.
+``benchmarks/planner.py budget`` figures say how far it brings predictions.
 """
 from __future__ import annotations
 

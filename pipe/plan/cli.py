@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional, Sequence
 from pipe.plan.candidates import RUNNERS
 from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern
-from pipe.recompute.selective import DEFAULT_SELECT
+from pipe.recompute.defaults import DEFAULT_SELECT
 from pipe.plan.search import PlanError
-from pipe.plan.units import parse_bytes
+from pipe.core.units import parse_bytes
 
 __all__: list[str] = []
 
@@ -153,7 +153,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
     import time
 
     from pipe.plan.measure import verify_plan
-    from pipe.plan.units import format_bytes
+    from pipe.core.units import format_bytes
 
     predicted = chosen.best
     lines = ["verified (measured beside predicted):"]
@@ -166,7 +166,7 @@ def _verify(args: argparse.Namespace, chosen: Any, sample: Any) -> str:
             lines.append(f"  rank {rank}{where} peak  predicted {format_bytes(peak):>12}  measured "
                          f"{format_bytes(m.activation_peak):>12} ({peak / m.activation_peak - 1:+.1%})")
         return "\n".join(lines)
-    from pipe import Pipe
+    from pipe.pipe import Pipe
 
     model = Pipe(args.model(), devices=["cpu"] * chosen.candidate.ranks, **chosen.pipe_kwargs())
     times = []
@@ -219,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from pipe.plan.explain import explain_prediction
-    from pipe.plan.search import plan
+    from pipe.plan.planning import plan
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from pipe.plan.host_copy import HostCopy
-from pipe.recompute.selective import DEFAULT_SELECT
+from pipe.recompute.defaults import DEFAULT_SELECT
 
 __all__: list[str] = []
 

@@ -1,6 +1,7 @@
 """The transport between two ranks, measured once per machine: seconds per message and per byte.
 
-:func:`measure_link` starts two processes that join a gloo group on
+:func:`measure_link` starts two fresh processes
+(:func:`pipe.distributed.local_ranks.run_local_ranks`) that join a gloo group on
 127.0.0.1, as ``DistributedPipe``'s ranks on one machine do, and bounce
 messages of several sizes between them (ping-pong: one way is half a round
 trip). The fastest round trip of each size is kept (time lost to other
@@ -37,12 +38,8 @@ import json
 import logging
 import math
 import os
-import pickle
 import platform
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -71,45 +68,37 @@ def cache_path() -> Path:
     return Path(os.environ.get("PIPE_CACHE_DIR") or Path.home() / ".cache" / "pipe") / "link.json"
 
 
-def peer(rank: int, port: int, sizes: Sequence[int], repeats: int) -> Any:
-    """One of :func:`measure_link`'s two processes: its timings, or its error as a string."""
-    import datetime
+def peer(rank: int, world: int, sizes: Sequence[int], repeats: int) -> Any:
+    """One of :func:`measure_link`'s two ranks (:func:`pipe.distributed.local_ranks.run_local_ranks`): its
+    timings."""
+    import gc
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
-        best: dict[int, float] = {}
-        for _ in range(repeats + 1):  # the first round warms up the connection
-            for size in sizes:
-                buffer = torch.empty(size, dtype=torch.uint8)
-                dist.barrier()
-                begun = time.perf_counter()
-                if rank == 0:
-                    dist.send(buffer, 1)
-                    dist.recv(buffer, 1)
-                else:
-                    dist.recv(buffer, 0)
-                    dist.send(buffer, 0)
-                elapsed = (time.perf_counter() - begun) / 2
-                best[size] = min(best.get(size, math.inf), elapsed)
-        reduced: dict[int, float] = {}
-        for _ in range(repeats + 1):
-            for size in REDUCE_SIZES:
-                reduced[size] = min(reduced.get(size, math.inf), _averaged(size))
-        step = _empty_step(rank)
-        sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
-        wide = _sharded_step(2, WIDE)
-        import gc
-
-        gc.collect()  # the sharded pipelines' groups go before the default group
-        dist.destroy_process_group()
-        return best, step, sharded, reduced, wide
-    except BaseException as error:  # reported to the parent, which raises it
-        return f"{type(error).__name__}: {error}"
+    best: dict[int, float] = {}
+    for _ in range(repeats + 1):  # the first round warms up the connection
+        for size in sizes:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            dist.barrier()
+            begun = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            elapsed = (time.perf_counter() - begun) / 2
+            best[size] = min(best.get(size, math.inf), elapsed)
+    reduced: dict[int, float] = {}
+    for _ in range(repeats + 1):
+        for size in REDUCE_SIZES:
+            reduced[size] = min(reduced.get(size, math.inf), _averaged(size))
+    step = _empty_step(rank)
+    sharded = {layers: _sharded_step(layers) for layers in SHARDED_LAYERS}
+    wide = _sharded_step(2, WIDE)
+    gc.collect()  # the sharded pipelines' groups go before the default group
+    return best, step, sharded, reduced, wide
 
 
 def _averaged(nbytes: int) -> float:
@@ -283,13 +272,15 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
     Raises:
         RuntimeError: a process failed or did not finish within ``timeout`` seconds.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = _run_peers(port, list(sizes), repeats, timeout)
-    failed = [f"rank {r}: {v}" for r, v in results.items() if isinstance(v, str)]
-    if failed:
-        raise RuntimeError("measuring the transport failed: " + "; ".join(failed))
+    from pipe.distributed.local_ranks import RankFailure, run_local_ranks
+
+    try:  # fresh interpreters: the caller's script is not run again, and CUDA used here does not matter
+        results = run_local_ranks(peer, 2, list(sizes), repeats, timeout=60.0, deadline=timeout,
+                                  start_method="interpreter")
+    except RankFailure as error:
+        raise RuntimeError(f"measuring the transport between two local gloo processes failed or took more than "
+                           f"{timeout} s; pass link=pipe.plan.Link(latency, per_byte) to plan instead:\n{error}"
+                           ) from None
     best = {size: max(results[0][0][size], results[1][0][size]) for size in sizes}
     latency, per_byte = fit_line(best)
     link = Link(latency, per_byte, source=link_key())
@@ -306,51 +297,6 @@ def measure_link(sizes: Sequence[int] = SIZES, repeats: int = 10, timeout: float
                 collective * 1e3, per_byte_fsdp * 1e9, per_step * 1e3, reduce_latency * 1e6, reduce_per_byte * 1e9)
     return replace(link, collective_overhead=collective, shard_step_overhead=per_step, reduce_latency=reduce_latency,
                    reduce_per_byte=reduce_per_byte, collective_per_byte=per_byte_fsdp)
-
-
-def _run_peers(port: int, sizes: list[int], repeats: int, timeout: float) -> dict[int, Any]:
-    """Runs :func:`peer` in two fresh interpreters (``python -m pipe.plan.link_peer``); returns their results.
-
-    Fresh interpreters, not ``multiprocessing``: its spawn and fork-server children import the caller's
-    ``__main__`` again, so a user's script without ``if __name__ == "__main__":`` would run once more in
-    each, and a fork cannot use CUDA or autograd once its parent has.
-    """
-    root = str(Path(__file__).resolve().parents[2])  # pipe importable there too when run from a source tree
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    with tempfile.TemporaryDirectory(prefix="pipe-link-") as folder:
-        out = [os.path.join(folder, f"rank{rank}") for rank in range(2)]
-        logs = [open(path + ".log", "w") for path in out]
-        try:
-            processes = [subprocess.Popen([sys.executable, "-m", "pipe.plan.link_peer", str(rank), str(port),
-                                           ",".join(map(str, sizes)), str(repeats), out[rank]],
-                                          stdin=subprocess.DEVNULL, stdout=logs[rank], stderr=subprocess.STDOUT,
-                                          env=env) for rank in range(2)]
-            end = time.monotonic() + timeout
-            try:
-                for process in processes:
-                    process.wait(timeout=max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"measuring the transport between two local gloo processes took more than "
-                                   f"{timeout} s; pass link=pipe.plan.Link(latency, per_byte) to plan instead"
-                                   ) from None
-            finally:
-                for process in processes:  # only the two this function started
-                    if process.poll() is None:
-                        process.kill()
-                        process.wait()
-        finally:
-            for log in logs:
-                log.close()
-        results: dict[int, Any] = {}
-        for rank, path in enumerate(out):
-            if not os.path.exists(path):
-                with open(path + ".log") as log:
-                    printed = log.read()[-2000:]
-                raise RuntimeError(f"measuring the transport failed: rank {rank} exited with code "
-                                   f"{processes[rank].returncode} and no result:\n{printed}")
-            with open(path, "rb") as result:
-                results[rank] = pickle.load(result)
-    return results
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:

@@ -15,7 +15,6 @@ on both sides, so the comparison is on the activations::
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -135,43 +134,32 @@ def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
                 module.free_storage = free_  # type: ignore[attr-defined]
 
 
-def _plans_rank(rank: int, world: int, port: int, build: Callable[[], nn.Module], candidates: "list[Candidate]",
-                inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int,
-                queue: "multiprocessing.Queue[Any]") -> None:
-    import datetime
+def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidates: "list[Candidate]",
+                inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int) -> "list[Measured]":
+    """One rank of :func:`run_plans` (its process group made by :func:`pipe.distributed.local_ranks.run_local_ranks`)."""
+    from pipe.core.microbatch import scatter
+    from pipe.distributed import DistributedPipe, make_mesh
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        from pipe.core.microbatch import scatter
-        from pipe.distributed import DistributedPipe, make_mesh
-
-        best: list[Measured] = []
-        for sweep in range(sweeps):  # the plans in turn, each sweep: a burst of load slows one sweep, not one plan
-            for k, candidate in enumerate(candidates):
-                kwargs = candidate.distributed_kwargs()
-                if candidate.parts > 1:
-                    kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
-                torch.manual_seed(0)  # partners start alike (DistributedPipe checks it), whatever build() seeds
-                model = DistributedPipe(build(), **kwargs)
-                parts, part = model.topology.data_parallel, model.topology.replica
-                x, y = inputs, target
-                if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
-                    x, y = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
-                m = replace(measure_step(model, x, y, loss_fn, repeat=repeat),
-                            pipeline_rank=model.topology.pipeline_rank)
-                if sweep == 0:
-                    best.append(m)
-                else:  # the first sweep's peak, the fastest step of all
-                    best[k] = replace(best[k], step_time=min(best[k].step_time, m.step_time),
-                                      step_times=best[k].step_times + m.step_times)
-        queue.put((rank, best))
-        dist.destroy_process_group()
-    except BaseException as error:  # reported to the parent
-        queue.put((rank, f"{type(error).__name__}: {error}"))
+    best: list[Measured] = []
+    for sweep in range(sweeps):  # the plans in turn, each sweep: a burst of load slows one sweep, not one plan
+        for k, candidate in enumerate(candidates):
+            kwargs = candidate.distributed_kwargs()
+            if candidate.parts > 1:
+                kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
+            torch.manual_seed(0)  # partners start alike (DistributedPipe checks it), whatever build() seeds
+            model = DistributedPipe(build(), **kwargs)
+            parts, part = model.topology.data_parallel, model.topology.replica
+            x, y = inputs, target
+            if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
+                x, y = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
+            m = replace(measure_step(model, x, y, loss_fn, repeat=repeat),
+                        pipeline_rank=model.topology.pipeline_rank)
+            if sweep == 0:
+                best.append(m)
+            else:  # the first sweep's peak, the fastest step of all
+                best[k] = replace(best[k], step_time=min(best[k].step_time, m.step_time),
+                                  step_times=best[k].step_times + m.step_times)
+    return best
 
 
 def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]", inputs: Any, target: Any,
@@ -183,11 +171,12 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
 
     A ``pp x dp_replicate x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
     ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
-    its fastest step. ``build()`` returns a fresh model. The processes are forked (any function works) where
-    no GPU is visible. Where one is, a fork server starts them (a fresh interpreter that imports torch and
-    pipe once and forks each rank), so ``build``, ``loss_fn`` and the data must pickle (a function at module
+    its fastest step. ``build()`` returns a fresh model. The ranks are started by
+    :func:`pipe.distributed.local_ranks.run_local_ranks`: forked (any function works) where no GPU is visible;
+    where one is, fresh interpreters, so ``build``, ``loss_fn`` and the data must pickle (a function at module
     level): a child forked from this process can use neither CUDA once this process has, nor autograd once
-    this process ran a backward (torch starts autograd's device threads then).
+    this process ran a backward (torch starts autograd's device threads then). The caller's script is never
+    run again in the ranks.
 
     Raises:
         ValueError: no candidates, or candidates on different numbers of ranks.
@@ -195,45 +184,27 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
         TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
     """
     import pickle
-    import socket
+
+    from pipe.distributed.local_ranks import RankFailure, default_start_method, run_local_ranks
 
     worlds = sorted({c.world for c in candidates})
     if len(worlds) != 1:
         raise ValueError(f"run_plans runs candidates on one set of ranks; got plans on {worlds or 'no'} ranks")
     world = worlds[0]
-    from pipe.distributed.env import rank_processes
-
-    context = rank_processes()
-    if context.get_start_method() != "fork":  # the ranks get build, loss_fn and the data by pickling
+    if default_start_method() != "fork":  # the ranks get build, loss_fn and the data by pickling
         try:
             pickle.dumps((build, loss_fn, inputs, target))
         except Exception as error:
             raise TypeError(
-                f"running a plan: {error}. With a GPU visible the plan's ranks are started by a fork server (a "
-                "child forked from this process cannot use CUDA or autograd after this process did), so build and "
+                f"running a plan: {error}. With a GPU visible the plan's ranks are fresh interpreters (a child "
+                "forked from this process cannot use CUDA or autograd after this process did), so build and "
                 "loss_fn must be functions at module level and the data must pickle") from None
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_plans_rank, daemon=True, args=(
-        rank, world, port, build, list(candidates), inputs, target, loss_fn, repeat, sweeps, queue))
-        for rank in range(world)]
-    for process in processes:
-        process.start()
     try:
-        results = dict(queue.get(timeout=timeout) for _ in processes)
-    except Exception:
-        raise RuntimeError(f"running {len(candidates)} plan(s) on {world} processes took more than {timeout} s"
-                           ) from None
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-    failed = [f"rank {r}: {v}" for r, v in sorted(results.items()) if isinstance(v, str)]
-    if failed:
-        raise RuntimeError("running the plan failed: " + "; ".join(failed))
+        results = run_local_ranks(_plans_rank, world, build, list(candidates), inputs, target, loss_fn, repeat, sweeps,
+                                  timeout=120.0, deadline=timeout)
+    except RankFailure as error:
+        raise RuntimeError(f"running {len(candidates)} plan(s) on {world} processes failed (or took more than "
+                           f"{timeout} s):\n{error}") from None
     return [[results[r][k] for r in range(world)] for k in range(len(candidates))]
 
 

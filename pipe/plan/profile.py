@@ -30,12 +30,14 @@ from pipe.core.inplace import InputGuard
 from pipe.core.iw_backward import backward_input_first
 from pipe.core.microbatch import Batch, scatter
 from pipe.plan.cost import Costs, StageMemory
-from pipe.plan.host_copy import measure_host_copy
+from pipe.plan.host_copy import HostCopy
+from pipe.plan.link import fit_line
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import mark, recompute as mark_recompute, unmark
 from pipe.recompute.offload import OffloadLayer, Offloader
 from pipe.recompute.scope import compile_pattern
-from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, Usage
+from pipe.recompute.defaults import DEFAULT_SELECT
+from pipe.recompute.selective import SelectiveRecompute, Usage
 from pipe.skip.skippable import skippables_in
 from pipe.skip.tracker import partition_function
 
@@ -351,3 +353,42 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
         del output, value, batch, tensors, saved
     return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
                        after_input=max(after_input, 0), weight_peak=max(weight_peak, 0), fetched=fetched)
+
+
+SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+"""Bytes copied each way by :func:`measure_host_copy` (64 KiB to 64 MiB)."""
+
+
+def measure_host_copy(device: torch.device, sizes: Sequence[int] = SIZES, repeats: int = 8) -> HostCopy:
+    """Times copies of ``sizes`` bytes to and from pinned host memory on a side stream of ``device`` (a CUDA
+    device), the fastest of ``repeats`` of each (after two to warm up), and fits ``latency + bytes x per_byte``
+    to the slower way of each size.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device (the CPU has no host copy to measure).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_host_copy needs a CUDA device, got {device}: on the CPU offloading to host "
+                         f"memory saves nothing and costs nothing to plan")
+    stream = torch.cuda.Stream(device)
+    points: dict[int, float] = {}
+    for nbytes in sizes:
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        on_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        slowest = 0.0
+        for target, source in ((on_host, on_device), (on_device, on_host)):
+            times = []
+            for k in range(repeats + 2):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    begin.record(stream)
+                    target.copy_(source, non_blocking=True)
+                    end.record(stream)
+                end.synchronize()
+                if k >= 2:
+                    times.append(begin.elapsed_time(end) / 1000)
+            slowest = max(slowest, min(times))
+        points[nbytes] = slowest
+    latency, per_byte = fit_line(points)
+    return HostCopy(latency, per_byte)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.lowering import gather_events
 from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.units import format_bytes
 from pipe.plan.cost import Costs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -396,8 +397,6 @@ def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
                   fits: Callable[["Candidate"], bool], best: "Prediction", budget: int) -> list[str]:
     """One line per split (``pp x dp_replicate x dp_shard``, ZeRO mode): its best plan, or why it lost."""
-    from pipe.plan.units import format_bytes
-
     def key(c: "Candidate") -> tuple[int, int, bool]:
         return c.dp_replicate, c.dp_shard, c.dp_shard == 1 or c.reshard_after_forward
 

@@ -36,7 +36,7 @@ action's message has arrived::
 
 The last three are fitted by :func:`fit` to measured steps of a few plans
 (least squares on the relative error), then every other plan is predicted
-with them; ``benchmarks/planner.py`` validates them on more plans than were
+with them; ``benchmarks/planner.py budget`` validates them on more plans than were
 fitted. Recomputation and the I/W split need no parameter: their durations
 are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
@@ -251,23 +251,22 @@ def _polish(best: tuple[float, TimeModel], errors: Callable[[TimeModel], list[fl
             steps: int = 20) -> tuple[float, TimeModel]:
     """Levenberg-Marquardt steps from the grid's best ``(loss, model)``: the Jacobian of the relative
     errors by finite differences, the parameters kept in range (overheads >= 0, contention >= 0.5)."""
-    import torch
-
     names = ["action_overhead", "contention"] + (["message_overhead"] if fit_message else [])
     scales = {"action_overhead": 1e-3, "contention": 1.0, "message_overhead": 1e-3}  # to comparable units
     floors = {"action_overhead": 0.0, "contention": 0.5, "message_overhead": 0.0}
     damping = 1e-3
     value, model = best
     for _ in range(steps):
-        here = torch.tensor(errors(model), dtype=torch.float64)
+        here = errors(model)
         columns = []
         for name in names:
             delta = 1e-4 * scales[name]
             moved = replace(model, **{name: getattr(model, name) + delta})
-            columns.append((torch.tensor(errors(moved), dtype=torch.float64) - here) / (delta / scales[name]))
-        jacobian = torch.stack(columns, dim=1)
-        normal = jacobian.T @ jacobian
-        step = torch.linalg.solve(normal + damping * torch.diag(normal.diagonal() + 1e-12), -jacobian.T @ here)
+            columns.append([(e - h) / (delta / scales[name]) for e, h in zip(errors(moved), here)])
+        normal = [[math.fsum(a * b for a, b in zip(u, v)) for v in columns] for u in columns]
+        damped = [[normal[i][j] + (damping * (normal[i][i] + 1e-12) if i == j else 0.0) for j in range(len(names))]
+                  for i in range(len(names))]
+        step = _solve(damped, [-math.fsum(a * h for a, h in zip(u, here)) for u in columns])
         trial = replace(model, **{name: max(floors[name], getattr(model, name) + float(d) * scales[name])
                                   for name, d in zip(names, step)})
         trial_value = math.fsum(e * e for e in errors(trial))
@@ -278,6 +277,23 @@ def _polish(best: tuple[float, TimeModel], errors: Callable[[TimeModel], list[fl
             if damping > 1e6:
                 break
     return value, model
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """``x`` with ``matrix @ x == vector`` (a small, damped and so regular system), by Gaussian elimination
+    with partial pivoting."""
+    n = len(vector)
+    rows = [list(row) + [value] for row, value in zip(matrix, vector)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (rows[r][n] - math.fsum(rows[r][c] * x[c] for c in range(r + 1, n))) / rows[r][r]
+    return x
 
 
 def _grid(low: float, high: float, points: int) -> list[float]:

@@ -18,7 +18,8 @@ from pipe.recompute.config import load_config, parse_config
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import FullRecompute, Policy, policy_of, recompute, unmark
 from pipe.recompute.offload import OffloadLayer, Offloader, offload
-from pipe.recompute.selective import DEFAULT_SELECT, SelectiveRecompute, select_recompute
+from pipe.recompute.defaults import DEFAULT_SELECT
+from pipe.recompute.selective import SelectiveRecompute, select_recompute
 from pipe.recompute.strategy import LayerStrategy, RecomputeStrategy
 
 __all__ = [

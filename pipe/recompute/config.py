@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from pipe.core.options import is_int
 from pipe.recompute.scope import compile_pattern
-from pipe.recompute.selective import DEFAULT_SELECT
+from pipe.recompute.defaults import DEFAULT_SELECT
 from pipe.recompute.strategy import LayerStrategy, RecomputeStrategy
 
 __all__: list[str] = []

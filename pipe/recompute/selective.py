@@ -28,15 +28,13 @@ from pipe.core.deprecation import warn
 from pipe.recompute.module import Policy, checkpoint, mark, policy_of
 from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, decide_ops
 from pipe.recompute.replay import below
+from pipe.recompute.defaults import DEFAULT_SELECT
 from pipe.recompute.scope import Scope
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-#: What ``select_recompute: True`` chooses: the activation functions and the
-#: attention softmax of every layer (MindFormers' default is the FFN's SiLU and mul).
-DEFAULT_SELECT = (r"(.*\.)?(gelu|silu|softmax)",)
 
 # -- the policy --------------------------------------------------------------------------
 

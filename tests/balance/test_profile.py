@@ -112,7 +112,7 @@ def test_layers_are_timed_in_a_stage_order(extras: dict[str, bool]) -> None:
     """Each round first runs every forward in order, then every backward in reverse order, as a stage runs
     them: timed one layer at a time (forward, backward, next layer), the forwards of a stage of small
     Linear layers summed to 1.56-1.88x the stage's own forward on the CPU, in a chain 1.10-1.45x
-    (benchmarks/profile_fidelity.py). Whatever else a round times (I and W, marks) comes after."""
+    (python benchmarks/planner.py fidelity). Whatever else a round times (I and W, marks) comes after."""
     from pipe.balance import time_layers
 
     events: list[tuple[str, int]] = []

@@ -66,8 +66,8 @@ def _planned_on_cuda(rank: int, world: int) -> tuple[list[str], bool]:
     search = apply.plan
     apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
     try:
-        piped = DistributedPipe(stack(32), memory_budget="1GiB", sample=x, target=y, loss_fn=F.mse_loss,
-                                device=device)
+        piped = apply.planned_distributed(stack(32), x, memory_budget="1GiB", target=y, loss_fn=F.mse_loss,
+                                          device=device)
     finally:
         apply.plan = search
     plain = stack(32).to(device)

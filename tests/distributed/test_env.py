@@ -104,7 +104,7 @@ def test_init_from_env_with_a_timeout_in_seconds_sets_the_process_group_timeout(
 
 
 def test_local_ranks_come_from_a_fork_server_where_a_gpu_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipe.distributed.env import rank_processes
+    from pipe.distributed.local_ranks import rank_processes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert rank_processes().get_start_method() == "fork"

@@ -1,4 +1,5 @@
-"""``Pipe(..., memory_budget=...)`` and ``DistributedPipe(..., memory_budget=...)``: planned, fitting, same gradients."""
+"""``pipe.plan.planned_pipe`` and ``pipe.plan.planned_distributed``: planned, fitting, same gradients; the front ends
+refuse ``memory_budget=`` and name them."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe
-from pipe.plan import PlanError
+from pipe.plan import PlanError, planned_distributed, planned_pipe
 from pipe.plan.measure import measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -27,10 +28,30 @@ def mlp() -> nn.Sequential:
                            for _ in range(4)])
 
 
+def test_the_front_ends_refuse_memory_budget_and_name_the_planner_call() -> None:
+    """The front ends do not plan (they never import pipe.plan): a budget given to them is refused with the
+    call that plans and builds them."""
+    from pipe.distributed import DistributedPipe
+
+    x = torch.randn(16, WIDTH)
+    with pytest.raises(TypeError) as pipe_error:
+        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"])  # type: ignore[arg-type]
+    assert str(pipe_error.value) == (
+        "Pipe(memory_budget=..., sample=...) is no longer taken: the planner builds the pipeline now; call "
+        "pipe.plan.planned_pipe(module, sample, memory_budget=..., devices=...), with Pipe's other arguments, "
+        "which plans and returns the Pipe")
+    with pytest.raises(TypeError) as distributed_error:  # refused before torch.distributed is needed
+        DistributedPipe(mlp(), memory_budget="1GiB")  # type: ignore[arg-type]
+    assert str(distributed_error.value) == (
+        "DistributedPipe(memory_budget=...) is no longer taken: the planner builds the pipeline now; call "
+        "pipe.plan.planned_distributed(model, sample, memory_budget=..., target=..., loss_fn=...), with "
+        "DistributedPipe's other arguments, which plans and returns the DistributedPipe")
+
+
 def test_pipe_applies_the_plan_and_keeps_the_gradients() -> None:
     model, reference = mlp(), mlp()
     x = torch.randn(16, WIDTH)
-    piped = Pipe(model, memory_budget="64MiB", sample=x, devices=["cpu", "cpu"])
+    piped = planned_pipe(model, x, memory_budget="64MiB", devices=["cpu", "cpu"])
     assert piped.plan is not None
     assert (piped.chunks, piped.balance, piped.checkpoint) == (
         piped.plan.candidate.chunks, list(piped.plan.candidate.balance), piped.plan.candidate.checkpoint)
@@ -43,35 +64,35 @@ def test_pipe_applies_the_plan_and_keeps_the_gradients() -> None:
 
 def test_pipe_memory_budget_needs_a_sample_and_devices_and_no_balance() -> None:
     x = torch.randn(16, WIDTH)
-    with pytest.raises(ValueError, match="needs sample="):
-        Pipe(mlp(), memory_budget="1GiB", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match="needs sample, one mini-batch"):
+        planned_pipe(mlp(), None, memory_budget="1GiB", devices=["cpu", "cpu"])
     with pytest.raises(ValueError, match="needs devices="):
-        Pipe(mlp(), memory_budget="1GiB", sample=x)
+        planned_pipe(mlp(), x, memory_budget="1GiB", devices=[])
     with pytest.raises(ValueError, match="chooses the balance"):
-        Pipe(mlp(), memory_budget="1GiB", sample=x, balance=[2, 2], devices=["cpu", "cpu"])
+        planned_pipe(mlp(), x, memory_budget="1GiB", balance=[2, 2], devices=["cpu", "cpu"])
     # The plan's peaks hold for its own recompute marks: a config of the user's would silently replace them.
-    with pytest.raises(ValueError, match=r"Pipe\(\.\.\., memory_budget=\.\.\.\) chooses what each stage "
+    with pytest.raises(ValueError, match=r"pipe\.plan\.planned_pipe\(\) chooses what each stage "
                                          r"recomputes, and its predicted peaks hold for that alone; leave recompute= out"):
-        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"],
-             recompute={"recompute_config": {"recompute": [1, 1]}})
+        planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"],
+                     recompute={"recompute_config": {"recompute": [1, 1]}})
 
 
 def test_pipe_memory_budget_keeps_the_chunks_and_checkpoint_given() -> None:
     """A chunks or checkpoint other than the default narrows the plan to it; a budget none of those plans
     fits says so, and names what narrowed it."""
     x = torch.randn(16, WIDTH)
-    free = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"])
+    free = planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"])
     assert (free.chunks, free.checkpoint) != (4, "always")  # what the plan chooses when free
     free.close()
-    model = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+    model = planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"], chunks=4, checkpoint="always")
     assert (model.chunks, model.checkpoint) == (4, "always")
     assert (model.plan.candidate.chunks, model.plan.candidate.checkpoint) == (4, "always")
     model.close()
-    with pytest.raises(PlanError, match=r"\(among the plans with chunks=4, checkpoint='always', as given to Pipe: "
+    with pytest.raises(PlanError, match=r"\(among the plans with chunks=4, checkpoint='always', as given to pipe\.plan\.planned_pipe: "
                                         r"leave them out to let the plan choose them\)"):
-        Pipe(mlp(), memory_budget=1000, sample=x, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+        planned_pipe(mlp(), x, memory_budget=1000, devices=["cpu", "cpu"], chunks=4, checkpoint="always")
     with pytest.raises(ValueError, match="checkpoint"):
-        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], checkpoint="sometimes")
+        planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"], checkpoint="sometimes")
 
 
 def test_pipe_memory_budget_times_layers_with_the_partitions_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,10 +107,10 @@ def test_pipe_memory_budget_times_layers_with_the_partitions_threads(monkeypatch
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # as on a 4-core machine
     x = torch.randn(16, WIDTH)
     try:
-        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], cpu_threads=1).close()
+        planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"], cpu_threads=1).close()
         with warnings.catch_warnings():  # 2 partitions x 2 threads compete on a machine of fewer than 4 cores
             warnings.simplefilter("ignore", UserWarning)
-            Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"]).close()
+            planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"]).close()
     finally:
         torch.set_num_threads(real)  # the profile restores the thread count it read, which was patched
     assert seen == [1, 2]
@@ -97,25 +118,24 @@ def test_pipe_memory_budget_times_layers_with_the_partitions_threads(monkeypatch
 
 def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> None:
     x = torch.randn(16, WIDTH)
-    with pytest.warns(UserWarning, match=r"Pipe\(\.\.\., memory_budget=\.\.\., compile=\.\.\.\) plans the layers as "
+    with pytest.warns(UserWarning, match=r"pipe\.plan\.planned_pipe\(\.\.\., compile=\.\.\.\) plans the layers as "
                                          r"they run eager: the plan's predicted peaks and step times are eager"):
-        model = Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"], compile={"backend": "eager"})
+        model = planned_pipe(mlp(), x, memory_budget="1GiB", devices=["cpu", "cpu"], compile={"backend": "eager"})
     model.close()
 
 
 def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     from pipe.core.schedule import Schedule
-    from pipe.distributed import DistributedPipe
 
     try:
-        DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
-                        recompute={"recompute_config": {"recompute": [1, 1]}})
+        planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss,
+                            recompute={"recompute_config": {"recompute": [1, 1]}})
         refused = "no error"
     except ValueError as error:
         refused = str(error)
     try:
-        DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
-                        parallelize=lambda stage, mesh: None)
+        planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss,
+                            parallelize=lambda stage, mesh: None)
         parallelized = "no error"
     except ValueError as error:
         parallelized = str(error)
@@ -123,7 +143,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     for options in ({"schedule": Schedule("1f1b", ranks=2, microbatches=2)},
                     {"schedule": "interleaved", "virtual_stages": 3}):
         try:
-            DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss, **options)
+            planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss, **options)
             refusals.append("no error")
         except ValueError as error:
             refusals.append(str(error))
@@ -133,11 +153,11 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     search = apply.plan
     apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
     try:
-        kept = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss,
+        kept = planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss,
                                schedule="zb-h1", chunks=2, device=torch.device("cpu"))
     finally:
         apply.plan = search
-    model = DistributedPipe(mlp(), memory_budget=BUDGET, sample=x, target=y, loss_fn=nn.functional.mse_loss)
+    model = planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
     reference = mlp()
@@ -154,7 +174,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
 def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
     results = run_ranks(_planned_rank, 2, x, y, deadline=120)
-    assert all("DistributedPipe(..., memory_budget=...) chooses what each stage recomputes" in r["refused"]
+    assert all("pipe.plan.planned_distributed() chooses what each stage recomputes" in r["refused"]
                for r in results), results[0]["refused"]
     assert all("plans the stages as the model builds them, but parallelize='<lambda>' changes them after the "
                "plan" in r["parallelized"] for r in results), results[0]["parallelized"]
@@ -171,18 +191,16 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
 
 def _replicated_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tight: int,
                      budget: int) -> dict[str, Any]:
-    from pipe.distributed import DistributedPipe
-
     # Two replicas of a 2-rank pipeline, each on its half of the batch: the averager's flat copies of the
     # gradients are part of every rank's peak, and the plan must count them.
     half = x.size(0) // 2
     try:
-        DistributedPipe(mlp(), data_parallel=2, memory_budget=tight, sample=x[:half], target=y[:half],
+        planned_distributed(mlp(), x[:half], data_parallel=2, memory_budget=tight, target=y[:half],
                         loss_fn=nn.functional.mse_loss)
         refused = "planned"
     except ValueError as error:
         refused = str(error)
-    model = DistributedPipe(mlp(), data_parallel=2, memory_budget=budget, sample=x[:half], target=y[:half],
+    model = planned_distributed(mlp(), x[:half], data_parallel=2, memory_budget=budget, target=y[:half],
                             loss_fn=nn.functional.mse_loss)
     rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())

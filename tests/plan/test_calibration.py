@@ -118,22 +118,22 @@ def test_pipe_plan_calibrate_plans_with_the_fitted_model(tmp_path: Path, monkeyp
     assert "time model: no transfer cost; overhead" in out and "DistributedPipe(model, chunks=" in out
 
 
-def test_where_a_gpu_is_visible_the_plans_ranks_come_from_a_fork_server_so_build_must_pickle(
+def test_where_a_gpu_is_visible_the_plans_ranks_are_fresh_interpreters_so_build_must_pickle(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # A forked child can use neither CUDA nor autograd once the parent did (torch refuses); ranks from a fork
-    # server get build by pickling, and a lambda does not pickle: refused before any process starts.
+    # A forked child can use neither CUDA nor autograd once the parent did (torch refuses); ranks in fresh
+    # interpreters get build by pickling, and a lambda does not pickle: refused before any process starts.
     from pipe.plan.measure import run_plans
 
     model = mlp(layers=2)
     plans = candidates(costs_of(model), 2, "processes", schedules=("gpipe",))[:1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(TypeError, match="ranks are started by a fork server .* build and loss_fn must be functions at module level"):
+    with pytest.raises(TypeError, match="the plan's ranks are fresh interpreters .* build and loss_fn must be functions at module level"):
         run_plans(lambda: model, plans, torch.randn(32, 64), torch.randn(32, 64), nn.functional.mse_loss)
     with pytest.raises(ValueError, match="run_plans runs candidates on one set of ranks"):
         run_plans(lambda: model, [], torch.randn(32, 64), None, nn.functional.mse_loss)
 
 
-def _two_layers() -> nn.Sequential:  # at module level: the plans' ranks may be started by a fork server
+def _two_layers() -> nn.Sequential:  # at module level: the plans' ranks may be fresh interpreters
     return mlp(layers=2)
 
 

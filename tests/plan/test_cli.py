@@ -82,7 +82,7 @@ def test_pipe_plan_select_names_the_selective_recompute_to_plan(
         seen.append(kwargs["select"])
         return real(*args, **kwargs)
 
-    searching = sys.modules["pipe.plan.search"]  # the module (pipe.plan.search is also its function)
+    searching = sys.modules["pipe.plan.planning"]  # the module (pipe.plan.plan is its function)
     real = searching.profile_costs
     monkeypatch.setattr(searching, "profile_costs", spy)
     common = ["--model", "gelu_models:build", "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
@@ -121,7 +121,7 @@ def test_pipe_plan_refuses_bad_arguments(factory: str, capsys: pytest.CaptureFix
 
 def test_pipe_plan_times_layers_on_the_threads_given(factory: str, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    search_module = sys.modules["pipe.plan.search"]
+    search_module = sys.modules["pipe.plan.planning"]
     seen: list[Any] = []
     real = search_module.profile_costs
     monkeypatch.setattr(search_module, "profile_costs", lambda *a, **k: seen.append(k["threads"]) or real(*a, **k))

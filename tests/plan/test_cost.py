@@ -443,7 +443,7 @@ def test_layers_are_timed_with_the_threads_the_ranks_compute_with(monkeypatch: p
     # plan(runner="processes") times them on 1 thread by default, as torchrun's local ranks and --verify run.
     threads: list[Any] = []
     real = profile_costs
-    monkeypatch.setattr(sys.modules["pipe.plan.search"], "profile_costs",
+    monkeypatch.setattr(sys.modules["pipe.plan.planning"], "profile_costs",
                         lambda *a, **k: threads.append(k["threads"]) or real(*a, **k))
     plan(mlp(2), torch.randn(8, WIDTH), memory_budget="1GiB", stages=2, runner="processes", link=None, chunks=(1, 2))
     plan(mlp(2), torch.randn(8, WIDTH), memory_budget="1GiB", stages=2, chunks=(1, 2))

@@ -47,7 +47,7 @@ def test_an_all_reduce_is_a_ring_of_the_measured_pair_or_of_messages() -> None:
 def test_the_thread_runners_overhead_is_measured_once_and_planned_with(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipe's plans charge each action the thread runner's measured overhead: without it, the planner
-    benchmark's MLP ran 19-33% slower than predicted (median; benchmarks/planner_threads.py)."""
+    benchmark's MLP ran 19-33% slower than predicted (median; python benchmarks/planner.py threads)."""
     import torch
     from torch import nn
 

@@ -14,7 +14,8 @@ from torch import nn
 from pipe import Pipe
 from pipe.plan import Candidate, Costs, predict, profile_costs
 from pipe.plan.candidates import per_stage_offload
-from pipe.plan.host_copy import HostCopy, measure_host_copy
+from pipe.plan.host_copy import HostCopy
+from pipe.plan.profile import measure_host_copy
 from pipe.plan.search import search
 from pipe.recompute import ActivationMemory, apply_recompute_config
 

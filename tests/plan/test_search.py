@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
-from pipe.plan.units import format_bytes
+from pipe.core.units import format_bytes
 from pipe.plan.candidates import candidates
 from pipe.recompute import DEFAULT_SELECT
 

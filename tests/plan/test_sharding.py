@@ -161,6 +161,7 @@ def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str,
 def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tight: int,
                     budget: int) -> dict[str, Any]:
     import pipe.distributed as pd
+    from pipe.plan import planned_distributed
 
     results = []
     for config in CONFIGS:
@@ -171,29 +172,29 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
         rows = slice(model.topology.replica * share, (model.topology.replica + 1) * share)
         measured = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1)
         results.append((model.topology.pipeline_rank, measured.activation_peak))
-    # DistributedPipe(memory_budget=) on a sharding mesh plans the split it is given (ZeRO-2 here), each
+    # pipe.plan.planned_distributed on a sharding mesh plans the split it is given (ZeRO-2 here), each
     # pipeline with its sample: below what FSDP holds, nothing fits; above, the chosen plan fits when run.
     mesh, half = pd.make_mesh(pp=2, dp_shard=2), x.size(0) // 2
-    options = dict(sample=x[:half], target=y[:half], loss_fn=nn.functional.mse_loss, mesh=mesh,
+    options = dict(target=y[:half], loss_fn=nn.functional.mse_loss, mesh=mesh,
                    shard=pd.Shard(reshard_after_forward=False))
     try:
-        pd.DistributedPipe(mlp(), memory_budget=tight, **options)
+        planned_distributed(mlp(), x[:half], memory_budget=tight, **options)
         refused = "no error"
     except ValueError as error:
         refused = str(error)
-    model = pd.DistributedPipe(mlp(), memory_budget=budget, **options)
+    model = planned_distributed(mlp(), x[:half], memory_budget=budget, **options)
     rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
     planned = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1).activation_peak
     static = sum(2 * p.to_local().numel() * p.element_size() for p in model.parameters())  # shards, and gradients
     try:
-        pd.DistributedPipe(mlp(), memory_budget="1GiB", sample=x, mesh=pd.make_mesh(pp=1, dp_shard=2, tp=2))
+        planned_distributed(mlp(), x, memory_budget="1GiB", mesh=pd.make_mesh(pp=1, dp_shard=2, tp=2))
         tp = "no error"
     except ValueError as error:
         tp = str(error)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     try:
-        pd.DistributedPipe(mlp(), memory_budget="1GiB", sample=x, mesh=pd.make_mesh(pp=2, dp_shard=2),
+        planned_distributed(mlp(), x, memory_budget="1GiB", mesh=pd.make_mesh(pp=2, dp_shard=2),
                            shard=pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
         mixed = "no error"
     except ValueError as error:
@@ -205,7 +206,7 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
 def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> None:
     x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
     costs = profile_costs(mlp(), x, (1, 2, 4, 8, 16), loss_fn=nn.functional.mse_loss, target=y)
-    # DistributedPipe(memory_budget=) on pp2 x dp_shard2 in ZeRO-2: 1% under the smallest predicted peak of its
+    # pipe.plan.planned_distributed on pp2 x dp_shard2 in ZeRO-2: 1% under the smallest predicted peak of its
     # candidates (the bytes FSDP holds gathered are most of it: without them, plans would fit) and 1% over.
     zero2 = split_candidates(costs, 4, "processes", [2], (2,))[0]
     smallest = min(max(predict_memory(costs, c, runner="processes")[0]) for c in zero2)

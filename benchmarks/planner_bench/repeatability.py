@@ -1,6 +1,6 @@
 """How far the planner benchmark's measurement of one plan moves between runs.
 
-`benchmarks/planner.py` times every plan of its grid (the fastest of 3 steps
+`python benchmarks/planner.py budget` times every plan of its grid (the fastest of 3 steps
 in each of 3 sweeps) and compares the planner's prediction with it. Its
 target for the prediction is a worst error of 10%. This script reads the
 versions of `benchmarks/results/planner.json` committed to git (each one run
@@ -14,8 +14,8 @@ given for the plain plans alone (GPipe, 1F1B and interleaved, checkpoint
 spread is mostly the machine's.
 
 Run:
-    python benchmarks/planner_repeatability.py            # the last 8 committed runs
-    python benchmarks/planner_repeatability.py --runs 12
+    python benchmarks/planner.py repeatability            # the last 8 committed runs
+    python benchmarks/planner.py repeatability --runs 12
 Results: printed, and saved to benchmarks/results/planner_repeatability.json.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 RESULT = "benchmarks/results/planner.json"
 MODELS = ("mlp", "transformer", "transformer-long")
 
@@ -65,10 +65,10 @@ def spread(runs: list[tuple[str, dict]], model: str, only_plain: bool = False) -
             "max_over_min_max": ratios[-1], "cv_median": statistics.median(variation)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=8, help="committed runs to read (default 8)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.runs < 3:
         parser.error(f"--runs must be at least 3 (a spread needs three runs of a plan), got {args.runs}")
     runs = committed_runs(args.runs)
@@ -87,6 +87,3 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,12 @@
 """The planner's step times for `Pipe` (the thread runner) against measured steps.
 
-`Pipe(memory_budget=...)` plans with runner="threads". Its time model gives
+`pipe.plan.planned_pipe` plans with runner="threads". Its time model gives
 each action its layers' profiled times plus the thread runner's overhead per
 action, measured once per machine on partitions too small to take time
 (pipe.plan.link.cached_thread_overhead), and lets the two partitions overlap
 freely (the interpreter lock is not modelled). This benchmark measures how
 far that holds, and what the model predicted without the overhead. For the planner benchmark's MLP and
-transformer (benchmarks/planner.py), two CPU partitions of one thread each
+transformer (`benchmarks/planner.py budget`), two CPU partitions of one thread each
 (`cpu_threads=1`), GPipe at 1, 2, 4 and 8 micro-batches, with and without
 checkpointing: the plan's predicted step (pipe.plan.predict) beside the
 measured one (the fastest of 3 steps, the fastest over the repeats; plans
@@ -16,8 +16,8 @@ Printed and saved to benchmarks/results/planner_threads.json
 (planner_threads-quick.json with --quick).
 
 Run:
-    python benchmarks/planner_threads.py            # about 2 minutes on 2 cores
-    python benchmarks/planner_threads.py --quick    # the MLP only, 1 repeat
+    python benchmarks/planner.py threads            # about 2 minutes on 2 cores
+    python benchmarks/planner.py threads --quick    # the MLP only, 1 repeat
 """
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-import planner as models  # noqa: E402  (the planner benchmark's models)
+import planner_bench.budget as models  # noqa: E402  (the planner benchmark's models)
 import pipe.plan as planner  # noqa: E402
 from pipe import Pipe  # noqa: E402
 from pipe.plan import Candidate  # noqa: E402
@@ -83,10 +83,10 @@ def validate(name: str, repeats: int) -> dict[str, Any]:
             "bare_error_median": statistics.median(bare_errors), "bare_error_worst": max(bare_errors, key=abs)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the MLP only, 1 repeat")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the profile times layers on one thread, as each partition computes
     load_before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     names = ("mlp",) if args.quick else ("mlp", "transformer")
@@ -106,6 +106,3 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 The planner and the time balancer add up per-layer times measured by
 pipe.balance.time_layers; a stage runs those layers as one module. For two
-stages of the planner benchmark's models (benchmarks/planner.py), on one
+stages of the planner benchmark's models (benchmarks/planner.py budget), on one
 thread:
 
 - the MLP's layers 8-15 (four 512-wide Linear layers and their Tanh) on 8
@@ -25,9 +25,9 @@ run; printed and saved to benchmarks/results/profile_fidelity.json
 (profile_fidelity-quick.json with --quick).
 
 Run:
-    python benchmarks/profile_fidelity.py                        # about 30 s on 2 cores
-    python benchmarks/profile_fidelity.py --baseline ../old-pipe  # and another checkout, in turn
-    python benchmarks/profile_fidelity.py --quick                 # 2 repeats
+    python benchmarks/planner.py fidelity                        # about 30 s on 2 cores
+    python benchmarks/planner.py fidelity --baseline ../old-pipe  # and another checkout, in turn
+    python benchmarks/planner.py fidelity --quick                 # 2 repeats
 """
 from __future__ import annotations
 
@@ -47,11 +47,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-import planner as models  # noqa: E402  (the planner benchmark's models)
+import planner_bench.budget as models  # noqa: E402  (the planner benchmark's models)
 from pipe.balance import time_layers  # noqa: E402
 from pipe.core.iw_backward import IWBackward  # noqa: E402
 from pipe.recompute.module import recompute as mark  # noqa: E402
@@ -125,7 +125,7 @@ def ratios_once(name: str) -> dict[str, float]:
 def child(path: str) -> dict[str, dict[str, float]]:
     """One repeat of every stage in a fresh process importing ``pipe`` from ``path``."""
     env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, str(HERE / "planner.py"), "fidelity", "--child"], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -139,12 +139,12 @@ def summary(found: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
             for name in STAGES}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], prog: str) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 repeats instead of 5")
     parser.add_argument("--baseline", metavar="DIR", help="also profile with pipe from another checkout, in turn")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as each rank of the process runner computes
     if args.child:
         print(json.dumps({name: ratios_once(name) for name in STAGES}))
@@ -169,6 +169,3 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Planner validation for the split of 4 ranks between pipeline, replicas and FSDP sharding (pp x dp_replicate x
 dp_shard).
 
-For the MLP stack of benchmarks/planner.py, on 4 gloo ranks on the CPU:
+For the MLP stack of `benchmarks/planner.py budget`, on 4 gloo ranks on the CPU:
 
 1. the costs are profiled once (with the loss), the link (and FSDP's
    overheads, :func:`pipe.plan.link.measure_link`) is measured once per machine;
@@ -27,37 +27,33 @@ split and every other plan predicted with them (``fitted``). 4 processes share
 run for each of its steps).
 
 Run:
-    python benchmarks/planner_split.py            # full: width 512, 8 blocks, 3 sweeps: about 40 s (2 cores, load 4-6)
-    python benchmarks/planner_split.py --quick    # width 128, 4 blocks, 1 sweep: about 6 s
-    python benchmarks/planner_split.py --ranks 2  # the splits of 2 ranks, a core each: about 30 s
+    python benchmarks/planner.py split            # full: width 512, 8 blocks, 3 sweeps: about 40 s (2 cores, load 4-6)
+    python benchmarks/planner.py split --quick    # width 128, 4 blocks, 1 sweep: about 6 s
+    python benchmarks/planner.py split --ranks 2  # the splits of 2 ranks, a core each: about 30 s
 Results: benchmarks/results/planner_split.json (planner_split-quick.json with --quick; planner_split-2ranks.json
 with --ranks 2).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-from planner import load, mlp_data, mlp_model  # noqa: E402
+from planner_bench.budget import load, mlp_data, mlp_model  # noqa: E402
 
 from pipe.plan import Candidate, TimeModel, fit, predict, profile_costs, search  # noqa: E402
+from pipe.distributed.local_ranks import run_local_ranks  # noqa: E402
 from pipe.plan.link import cached_link  # noqa: E402
 from pipe.plan.measure import measure_step  # noqa: E402
 from pipe.plan.sharding import split_candidates, split_text  # noqa: E402
@@ -68,14 +64,10 @@ MODES = {"full": dict(chunks=(1, 2, 4, 8), sweeps=3, budgets=8), "quick": dict(c
 OPTIONS = dict(schedules=("gpipe", "1f1b", "interleaved"), checkpoints=("never",))
 
 
-def _rank(rank: int, world: int, port: int, size: dict[str, int], grid: list[Candidate], sweeps: int,
-          results: "multiprocessing.Queue[Any]") -> None:
+def _rank(rank: int, world: int, size: dict[str, int], grid: list[Candidate], sweeps: int) -> list[list[Any]]:
     from pipe.core.microbatch import scatter
     from pipe.distributed import DistributedPipe, make_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
     x, y = mlp_data(size)
     measured: list[list[Any]] = []
     for sweep in range(sweeps):
@@ -90,32 +82,19 @@ def _rank(rank: int, world: int, port: int, size: dict[str, int], grid: list[Can
                 measured.append([model.topology.pipeline_rank, m.activation_peak, m.step_time])
             else:
                 measured[k][2] = min(measured[k][2], m.step_time)
-    results.put((rank, measured))
-    dist.destroy_process_group()
+    return measured
 
 
 def run(size: dict[str, int], grid: list[Candidate], sweeps: int, world: int) -> list[list[list[Any]]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    results: "multiprocessing.Queue[Any]" = context.Queue()
-    processes = [context.Process(target=_rank, args=(rank, world, port, size, grid, sweeps, results))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    ranks = dict(results.get(timeout=3000) for _ in processes)
-    for process in processes:
-        process.join()
-    return [ranks[r] for r in range(world)]
+    return run_local_ranks(_rank, world, size, grid, sweeps, timeout=600.0, deadline=3000.0, start_method="fork")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str], prog: str) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, one sweep")
     parser.add_argument("--ranks", type=int, default=RANKS, choices=[2, 4],
                         help="ranks to split (default 4; 2: a core per process on the 2-core machine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     world = args.ranks
     kind = "quick" if args.quick else "full"
     size, mode = SIZES[kind], MODES[kind]
@@ -199,6 +178,3 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path} in {result['seconds']:.0f} s (load before {load_before}, after {result['load_after']})")
 
-
-if __name__ == "__main__":
-    main()

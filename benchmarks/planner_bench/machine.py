@@ -1,6 +1,6 @@
 """How steady this machine's speed is: the planner benchmark's reference computation, timed back to back.
 
-`benchmarks/planner.py` times a fixed computation (`reference()`) around each
+`python benchmarks/planner.py budget` times a fixed computation (`reference()`) around each
 plan, since the machine switches between two speeds (docs/planner.md, *The
 machine's two speeds*). This script times the same computation for 20 s in
 one process, then for 20 s in two processes at once, as the benchmark's two
@@ -18,17 +18,14 @@ whether scaling a step by the reference around it would take the machine's
 speed out of the measurement.
 
 Run:
-    python benchmarks/machine_speed.py               # about 2 minutes; nothing else should run
+    python benchmarks/planner.py machine             # about 2 minutes; nothing else should run
 Results: printed, and saved to benchmarks/results/machine_speed.json.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing
-import os
-import socket
 import statistics
 import sys
 import time
@@ -38,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 sys.path.insert(0, str(HERE))
 
-from planner import MODELS, QUIET, SIZES, build_pipe, is_quiet, reference  # noqa: E402
+from pipe.distributed.local_ranks import run_local_ranks  # noqa: E402
+from planner_bench.budget import MODELS, QUIET, SIZES, build_pipe, is_quiet, reference  # noqa: E402
 
 from pipe.plan import Candidate  # noqa: E402
 
@@ -79,10 +77,7 @@ def summary(run: Series, fastest: float) -> dict[str, Any]:
             "cpu_over_wall_median_slow": statistics.median(slow) if slow else None}
 
 
-def _paired_rank(rank: int, port: int, rounds: int, results: "multiprocessing.Queue[list[list[float]]]") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+def _paired_rank(rank: int, world: int, rounds: int) -> list[list[float]]:
     name, plan = PAIRED
     build, data, loss_fn = MODELS[name]
     x, y = data(SIZES["full"][name])
@@ -100,24 +95,13 @@ def _paired_rank(rank: int, port: int, rounds: int, results: "multiprocessing.Qu
         dist.barrier()
         timed[0, k], timed[1, k], timed[2, k] = step, before, reference()
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)  # the slower rank's
-    if rank == 0:
-        results.put(timed.tolist())
-    dist.destroy_process_group()
+    return list(timed.tolist())
 
 
 def paired(rounds: int) -> dict[str, Any]:
     """Steps of :data:`PAIRED` on 2 gloo ranks with the reference around each: how closely they move together."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    queue: "multiprocessing.Queue[list[list[float]]]" = context.Queue()
-    processes = [context.Process(target=_paired_rank, args=(rank, port, rounds, queue)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    steps, before, after = queue.get(timeout=600)
-    for process in processes:
-        process.join()
+    steps, before, after = run_local_ranks(_paired_rank, 2, rounds, timeout=300.0, deadline=600.0,
+                                           start_method="fork")[0]  # the slower rank's, on both
     around = [(b + a) / 2 for b, a in zip(before, after)]
     fastest = min(before + after)
     scaled = [s * fastest / r for s, r in zip(steps, around)]
@@ -131,12 +115,12 @@ def paired(rounds: int) -> dict[str, Any]:
             "correlation": statistics.correlation(steps, around)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str], prog: str) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each series (default 20)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of one, then two processes (default 2)")
     parser.add_argument("--steps", type=int, default=60, help="steps of the paired probe (default 60)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error(f"--steps must be at least 3 (a correlation over the steps), got {args.steps}")
     context = multiprocessing.get_context("fork")
@@ -169,6 +153,3 @@ def main() -> None:
                                "torch": torch.__version__}, indent=2))
     print(f"wrote {out}")
 
-
-if __name__ == "__main__":
-    main()
