@@ -27,8 +27,10 @@ from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held
                                 sharded_static)
 from pipe.plan.timing import SHARING_ROUNDS, TimeModel, shared_stretch
 
-LOSS_SCALAR_BYTES = 3 * 4
-"""What the process runner's step keeps of the loss on the last stage: three float32 scalars (measured)."""
+LOSS_SCALAR_BYTES = 2 * 4
+"""What the process runner's step keeps of the loss on the last stage: two float32 scalars (measured; its
+running sum and the latest micro-batch's loss. Before the lowered programs, the loop's scaled copy of the
+latest loss stayed alive one action longer: a third)."""
 
 __all__: list[str] = []
 
@@ -275,7 +277,7 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
         return HEADER_BYTES + grads[stop_ - 1] if remote(action.stage + 1) and sizes else 0
 
     sent = 0
-    scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss, its scaled copy)
+    scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss)
     fetched: set[tuple[int, int]] = set()  # offloading cells whose units came back an action ahead (processes)
 
     def offloaded(stage: int) -> int:

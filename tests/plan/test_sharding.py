@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipe.plan import Candidate, Costs, TimeModel, predict, profile_costs, search
-from pipe.plan.predict import predict_memory
+from pipe.plan.predict import LOSS_SCALAR_BYTES, predict_memory
 from pipe.plan.measure import measure_step
 from pipe.plan.sharding import replica_costs, split_candidates
 from pipe.plan.timing import Link
@@ -105,7 +105,7 @@ def test_replicas_join_the_splits_hold_their_gradient_copies_and_pay_their_all_r
     assert "shard" not in replicated.distributed_kwargs()
     # Memory: the full static bytes, and after the last backward a flat copy of every gradient (the averager's).
     peaks, static = predict_memory(costs, replicated, runner="processes")
-    assert static == [80_000] and peaks == [80_000 + 40_000 + 12]  # + the loss scalars
+    assert static == [80_000] and peaks == [80_000 + 40_000 + LOSS_SCALAR_BYTES]  # + the loss scalars
     # Time: one all-reduce of the stage's gradients over the 4 replicas, on the last backward.
     link = Link(1e-4, 1e-9, reduce_latency=2e-4, reduce_per_byte=3e-9, collective_overhead=1e-3)
     model = TimeModel(link=link)
