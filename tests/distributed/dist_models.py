@@ -101,3 +101,29 @@ def check_against_oracle(pipe: DistributedPipe, model: nn.Sequential, inputs: An
     for name, parameter in pipe.named_parameters():
         assert parameter.grad is not None, f"{label}: {name} has no gradient"
         torch.testing.assert_close(parameter.grad, expected_grads[name], msg=lambda m: f"{label}: {name}\n{m}")
+
+
+def train_tokens_against(piped: DistributedPipe, reference: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
+                         steps: int, optimizer: Callable[[Any], torch.optim.Optimizer], vocab: int, label: str = "",
+                         between: Optional[Callable[[], None]] = None) -> None:
+    """``steps`` steps of token batches (8 x 5, seeded by the step) on ``piped`` and on the plain ``reference``:
+    the loss and every gradient equal the plain model's; ``between`` runs after the check, before the updates."""
+    optimizers = [optimizer(piped.parameters()), optimizer(reference.parameters())]
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randint(0, vocab, (8, 5), generator=generator)
+        y = torch.randint(0, vocab, (8, 5), generator=generator)
+        for each in optimizers:
+            each.zero_grad()
+        loss = piped.step(x, y)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        if piped.is_last:
+            torch.testing.assert_close(loss, expected)
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad,
+                                       msg=lambda m: f"{label} {name}: {m}")
+        if between is not None:
+            between()
+        for each in optimizers:
+            each.step()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_models import WIDTH, batch, blocks, check_against_oracle, skip_model
+from dist_models import WIDTH, batch, blocks, check_against_oracle, skip_model, train_tokens_against
 from pipe import StageCosts, schedule_from_costs
 from pipe.balance import auto_schedule
 from pipe.core.schedule_table import TableSchedule
@@ -97,24 +97,8 @@ def _tied(rank: int, world: int) -> list[str]:
         reference = copy.deepcopy(model)
         piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=table,
                                 balance=list(balance), loss_fn=_loss)  # type: ignore[call-overload]
-        optimizer = torch.optim.SGD(piped.parameters(), lr=0.1)
-        expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for step in range(2):
-            generator = torch.Generator().manual_seed(step)
-            x = torch.randint(0, VOCAB, (8, 5), generator=generator)
-            y = torch.randint(0, VOCAB, (8, 5), generator=generator)
-            optimizer.zero_grad()
-            expected_optimizer.zero_grad()
-            loss = piped.step(x, y)
-            expected = _loss(reference(x), y)
-            expected.backward()
-            if piped.is_last:
-                torch.testing.assert_close(loss, expected)
-            for name, parameter in piped.named_parameters():
-                torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad,
-                                           msg=lambda m: f"{checkpoint} {name}: {m}")
-            optimizer.step()
-            expected_optimizer.step()
+        train_tokens_against(piped, reference, _loss, 2, lambda params: torch.optim.SGD(params, lr=0.1), VOCAB,
+                             checkpoint)
         for name, value in piped.state_dict().items():
             torch.testing.assert_close(value, reference.state_dict()[name], msg=lambda m: f"{checkpoint} {name}: {m}")
         checked.append(checkpoint)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipe.distributed import DistributedPipe
+from dist_models import train_tokens_against
 from spawn_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,25 +29,13 @@ def _tied_steps(rank: int, world: int) -> list[float]:
                             loss_fn=_loss)
     names = [name for name, _ in piped.named_parameters()]
     assert "0.weight" in names and "4.weight" not in names  # the plain model's name of the tie, on both ranks
-    optimizer = torch.optim.Adam(piped.parameters(), lr=0.05)
-    expected_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
-    for step in range(4):
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randint(0, VOCAB, (8, 5), generator=generator)
-        y = torch.randint(0, VOCAB, (8, 5), generator=generator)
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-        loss = piped.step(x, y)
-        expected = _loss(reference(x), y)
-        expected.backward()
-        if piped.is_last:
-            torch.testing.assert_close(loss, expected)
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad, msg=lambda m: f"{name}: {m}")
-        norm = piped.clip_grad_norm_(1e9)  # the tied weight counts once, as in the plain model
+
+    def same_norm() -> None:  # the tied weight counts once, as in the plain model
+        norm = piped.clip_grad_norm_(1e9)
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
-        optimizer.step()
-        expected_optimizer.step()
+
+    train_tokens_against(piped, reference, _loss, 4, lambda params: torch.optim.Adam(params, lr=0.05), VOCAB,
+                         between=same_norm)
     for name, value in piped.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     replica = piped.get_parameter("0.weight" if rank == 0 else "4.weight").detach().clone()
