@@ -1,8 +1,10 @@
 """Prediction: a candidate plan's step time and each rank's peak memory, from costs.
 
-Time comes from the schedule simulator itself (:meth:`pipe.core.schedule.Schedule.simulate`
-with each action's measured duration), not from a formula, so a prediction
-follows the same order of actions that the runners execute. Memory follows the
+Time comes from simulating the ranks' lowered programs (:mod:`pipe.core.lowering`,
+the steps the process runner executes; :func:`pipe.core.program_time.simulate`)
+with each action's measured duration and each message's transfer, not from a
+formula, so a prediction follows the same order of steps that the runners
+execute. Memory follows the
 same programs (:meth:`Schedule.actions`): walking a rank's program, a forward
 adds its micro-batch's kept bytes (checkpointed or not, by ``checkpoint_stop``),
 a backward frees them; the peak is the largest of "held + this forward's
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
 from pipe.core.options import checkpoint_stop
+from pipe.core.program_time import simulate as simulate_program
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
@@ -124,15 +128,46 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1]) if _remote(schedule, s - 1, here) else 0.0
         return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1]) if _remote(schedule, s + 1, here) else 0.0
 
-    simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+    programs = lowered_programs(schedule, stop)
+    simulated = time_programs(programs, duration, transfer)
     cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
     if cores is not None and cores < schedule.ranks:
         for _ in range(SHARING_ROUNDS):
             stretch = shared_stretch(simulated, cores)
-            simulated = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+            simulated = time_programs(programs, duration, transfer)
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
+
+
+def lowered_programs(schedule: Schedule, checkpoint_stop: int) -> list[list[Step]]:
+    """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes."""
+    routes = Routes.chain(schedule.stages)
+    return [lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop) for rank in range(schedule.ranks)]
+
+
+def time_programs(programs: list[list[Step]], duration: Callable[[Action], float],
+                  transfer: Callable[[Action], float]) -> list[TimedAction]:
+    """The lowered ``programs`` timed (:func:`pipe.core.program_time.simulate`): each compute step takes
+    ``duration(action)``, a recompute ``duration`` of its ``R`` action, and a message ``transfer`` of the action
+    that waits for it. Returns the compute and recompute steps as timed actions (a recompute of no time left out)."""
+
+    def cost(step: Step) -> float:
+        if step.kind in COMPUTE:
+            return duration(step.action)
+        if step.kind is Kind.RECOMPUTE:
+            return duration(Action(Phase.RECOMPUTE, step.microbatch, step.stage))
+        if step.kind is Kind.SEND:  # the action on the peer stage that waits for this message
+            return transfer(Action(step.action.phase, step.microbatch, step.peer))
+        return 0.0
+
+    timed = []
+    for t in simulate_program(programs, cost):
+        if t.step.kind in COMPUTE:
+            timed.append(TimedAction(t.step.action, t.rank, t.start, t.end))
+        elif t.step.kind is Kind.RECOMPUTE and t.end > t.start:
+            timed.append(TimedAction(Action(Phase.RECOMPUTE, t.step.microbatch, t.step.stage), t.rank, t.start, t.end))
+    return timed
 
 
 def _remote(schedule: Schedule, stage: int, rank: int) -> bool:
