@@ -30,7 +30,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop

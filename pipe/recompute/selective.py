@@ -28,7 +28,6 @@ from pipe.core.deprecation import warn
 from pipe.recompute.module import Policy, checkpoint, mark, policy_of
 from pipe.recompute.op_decisions import OpDecisions, OpRecorder, Selection, decide_ops
 from pipe.recompute.replay import below
-from pipe.recompute.defaults import DEFAULT_SELECT
 from pipe.recompute.scope import Scope
 
 __all__: list[str] = []
