@@ -33,9 +33,10 @@ pipeline's share of it), and this process runs the split stages in turn,
 micro-batch by micro-batch on one thread, eager and compiled
 (``compiled_vs_eager_stages_alone``: what compiling gains a pipeline's own
 compute). R2's ``auto`` runs GPT-2 split at every block, cut into stages and
-ordered by ``pipe.balance.auto_schedule`` from the pieces' F, I and W timed on
-rank 0 (``r2_auto_vs_plain``; ``auto_prediction_error``, its simulated step
-against the measured one).
+ordered by ``pipe.distributed.calibrated_schedule``: from the pieces' F, I and W
+timed on rank 0, then from a step of that order recorded on both ranks
+(``r2_auto_vs_plain``; ``auto_prediction_error``, its simulated step against
+the measured one).
 Compiled configurations use inductor (a C++ compiler is needed); ``--quick``
 uses ``aot_eager`` (graphs without code generation) so that it runs in seconds,
 which makes its compiled figures a smoke test only.
@@ -161,7 +162,7 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
             piped = DistributedPipe(stages, chunks=R2_CHUNKS, checkpoint="never", schedule=schedule, loss_fn=lm_loss,
                                     compile=compile_option if compiled else False)
             steps[f"{schedule}_{'compiled' if compiled else 'eager'}"] = _timed_step(piped, ids, mask, labels)
-    steps["auto_eager"], chosen = _r2_auto(rank, size, ids, mask, labels)
+    steps["auto_eager"], chosen = _r2_auto(size, ids, mask, labels)
     # The bound of any 2-rank schedule: each rank runs the plain model on its half of the batch, with no
     # message and no bubble (data parallelism without its gradient all-reduce), in the same alternation.
     half = slice(rank * size["batch"] // 2, (rank + 1) * size["batch"] // 2)
@@ -181,31 +182,23 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
     dist.destroy_process_group()
 
 
-def _r2_auto(rank: int, size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+def _r2_auto(size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
              ) -> tuple[Callable[[], float], dict[str, Any]]:
     """R2's auto configuration: GPT-2 split at every block, the cut into stages and each rank's order chosen by
-    ``pipe.balance.auto_schedule`` from the pieces' F, I and W timed on rank 0, shared with rank 1."""
-    import io
-
-    import torch.distributed as dist
-
-    from pipe.balance import auto_schedule
-    from pipe.core.schedule_table import TableSchedule
-    from pipe.distributed import DistributedPipe
+    ``pipe.distributed.calibrated_schedule``: from the pieces' F, I and W timed on rank 0, then from a step of that
+    order recorded on both ranks."""
+    from pipe.distributed import DistributedPipe, calibrated_schedule
 
     pieces = pipe.split(build(size), (ids,), {"attention_mask": mask, "use_cache": False},
                         at=[f"transformer.h.{k}" for k in range(1, size["layers"])])
-    shared: list[Any] = [None]
-    if rank == 0:
-        auto = auto_schedule(pieces, (ids, mask), ranks=2, chunks=R2_CHUNKS, checkpoint="never", timeout=2.0)
-        shared = [{"csv": auto.schedule.to_csv(), "name": auto.schedule.name, "balance": auto.balance,
-                   "placement": list(auto.schedule.placement), "simulated_step_s": auto.step,
-                   "bound_step_s": auto.bound}]
-    dist.broadcast_object_list(shared, src=0)
-    chosen = shared[0]
-    table = TableSchedule.from_csv(io.StringIO(chosen.pop("csv")), name=chosen["name"])
-    piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=table, balance=chosen["balance"],
-                            loss_fn=lm_loss)
+    auto = calibrated_schedule(pieces, (ids, mask), labels, chunks=R2_CHUNKS, loss_fn=lm_loss, checkpoint="never",
+                               timeout=2.0)
+    chosen = {"name": auto.schedule.name, "balance": auto.balance, "placement": list(auto.schedule.placement),
+              "simulated_step_s": auto.step, "bound_step_s": auto.bound,
+              "recorded_step_s": auto.measured.wall if auto.measured else None,
+              "overhead_per_action_us": auto.costs.overhead * 1e6}
+    piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=auto.schedule,
+                            balance=auto.balance, loss_fn=lm_loss)
     return _timed_step(piped, ids, mask, labels), chosen
 
 

@@ -30,8 +30,10 @@ Run:
     python benchmarks/zero_bubble.py --split-only # only the cost of the split backward, seconds
     python benchmarks/zero_bubble.py --repeats 3 --ranks 4 --microbatches 4  # auto_vs_torch_best_4
 
-``pipe auto`` is the order and cut of ``pipe.balance.auto_schedule`` from the layers' F, I and W timed on
-rank 0 in the same run; the JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
+``pipe auto`` is the order and cut of ``pipe.distributed.calibrated_schedule``: from the layers' F, I and W
+timed on rank 0 in the same run, then from the medians of a step of that order recorded on the ranks
+(``--auto-rounds``, default 2; 0 orders by the layer times alone). Its peak memory includes that trial step,
+run on a copy of the model. The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
 the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step.
 """
 from __future__ import annotations
@@ -103,25 +105,20 @@ def model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*[Counted(nn.Sequential(nn.Linear(width, width), nn.ReLU())) for _ in range(layers)])
 
 
-def _auto(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor) -> tuple[Any, list[int], dict[str, Any]]:
-    """Rank 0 times the layers and chooses the cut and the order (pipe.balance.auto_schedule); every rank gets
-    its choice (timings differ between processes, the table must not)."""
-    import io
+def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> tuple[Any, list[int], dict[str, Any]]:
+    """The cut and the order of pipe.distributed.calibrated_schedule: rank 0 times the layers and chooses, every
+    rank runs a recorded step of that order on a copy of the model, rank 0 chooses again by the step's costs
+    (``--auto-rounds`` times); every rank gets its choice."""
+    from pipe.distributed import calibrated_schedule
 
-    from pipe.balance import auto_schedule
-    from pipe.core.schedule_table import TableSchedule
-
-    shared: list[Any] = [None]
-    if rank == 0:
-        auto = auto_schedule(full, x, ranks=args.ranks, chunks=args.microbatches, checkpoint=args.checkpoint,
-                             timeout=args.auto_timeout, action_seconds=args.auto_action_us * 1e-6)
-        shared = [{"csv": auto.schedule.to_csv(), "name": auto.schedule.name, "balance": auto.balance,
-                   "simulated_step_s": auto.step, "bound_step_s": auto.bound,
-                   "placement": list(auto.schedule.placement)}]
-    dist.broadcast_object_list(shared, src=0)
-    chosen = shared[0]
-    table = TableSchedule.from_csv(io.StringIO(chosen.pop("csv")), name=chosen["name"])
-    return table, chosen["balance"], chosen
+    auto = calibrated_schedule(full, x, y, chunks=args.microbatches, loss_fn=F.mse_loss, checkpoint=args.checkpoint,
+                               rounds=args.auto_rounds, timeout=args.auto_timeout,
+                               action_seconds=None if args.auto_action_us is None else args.auto_action_us * 1e-6)
+    chosen = {"name": auto.schedule.name, "balance": auto.balance, "simulated_step_s": auto.step,
+              "bound_step_s": auto.bound, "placement": list(auto.schedule.placement),
+              "recorded_step_s": auto.measured.wall if auto.measured else None,
+              "overhead_per_action_us": auto.costs.overhead * 1e6}
+    return auto.schedule, auto.balance, chosen
 
 
 def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
@@ -136,7 +133,7 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
         schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
                                              for program in _v_rule(args.ranks, args.microbatches)], name="zbv-rule")
     elif args.schedule == "auto":
-        schedule, balance, chosen = _auto(rank, full, args, x)
+        schedule, balance, chosen = _auto(full, args, x, y)
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
                            balance=balance, virtual_stages=2 if args.schedule == "interleaved" else 1)
 
@@ -292,8 +289,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks (processes), 2 or 4")
     parser.add_argument("--auto-timeout", type=float, default=2.0,
                         help="seconds rank 0 times the layers for the auto schedule")
-    parser.add_argument("--auto-action-us", type=float, default=0.0,
-                        help="microseconds the runner adds per action, for the auto schedule's costs")
+    parser.add_argument("--auto-action-us", type=float, default=None,
+                        help="microseconds the runner adds per action, for the auto schedule's costs (default: "
+                             "measured in the recorded step; 0 without --auto-rounds)")
+    parser.add_argument("--auto-rounds", type=int, default=2,
+                        help="trial runs the auto order is calibrated by, each 3 recorded steps (0: the layer "
+                             "times alone)")
     parser.add_argument("--engine", choices=["pipe", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -325,7 +326,8 @@ def main() -> None:
                          "--microbatches", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup),
                          "--engine", engine, "--schedule", schedule, "--checkpoint", checkpoint,
                          "--ranks", str(args.ranks), "--auto-timeout", str(args.auto_timeout),
-                         "--auto-action-us", str(args.auto_action_us)]
+                         "--auto-rounds", str(args.auto_rounds)]
+                flags += ["--auto-action-us", str(args.auto_action_us)] if args.auto_action_us is not None else []
                 flags += ["--profile"] if args.profile else []
                 done = subprocess.run([sys.executable, __file__, *flags], env=env, capture_output=True, text=True)
                 key = (m, checkpoint, engine, schedule)
@@ -355,7 +357,8 @@ def main() -> None:
                 chosen = [run[0].get("auto", {}) for run in repeats]
                 measured_s = [1 / min(r["steps_per_s"] for r in run) for run in repeats]
                 rows["pipe auto"].update(
-                    chosen=[{k: c.get(k) for k in ("name", "balance", "placement")} for c in chosen],
+                    chosen=[{k: c.get(k) for k in ("name", "balance", "placement", "recorded_step_s",
+                                                   "overhead_per_action_us")} for c in chosen],
                     simulated_step_s=[c.get("simulated_step_s") for c in chosen], measured_step_s=measured_s,
                     prediction_error=[c["simulated_step_s"] / t - 1 for c, t in zip(chosen, measured_s)],
                     of_bound=statistics.median(c["bound_step_s"] / t for c, t in zip(chosen, measured_s)))

@@ -24,6 +24,7 @@ from torch import nn
 
 from pipe.balance.solver import solve
 from pipe.balance.timing import LayerTimes, time_layers
+from pipe.balance.traced import TracedStep, calibrated_times
 from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders
 from pipe.core.microbatch import scatter
 from pipe.core.options import CHECKPOINT_MODES, positive_int
@@ -46,6 +47,9 @@ class AutoSchedule:
         step: the simulated step in seconds (compute and messages; no runtime overhead).
         costs: the per-stage costs it was ordered by.
         bound: the busiest rank's own compute in seconds: no order beats it.
+        times: the layer times it cut and ordered by (scaled by ``measured=`` where given); pass them back as
+            ``times=`` to order again without timing again.
+        measured: the recorded step its costs were scaled to (``measured=``), or None.
     """
 
     balance: list[int]
@@ -53,6 +57,8 @@ class AutoSchedule:
     step: float
     costs: StageCosts
     bound: float
+    times: LayerTimes
+    measured: Optional[TracedStep] = None
 
 
 def stage_costs(times: LayerTimes, rows: int, balance: Sequence[int], *, seconds_per_byte: float = 0.0,
@@ -122,9 +128,9 @@ def cut_for_ranks(totals: Sequence[float], stages: int, rank_of: Sequence[int], 
 
 def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chunks: int, checkpoint: str = "never",
                   placement: str = "best", in_flight: Optional[float] = None, memory_limit: Optional[float] = None,
-                  seconds_per_byte: float = 0.0, message_seconds: float = 0.0, action_seconds: float = 0.0,
-                  timeout: float = 1.0,
-                  device: Optional[torch.device] = None, times: Optional[LayerTimes] = None) -> AutoSchedule:
+                  seconds_per_byte: float = 0.0, message_seconds: float = 0.0, action_seconds: Optional[float] = None,
+                  timeout: float = 1.0, device: Optional[torch.device] = None, times: Optional[LayerTimes] = None,
+                  measured: Optional[TracedStep] = None) -> AutoSchedule:
     """Stages and each rank's order from ``module``'s measured layer costs (see the module docstring).
 
     Args:
@@ -136,11 +142,15 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
         in_flight: cells a rank may hold (default: 1F1B's peak); or ``memory_limit``, bytes of activations
             a rank may hold (a cell weighs its layers' output bytes).
         seconds_per_byte, message_seconds: the cost of a message between ranks (default: free).
-        action_seconds: what the runner adds to each action (default: nothing); a few tens of microseconds
-            on the CPU, which matters where layers are small.
+        action_seconds: what the runner adds to each action (default: ``measured.overhead``, else nothing);
+            a few tens of microseconds on the CPU, which matters where layers are small.
         timeout: seconds to keep timing the layers (more rounds, less noise).
         device: where to time them (default: the CPU).
-        times: layer times measured before (``time_layers(..., split=True)`` on one micro-batch): skips timing.
+        times: layer times measured before (``time_layers(..., split=True)`` on one micro-batch, or an
+            earlier result's ``times``): skips timing.
+        measured: a recorded step of this model under the runner (:func:`pipe.balance.traced_step`): each
+            stage's layers are scaled to its medians before cutting and ordering, so that the simulated step
+            is the runner's (see :mod:`pipe.balance.traced`).
 
     Returns:
         An :class:`AutoSchedule`: ``balance`` and ``schedule`` for ``DistributedPipe``, and the simulated step.
@@ -165,6 +175,10 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     rows = next(iter(times.forward))
     if rows not in times.input_grad or len(times.forward[rows]) != len(module):
         raise ValueError(f"times must hold the {len(module)} layers' I and W halves: time_layers(..., split=True)")
+    if measured is not None:
+        times = calibrated_times(times, rows, measured)
+        action_seconds = measured.overhead if action_seconds is None else action_seconds
+    action_seconds = action_seconds or 0.0
     totals = [f + i + w + (f if checkpoint != "never" else 0.0) for f, i, w in
               zip(times.forward[rows], times.input_grad[rows], times.weight_grad[rows])]
     options = [("looped", ranks)] * (placement in ("looped", "best"))
@@ -196,4 +210,4 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     schedule = candidate.schedule if candidate.name.startswith("auto") else \
         TableSchedule.from_table(candidate.schedule.programs, name=candidate.name)
     return AutoSchedule(balance, schedule, candidate.step, costs,
-                        busy_bound(costs, ranks, chunks, where, checkpoint))
+                        busy_bound(costs, ranks, chunks, where, checkpoint), times, measured)

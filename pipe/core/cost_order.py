@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
 
@@ -175,8 +175,9 @@ def peak_held(schedule: Schedule, activation: Sequence[float]) -> tuple[float, .
     return tuple(peaks)
 
 
-def simulate_with_costs(schedule: Schedule, costs: StageCosts, checkpoint: str = "never") -> float:
-    """The step :meth:`Schedule.simulate` finds for ``schedule`` under ``costs`` (recomputes with ``checkpoint``)."""
+def timed_with_costs(schedule: Schedule, costs: StageCosts, stop: int = 0) -> list[TimedAction]:
+    """:meth:`Schedule.simulate` of ``schedule`` under ``costs``, micro-batches ``i < stop`` recomputed: each
+    action timed, a message across ranks delayed by its boundary's transfer."""
     last = schedule.stages - 1
 
     def duration(action: Action) -> float:
@@ -190,9 +191,12 @@ def simulate_with_costs(schedule: Schedule, costs: StageCosts, checkpoint: str =
             return costs.transfer[s] if s < last and schedule.rank_of(s + 1) != here else 0.0
         return 0.0
 
-    timed = schedule.simulate(checkpoint_stop=checkpoint_stop(checkpoint, schedule.microbatches),
-                              durations=duration, transfer=transfer)
-    return max(t.end for t in timed)
+    return schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+
+
+def simulate_with_costs(schedule: Schedule, costs: StageCosts, checkpoint: str = "never") -> float:
+    """The step :meth:`Schedule.simulate` finds for ``schedule`` under ``costs`` (recomputes with ``checkpoint``)."""
+    return max(t.end for t in timed_with_costs(schedule, costs, checkpoint_stop(checkpoint, schedule.microbatches)))
 
 
 def busy_bound(costs: StageCosts, ranks: int, microbatches: int, placement: str = "looped",

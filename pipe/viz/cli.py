@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", type=_positive_float, default=2.0, help="backward time of a stage (default: 2)")
     p.add_argument("--recompute", type=_positive_float, default=None,
                    help="recompute time of a stage (default: the forward time)")
+    p.add_argument("--costs", metavar="JSON", default=None,
+                   help="with --table: each stage's own costs, a JSON object of pipe.StageCosts.of's arguments "
+                        "(forward, input_grad, weight_grad lists; transfer, overhead), e.g. "
+                        "dataclasses.asdict(auto.costs); they replace --forward and --backward")
     p.add_argument("--transfer", type=_time, default=None,
                    help="time of each message between stages; given (or --fsdp), the plan is the ranks' lowered "
                         "programs, with sends, waits, gathers and reduces drawn as marks (default: free)")
@@ -190,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
             args.ranks = args.stages
         if (args.gather or args.reduce) and args.fsdp is None:
             sub.error("--gather and --reduce time FSDP stages: add --fsdp zero2 or --fsdp zero3")
+        if args.costs is not None and args.table is None:
+            sub.error("--costs gives each stage of a table its own costs: add --table FILE.csv")
         if args.table is not None:
             return _plan_table(args)
         try:
@@ -230,6 +236,27 @@ def _communication(args: argparse.Namespace) -> Optional[Communication]:
                          None if args.fsdp is None else args.fsdp == "zero3")
 
 
+def _costs(path: str) -> Any:
+    """The ``StageCosts`` of a JSON file of ``StageCosts.of``'s arguments; ValueError naming what is wrong."""
+
+    from pipe.core.cost_order import StageCosts
+
+    try:
+        with open(path) as file:
+            given = json.load(file)
+    except OSError as error:
+        raise ValueError(f"cannot read it: {error.strerror or error}") from error
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg} at line {error.lineno})") from error
+    if not isinstance(given, dict):
+        raise ValueError(f"expected a JSON object of StageCosts.of's arguments, got {type(given).__name__}")
+    try:
+        return StageCosts.of(**given)
+    except TypeError as error:
+        raise ValueError(f"{error}; the keys are StageCosts.of's arguments: forward, input_grad, weight_grad, "
+                         f"backward, transfer, activation, overhead") from error
+
+
 def _plan_table(args: argparse.Namespace) -> int:
     from pipe.core.options import checkpoint_stop
     from pipe.core.schedule_table import TableSchedule
@@ -244,7 +271,11 @@ def _plan_table(args: argparse.Namespace) -> int:
         sub.error(f"--table {args.table!r}: {error}")
     stop = checkpoint_stop(args.checkpoint, schedule.microbatches)
     redo = args.forward if args.recompute is None else args.recompute
-    timeline = lay_out(schedule, args.forward, args.backward, redo, stop, communication=_communication(args))
+    try:
+        timeline = lay_out(schedule, args.forward, args.backward, redo, stop, communication=_communication(args),
+                           costs=_costs(args.costs) if args.costs else None)
+    except ValueError as error:
+        sub.error(f"--costs {args.costs!r}: {error}")
     timeline.title += f" · checkpoint={args.checkpoint} · bubble {timeline.bubble():.1%}"
     try:
         _write([timeline], args.output, "pipe-viz plan")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipe.core.cost_order import StageCosts, timed_with_costs
 from pipe.core.deprecation import warn
 from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind, Routes, lower
@@ -110,16 +111,27 @@ def schedule_timeline(
 def lay_out(
     schedule: Schedule, forward: float, backward: float, recompute: float, stop: int, unit: str = "step",
     split: Optional[tuple[float, float]] = None, communication: Optional[Communication] = None,
+    costs: Optional[StageCosts] = None,
 ) -> Timeline:
     """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
 
     ``split`` gives the I and W durations of a zero-bubble schedule (default:
-    half the backward each). The title is a plain description; :func:`schedule_timeline`
-    and the trace renderer add to it.
+    half the backward each); ``costs`` instead gives every stage its own
+    (:class:`pipe.core.cost_order.StageCosts`, messages included). The title is a
+    plain description; :func:`schedule_timeline` and the trace renderer add to it.
     """
     input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
     chunk = {s: schedule.stages_of(schedule.rank_of(s)).index(s) for s in range(schedule.stages)}
-    if communication is not None:
+    if costs is not None and communication is not None:
+        raise ValueError("give costs (each stage's own, messages included) or communication, not both")
+    if costs is not None:
+        if costs.stages != schedule.stages:
+            raise ValueError(f"costs of {costs.stages} stages for a schedule of {schedule.stages}: give one cost "
+                             f"per stage of the schedule")
+        cells = [Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
+                      microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
+                 for t in timed_with_costs(schedule, costs, stop)]
+    elif communication is not None:
         cells = _lowered_cells(schedule, (forward, backward, recompute if stop > 0 else 0.0, input_grad, weight_grad),
                                stop, communication, chunk)
     else:
@@ -131,7 +143,7 @@ def lay_out(
             for t in timed
         ]
     rows = [f"stage {r}" for r in range(schedule.ranks)]
-    notes = [
+    notes = [_costs_note(costs, stop, unit)] if costs is not None else [
         f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"
         + (f" (I {input_grad:g} + W {weight_grad:g})" if schedule.splits_backward else "")
         + (f", recompute {recompute:g}" if stop > 0 else "") + f" ({'time steps' if unit == 'step' else unit});"
@@ -160,6 +172,17 @@ def lay_out(
         peak_inflight=schedule.peak_inflight(),
         notes=notes,
     )
+
+
+def _costs_note(costs: StageCosts, stop: int, unit: str) -> str:
+    def per_stage(values: tuple[float, ...]) -> str:
+        return "/".join(f"{v:.3g}" for v in values)
+
+    return (f"durations per stage ({'time steps' if unit == 'step' else unit}): F {per_stage(costs.forward)}, "
+            f"I {per_stage(costs.input_grad)}, W {per_stage(costs.weight_grad)}"
+            + (", a recompute as its F" if stop > 0 else "")
+            + (f"; each message {per_stage(costs.transfer)}" if any(costs.transfer) else "; messages free")
+            + (f"; the runner {costs.overhead:.3g} per action" if costs.overhead else ""))
 
 
 def _lowered_cells(schedule: Schedule, durations: tuple[float, float, float, float, float], stop: int,

@@ -87,6 +87,39 @@ def test_the_order_is_saved_reloaded_and_drawn(tmp_path) -> None:
     assert out.read_text().startswith("<svg") and "auto" in out.read_text()
 
 
+def test_an_order_is_drawn_with_its_own_costs(tmp_path, capsys) -> None:
+    import dataclasses
+    import json
+
+    from pipe.viz.cli import main
+    from pipe.viz.planned import lay_out
+
+    costs = StageCosts.of([1.0, 1.2, 0.9, 1.5], [0.0, 0.8, 0.9, 1.2], [1.9, 2.0, 2.1, 2.6], transfer=0.05,
+                          overhead=0.01)
+    table = schedule_from_costs(costs, ranks=2, microbatches=4, placement="v")
+    timeline = lay_out(table, 1.0, 2.0, 1.0, 0, costs=costs)  # what the picture shows is the simulated step
+    assert max(c.end for c in timeline.cells) == pytest.approx(simulate_with_costs(table, costs))
+    assert "F 1/1.2/0.9/1.5" in timeline.notes[0] and "the runner 0.01 per action" in timeline.notes[0]
+    (tmp_path / "auto.csv").write_text(table.to_csv())
+    (tmp_path / "costs.json").write_text(json.dumps(dataclasses.asdict(costs)))
+    out = tmp_path / "auto.txt"
+    assert main(["plan", "--table", str(tmp_path / "auto.csv"), "--costs", str(tmp_path / "costs.json"),
+                 "--output", str(out)]) == 0
+    assert "F 1/1.2/0.9/1.5" in out.read_text()
+    (tmp_path / "bad.json").write_text(json.dumps({"forward": [1.0, 1.0]}))
+    for argv, message in (
+            (["--table", str(tmp_path / "auto.csv"), "--costs", str(tmp_path / "bad.json")],
+             "missing 2 required positional arguments"),
+            (["--costs", str(tmp_path / "costs.json")], "--costs gives each stage of a table its own costs"),
+            (["--table", str(tmp_path / "auto.csv"), "--costs", str(tmp_path / "nothing.json")], "cannot read it")):
+        with pytest.raises(SystemExit):
+            main(["plan", *argv, "--output", str(out)])
+        assert message in capsys.readouterr().err
+    two = StageCosts.of([1.0, 1.0], [1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="costs of 2 stages for a schedule of 4"):
+        lay_out(table, 1.0, 2.0, 1.0, 0, costs=two)
+
+
 def test_in_flight_bounds_each_rank() -> None:
     costs = StageCosts.of([1.0] * 4, [1.0] * 4, [2.0] * 4)
     for in_flight in (1, 2, 3):

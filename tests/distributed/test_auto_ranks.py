@@ -8,14 +8,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_models import WIDTH, batch, blocks, check_against_oracle, skip_model, train_tokens_against
 from pipe import StageCosts, schedule_from_costs
-from pipe.balance import auto_schedule
-from pipe.core.schedule_table import TableSchedule
-from pipe.distributed import DistributedPipe
+from pipe.distributed import DistributedPipe, calibrated_schedule
 from spawn_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -83,20 +80,15 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _tied(rank: int, world: int) -> list[str]:
     model = tied_model()
     sample = torch.randint(0, VOCAB, (8, 5), generator=torch.Generator().manual_seed(0))
-    shared: list[object] = [None, None]
-    if rank == 0:  # timing differs between processes: one rank measures and decides, the others take its choice
-        auto = auto_schedule(model, sample, ranks=2, chunks=4, checkpoint="except_last", timeout=0.05)
-        shared = [auto.balance, auto.schedule.to_csv()]
-    dist.broadcast_object_list(shared, src=0)
-    balance, text = shared
-    import io
-
-    table = TableSchedule.from_csv(io.StringIO(str(text)), name="auto")
+    # Timing differs between processes: rank 0 measures and decides, the other takes its choice (no trial steps).
+    auto = calibrated_schedule(model, sample, chunks=4, loss_fn=_loss, checkpoint="except_last", rounds=0,
+                               timeout=0.05)
+    balance, table = auto.balance, auto.schedule
     checked = []
     for checkpoint in CHECKPOINTS:
         reference = copy.deepcopy(model)
         piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=table,
-                                balance=list(balance), loss_fn=_loss)  # type: ignore[call-overload]
+                                balance=balance, loss_fn=_loss)
         train_tokens_against(piped, reference, _loss, 2, lambda params: torch.optim.SGD(params, lr=0.1), VOCAB,
                              checkpoint)
         for name, value in piped.state_dict().items():
@@ -107,3 +99,38 @@ def _tied(rank: int, world: int) -> list[str]:
 
 def test_auto_schedule_of_a_tied_model_trains_like_the_plain_model() -> None:
     assert run_ranks(_tied, 2, deadline=240) == [list(CHECKPOINTS)] * 2
+
+
+def _calibrated(rank: int, world: int) -> list[object]:
+    model = blocks(8)
+    before = copy.deepcopy(model.state_dict())
+    inputs, target = batch(12, 0)
+    auto = calibrated_schedule(model, inputs, target, chunks=4, loss_fn=F.mse_loss, checkpoint="except_last",
+                               rounds=2, steps=1, timeout=0.05)
+    step = auto.measured
+    found = [auto.balance, auto.schedule.to_csv(), step.steps if step else None, len(step.forward) if step else None,
+             bool(step and all(f > 0 for f in step.forward) and step.overhead >= 0 and step.wall > 0),
+             auto.costs.overhead == (step.overhead if step else None)]
+    # The trials ran on copies: the model's weights are as they were, and it has no gradients.
+    found.append(all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+                 and all(p.grad is None for p in model.parameters()))
+    piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint="except_last", schedule=auto.schedule,
+                            balance=auto.balance, loss_fn=F.mse_loss)
+    check_against_oracle(piped, model, inputs, target, piped.step(inputs, target), "calibrated auto")
+    errors = []
+    for bad in ({"in_flight": 0.5}, {"pipe_options": {"schedule": "1f1b"}}, {"rounds": -1}):
+        try:
+            calibrated_schedule(model, inputs, target, chunks=4, loss_fn=F.mse_loss, timeout=0.01, **bad)
+        except ValueError as error:
+            errors.append(str(error).split(";")[0].split(":")[0])
+    return found + [errors]
+
+
+def test_calibrated_schedule_agrees_on_every_rank_and_trains_like_the_plain_model() -> None:
+    found = run_ranks(_calibrated, 2, deadline=240)
+    assert found[0] == found[1]  # rank 0's choice on both ranks
+    balance, _, steps, stages, sane, overhead_used, untouched, errors = found[0]
+    assert sum(balance) == 8 and steps == 1 and stages in (2, 4) and sane and overhead_used and untouched
+    assert errors == ["no order of 8 layers on 2 ranks fits in_flight=0.5 / memory_limit=None",
+                      "pipe_options may not give ['schedule']", "rounds must be an int >= 0 (trial runs to "
+                      "calibrate by), got -1"], errors

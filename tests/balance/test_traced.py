@@ -1,0 +1,136 @@
+"""pipe.balance.traced_step: each stage's median F, I, W and the runner's time per action from recorded spans
+(built here, so the test is exact), and auto_schedule(measured=) ordering by them.
+tests/distributed/test_auto_ranks.py records a real step on gloo ranks and runs the order made from it."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from torch import nn
+
+from pipe.balance import LayerTimes, auto_schedule, traced_step
+from pipe.balance.traced import calibrated_times
+from pipe.core.cost_order import simulate_with_costs
+from pipe.core.schedule import Phase, Schedule
+from pipe.trace import TraceError, complete_event
+
+KIND = {Phase.FORWARD: "forward", Phase.INPUT: "input", Phase.WEIGHT: "weight", Phase.BACKWARD: "backward"}
+
+
+def _recorded(schedule: Schedule, cost: dict[tuple[str, int], list[float]], steps: int = 2, gap: float = 10.0,
+              wait: float = 0.0) -> list[dict[str, Any]]:
+    """Each rank's trace of ``steps`` steps run back to back: every action its cost (us, one per micro-batch from
+    ``cost[kind, stage]``), ``gap`` us of the runner's own time after each, and a ``wait`` us receive before each
+    forward of a stage after the first; 1000 us between steps."""
+    traces = []
+    for rank in range(schedule.ranks):
+        events, clock = [], 0.0
+        for _ in range(steps):
+            for action in schedule.actions(rank):
+                kind = KIND[action.phase]
+                if kind == "forward" and action.stage > 0 and wait:
+                    events.append(complete_event("recv", action.microbatch, action.stage, clock, wait, rank,
+                                                 channel="activation"))
+                    clock += wait
+                duration = cost[kind, action.stage][action.microbatch]
+                events.append(complete_event(kind, action.microbatch, action.stage, clock, duration, rank))
+                clock += duration + gap
+            clock += 1000.0
+        traces.append({"traceEvents": events, "otherData": {"clock_origin_unix_us": 0.0}})
+    return traces
+
+
+def _costs(stages: int) -> dict[tuple[str, int], list[float]]:
+    """F 100 us (one slow micro-batch: the median ignores it), I 80, W 150 on stage s > 0; the first stage's I
+    nothing and W the whole backward."""
+    cost = {}
+    for s in range(stages):
+        cost["forward", s] = [100.0, 100.0, 900.0, 100.0]
+        cost["input", s] = [80.0] * 4 if s else [1.0] * 4
+        cost["weight", s] = [150.0] * 4 if s else [230.0] * 4
+    return cost
+
+
+def test_medians_overhead_and_wall_of_a_recorded_step() -> None:
+    schedule = Schedule("zbv", 2, 4)
+    step = traced_step(_recorded(schedule, _costs(4), gap=10.0, wait=5.0), balance=[2, 2, 2, 2])
+    assert step.steps == 2 and step.split and step.balance == (2, 2, 2, 2)
+    assert step.forward == pytest.approx((100e-6,) * 4)
+    assert step.input_grad == pytest.approx((1e-6, 80e-6, 80e-6, 80e-6))
+    assert step.weight_grad == pytest.approx((230e-6, 150e-6, 150e-6, 150e-6))
+    assert step.overhead == pytest.approx(10e-6)  # the gap after each action; receive waits are not overhead
+    rank_wall = [sum(_costs(4)[KIND[a.phase], a.stage][a.microbatch] + 10.0 for a in schedule.actions(r)) - 10.0
+                 + 5.0 * sum(1 for a in schedule.actions(r) if a.phase is Phase.FORWARD and a.stage > 0)
+                 for r in range(2)]
+    assert step.wall == pytest.approx(max(rank_wall) * 1e-6)
+    costs = step.costs()
+    assert costs.overhead == pytest.approx(10e-6) and costs.cost("F", 1) == pytest.approx(110e-6)
+
+
+def test_a_fused_backward_gives_b_and_halves() -> None:
+    schedule = Schedule("1f1b", 2, 4)
+    cost = {("forward", s): [100.0] * 4 for s in range(2)} | {("backward", s): [300.0] * 4 for s in range(2)}
+    step = traced_step(_recorded(schedule, cost, steps=1), balance=[3, 1])
+    assert not step.split and step.backward == pytest.approx((300e-6, 300e-6))
+    costs = step.costs()
+    assert costs.backward == pytest.approx((300e-6,) * 2) and costs.input_grad == pytest.approx((150e-6,) * 2)
+
+
+def test_files_and_one_merged_trace_read_alike(tmp_path) -> None:
+    traces = _recorded(Schedule("zb-h1", 2, 4), _costs(2))
+    paths = []
+    for rank, trace in enumerate(traces):
+        paths.append(tmp_path / f"step.{rank}.json")
+        paths[-1].write_text(json.dumps(trace))
+    assert traced_step(paths, balance=[1, 1]) == traced_step(traces, balance=[1, 1])
+
+
+@pytest.mark.parametrize("change, message", [
+    ("balance", "does not match the 4 stages recorded"),
+    ("partial", "holds part of a step"),
+    ("empty", "holds no forward or backward spans"),
+])
+def test_a_trace_that_cannot_be_read_as_a_step_is_refused(change: str, message: str) -> None:
+    traces = _recorded(Schedule("zbv", 2, 4), _costs(4))
+    balance = [2, 2, 2, 2]
+    if change == "balance":
+        balance = [4, 4]
+    elif change == "partial":
+        traces[1]["traceEvents"].pop()
+    else:
+        traces = [{"traceEvents": []}]
+    with pytest.raises(TraceError, match=message):
+        traced_step(traces, balance=balance)
+
+
+def _times(layers: int) -> LayerTimes:
+    forward = [1e-6 * (k + 1) for k in range(layers)]
+    return LayerTimes({4: forward}, {4: [3 * f for f in forward]}, {4: forward}, {4: [1000] * layers}, 3,
+                      weight_grad={4: [2 * f for f in forward]})
+
+
+def test_layer_times_are_scaled_to_the_recorded_medians_keeping_their_shares() -> None:
+    step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4)), balance=[1, 2, 2, 3])
+    times = calibrated_times(_times(8), 4, step)
+    bounds = [(0, 1), (1, 3), (3, 5), (5, 8)]
+    for stage, (a, b) in enumerate(bounds):
+        assert sum(times.forward[4][a:b]) == pytest.approx(step.forward[stage])
+        if stage:
+            assert sum(times.input_grad[4][a:b]) == pytest.approx(step.input_grad[stage])
+            assert sum(times.weight_grad[4][a:b]) == pytest.approx(step.weight_grad[stage])
+    assert times.forward[4][6] / times.forward[4][5] == pytest.approx(7 / 6)  # shares within a stage kept
+    with pytest.raises(ValueError, match="covers 8 layers; the timed model has 6"):
+        calibrated_times(_times(6), 4, step)
+
+
+def test_auto_schedule_orders_by_the_recorded_costs() -> None:
+    step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4), gap=10.0), balance=[2, 2, 2, 2])
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    auto = auto_schedule(model, ranks=2, chunks=4, times=_times(8), measured=step, placement="v")
+    assert auto.costs.overhead == pytest.approx(10e-6)
+    if auto.balance == [2, 2, 2, 2]:  # the recorded cut: its costs are the medians
+        assert auto.costs.forward == pytest.approx((110e-6,) * 4, rel=0.1)
+    assert simulate_with_costs(auto.schedule, auto.costs) == pytest.approx(auto.step)
+    again = auto_schedule(model, ranks=2, chunks=4, times=auto.times, placement="v", action_seconds=10e-6)
+    assert again.step == pytest.approx(auto.step) and again.balance == auto.balance
