@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -196,7 +197,8 @@ def _r2_auto(size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels
     chosen = {"name": auto.schedule.name, "balance": auto.balance, "placement": list(auto.schedule.placement),
               "simulated_step_s": auto.step, "bound_step_s": auto.bound,
               "recorded_step_s": auto.measured.wall if auto.measured else None,
-              "overhead_per_action_us": auto.costs.overhead * 1e6}
+              "overhead_per_action_us": auto.costs.overhead * 1e6, "costs": dataclasses.asdict(auto.costs),
+              "table_csv": auto.schedule.to_csv()}
     piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=auto.schedule,
                             balance=auto.balance, loss_fn=lm_loss)
     return _timed_step(piped, ids, mask, labels), chosen

@@ -32,19 +32,21 @@ Run:
 
 ``pipe auto`` is the order and cut of ``pipe.distributed.calibrated_schedule``: from the layers' F, I and W
 timed on rank 0 in the same run, then from the medians of a step of that order recorded on the ranks
-(``--auto-rounds``, default 2; 0 orders by the layer times alone). Its peak memory includes that trial step,
-run on a copy of the model. The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
+(``--auto-rounds``, default 2; 0 orders by the layer times alone). Peak memory is each rank's highest
+resident set during its steps, over what it held before it built the model: the peak is reset after building
+(``/proc/self/clear_refs``), so auto's layer timing and trial steps, on a copy of the model, are not counted.
+The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
 the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -117,7 +119,8 @@ def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -
     chosen = {"name": auto.schedule.name, "balance": auto.balance, "simulated_step_s": auto.step,
               "bound_step_s": auto.bound, "placement": list(auto.schedule.placement),
               "recorded_step_s": auto.measured.wall if auto.measured else None,
-              "overhead_per_action_us": auto.costs.overhead * 1e6}
+              "overhead_per_action_us": auto.costs.overhead * 1e6, "costs": dataclasses.asdict(auto.costs),
+              "table_csv": auto.schedule.to_csv()}
     return auto.schedule, auto.balance, chosen
 
 
@@ -179,6 +182,18 @@ def _torch_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Ten
     return step
 
 
+def _forget_peak() -> None:
+    """Lowers the process's peak resident memory to what it holds now (Linux: ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_bytes() -> int:
+    """The process's peak resident memory since :func:`_forget_peak` (``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocessing.Queue[Any]") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
     torch.set_num_threads(1)
@@ -189,6 +204,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
     step = (_pipe_step if args.engine == "pipe" else _torch_step)(rank, full, args, x, y)
+    _forget_peak()  # the peak of the steps, not of choosing the order (auto's layer timing and trial steps)
     for _ in range(args.warmup):
         step()
     stats = getattr(step, "stats", None)
@@ -202,7 +218,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
         step()
     dist.barrier()
     elapsed = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_bytes()
     # The blocks this rank ran: a pipe rank materialises its own; a torch rank holds every block but runs its own.
     calls = [b.calls for b in full if isinstance(b, Counted) and b.calls > 0]
     per_microbatch = statistics.fmean(calls) / ((args.warmup + args.steps) * args.microbatches) if calls else 0.0
@@ -358,7 +374,8 @@ def main() -> None:
                 measured_s = [1 / min(r["steps_per_s"] for r in run) for run in repeats]
                 rows["pipe auto"].update(
                     chosen=[{k: c.get(k) for k in ("name", "balance", "placement", "recorded_step_s",
-                                                   "overhead_per_action_us")} for c in chosen],
+                                                   "overhead_per_action_us", "costs", "table_csv")}
+                            for c in chosen],
                     simulated_step_s=[c.get("simulated_step_s") for c in chosen], measured_step_s=measured_s,
                     prediction_error=[c["simulated_step_s"] / t - 1 for c, t in zip(chosen, measured_s)],
                     of_bound=statistics.median(c["bound_step_s"] / t for c, t in zip(chosen, measured_s)))

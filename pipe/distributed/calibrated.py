@@ -122,8 +122,9 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
         auto = _from_rank_0(lambda: auto_schedule(
             model, ranks=ranks, chunks=chunks, checkpoint=checkpoint, times=before.times,
             measured=traced_step(traces, balance=before.balance), **order))
-        logger.info("calibration %d: the recorded step took %.4g s (simulated %.4g s); chose %s, balance %s, "
-                    "simulated %.4g s", done + 1, auto.measured.wall if auto.measured else float("nan"), before.step,
+        logger.info("calibration %d: %s ran %.4g s per step (simulated from the layer times or the last round: "
+                    "%.4g s); by its recorded costs chose %s, balance %s, simulated %.4g s", done + 1,
+                    before.schedule.name, auto.measured.wall if auto.measured else float("nan"), before.step,
                     auto.schedule.name, auto.balance, auto.step)
         if auto.balance == before.balance and auto.schedule.programs == before.schedule.programs:
             break
