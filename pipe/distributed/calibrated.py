@@ -22,8 +22,8 @@ between processes; the table must not)::
     piped = DistributedPipe(model, chunks=8, schedule=auto.schedule, balance=auto.balance, loss_fn=F.cross_entropy)
 
 The trial steps run on copies: ``model``'s weights and gradients are left as
-they were. A copy of a model built on ``meta`` costs nothing; a real one costs
-its size on every rank until the call returns.
+they were, and each rank holds a second copy of the model until the call
+returns. The model must be real, not built on ``meta``: its layers are run.
 """
 from __future__ import annotations
 
@@ -102,6 +102,9 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
     if clash:
         raise ValueError(f"pipe_options may not give {clash}: the calibration chooses the schedule and the cut "
                          f"for the world's ranks as one pipeline (chunks= and checkpoint= are its own arguments)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("calibrated_schedule runs the model to time it; build it on a real device, not on "
+                         "torch.device('meta')")
     ranks = dist.get_world_size()
     auto: AutoSchedule = _from_rank_0(lambda: auto_schedule(
         model, inputs, ranks=ranks, chunks=chunks, checkpoint=checkpoint, timeout=timeout, **order))

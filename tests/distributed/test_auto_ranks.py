@@ -118,9 +118,12 @@ def _calibrated(rank: int, world: int) -> list[object]:
                             balance=auto.balance, loss_fn=F.mse_loss)
     check_against_oracle(piped, model, inputs, target, piped.step(inputs, target), "calibrated auto")
     errors = []
-    for bad in ({"in_flight": 0.5}, {"pipe_options": {"schedule": "1f1b"}}, {"rounds": -1}):
+    with torch.device("meta"):
+        on_meta = blocks(8)
+    for bad in ({"in_flight": 0.5}, {"pipe_options": {"schedule": "1f1b"}}, {"rounds": -1}, {"model": on_meta}):
         try:
-            calibrated_schedule(model, inputs, target, chunks=4, loss_fn=F.mse_loss, timeout=0.01, **bad)
+            calibrated_schedule(**{"model": model, **bad}, inputs=inputs, target=target, chunks=4,  # type: ignore[arg-type]
+                                loss_fn=F.mse_loss, timeout=0.01)
         except ValueError as error:
             errors.append(str(error).split(";")[0].split(":")[0])
     return found + [errors]
@@ -133,4 +136,4 @@ def test_calibrated_schedule_agrees_on_every_rank_and_trains_like_the_plain_mode
     assert sum(balance) == 8 and steps == 1 and stages in (2, 4) and sane and overhead_used and untouched
     assert errors == ["no order of 8 layers on 2 ranks fits in_flight=0.5 / memory_limit=None",
                       "pipe_options may not give ['schedule']", "rounds must be an int >= 0 (trial runs to "
-                      "calibrate by), got -1"], errors
+                      "calibrate by), got -1", "calibrated_schedule runs the model to time it"], errors
