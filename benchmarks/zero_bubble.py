@@ -35,7 +35,8 @@ timed on rank 0 in the same run, then from the medians of a step of that order r
 (``--auto-rounds``, default 2; 0 orders by the layer times alone). Peak memory is each rank's highest
 resident set during its steps, over what it held before it built the model: the peak is reset after building
 (``/proc/self/clear_refs``), so auto's layer timing and trial steps, on a copy of the model, are not counted.
-The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
+``pipe auto-layers`` is the same from the layer times alone, to compare in one run
+(``--schedules zbv auto auto-layers``). The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
 the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step.
 """
 from __future__ import annotations
@@ -69,11 +70,11 @@ RESULTS = HERE / "results"
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
 #: "zbv-rule": pipe's runner on the rule-of-thumb ZB-V order (pipe.core.zero_bubble; what "zbv" ran before it
 #: took the paper's V, which is torch's ZBV order), as a table, so that the two orders compare in one run.
-#: "auto": pipe.balance.auto_schedule's cut and order, from the layers' F, I and W timed on rank 0 in that run
-#: (pipe.core.cost_order), at 1F1B's peak memory (its default limit).
+#: "auto": pipe.distributed.calibrated_schedule's cut and order, at 1F1B's peak memory (its default limit);
+#: "auto-layers": the same from the layers' F, I and W timed on rank 0 alone (no recorded step, rounds=0).
 RUNS: tuple[tuple[str, str], ...] = (
     ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-rule"),
-    ("pipe", "auto"), ("torch", "1f1b"), ("torch", "zbv"),
+    ("pipe", "auto"), ("pipe", "auto-layers"), ("torch", "1f1b"), ("torch", "zbv"),
 )
 SAME_ORDER = {"zbv-rule": "zbv"}  # the torch schedule a pipe row is compared with, where names differ
 
@@ -114,7 +115,7 @@ def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -
     from pipe.distributed import calibrated_schedule
 
     auto = calibrated_schedule(full, x, y, chunks=args.microbatches, loss_fn=F.mse_loss, checkpoint=args.checkpoint,
-                               rounds=args.auto_rounds, timeout=args.auto_timeout,
+                               rounds=args.auto_rounds if args.schedule == "auto" else 0, timeout=args.auto_timeout,
                                action_seconds=None if args.auto_action_us is None else args.auto_action_us * 1e-6)
     chosen = {"name": auto.schedule.name, "balance": auto.balance, "simulated_step_s": auto.step,
               "bound_step_s": auto.bound, "placement": list(auto.schedule.placement),
@@ -135,7 +136,7 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
 
         schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
                                              for program in _v_rule(args.ranks, args.microbatches)], name="zbv-rule")
-    elif args.schedule == "auto":
+    elif args.schedule in ("auto", "auto-layers"):
         schedule, balance, chosen = _auto(full, args, x, y)
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
                            balance=balance, virtual_stages=2 if args.schedule == "interleaved" else 1)
@@ -369,10 +370,10 @@ def main() -> None:
                     statistics.fmean(r["forwards_per_block_per_microbatch"] for r in run) for run in repeats),
                 "ratio_runs": speeds,
             }
-            if schedule == "auto":  # what rank 0 chose, and the step it predicted, per repeat
+            if schedule in ("auto", "auto-layers"):  # what rank 0 chose, and the step it predicted, per repeat
                 chosen = [run[0].get("auto", {}) for run in repeats]
                 measured_s = [1 / min(r["steps_per_s"] for r in run) for run in repeats]
-                rows["pipe auto"].update(
+                rows[f"pipe {schedule}"].update(
                     chosen=[{k: c.get(k) for k in ("name", "balance", "placement", "recorded_step_s",
                                                    "overhead_per_action_us", "costs", "table_csv")}
                             for c in chosen],
@@ -397,8 +398,9 @@ def main() -> None:
                             row["no_bubble_step_ms"], rows[peer]["no_bubble_step_ms"])
         torch_best = max((row["samples_per_s"] for name, row in rows.items() if name.startswith("torch ")),
                          default=None)
-        if "pipe auto" in rows and torch_best:
-            rows["pipe auto"]["vs_torch_best"] = rows["pipe auto"]["samples_per_s"] / torch_best
+        for name in ("pipe auto", "pipe auto-layers"):
+            if name in rows and torch_best:
+                rows[name]["vs_torch_best"] = rows[name]["samples_per_s"] / torch_best
         table.append({"microbatches": m, "checkpoint": checkpoint, "runs": rows})
 
     result = {
@@ -460,9 +462,11 @@ def _auto_keys(table: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
         keys["auto_vs_torch_best" + suffix] = auto["vs_torch_best"]
         if m == 4 and checkpoint == "never":
             keys["auto_of_bound" + ("" if ranks == 2 else f"_{ranks}")] = auto["of_bound"]
-    errors = [abs(e) for entry in table for e in entry["runs"].get("pipe auto", {}).get("prediction_error", [])]
-    if errors:
-        keys["auto_prediction_error_worst"] = max(errors)
+    for name, key in (("pipe auto", "auto_prediction_error_worst"),
+                      ("pipe auto-layers", "auto_layers_prediction_error_worst")):
+        errors = [abs(e) for entry in table for e in entry["runs"].get(name, {}).get("prediction_error", [])]
+        if errors:
+            keys[key] = max(errors)
     return keys
 
 

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("planner model", PLANNER_MODEL),
     ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
+                    "pipe.distributed.calibrated",
                     "pipe.distributed.step_inputs", "pipe.viz.cli", "pipe.viz.__main__",
                     "pipe.sequential", "pipe.tied"]),
     # The planner's driver: it measures the model and the machine (profile, link, calibration, verify) and

@@ -144,8 +144,8 @@ def traced_step(traces: Union[Trace, Sequence[Trace]], *, balance: Sequence[int]
     medians: dict[str, list[float]] = {phase: [] for phase in "FIWB"}
     for phase in medians:
         for stage in range(stages):
-            found = [e["dur"] for e in compute if COMPUTE[e["cat"]] == phase and e["args"]["stage"] == stage]
-            medians[phase].append(statistics.median(found) * 1e-6 if found else math.nan)
+            durations = [float(e["dur"]) for e in compute if COMPUTE[e["cat"]] == phase and e["args"]["stage"] == stage]
+            medians[phase].append(statistics.median(durations) * 1e-6 if durations else math.nan)
     if any(math.isnan(f) for f in medians["F"]):
         missing = [s for s, f in enumerate(medians["F"]) if math.isnan(f)]
         raise TraceError(f"the trace holds no forward of stage(s) {missing}: record every rank's trace")

@@ -28,6 +28,7 @@ returns. The model must be real, not built on ``meta``: its layers are run.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 from typing import Any, Callable, Optional
 
@@ -119,6 +120,7 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
                 trial.step(inputs, target)
                 trial.zero_grad(set_to_none=True)
         del trial
+        gc.collect()  # the trial pipeline's copy of the model sits in reference cycles: free it now
         traces: list[Any] = [None] * ranks
         dist.all_gather_object(traces, recorder.trace())
         before = auto
