@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional

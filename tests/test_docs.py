@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docs_blocks import ROOT, Block, all_blocks, blocks, doc_files  # noqa: E402
+from docs_blocks import ROOT, all_blocks, blocks, doc_files  # noqa: E402
 from torchrun_launch import run_torchrun  # noqa: E402
 
 RUN_TIMEOUT = 480     # seconds for one page's plain blocks together (docs/planner.md: 240 s was too few once in a slow state)

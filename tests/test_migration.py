@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import pipe
 from pipe import NoChunk, Pipe, PipeSequential
 from pipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 

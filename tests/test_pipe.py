@@ -1,8 +1,6 @@
 """Pipe against the plain module (the oracle), and every check of its front end."""
 import copy
-import itertools
 import threading
-import warnings
 
 import pytest
 import torch

@@ -103,6 +103,19 @@ def check_against_oracle(pipe: DistributedPipe, model: nn.Sequential, inputs: An
         torch.testing.assert_close(parameter.grad, expected_grads[name], msg=lambda m: f"{label}: {name}\n{m}")
 
 
+def check_table_steps(rank: int, table: Any, checkpoint: str, label: str, balance: Optional[list[int]] = None) -> None:
+    """``blocks(8)`` run by ``table`` (a ``TableSchedule``) on this rank, two batches (10 and 8 rows): the stages
+    are the table's, and the loss and every gradient equal the plain module's."""
+    model = blocks(8)
+    piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=table, balance=balance,
+                            loss_fn=F.mse_loss)
+    assert piped.stages == table.stages_of(rank), label
+    for size, seed in ((10, 0), (8, 1)):
+        inputs, target = batch(size, seed)
+        piped.zero_grad()
+        check_against_oracle(piped, model, inputs, target, piped.step(inputs, target), f"{label}/B={size}")
+
+
 def train_tokens_against(piped: DistributedPipe, reference: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
                          steps: int, optimizer: Callable[[Any], torch.optim.Optimizer], vocab: int, label: str = "",
                          between: Optional[Callable[[], None]] = None) -> None:

@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist

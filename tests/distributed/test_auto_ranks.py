@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dist_models import WIDTH, batch, blocks, check_against_oracle, skip_model, train_tokens_against
+from dist_models import (WIDTH, batch, blocks, check_against_oracle, check_table_steps, skip_model,
+                         train_tokens_against)
 from pipe import StageCosts, schedule_from_costs
 from pipe.distributed import DistributedPipe, calibrated_schedule
 from spawn_ranks import run_ranks
@@ -29,15 +30,7 @@ def _orders(rank: int, world: int) -> list[str]:
         for checkpoint in CHECKPOINTS:
             table = schedule_from_costs(COSTS, ranks=2, microbatches=4, placement=placement, checkpoint=checkpoint)
             assert table.name == "auto" and table.splits_backward
-            model = blocks(8)
-            piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=table,
-                                    balance=[1, 2, 3, 2], loss_fn=F.mse_loss)
-            assert piped.stages == table.stages_of(rank)
-            for size, seed in ((10, 0), (8, 1)):
-                inputs, target = batch(size, seed)
-                piped.zero_grad()
-                loss = piped.step(inputs, target)
-                check_against_oracle(piped, model, inputs, target, loss, f"auto {placement}/{checkpoint}/B={size}")
+            check_table_steps(rank, table, checkpoint, f"auto {placement}/{checkpoint}", balance=[1, 2, 3, 2])
             checked.append(f"{placement}/{checkpoint}")
         # A skip from layer 1 (stage 0, rank 0) to layer 5 (stage 2: rank 1 in the V, rank 0 looped).
         model = skip_model(1, 5, 8)

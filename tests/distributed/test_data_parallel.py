@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import torch.nn.functional as F
 
 from dist_models import batch, blocks, check_against_oracle

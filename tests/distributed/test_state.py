@@ -1,7 +1,6 @@
 """Stage-agnostic checkpoints: saved with 2 stages, resumed with 4 stages and into the plain module, same losses."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest

@@ -3,12 +3,9 @@ zero-bubble orders (2 stages per rank, I/W and, in DualPipeV, whole B's), every 
 1F1B table of the user's own; a table for another size is refused with the fix."""
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch.nn.functional as F
 
-from dist_models import batch, blocks, check_against_oracle
+from dist_models import blocks, check_table_steps
 from pipe.core.schedule_table import TableSchedule, torch_order
 from pipe.distributed import DistributedPipe
 from spawn_ranks import run_ranks
@@ -22,15 +19,7 @@ def _tables(rank: int, world: int) -> list[str]:
                                         ["F0@1", "B0@1", "F1@1", "B1@1", "F2@1", "B2@1", "F3@1", "B3@1"]])]
     for table in tables:
         for checkpoint in ("always", "except_last", "never"):
-            model = blocks(8)
-            piped = DistributedPipe(copy.deepcopy(model), chunks=4, checkpoint=checkpoint, schedule=table,
-                                    loss_fn=F.mse_loss)
-            assert piped.stages == table.stages_of(rank)
-            for size, seed in ((10, 0), (8, 1)):
-                inputs, target = batch(size, seed)
-                piped.zero_grad()
-                loss = piped.step(inputs, target)
-                check_against_oracle(piped, model, inputs, target, loss, f"{table}/{checkpoint}/B={size}")
+            check_table_steps(rank, table, checkpoint, f"{table}/{checkpoint}")
             checked.append(f"{table.name}/{checkpoint}")
     with pytest.raises(ValueError, match=r"is for 2 ranks and 4 micro-batches.*pass chunks=4"):
         DistributedPipe(blocks(8), chunks=8, schedule=tables[0])
