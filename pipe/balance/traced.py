@@ -31,6 +31,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence, Union
 
+from pipe.balance.timing import LayerTimes
 from pipe.core.cost_order import StageCosts
 from pipe.trace.events import TraceError, load, merge
 
@@ -154,8 +155,13 @@ def traced_step(traces: Union[Trace, Sequence[Trace]], *, balance: Sequence[int]
                       tuple(medians["B"]), (statistics.fmean(overheads) if overheads else 0.0) * 1e-6, wall, steps)
 
 
-def calibrated_times(times: Any, rows: int, step: TracedStep) -> Any:
-    """``times`` (:class:`pipe.balance.LayerTimes`) with each stage's layers scaled so that they add up to the
+def _ratio(measured: float, timed: float) -> float:
+    """How much slower the recorded phase ran than the timed layers (1 where either is unknown)."""
+    return measured / timed if timed > 0 and math.isfinite(measured) else 1.0
+
+
+def calibrated_times(times: LayerTimes, rows: int, step: TracedStep) -> LayerTimes:
+    """``times`` with each stage's layers scaled so that they add up to the
     recorded step's medians: per stage, F by the forward's ratio, and I and W by their own ratios (the first
     stage's I and W together, its input needs no gradient; a fused backward scales both by B's ratio over
     the layers' fused backward). Layers keep their shares within the stage, so a new cut can be costed.
@@ -173,19 +179,15 @@ def calibrated_times(times: Any, rows: int, step: TracedStep) -> Any:
         span = range(start, start + count)
         start += count
 
-        def ratio(measured: float, timed: float) -> float:
-            return measured / timed if timed > 0 and math.isfinite(measured) else 1.0
-
-        f = ratio(step.forward[stage], math.fsum(forward[k] for k in span))
+        f = _ratio(step.forward[stage], math.fsum(forward[k] for k in span))
         if not step.split:
-            i = w = ratio(step.backward[stage], math.fsum(times.backward[rows][k] for k in span))
+            i = w = _ratio(step.backward[stage], math.fsum(times.backward[rows][k] for k in span))
         elif stage == 0:  # I does nothing there: W is the whole backward
-            i = w = ratio(step.input_grad[0] + step.weight_grad[0], math.fsum(inputs[k] + weights[k] for k in span))
+            i = w = _ratio(step.input_grad[0] + step.weight_grad[0], math.fsum(inputs[k] + weights[k] for k in span))
         else:
-            i = ratio(step.input_grad[stage], math.fsum(inputs[k] for k in span))
-            w = ratio(step.weight_grad[stage], math.fsum(weights[k] for k in span))
+            i = _ratio(step.input_grad[stage], math.fsum(inputs[k] for k in span))
+            w = _ratio(step.weight_grad[stage], math.fsum(weights[k] for k in span))
         for k in span:
             forward[k], inputs[k], weights[k] = forward[k] * f, inputs[k] * i, weights[k] * w
     return replace(times, forward={**times.forward, rows: forward}, input_grad={**times.input_grad, rows: inputs},
                    weight_grad={**times.weight_grad, rows: weights})
-

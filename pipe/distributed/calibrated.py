@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -40,6 +40,7 @@ from pipe.balance.auto import AutoSchedule, auto_schedule
 from pipe.balance.traced import traced_step
 from pipe.core.options import positive_int
 from pipe.distributed.distributed_pipe import DistributedPipe
+from pipe.distributed.group import decided_on_rank_0
 
 __all__: list[str] = []
 
@@ -51,20 +52,6 @@ WARMUP = 2
 #: DistributedPipe arguments the calibration chooses or that change the ranks it plans for.
 CHOSEN = ("schedule", "balance", "virtual_stages", "chunks", "checkpoint", "mesh", "data_parallel", "shard",
           "parallelize", "tensor_parallel")
-
-
-def _from_rank_0(decide: Callable[[], Any]) -> Any:
-    """``decide()``'s result on rank 0, on every rank; an error it raises, raised on every rank."""
-    message: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            message = [decide()]
-        except (TypeError, ValueError) as error:
-            message = [error]
-    dist.broadcast_object_list(message, src=0)
-    if isinstance(message[0], BaseException):
-        raise message[0]
-    return message[0]
 
 
 def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *, chunks: int, loss_fn: Any,
@@ -107,7 +94,7 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
         raise ValueError("calibrated_schedule runs the model to time it; build it on a real device, not on "
                          "torch.device('meta')")
     ranks = dist.get_world_size()
-    auto: AutoSchedule = _from_rank_0(lambda: auto_schedule(
+    auto: AutoSchedule = decided_on_rank_0(lambda: auto_schedule(
         model, inputs, ranks=ranks, chunks=chunks, checkpoint=checkpoint, timeout=timeout, **order))
     for done in range(rounds):
         trial = DistributedPipe(copy.deepcopy(model), chunks=chunks, checkpoint=checkpoint, schedule=auto.schedule,
@@ -124,7 +111,7 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
         traces: list[Any] = [None] * ranks
         dist.all_gather_object(traces, recorder.trace())
         before = auto
-        auto = _from_rank_0(lambda: auto_schedule(
+        auto = decided_on_rank_0(lambda: auto_schedule(
             model, ranks=ranks, chunks=chunks, checkpoint=checkpoint, times=before.times,
             measured=traced_step(traces, balance=before.balance), **order))
         logger.info("calibration %d: %s ran %.4g s per step (simulated from the layer times or the last round: "

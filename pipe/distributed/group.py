@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -213,3 +213,19 @@ def union_over_ranks(names: list[str]) -> list[str]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, names)
     return list(dict.fromkeys(name for part in gathered for name in part))
+
+
+def decided_on_rank_0(decide: Callable[[], Any]) -> Any:
+    """``decide()``'s result on rank 0, on every rank (one broadcast); a ``TypeError`` or ``ValueError`` it
+    raises is raised on every rank, so that no rank waits for a partner that gave up. Collective: every rank
+    of the world calls it. For decisions that measure (timings differ between processes; the choice must not)."""
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            message = [decide()]
+        except (TypeError, ValueError) as error:
+            message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], BaseException):
+        raise message[0]
+    return message[0]

@@ -30,7 +30,7 @@ from pipe.core.partition import Device
 from pipe.distributed.distributed_pipe import DistributedPipe
 from pipe.distributed.env import rank_device
 from pipe.distributed.fsdp import Shard, verify_shard
-from pipe.distributed.group import require_initialized
+from pipe.distributed.group import decided_on_rank_0, require_initialized
 from pipe.distributed.mesh import mesh_size, verify_mesh
 from pipe.pipe import Pipe
 from pipe.plan.planning import plan
@@ -201,29 +201,25 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     if any(p.is_meta for p in module.parameters()):
         raise ValueError("pipe.plan.planned_distributed() must run the model to measure it; build it on a "
                          "real device, not on torch.device('meta')")
-    message: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            parts = replicas * shards  # pipelines, each with its sample: planned together
-            if parts > 1:
-                from pipe.core.microbatch import Batch, gather
 
-                sample, target = (gather([Batch(value)] * parts) if value is not None else None
-                                  for value in (sample, target))
-            chosen = _planned("pipe.plan.planned_distributed", given, lambda: plan(
-                module, sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
-                link="cached", loss_fn=loss_fn, target=target, device=device,
-                threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
-                dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
-                zero=(3,) if zero3 else (2,), **given.restrictions(parts)))
-            logger.info("DistributedPipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
-            message = [chosen.distributed_kwargs()]
-        except (TypeError, ValueError) as error:
-            message = [error]
-    dist.broadcast_object_list(message, src=0)
-    if isinstance(message[0], BaseException):
-        raise message[0]
-    return dict(message[0])
+    def decide() -> dict[str, Any]:
+        parts = replicas * shards  # pipelines, each with its sample: planned together
+        planned_sample, planned_target = sample, target
+        if parts > 1:
+            from pipe.core.microbatch import Batch, gather
+
+            planned_sample, planned_target = (gather([Batch(value)] * parts) if value is not None else None
+                                              for value in (sample, target))
+        chosen = _planned("pipe.plan.planned_distributed", given, lambda: plan(
+            module, planned_sample, memory_budget=memory_budget, stages=ranks * parts, runner="processes",
+            link="cached", loss_fn=loss_fn, target=planned_target, device=device,
+            threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
+            dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
+            zero=(3,) if zero3 else (2,), **given.restrictions(parts)))
+        logger.info("DistributedPipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
+        return chosen.distributed_kwargs()
+
+    return dict(decided_on_rank_0(decide))
 
 
 def planned_pipe(module: nn.Sequential, sample: Any, *, memory_budget: Budget, devices: Sequence[Device],
