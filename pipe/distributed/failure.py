@@ -19,7 +19,10 @@ and works out the root cause from it: a rank's own error if one was raised
 contacts — a rank that lost contact with rank P, while P itself published
 nothing, blames P: P died (its connections closed) or stalled (it did not
 answer within the timeout). A rank that lost contact only because its peer
-waited for a third rank follows the peer's record to that rank. The headline
+waited for a third rank follows the peer's record to that rank. Before a
+chain ends in a stall, a silent rank whose process on this machine has ended
+is blamed instead (died): the rank at the end of the chain may be waiting on
+it, its own timeout not yet out. The headline
 is written once with ``compare_set`` so that every rank raises the same one:
 ``PipelineFailure: rank 2 stopped in F2@2 because rank 1 died ...``.
 
@@ -286,10 +289,29 @@ class Failures:
                 return agreed
             blamed = self._follow(peer if peer is not None else self._only_silent())
             if blamed is not None and (time.monotonic() >= deadline or not timed_out or peer is None):
+                if blamed[1]:  # a stall, unless a silent rank's process ended: that explains every wait (the
+                    return self._dead_silent(where) or self._describe(*blamed)  # rank blamed may wait on it)
                 return self._describe(*blamed)
             if time.monotonic() >= deadline:
-                return None
+                return self._dead_silent(where)
             time.sleep(_POLL)
+
+    def _dead_silent(self, where: str) -> Optional[str]:
+        """``"rank P died ..."`` if exactly one other rank published nothing and its process here has ended."""
+        host = socket.gethostname()
+        dead = []
+        for rank in self._silent():
+            identity = self._get(f"pipe/{self.instance}/process/{rank}")
+            if identity is None:
+                continue
+            their_host, pid, start = identity.split(" ")
+            if their_host == host and _gone(int(pid), start):
+                dead.append((rank, pid))
+        if len(dead) != 1:
+            return None
+        rank, pid = dead[0]
+        return (f"rank {rank} died: its process (pid {pid} on this machine) ended without raising an error "
+                f"(found when rank {self.rank}'s wait in {where} timed out)")
 
     def _only_silent(self) -> Optional[int]:
         """The one rank that published nothing this step, once all the others have (one counter read till then)."""

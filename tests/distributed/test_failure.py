@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dist_models import WIDTH
-from pipe.distributed import DistributedPipe, PipelineFailure
+from pipe.distributed import DistributedPipe, PipelineFailure, failure
+from pipe.distributed.transport import PeerError
 from spawn_ranks import run_ranks
 
 
@@ -91,3 +98,42 @@ def test_a_connection_reset_or_closed_by_gloo_is_a_lost_peer_not_this_ranks_own_
     assert _peer_of(timeout) == (None, True)
     assert _peer_of(ValueError("boom in layer 3")) is None  # this rank's own error
     assert _peer_of(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+def _evidence(monkeypatch: pytest.MonkeyPatch, dead_pids: dict[int, int]) -> failure.Failures:
+    """Rank 1 of 4 on an in-process store that holds rank 1's timeout on rank 3 at step 1; ranks 2 and 3
+    published nothing. ``dead_pids`` gives a rank the identity of a process that has ended."""
+    store = dist.HashStore()
+    monkeypatch.setattr(failure, "_store", lambda: store)
+    monkeypatch.setattr(failure, "_SETTLE", 0.1)
+    failures = failure.Failures(rank=1, world=4, timeout=0.2)
+    for rank in (0, 2, 3):
+        pid = dead_pids.get(rank, os.getpid())
+        store.set(f"pipe/{failures.instance}/process/{rank}", f"{socket.gethostname()} {pid} "
+                  f"{failure._start_time(os.getpid()) if rank not in dead_pids else '12345'}")
+    failures.begin_step()
+    store.set(failures._key("lost/0"), "? timeout B0@1")
+    return failures
+
+
+def _ended_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_timeout_on_a_live_partner_blames_the_silent_rank_whose_process_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 3 waits on rank 2 (a shard partner that exited) and its own timeout is not out yet: rank 1's
+    timeout on rank 3 must not blame rank 3 as stalled (the fault matrix's fsdp-exit flake)."""
+    failures = _evidence(monkeypatch, {2: _ended_pid()})
+    error = failures.failure_from("B0@1", PeerError("wait on rank 3 timed out", peer=3))
+    assert str(error).startswith("rank 1 stopped in B0@1 because rank 2 died: its process"), error
+    assert "found when rank 1's wait in B0@1 timed out" in str(error)
+
+
+def test_a_timeout_on_a_silent_partner_blames_it_as_stalled_when_no_process_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    failures = _evidence(monkeypatch, {})
+    error = failures.failure_from("B0@1", PeerError("wait on rank 3 timed out", peer=3))
+    assert str(error).startswith("rank 1 stopped in B0@1 because rank 3 stalled: it did not answer"), error
