@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from pipe.balance.solver import solve
 from pipe.balance.timing import LayerTimes, time_layers
 from pipe.balance.traced import TracedStep, calibrated_times
-from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders
+from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders, with_posts_chosen
 from pipe.core.microbatch import scatter
 from pipe.core.options import CHECKPOINT_MODES, positive_int
 from pipe.core.partition import verify_module
@@ -44,7 +44,8 @@ class AutoSchedule:
     Attributes:
         balance: layers per stage (``DistributedPipe``'s ``balance=``).
         schedule: each rank's order (``DistributedPipe``'s ``schedule=``), a :class:`TableSchedule`.
-        step: the simulated step in seconds (compute and messages; no runtime overhead).
+        step: the simulated step in seconds (compute, the runner's overhead per action, and messages: their
+            bytes move once sent and their receive posted, where each rank posts it).
         costs: the per-stage costs it was ordered by.
         bound: the busiest rank's own compute in seconds: no order beats it.
         times: the layer times it cut and ordered by (scaled by ``measured=`` where given); pass them back as
@@ -198,7 +199,8 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
             found = [c for c in candidate_orders(costs, ranks=ranks, microbatches=chunks, placement=where,
                                                  in_flight=in_flight, memory_limit=memory_limit,
                                                  checkpoint=checkpoint) if c.fits]
-            for candidate in found:
+            if found:
+                candidate = with_posts_chosen(found, costs, checkpoint)
                 if best is None or candidate.step < best[0].step - 1e-12:
                     best = (candidate, balance, costs)
     if best is None:
@@ -207,7 +209,7 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     candidate, balance, costs = best
     where = "v" if candidate.schedule.placement != tuple(s % ranks for s in range(costs.stages)) else "looped"
     logger.info("auto schedule: %s, balance %s, simulated step %.4g s", candidate.name, balance, candidate.step)
-    schedule = candidate.schedule if candidate.name.startswith("auto") else \
-        TableSchedule.from_table(candidate.schedule.programs, name=candidate.name)
+    schedule = candidate.schedule if candidate.name.startswith("auto") else replace(
+        TableSchedule.from_table(candidate.schedule.programs, name=candidate.name), posts=candidate.schedule.posts)
     return AutoSchedule(balance, schedule, candidate.step, costs,
                         busy_bound(costs, ranks, chunks, where, checkpoint), times, measured)

@@ -11,7 +11,12 @@ few variants of its priority rule, for the looped placement (stage s on rank
 and returns the order that :meth:`~pipe.core.schedule.Schedule.simulate`
 finds fastest under the same costs. The fixed schedules of that placement
 are candidates too, judged under the same costs and memory limit, so the
-result is never slower in simulation than the best of them that fits.
+result is never slower in simulation than the best of them that fits. Where
+messages cost time, the fastest orders and the fixed ones are then lowered
+into every step of each rank (:mod:`pipe.core.lowering`) and each rank's
+receive posts are chosen (:func:`choose_posts`): a message's bytes move only
+once its receive is posted, so a rank that posts one action ahead may wait
+for bytes that could have moved during the action before.
 
 The result is an ordinary :class:`~pipe.core.schedule_table.TableSchedule`:
 validated, simulated, saved with ``to_csv`` and reloaded with ``from_csv``,
@@ -29,11 +34,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
+from pipe.core.program_time import lowered_programs, time_programs
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
@@ -43,6 +49,7 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("looped", "v", "best")
+POST_CHOICES = (1, 2, 3, 4)  # actions ahead a rank may post its receives (0, just before the wait, is never faster)
 Number = Union[int, float]
 
 
@@ -178,6 +185,14 @@ def peak_held(schedule: Schedule, activation: Sequence[float]) -> tuple[float, .
 def timed_with_costs(schedule: Schedule, costs: StageCosts, stop: int = 0) -> list[TimedAction]:
     """:meth:`Schedule.simulate` of ``schedule`` under ``costs``, micro-batches ``i < stop`` recomputed: each
     action timed, a message across ranks delayed by its boundary's transfer."""
+    duration, transfer = _cost_functions(schedule, costs)
+    return schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+
+
+def _cost_functions(schedule: Schedule, costs: StageCosts
+                    ) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
+    """``(duration, transfer)`` of an action under ``costs``: its own seconds, and those of the message it waits
+    for (its boundary's transfer where the neighbouring stage runs on another rank)."""
     last = schedule.stages - 1
 
     def duration(action: Action) -> float:
@@ -191,7 +206,58 @@ def timed_with_costs(schedule: Schedule, costs: StageCosts, stop: int = 0) -> li
             return costs.transfer[s] if s < last and schedule.rank_of(s + 1) != here else 0.0
         return 0.0
 
-    return schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
+    return duration, transfer
+
+
+def lowered_step(schedule: Schedule, costs: StageCosts, stop: int = 0) -> float:
+    """The step of ``schedule``'s lowered programs (:mod:`pipe.core.program_time`) under ``costs``, micro-batches
+    ``i < stop`` recomputed: receives posted where each rank posts them, a message's bytes moving once both
+    its send and its receive are posted."""
+    duration, transfer = _cost_functions(schedule, costs)
+    return max(t.end for t in time_programs(lowered_programs(schedule, stop), duration, transfer))
+
+
+def choose_posts(schedule: TableSchedule, costs: StageCosts, checkpoint: str = "never"
+                 ) -> tuple[TableSchedule, float]:
+    """Where each rank posts its receives (:data:`POST_CHOICES` actions ahead), and the lowered step it gives.
+
+    One rank at a time takes the horizon that shortens the lowered step most, till none does; a rank stays
+    at the fewest actions ahead that is as fast (each posted receive holds its buffer till its wait).
+    """
+    stop = checkpoint_stop(checkpoint, schedule.microbatches)
+    posts = [schedule.post_ahead(r) for r in range(schedule.ranks)]
+    best = lowered_step(schedule.with_posts(posts), costs, stop)
+    improved = True
+    while improved:
+        improved = False
+        for rank in range(schedule.ranks):
+            for ahead in POST_CHOICES:
+                tried = posts[:rank] + [ahead] + posts[rank + 1:]
+                step = lowered_step(schedule.with_posts(tried), costs, stop)
+                if step < best * (1 - 1e-9) or (step <= best and ahead < posts[rank]):
+                    posts, best, improved = tried, step, improved or step < best * (1 - 1e-9)
+    return schedule.with_posts(posts), best
+
+
+def with_posts_chosen(found: Sequence[Candidate], costs: StageCosts, checkpoint: str = "never",
+                      top: int = 4) -> Candidate:
+    """The fastest fitting candidate once each rank's posts are chosen (:func:`choose_posts`), its step the
+    lowered one; weighed: the ``top`` fastest and every fixed schedule, so none of those is faster. Without
+    transfer costs posts change nothing: the fastest candidate as it is.
+
+    Raises:
+        ValueError: no candidate fits its memory limit.
+    """
+    ranked = sorted((c for c in found if c.fits), key=lambda c: c.step)
+    if not ranked:
+        raise ValueError("no candidate order fits its memory limit; raise in_flight or memory_limit")
+    if not any(costs.transfer):
+        return ranked[0]
+    chosen = []
+    for candidate in ranked[:top] + [c for c in ranked[top:] if not c.name.startswith("auto")]:
+        table, step = choose_posts(candidate.schedule, costs, checkpoint)
+        chosen.append(Candidate(candidate.name, table, step, candidate.peak, candidate.limit))
+    return min(chosen, key=lambda c: c.step)
 
 
 def simulate_with_costs(schedule: Schedule, costs: StageCosts, checkpoint: str = "never") -> float:
@@ -315,11 +381,11 @@ def schedule_from_costs(costs: StageCosts, *, ranks: int, microbatches: int, pla
         raise ValueError(f"no order of {costs.stages} stages on {ranks} ranks holds at most "
                          f"{found[0].limit if found else in_flight or memory_limit:g} per rank (in_flight / "
                          f"memory_limit); the least found holds {least:g}: raise the limit to {least:g}")
-    best = min(fitting, key=lambda c: c.step)
+    best = with_posts_chosen(fitting, costs, checkpoint)
     logger.debug("auto order: %s, simulated step %.6g (of %d candidates)", best.name, best.step, len(found))
     if best.name.startswith("auto"):
         return best.schedule
-    return TableSchedule.from_table(best.schedule.programs, name=best.name)
+    return replace(TableSchedule.from_table(best.schedule.programs, name=best.name), posts=best.schedule.posts)
 
 
 def _check(costs: Any, ranks: Any, microbatches: Any, placement: Any, in_flight: Any, memory_limit: Any,

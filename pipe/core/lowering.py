@@ -266,18 +266,20 @@ def recompute(slots: list[_Slot], checkpoint_stop: int) -> None:
             slot.before.append(Step(Kind.RECOMPUTE, a, a.stage))
 
 
-def messages(slots: list[_Slot], routes: Routes) -> list[Step]:
-    """Each action waits for its messages, posts the next action's receives, then sends what it made.
+def messages(slots: list[_Slot], routes: Routes, ahead: int = 1) -> list[Step]:
+    """Each action waits for its messages, posts the receives of the action ``ahead`` later, then sends
+    what it made (``ahead=0``: each action posts its own receives just before it waits for them).
 
-    Returns the receives of the first action, posted before anything else.
+    Returns the receives of the first ``ahead`` actions, posted before anything else.
     """
     for k, slot in enumerate(slots):
-        slot.before += [Step(Kind.WAIT_RECV, r.action, r.stage, r.peer, r.direction, r.channel)
-                        for r in _receives(slot.action, routes)]
-        if k + 1 < len(slots):
-            slot.before += _receives(slots[k + 1].action, routes)
+        own = _receives(slot.action, routes)
+        slot.before += own if ahead == 0 else []
+        slot.before += [Step(Kind.WAIT_RECV, r.action, r.stage, r.peer, r.direction, r.channel) for r in own]
+        if ahead and k + ahead < len(slots):
+            slot.before += _receives(slots[k + ahead].action, routes)
         slot.after += _sends(slot.action, routes)
-    return _receives(slots[0].action, routes) if slots else []
+    return [r for slot in slots[:ahead] for r in _receives(slot.action, routes)]
 
 
 def offload(slots: list[_Slot], stages: Sequence[int], horizon: int) -> None:
@@ -306,7 +308,7 @@ def replicas(slots: list[_Slot]) -> None:
 
 def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, checkpoint_stop: int = 0,
           zero3: Optional[bool] = None, offload_stages: Sequence[int] = (), offload_horizon: int = 0,
-          replicated: bool = False) -> list[Step]:
+          replicated: bool = False, post_ahead: int = 1) -> list[Step]:
     """The lowered program of one rank: every step it takes, in order.
 
     Args:
@@ -321,17 +323,23 @@ def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, c
             and how many actions ahead their backwards are prefetched; the tag
             steps come whenever ``offload_horizon`` is set or stages offload.
         replicated: the stages' gradients are averaged over replicas.
+        post_ahead: how many actions ahead a receive is posted (a message's
+            bytes move only once its receive is posted; each posted receive
+            holds its buffer): 1 by default, 0 just before its wait.
 
     The order around action k: gathers, recomputation, the wait for its
-    messages, the receives of action k + 1, offload tag and prefetches; the
-    action; its sends, the replicas' reduction, the FSDP reduce and reshards.
+    messages, the receives of action k + ``post_ahead``, offload tag and
+    prefetches; the action; its sends, the replicas' reduction, the FSDP
+    reduce and reshards.
     """
+    if isinstance(post_ahead, bool) or not isinstance(post_ahead, int) or post_ahead < 0:
+        raise ValueError(f"post_ahead must be an int >= 0 (actions ahead a receive is posted), got {post_ahead!r}")
     program = [a for a in program if training or a.phase is Phase.FORWARD]
     slots = [_Slot(a) for a in program]
     late = gathers(slots, zero3, training) if zero3 is not None else []
     if training:
         recompute(slots, checkpoint_stop)
-    head = messages(slots, routes)
+    head = messages(slots, routes, post_ahead)
     if offload_stages or offload_horizon:
         offload(slots, offload_stages, offload_horizon)
     if replicated and training:

@@ -7,8 +7,9 @@ for each other forever. :func:`simulate` places every step on a timeline
 given its cost, with the rules the process runner follows:
 
 * compute steps (F, B, I, W, RECOMPUTE) run one after another on the rank;
-* a send returns at once and its message arrives ``cost(send)`` later; a
-  ``WAIT_RECV`` holds the rank until its message arrived;
+* a send returns at once; its message's bytes move once it is sent and its
+  receive is posted, and arrive ``cost(send)`` later; a ``WAIT_RECV`` holds
+  the rank until its message arrived;
 * gathers, reduce-scatters and the replicas' averages run on the rank's
   communication lane, one after another, beside compute; ``WAIT_UNSHARD``
   holds the rank until its gather ended, ``FINISH_REPLICAS`` and ``FLUSH``
@@ -23,7 +24,8 @@ import collections
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from pipe.core.lowering import COMPUTE, Kind, Step
+from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
+from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 
 __all__: list[str] = []
 
@@ -68,7 +70,8 @@ def simulate(programs: Sequence[Sequence[Step]], cost: Callable[[Step], float]) 
         RuntimeError: the programs deadlock; the message names each rank's stuck step.
     """
     ranks = len(programs)
-    arrival: dict[tuple[int, int, str, str, int], float] = {}
+    sent: dict[tuple[int, int, str, str, int], tuple[float, float]] = {}  # message -> (when sent, transfer)
+    posted: dict[tuple[int, int, str, str, int], float] = {}  # message -> when its receive was posted
     gathered: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its last gather ends
     clock = [0.0] * ranks
     comm = [0.0] * ranks  # when each rank's communication lane is free
@@ -86,21 +89,25 @@ def simulate(programs: Sequence[Sequence[Step]], cost: Callable[[Step], float]) 
             kind = step.kind
             if kind is Kind.WAIT_RECV:
                 key = step.message()
-                if key not in arrival:
+                if key not in sent:
                     waiting.setdefault(key, []).append(rank)
                     break
-                if arrival[key] > at:
-                    timeline.append(TimedStep(step, rank, at, arrival[key]))
-                    at = arrival[key]
+                when, transfer = sent[key]
+                arrival = max(when, posted.get(key, when)) + transfer
+                if arrival > at:
+                    timeline.append(TimedStep(step, rank, at, arrival))
+                    at = arrival
+            elif kind is Kind.POST_RECV:
+                posted[step.message()] = at
             elif kind in COMPUTE or kind is Kind.RECOMPUTE:
                 length = cost(step)
                 timeline.append(TimedStep(step, rank, at, at + length))
                 at += length
             elif kind is Kind.SEND:
                 key = step.message()
-                arrival[key] = at + cost(step)
-                sends_done[rank] = max(sends_done[rank], arrival[key])
-                timeline.append(TimedStep(step, rank, at, arrival[key]))
+                sent[key] = (at, cost(step))
+                sends_done[rank] = max(sends_done[rank], at + sent[key][1])  # (as if posted: the other rank may
+                timeline.append(TimedStep(step, rank, at, at + sent[key][1]))  # not be simulated that far)
                 woken = waiting.pop(key, None)
                 if woken:
                     ready.extend(woken)
@@ -126,6 +133,37 @@ def simulate(programs: Sequence[Sequence[Step]], cost: Callable[[Step], float]) 
         raise RuntimeError("the lowered programs deadlock, each rank waiting for a message never sent: "
                            + "; ".join(stuck))
     return sorted(timeline, key=lambda t: (t.start, t.rank, t.end))
+
+
+def lowered_programs(schedule: Schedule, checkpoint_stop: int) -> list[list[Step]]:
+    """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes."""
+    routes = Routes.chain(schedule.stages)
+    return [lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop, post_ahead=schedule.post_ahead(rank))
+            for rank in range(schedule.ranks)]
+
+
+def time_programs(programs: list[list[Step]], duration: Callable[[Action], float],
+                  transfer: Callable[[Action], float]) -> list[TimedAction]:
+    """The lowered ``programs`` timed (:func:`pipe.core.program_time.simulate`): each compute step takes
+    ``duration(action)``, a recompute ``duration`` of its ``R`` action, and a message ``transfer`` of the action
+    that waits for it. Returns the compute and recompute steps as timed actions (a recompute of no time left out)."""
+
+    def cost(step: Step) -> float:
+        if step.kind in COMPUTE:
+            return duration(step.action)
+        if step.kind is Kind.RECOMPUTE:
+            return duration(Action(Phase.RECOMPUTE, step.microbatch, step.stage))
+        if step.kind is Kind.SEND:  # the action on the peer stage that waits for this message
+            return transfer(Action(step.action.phase, step.microbatch, step.peer))
+        return 0.0
+
+    timed = []
+    for t in simulate(programs, cost):
+        if t.step.kind in COMPUTE:
+            timed.append(TimedAction(t.step.action, t.rank, t.start, t.end))
+        elif t.step.kind is Kind.RECOMPUTE and t.end > t.start:
+            timed.append(TimedAction(Action(Phase.RECOMPUTE, t.step.microbatch, t.step.stage), t.rank, t.start, t.end))
+    return timed
 
 
 def check(programs: Sequence[Sequence[Step]]) -> None:

@@ -234,6 +234,12 @@ class Schedule:
         microbatch = group * self.ranks + position % self.ranks
         return Action(phase, microbatch, chunk * self.ranks + rank)
 
+    def post_ahead(self, rank: int) -> int:
+        """How many actions ahead ``rank`` posts its receives (:func:`pipe.core.lowering.lower`): 1; a
+        :class:`~pipe.core.schedule_table.TableSchedule` may choose per rank."""
+        self._check_rank(rank)
+        return 1
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.ranks:
             raise ValueError(

@@ -6,7 +6,9 @@ them. The stages a rank runs are those its actions name; the micro-batches
 are those the table covers. It is validated when built (:func:`check_programs`,
 which ``Schedule.validate`` shares), simulated and drawn like any schedule
 (``pipe-viz plan --table FILE.csv``), and run by the process runner
-(``DistributedPipe(schedule=table)``).
+(``DistributedPipe(schedule=table)``). A table may also say, per rank, how
+many actions ahead the rank posts its receives (:meth:`TableSchedule.with_posts`,
+chosen from costs by :func:`pipe.core.posts.choose_posts`).
 
 The Python form: a list per rank of actions, each ``"F3@1"`` (phase,
 micro-batch, ``@`` stage, as :class:`~pipe.core.schedule.Action` prints),
@@ -19,7 +21,10 @@ The CSV form is torch's ``compute_only`` pipeline order
 (``torch.distributed.pipelining`` schedules' ``_dump_csv``/``_load_csv``):
 one row per rank, one cell per action written ``{stage}{phase}{micro-batch}``
 (``0F1`` is the forward of micro-batch 1 on stage 0); empty cells are idle
-steps and are skipped. ``F0@0`` cells are read too.
+steps and are skipped. ``F0@0`` cells are read too. Posts other than one
+action ahead on every rank are kept in a last row of ours, ``# post_ahead``
+then one number per rank (torch's reader does not know it; the row is only
+written where a rank posts otherwise).
 
 Phases: ``F`` forward, ``B`` whole backward, ``I`` input gradient and ``W``
 weight gradient (:mod:`pipe.core.iw_backward`). A table with I and W may
@@ -32,7 +37,7 @@ from __future__ import annotations
 import csv
 import io
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
@@ -47,6 +52,7 @@ ActionLike = Union[str, Action, Sequence[Any]]
 
 _OURS = re.compile(r"^([FBIW])(\d+)@(\d+)$")
 _TORCHS = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_POSTS = "# post_ahead"  # the CSV row of each rank's posts
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,13 @@ class TableSchedule(Schedule):
         programs: per rank, the actions in the order the rank runs them.
         placement: per stage, the rank that runs it.
         name: what the schedule is called in drawings and errors.
+        posts: per rank, how many actions ahead it posts its receives; empty: 1 on every rank.
     """
 
     programs: tuple[tuple[Action, ...], ...] = ()
     placement: tuple[int, ...] = ()
     name: str = "table"
+    posts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         pass  # from_table derives and checks every field
@@ -111,15 +119,46 @@ class TableSchedule(Schedule):
             name = name or path.stem
             with path.open(newline="") as handle:
                 rows = list(csv.reader(handle))
-        return cls.from_table([[cell.strip() for cell in row if cell.strip()] for row in rows], name or "table")
+        rows = [[cell.strip() for cell in row if cell.strip()] for row in rows]
+        posts = [row for row in rows if row and row[0] == _POSTS]
+        table = cls.from_table([row for row in rows if not row or row[0] != _POSTS], name or "table")
+        if not posts:
+            return table
+        try:
+            return table.with_posts([int(cell) for cell in posts[-1][1:]])
+        except ValueError as error:
+            raise ValueError(f"table {table.name!r}: its {_POSTS!r} row {posts[-1][1:]} is not one int >= 0 per "
+                             f"rank ({error})") from None
 
     def to_csv(self) -> str:
-        """The table as CSV, in torch's ``compute_only`` notation (``{stage}{phase}{micro-batch}``)."""
+        """The table as CSV, in torch's ``compute_only`` notation (``{stage}{phase}{micro-batch}``), and the
+        ``# post_ahead`` row where a rank posts other than one action ahead."""
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         for program in self.programs:
             writer.writerow([f"{a.stage}{a.phase.value}{a.microbatch}" for a in program])
+        if any(n != 1 for n in self.posts):
+            writer.writerow([_POSTS, *self.posts])
         return out.getvalue()
+
+    def with_posts(self, posts: Sequence[int]) -> "TableSchedule":
+        """This table with each rank posting its receives ``posts[rank]`` actions ahead (0: just before
+        its wait; 1: the runner's default, before the action before; more: earlier, each posted receive
+        holding its buffer till it is waited for).
+
+        Raises:
+            ValueError: not one int >= 0 per rank.
+        """
+        listed = list(posts) if isinstance(posts, Iterable) and not isinstance(posts, (str, bytes)) else None
+        if listed is None or len(listed) != self.ranks or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in listed):
+            raise ValueError(f"posts must be one int >= 0 per rank ({self.ranks}), actions ahead that rank "
+                             f"posts its receives; got {posts!r}")
+        return replace(self, posts=tuple(listed))
+
+    def post_ahead(self, rank: int) -> int:
+        self._check_rank(rank)
+        return self.posts[rank] if self.posts else 1
 
     @property
     def stages(self) -> int:

@@ -158,8 +158,9 @@ class Runtime:
         key = (training, checkpoint_stop if training else 0)
         if key not in self._lowered:
             swap = self.swap
+            rank = self.topology.pipeline_rank
             self._lowered[key] = lower(
-                self.schedule.actions(self.topology.pipeline_rank), self.routes, training=training,
+                self.schedule.actions(rank), self.routes, training=training, post_ahead=self.schedule.post_ahead(rank),
                 checkpoint_stop=key[1],
                 zero3=None if self.sharding is None else self.sharding.config.reshard_after_forward,
                 offload_stages=() if swap is None else swap.offloading_stages(),

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
-from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
 from pipe.core.options import checkpoint_stop
-from pipe.core.program_time import simulate as simulate_program
+from pipe.core.program_time import lowered_programs, time_programs
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
@@ -138,36 +137,6 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
-
-
-def lowered_programs(schedule: Schedule, checkpoint_stop: int) -> list[list[Step]]:
-    """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes."""
-    routes = Routes.chain(schedule.stages)
-    return [lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop) for rank in range(schedule.ranks)]
-
-
-def time_programs(programs: list[list[Step]], duration: Callable[[Action], float],
-                  transfer: Callable[[Action], float]) -> list[TimedAction]:
-    """The lowered ``programs`` timed (:func:`pipe.core.program_time.simulate`): each compute step takes
-    ``duration(action)``, a recompute ``duration`` of its ``R`` action, and a message ``transfer`` of the action
-    that waits for it. Returns the compute and recompute steps as timed actions (a recompute of no time left out)."""
-
-    def cost(step: Step) -> float:
-        if step.kind in COMPUTE:
-            return duration(step.action)
-        if step.kind is Kind.RECOMPUTE:
-            return duration(Action(Phase.RECOMPUTE, step.microbatch, step.stage))
-        if step.kind is Kind.SEND:  # the action on the peer stage that waits for this message
-            return transfer(Action(step.action.phase, step.microbatch, step.peer))
-        return 0.0
-
-    timed = []
-    for t in simulate_program(programs, cost):
-        if t.step.kind in COMPUTE:
-            timed.append(TimedAction(t.step.action, t.rank, t.start, t.end))
-        elif t.step.kind is Kind.RECOMPUTE and t.end > t.start:
-            timed.append(TimedAction(Action(Phase.RECOMPUTE, t.step.microbatch, t.step.stage), t.rank, t.start, t.end))
-    return timed
 
 
 def _remote(schedule: Schedule, stage: int, rank: int) -> bool:

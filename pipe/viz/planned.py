@@ -194,7 +194,8 @@ def _lowered_cells(schedule: Schedule, durations: tuple[float, float, float, flo
              Kind.REDUCE_GRAD: communication.reduce}
     routes = Routes.chain(schedule.stages)
     programs = [lower(schedule.actions(rank), routes, checkpoint_stop=stop if recompute > 0 else 0,
-                      zero3=communication.zero3) for rank in range(schedule.ranks)]
+                      zero3=communication.zero3, post_ahead=schedule.post_ahead(rank))
+                for rank in range(schedule.ranks)]
     cells = []
     for t in simulate(programs, lambda step: costs.get(step.kind, 0.0)):
         if t.end <= t.start and t.step.kind not in COMPUTE:

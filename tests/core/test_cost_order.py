@@ -2,12 +2,14 @@
 limit, never slower in simulation than the best fixed schedule under the same costs, saved and reloaded."""
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
 
-from pipe.core.cost_order import (StageCosts, busy_bound, candidate_orders, peak_held, schedule_from_costs,
-                                  simulate_with_costs)
+from pipe.core.cost_order import (POST_CHOICES, StageCosts, busy_bound, candidate_orders, choose_posts, lowered_step,
+                                  peak_held, schedule_from_costs, simulate_with_costs)
+from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule
 
@@ -42,10 +44,11 @@ def test_random_costs_give_a_valid_order_within_the_limit_no_slower_than_any_fix
     found = candidate_orders(costs, ranks=ranks, microbatches=microbatches, memory_limit=limit, checkpoint=checkpoint)
     chosen_limit = next(c.limit for c in found if c.schedule.placement == table.placement)
     assert max(peak_held(table, costs.activation)) <= chosen_limit + 1e-9
-    step = simulate_with_costs(table, costs, checkpoint)
+    stop = checkpoint_stop(checkpoint, microbatches)
+    step = lowered_step(table, costs, stop)  # receives posted where the table says
     fixed = [c for c in found if not c.name.startswith("auto") and c.fits]
-    for candidate in fixed:  # judged by the same simulator, under the same costs and limit
-        assert step <= candidate.step + 1e-9, (candidate.name, candidate.step, step)
+    for candidate in fixed:  # judged by the same simulator, under the same costs and limit, posts one ahead
+        assert step <= lowered_step(candidate.schedule, costs, stop) + 1e-9, (candidate.name, candidate.step, step)
     assert step >= busy_bound(costs, ranks, microbatches, "v" if table.placement != tuple(
         s % ranks for s in range(costs.stages)) else "looped", checkpoint) - 1e-9
     for candidate in found:  # every greedy order is a valid table within its limit
@@ -151,3 +154,25 @@ def test_the_runners_overhead_counts_per_action() -> None:
     costs = StageCosts.of([1.0], [1.0], [2.0], overhead=0.5)
     assert [costs.cost(p, 0) for p in "FIWBR"] == [1.5, 1.5, 2.5, 3.5, 1.0]
     assert busy_bound(costs, 1, 2) == 2 * (1.5 + 3.5)
+
+
+def test_posts_are_chosen_where_messages_are_slow_and_kept_with_the_table() -> None:
+    """Transfers longer than an action: a rank that posts its receives one action ahead waits for bytes that
+    could have moved during the action before; the search posts further ahead, and is faster by it."""
+    costs = StageCosts.of([1.0] * 4, [1.0] * 4, [1.4] * 4, transfer=1.5)
+    table = schedule_from_costs(costs, ranks=4, microbatches=8)
+    assert max(table.posts) > 1, table.posts
+    one_ahead = lowered_step(table.with_posts([1] * 4), costs)
+    assert lowered_step(table, costs) < one_ahead * 0.98
+    assert lowered_step(table, costs) >= simulate_with_costs(table, costs) - 1e-9  # posted early: the action-level step
+    again = TableSchedule.from_csv(io.StringIO(table.to_csv()))
+    assert again.posts == table.posts and again.programs == table.programs
+    same, step = choose_posts(table.with_posts([1] * 4), costs)
+    assert step == pytest.approx(lowered_step(table, costs)) and max(same.posts) <= max(POST_CHOICES)
+
+
+def test_free_messages_keep_every_rank_posting_one_ahead() -> None:
+    costs = StageCosts.of([1.0, 1.3], [0.5, 1.0], [1.5, 2.0])
+    table = schedule_from_costs(costs, ranks=2, microbatches=4)
+    assert table.post_ahead(0) == table.post_ahead(1) == 1 and "post_ahead" not in table.to_csv()
+    assert choose_posts(table.with_posts([3, 2]), costs)[0].posts == (1, 1)  # as fast: the fewest ahead

@@ -144,3 +144,41 @@ def test_the_lowering_loads_no_torch() -> None:
     code = ("import sys, pipe.core.lowering, pipe.core.program_time\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind,virtual", KINDS)
+def test_receives_posted_any_number_of_actions_ahead_validate_and_keep_the_compute_program(kind: str,
+                                                                                           virtual: int) -> None:
+    schedule = Schedule(kind, 3, 6, virtual)
+    for ahead, routes in itertools.product((0, 1, 2, 5, 99), [Routes.chain(schedule.stages), _skips(schedule.stages)]):
+        programs = _programs(schedule, routes, checkpoint_stop=3, zero3=False, post_ahead=ahead)
+        check(programs)
+        for rank, program in enumerate(programs):
+            assert [s.action for s in program if s.kind in COMPUTE] == schedule.actions(rank)
+            actions = [s.action for s in program if s.kind in COMPUTE]
+            for k, step in enumerate(program):  # each receive posted `ahead` actions before its action
+                if step.kind is Kind.POST_RECV:
+                    done = sum(1 for s in program[:k] if s.kind in COMPUTE)
+                    assert done == max(0, actions.index(step.action) - ahead), (ahead, rank, step)
+
+
+def test_a_message_moves_once_its_receive_is_posted() -> None:
+    """Rank 1's F0 takes 3 s (2-5 s); rank 0 sends F1 at 2 s, 1 s of bytes. Posted one action ahead (at 2 s)
+    they are there at 3 s and F1 starts when F0 ends; posted just before its wait (0 ahead) they move from 5 s."""
+    schedule = Schedule("gpipe", 2, 2)
+    costs = {Kind.FORWARD: 1.0}
+
+    def f1_start(ahead: int) -> float:
+        programs = [lower(schedule.actions(r), Routes.chain(2), training=False, post_ahead=ahead) for r in range(2)]
+        timeline = simulate(programs, lambda step: 1.0 if step.kind is Kind.SEND else
+                            3.0 if step.kind is Kind.FORWARD and step.stage == 1 else costs.get(step.kind, 0.0))
+        return next(t.start for t in timeline if t.step.kind is Kind.FORWARD and str(t.step.action) == "F1@1")
+
+    assert f1_start(1) == pytest.approx(5.0)
+    assert f1_start(0) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("ahead", [-1, 1.5, True, "2"])
+def test_a_bad_post_ahead_is_refused_with_the_fix(ahead: object) -> None:
+    with pytest.raises(ValueError, match=r"post_ahead must be an int >= 0"):
+        lower(Schedule("1f1b", 2, 2).actions(0), Routes.chain(2), post_ahead=ahead)  # type: ignore[arg-type]

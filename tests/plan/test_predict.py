@@ -145,7 +145,7 @@ def test_predictions_time_the_lowered_programs_as_the_schedule_simulator_does(ki
     import random
 
     from pipe.core.schedule import Action, Phase, Schedule
-    from pipe.plan.predict import lowered_programs, time_programs
+    from pipe.core.program_time import lowered_programs, time_programs
 
     rng = random.Random(kind)
     schedule = Schedule(kind, 3, 6, virtual)
