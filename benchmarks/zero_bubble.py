@@ -37,7 +37,9 @@ resident set during its steps, over what it held before it built the model: the 
 (``/proc/self/clear_refs``), so auto's layer timing and trial steps, on a copy of the model, are not counted.
 ``pipe auto-layers`` is the same from the layer times alone, to compare in one run
 (``--schedules zbv auto auto-layers``). The JSON's ``auto_*`` keys are its ratios against torch's fastest schedule, against
-the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step.
+the busiest rank's own compute (``auto_of_bound``), and the worst error of its simulated step. After the timed
+steps of an auto order, 2 more are recorded (``pipe.trace.record``) and each run's ``cost_errors`` names the costs
+the order was simulated with that lie furthest from the recorded medians (``TracedStep.cost_errors``).
 """
 from __future__ import annotations
 
@@ -108,7 +110,8 @@ def model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*[Counted(nn.Sequential(nn.Linear(width, width), nn.ReLU())) for _ in range(layers)])
 
 
-def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> tuple[Any, list[int], dict[str, Any]]:
+def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor
+          ) -> tuple[Any, list[int], dict[str, Any], Any]:
     """The cut and the order of pipe.distributed.calibrated_schedule: rank 0 times the layers and chooses, every
     rank runs a recorded step of that order on a copy of the model, rank 0 chooses again by the step's costs
     (``--auto-rounds`` times); every rank gets its choice."""
@@ -122,14 +125,14 @@ def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -
               "recorded_step_s": auto.measured.wall if auto.measured else None,
               "overhead_per_action_us": auto.costs.overhead * 1e6, "costs": dataclasses.asdict(auto.costs),
               "table_csv": auto.schedule.to_csv()}
-    return auto.schedule, auto.balance, chosen
+    return auto.schedule, auto.balance, chosen, auto.costs
 
 
 def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
     from pipe.distributed import DistributedPipe
 
     schedule: Any = args.schedule
-    balance, chosen = None, None
+    balance, chosen, costs = None, None, None
     if args.schedule == "zbv-rule":
         from pipe.core.schedule_table import TableSchedule
         from pipe.core.zero_bubble import _v_rule
@@ -137,7 +140,7 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
         schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
                                              for program in _v_rule(args.ranks, args.microbatches)], name="zbv-rule")
     elif args.schedule in ("auto", "auto-layers"):
-        schedule, balance, chosen = _auto(full, args, x, y)
+        schedule, balance, chosen, costs = _auto(full, args, x, y)
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,
                            balance=balance, virtual_stages=2 if args.schedule == "interleaved" else 1)
 
@@ -147,7 +150,26 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
 
     step.stats = pipe._runtime.transport.stats  # type: ignore[attr-defined]
     step.auto = chosen  # type: ignore[attr-defined]
+    step.costs, step.balance = costs, balance  # type: ignore[attr-defined]
     return step
+
+
+def _cost_errors(rank: int, step: Callable[[], None], recorded_steps: int = 2) -> None:
+    """After the timed steps of an auto order: ``recorded_steps`` more, recorded on every rank, and on rank 0 the
+    costs the order was simulated with against the recorded medians, the largest difference first (which
+    action's cost was wrong), into ``step.auto``."""
+    from pipe import trace
+    from pipe.balance import traced_step
+
+    with trace.record(None, rank=rank) as recorder:
+        for _ in range(recorded_steps):
+            step()
+    traces: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(traces, recorder.trace())
+    if rank == 0:
+        recorded = traced_step(traces, balance=step.balance)  # type: ignore[attr-defined]
+        step.auto["recorded_after_s"] = recorded.wall  # type: ignore[attr-defined]
+        step.auto["cost_errors"] = [str(e) for e in recorded.cost_errors(step.costs)[:3]]  # type: ignore[attr-defined]
 
 
 def _torch_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor) -> Callable[[], None]:
@@ -227,7 +249,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: "multiprocess
               "forwards_per_block_per_microbatch": per_microbatch}
     if profile is not None:
         result["profile"] = report(profile, args.steps, stats)
-    if getattr(step, "auto", None) is not None:
+    if getattr(step, "auto", None) is not None:  # after counting the blocks' calls: these steps are extra
+        _cost_errors(rank, step)
         result["auto"] = step.auto  # type: ignore[attr-defined]
     results.put(result)
     dist.destroy_process_group()
@@ -375,7 +398,8 @@ def main() -> None:
                 measured_s = [1 / min(r["steps_per_s"] for r in run) for run in repeats]
                 rows[f"pipe {schedule}"].update(
                     chosen=[{k: c.get(k) for k in ("name", "balance", "placement", "recorded_step_s",
-                                                   "overhead_per_action_us", "costs", "table_csv")}
+                                                   "overhead_per_action_us", "costs", "table_csv",
+                                                   "recorded_after_s", "cost_errors")}
                             for c in chosen],
                     simulated_step_s=[c.get("simulated_step_s") for c in chosen], measured_step_s=measured_s,
                     prediction_error=[c["simulated_step_s"] / t - 1 for c, t in zip(chosen, measured_s)],
@@ -429,6 +453,9 @@ def main() -> None:
                 print(f"      no schedule and no runtime beats torch by more than x{row['ceiling_vs_torch']:.3f} "
                       f"(torch's step {entry['runs'][f'torch {SAME_ORDER.get(name[5:], name[5:])}']['step_ms_last_repeat']:.0f} ms; "
                       f"the busier rank's compute {row['no_bubble_step_ms']:.0f} ms)")
+            for k, (error, chosen) in enumerate(zip(row.get("prediction_error", []), row.get("chosen", []))):
+                print(f"      run {k}: simulated / measured step {error:+.1%}, {chosen['name']}; the costs furthest "
+                      f"from a recorded step after it: " + "; ".join(chosen.get("cost_errors") or ["none recorded"]))
             for rank, profile in enumerate(row.get("profile") or []):
                 print(f"      rank {rank} ms/step: " + ", ".join(
                     f"{key} {value['ms_per_step']:.1f} ({value['calls_per_step']:g})"

@@ -24,12 +24,12 @@ from pipe.balance.auto import AutoSchedule, auto_schedule, stage_costs
 from pipe.balance.profile import profile_params, profile_sizes
 from pipe.balance.timing import LayerTimes, profile_times, time_layers
 from pipe.balance.solver import solve
-from pipe.balance.traced import TracedStep, traced_step
+from pipe.balance.traced import CostError, TracedStep, traced_step
 from pipe.core.options import is_int, positive_int
 from pipe.core.partition import verify_module
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost", "time_layers", "LayerTimes",
-           "auto_schedule", "AutoSchedule", "stage_costs", "traced_step", "TracedStep"]
+           "auto_schedule", "AutoSchedule", "stage_costs", "traced_step", "TracedStep", "CostError"]
 
 Device = Union[torch.device, int, str]
 

@@ -86,6 +86,43 @@ class TracedStep:
         backward = None if self.split else list(self.backward)
         return StageCosts.of(list(self.forward), i, w, backward=backward, transfer=transfer, overhead=self.overhead)
 
+    def cost_errors(self, costs: StageCosts) -> list["CostError"]:
+        """Which action's cost was wrong: each stage's recorded medians against ``costs`` (those an order was
+        built and simulated with, e.g. ``AutoSchedule.costs``), and the runner's time per action, the largest
+        difference in seconds first. Phases the recorded step did not run (I and W of a fused backward, B of
+        a split one) are left out.
+
+        Raises:
+            ValueError: ``costs`` has another number of stages than the recorded step.
+        """
+        if costs.stages != len(self.forward):
+            raise ValueError(f"costs of {costs.stages} stages cannot be compared with a recorded step of "
+                             f"{len(self.forward)}: pass the costs of the order that was recorded")
+        phases = (("F", self.forward, costs.forward),) + ((("I", self.input_grad, costs.input_grad),
+                                                           ("W", self.weight_grad, costs.weight_grad))
+                                                          if self.split else (("B", self.backward, costs.backward),))
+        found = [CostError(phase, stage, predicted[stage], measured[stage]) for phase, measured, predicted in phases
+                 for stage in range(costs.stages)]
+        found.append(CostError("overhead", -1, costs.overhead, self.overhead))
+        return sorted(found, key=lambda e: -abs(e.measured - e.predicted))
+
+
+@dataclass(frozen=True)
+class CostError:
+    """One cost an order was built with, against the recorded step: ``phase`` (``F``, ``I``, ``W``, ``B``, or
+    ``overhead``: the runner's time per action, ``stage`` -1) of ``stage``, in seconds."""
+
+    phase: str
+    stage: int
+    predicted: float
+    measured: float
+
+    def __str__(self) -> str:
+        what = "the runner's time per action" if self.phase == "overhead" else f"{self.phase} of stage {self.stage}"
+        ratio = f"{self.measured / self.predicted:.2f}x" if self.predicted > 0 else "its cost was 0"
+        return (f"{what}: recorded {self.measured * 1e3:.3f} ms against {self.predicted * 1e3:.3f} ms "
+                f"({ratio})")
+
 
 def _key(event: Mapping[str, Any]) -> tuple[Any, ...]:
     args = event.get("args", {})

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipe.balance import LayerTimes, auto_schedule, traced_step
 from pipe.balance.traced import calibrated_times
-from pipe.core.cost_order import simulate_with_costs
+from pipe.core.cost_order import StageCosts, simulate_with_costs
 from pipe.core.schedule import Phase, Schedule
 from pipe.trace import TraceError, complete_event
 
@@ -134,3 +134,20 @@ def test_auto_schedule_orders_by_the_recorded_costs() -> None:
     assert simulate_with_costs(auto.schedule, auto.costs) == pytest.approx(auto.step)
     again = auto_schedule(model, ranks=2, chunks=4, times=auto.times, placement="v", action_seconds=10e-6)
     assert again.step == pytest.approx(auto.step) and again.balance == auto.balance
+
+
+def test_cost_errors_name_the_action_whose_cost_was_wrong() -> None:
+    """An order built with W of stage 2 at 100 us and F everywhere at 100 us, the runner's time at 10 us; the
+    recorded step ran W of stage 2 at 150 us: that is named first, with its ratio."""
+    step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4), gap=10.0), balance=[2, 2, 2, 2])
+    built = StageCosts.of([100e-6] * 4, [1e-6, 80e-6, 80e-6, 80e-6], [230e-6, 150e-6, 100e-6, 150e-6],
+                          overhead=12e-6)
+    errors = step.cost_errors(built)
+    assert (errors[0].phase, errors[0].stage) == ("W", 2)
+    assert errors[0].measured == pytest.approx(150e-6) and str(errors[0]).endswith("(1.50x)")
+    assert str(errors[0]).startswith("W of stage 2: recorded 0.150 ms against 0.100 ms")
+    assert (errors[1].phase, errors[1].stage) == ("overhead", -1) and "runner's time per action" in str(errors[1])
+    assert all(e.measured == pytest.approx(e.predicted) for e in errors[2:])
+    assert len(errors) == 3 * 4 + 1  # F, I and W of each stage (a split backward), and the runner's time
+    with pytest.raises(ValueError, match="costs of 2 stages cannot be compared with a recorded step of 4"):
+        step.cost_errors(StageCosts.of([1.0, 1.0], [1.0, 1.0], [1.0, 1.0]))
