@@ -258,24 +258,23 @@ class Runtime:
         compute, finalize, record = cell(self.functions[s], batch, checkpoint and training, (i, s), offload,
                                          guard=self.input_guards[s])
         del batch  # the offloaded input must not stay referenced here
-        with trace.span("forward", (i, s)):
+        with trace.span("forward", (i, s)):  # the last stage's loss is its forward's too (its cost, in a trace)
             output = compute()
-        if not self.schedule.splits_backward:  # split: I replays a checkpointed cell itself
-            finalize(output)
-
-        main_out = output.value
-        output_parts = [count_tensors(main_out)]
-        if skips.leaving:
-            main_out, leaving = output.value
-            output_parts = [count_tensors(main_out)] + [count_tensors(v) for v in leaving]
-            for (_, _, name), skip in zip(skips.leaving, leaving):
-                state.outbox[(i, s, "act", name)] = skip
-        if s < self.last:
-            state.outbox[(i, s, "act", MAIN)] = main_out
-        if training:
-            state.cells[(i, s)] = _Cell(kept, output, input_parts, output_parts, record=record)
-        if s == self.last:
-            self._loss(i, Batch(main_out) if skips.leaving else output)
+            if not self.schedule.splits_backward:  # split: I replays a checkpointed cell itself
+                finalize(output)
+            main_out = output.value
+            output_parts = [count_tensors(main_out)]
+            if skips.leaving:
+                main_out, leaving = output.value
+                output_parts = [count_tensors(main_out)] + [count_tensors(v) for v in leaving]
+                for (_, _, name), skip in zip(skips.leaving, leaving):
+                    state.outbox[(i, s, "act", name)] = skip
+            if s < self.last:
+                state.outbox[(i, s, "act", MAIN)] = main_out
+            if training:
+                state.cells[(i, s)] = _Cell(kept, output, input_parts, output_parts, record=record)
+            if s == self.last:
+                self._loss(i, Batch(main_out) if skips.leaving else output)
 
     def _loss(self, i: int, output: Batch) -> None:
         """The last stage's output: its loss (scaled by its weight in the step's) or, forwards only, kept."""

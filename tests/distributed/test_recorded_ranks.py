@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_models import batch, blocks
 from pipe import trace
+from pipe.balance import traced_step
 from pipe.distributed import DistributedPipe
 from pipe.viz.cli import main as pipe_viz
 from pipe.viz.measured import from_trace
@@ -65,3 +68,29 @@ def test_fsdp_gathers_and_reduces_are_recorded_under_the_plans_names(tmp_path: P
     reduce = next(c for c in timeline.cells if c.kind == "reduce")
     last_backward = max((c for c in timeline.cells if c.kind == "backward"), key=lambda c: c.end)
     assert reduce.start >= last_backward.end - 1e-6
+
+
+def _slow_loss(output, target):  # type: ignore[no-untyped-def]
+    time.sleep(0.03)
+    return F.mse_loss(output, target)
+
+
+def _record_loss(rank: int, world: int) -> list[float]:
+    pipe = DistributedPipe(copy.deepcopy(blocks(4)), chunks=2, checkpoint="never", schedule="1f1b",
+                           loss_fn=_slow_loss)
+    inputs, target = batch(8)
+    pipe.step(inputs, target)
+    with trace.record(None, rank=rank) as recorder:
+        pipe.step(inputs, target)
+    traces: list[object] = [None] * world
+    dist.all_gather_object(traces, recorder.trace())
+    step = traced_step(traces, balance=[2, 2])  # type: ignore[arg-type]
+    return [step.forward[1], step.overhead]
+
+
+def test_the_last_stages_loss_is_recorded_in_its_forward_not_as_the_runners_time() -> None:
+    """A loss of 30 ms is the last stage's cost: an order from the recorded costs must charge it to that stage,
+    not spread it over every rank's actions as the runner's own time."""
+    for forward_last, overhead in run_ranks(_record_loss, 2):
+        assert forward_last >= 0.03, forward_last
+        assert overhead < 0.005, overhead
