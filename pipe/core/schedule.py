@@ -235,8 +235,7 @@ class Schedule:
         return Action(phase, microbatch, chunk * self.ranks + rank)
 
     def post_ahead(self, rank: int) -> int:
-        """How many actions ahead ``rank`` posts its receives (:func:`pipe.core.lowering.lower`): 1; a
-        :class:`~pipe.core.schedule_table.TableSchedule` may choose per rank."""
+        """Actions ahead ``rank`` posts its receives (:func:`pipe.core.lowering.lower`); tables choose per rank."""
         self._check_rank(rank)
         return 1
 
