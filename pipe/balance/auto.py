@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -209,7 +209,5 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     candidate, balance, costs = best
     where = "v" if candidate.schedule.placement != tuple(s % ranks for s in range(costs.stages)) else "looped"
     logger.info("auto schedule: %s, balance %s, simulated step %.4g s", candidate.name, balance, candidate.step)
-    schedule = candidate.schedule if candidate.name.startswith("auto") else replace(
-        TableSchedule.from_table(candidate.schedule.programs, name=candidate.name), posts=candidate.schedule.posts)
-    return AutoSchedule(balance, schedule, candidate.step, costs,
+    return AutoSchedule(balance, candidate.schedule, candidate.step, costs,
                         busy_bound(costs, ranks, chunks, where, checkpoint), times, measured)

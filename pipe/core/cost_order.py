@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
@@ -383,9 +383,7 @@ def schedule_from_costs(costs: StageCosts, *, ranks: int, microbatches: int, pla
                          f"memory_limit); the least found holds {least:g}: raise the limit to {least:g}")
     best = with_posts_chosen(fitting, costs, checkpoint)
     logger.debug("auto order: %s, simulated step %.6g (of %d candidates)", best.name, best.step, len(found))
-    if best.name.startswith("auto"):
-        return best.schedule
-    return replace(TableSchedule.from_table(best.schedule.programs, name=best.name), posts=best.schedule.posts)
+    return best.schedule  # a fixed schedule's table is named by its kind (1f1b, zbv, ...)
 
 
 def _check(costs: Any, ranks: Any, microbatches: Any, placement: Any, in_flight: Any, memory_limit: Any,

@@ -274,7 +274,8 @@ def messages(slots: list[_Slot], routes: Routes, ahead: int = 1) -> list[Step]:
     """
     for k, slot in enumerate(slots):
         own = _receives(slot.action, routes)
-        slot.before += own if ahead == 0 else []
+        if ahead == 0:
+            slot.before += own
         slot.before += [Step(Kind.WAIT_RECV, r.action, r.stage, r.peer, r.direction, r.channel) for r in own]
         if ahead and k + ahead < len(slots):
             slot.before += _receives(slots[k + ahead].action, routes)

@@ -8,7 +8,7 @@ which ``Schedule.validate`` shares), simulated and drawn like any schedule
 (``pipe-viz plan --table FILE.csv``), and run by the process runner
 (``DistributedPipe(schedule=table)``). A table may also say, per rank, how
 many actions ahead the rank posts its receives (:meth:`TableSchedule.with_posts`,
-chosen from costs by :func:`pipe.core.posts.choose_posts`).
+chosen from costs by :func:`pipe.core.cost_order.choose_posts`).
 
 The Python form: a list per rank of actions, each ``"F3@1"`` (phase,
 micro-batch, ``@`` stage, as :class:`~pipe.core.schedule.Action` prints),

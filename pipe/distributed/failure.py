@@ -298,20 +298,21 @@ class Failures:
 
     def _dead_silent(self, where: str) -> Optional[str]:
         """``"rank P died ..."`` if exactly one other rank published nothing and its process here has ended."""
-        host = socket.gethostname()
-        dead = []
-        for rank in self._silent():
-            identity = self._get(f"pipe/{self.instance}/process/{rank}")
-            if identity is None:
-                continue
-            their_host, pid, start = identity.split(" ")
-            if their_host == host and _gone(int(pid), start):
-                dead.append((rank, pid))
+        dead = [(rank, local[0]) for rank in self._silent()
+                if (local := self._local_process(rank)) is not None and _gone(*local)]
         if len(dead) != 1:
             return None
         rank, pid = dead[0]
         return (f"rank {rank} died: its process (pid {pid} on this machine) ended without raising an error "
                 f"(found when rank {self.rank}'s wait in {where} timed out)")
+
+    def _local_process(self, rank: int) -> Optional[tuple[int, str]]:
+        """``(pid, start time)`` of ``rank``'s process if it runs on this machine (as written at construction)."""
+        identity = self._get(f"pipe/{self.instance}/process/{rank}")
+        if identity is None:
+            return None
+        host, pid, start = identity.split(" ")
+        return (int(pid), start) if host == socket.gethostname() else None
 
     def _only_silent(self) -> Optional[int]:
         """The one rank that published nothing this step, once all the others have (one counter read till then)."""
@@ -363,17 +364,17 @@ class Failures:
         if not timed_out:
             return (f"rank {rank} died: its process ended without raising an error (killed, or exited; "
                     f"its connection closed, seen by {seen})")
-        identity = self._get(f"pipe/{self.instance}/process/{rank}")
+        local = self._local_process(rank)
         stopped = ""
-        if identity is not None:
-            host, pid, start = identity.split(" ")
-            if host == socket.gethostname() and _gone(int(pid), start):  # gloo's collectives may time out
+        if local is not None:
+            pid, start = local
+            if _gone(pid, start):  # gloo's collectives may time out
                 return (f"rank {rank} died: its process (pid {pid} on this machine) ended without raising an "
                         f"error (a wait on it timed out, seen by {seen})")
-            if host == socket.gethostname() and _stopped(int(pid)) and _start_time(int(pid)) == start:
+            if _stopped(pid) and _start_time(pid) == start:
                 stopped = (f"; its process (pid {pid} on this machine) is stopped (SIGSTOP?) and was ended "
                            "with SIGKILL so that the job ends now")
-                self._stopped_peer = int(pid)  # ended once the verdict is agreed (see failure_from)
+                self._stopped_peer = pid  # ended once the verdict is agreed (see failure_from)
         return (f"rank {rank} stalled: it did not answer within the {self.timeout:g} s timeout "
                 f"(seen by {seen}){stopped}")
 
