@@ -57,15 +57,60 @@ def assert_same_grads(a: nn.Module, b: nn.Module, none_is_zero: bool = False) ->
 # -- 1. KeyboardInterrupt -----------------------------------------------------------------
 
 _SLOW_MODEL = """
-import copy, os, signal, threading, time
+import copy, signal, threading, weakref
 import torch
 from torch import nn
 from pipe import Pipe
 
+# The interrupt is sent from inside the pipeline (a worker, in a layer's forward or backward) and that worker
+# waits until the main thread's handler has run, so the call cannot finish before the signal lands, on any
+# machine: the tests count events, never time.
+landed = threading.Event()
+armed = [0]  # the layer call (counted from 1) that sends the interrupt; 0: none
+calls = [0]
+count = threading.Lock()
+
+def on_interrupt(signum, frame):
+    if not 0 < armed[0] <= calls[0] or landed.is_set():
+        return  # a copy of this trial's signal, sent again below
+    # Python ignores an exception raised inside a finalizer (autograd frees the pipeline's saved tokens during
+    # backward, and their weakref.finalize callbacks run Python code): there the signal is not taken, and
+    # the worker sends it again, as a user presses Ctrl-C again.
+    caller = frame
+    while caller is not None:
+        if caller.f_code is weakref.finalize.__call__.__code__:
+            return
+        caller = caller.f_back
+    landed.set()
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, on_interrupt)
+
+def interrupt_at(call):
+    with count:
+        landed.clear()
+        calls[0] = 0
+        armed[0] = call
+
+def counted():
+    with count:
+        calls[0] += 1
+        fire = calls[0] == armed[0]
+    if not fire:
+        return
+    # Sent to the main thread itself, and again until its handler raised: a signal sent to the process may
+    # be taken by this thread, and one that arrives just before the main thread blocks on a lock is handled
+    # only when that lock is released (which waits on this thread).
+    for _ in range(1200):  # a minute at most
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if landed.wait(0.05):
+            return
+    raise RuntimeError("the interrupt did not reach the main thread in a minute")
+
 class Slow(nn.Module):
-    '''Sleeps in forward and in backward, so that a signal lands while the pipeline runs.'''
+    # counts its forward and backward calls; the armed one interrupts the main thread
     def forward(self, x):
-        time.sleep(0.01)
+        counted()
         return SlowBackward.apply(x)
 
 class SlowBackward(torch.autograd.Function):
@@ -74,16 +119,13 @@ class SlowBackward(torch.autograd.Function):
         return x.view_as(x)
     @staticmethod
     def backward(ctx, g):
-        time.sleep(0.02)
+        counted()
         return g
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), Slow(), nn.Tanh(), nn.Linear(8, 8), Slow(), nn.Linear(8, 8))
 plain = copy.deepcopy(model)
 piped = Pipe(model, chunks=4, balance=[3, 3], devices=["cpu", "cpu"])
-
-def interrupt_after(delay):
-    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 """
 
 
@@ -91,29 +133,30 @@ def interrupt_after(delay):
 def test_interrupted_forward_leaves_nothing_for_the_next_call():
     # Cause: results of the interrupted call stayed in the workers' shared queues
     # and the next call took them. Now each call has its own queues and drains.
+    # The forward makes 8 layer calls (2 Slow layers x 4 micro-batches): interrupted at the first, a middle
+    # and the last, with and without grad.
     out = run_script(_SLOW_MODEL + """
-interrupted = 0  # interrupts that landed inside the forward
-for trial, delay in enumerate([0.01, 0.03, 0.06, 0.1]):
+trials = [1, 4, 8, 2]
+interrupted = 0
+for trial, call in enumerate(trials):
     x = torch.randn(16, 8)
-    returned = False
+    interrupt_at(call)
     try:
-        interrupt_after(delay)
         with torch.set_grad_enabled(trial % 2 == 0):
             piped(x)
-        returned = True
-        time.sleep(0.5)  # the signal came after the call: let it land here
     except KeyboardInterrupt:
-        interrupted += not returned
+        interrupted += 1
+    interrupt_at(0)
     for _ in range(3):
         y = torch.randn(16, 8)
         with torch.no_grad():
             # float rounding only (16 threads round a 4-row chunk unlike the whole batch); a stale
             # micro-batch would differ by far more
             torch.testing.assert_close(piped(y), plain(y))
-assert interrupted >= 1, interrupted
+assert interrupted == len(trials), (interrupted, "a call ended normally though its interrupt landed inside it")
 print("interrupted", interrupted)
 """)
-    assert "interrupted" in out
+    assert "interrupted 4" in out
 
 
 @pytest.mark.timeout(120)
@@ -121,19 +164,19 @@ def test_interrupted_backward_stops_before_the_next_step():
     # Cause: the worker jobs of an interrupted backward kept running and wrote
     # into .grad after the next step had zeroed it. Now backward cancels the jobs
     # that have not started and waits for the running ones before it raises.
+    # The backward makes 8 layer calls after the forward's 8: interrupted at its first, a middle and its last.
     out = run_script(_SLOW_MODEL + """
-interrupted = 0  # interrupts that landed inside backward()
-for delay in [0.01, 0.04, 0.08]:
+trials = [9, 12, 16]
+interrupted = 0
+for call in trials:
     x = torch.randn(16, 8)
-    output = piped(x)
-    returned = False
+    interrupt_at(call)
     try:
-        interrupt_after(delay)
+        output = piped(x)
         output.sum().backward()
-        returned = True
-        time.sleep(0.5)
     except KeyboardInterrupt:
-        interrupted += not returned
+        interrupted += 1
+    interrupt_at(0)
     piped.zero_grad()
     plain.zero_grad()
     y = torch.randn(16, 8)
@@ -141,10 +184,10 @@ for delay in [0.01, 0.04, 0.08]:
     plain(y).sum().backward()
     for p, q in zip(piped.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), "wrong gradient after an interrupted backward"
-assert interrupted >= 1, interrupted
+assert interrupted == len(trials), (interrupted, "a backward ended normally though its interrupt landed inside it")
 print("interrupted", interrupted)
 """)
-    assert "interrupted" in out
+    assert "interrupted 3" in out
 
 
 class SlowBackward(torch.autograd.Function):
