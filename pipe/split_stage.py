@@ -54,7 +54,7 @@ class SplitStage(fx.GraphModule):
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":
         super()._apply(fn, recurse)
-        _retarget_devices(self)
+        retarget_devices(self)
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SplitStage":
@@ -77,16 +77,18 @@ _STAGE_ATTRIBUTES = ("original_keys", "original_names", "model_keys", "captured_
                      "input_count", "captured_batch_norm", SOURCE)
 
 
-def _retarget_devices(stage: fx.GraphModule) -> None:
-    """Points device arguments captured in the graph (``arange(device=...)``) at the stage's device.
+def retarget_devices(stage: fx.GraphModule, device: Optional[torch.device] = None) -> None:
+    """Points device arguments captured in the graph (``arange(device=...)``) at ``device`` (default: the
+    stage's).
 
     Also in the graphs nested in it: torch.export puts the body of a higher-order op (``wrap_with_autocast``,
     ``wrap_with_set_grad_enabled``: a LLaMA's rotary embedding under PyTorch 2.11) in a submodule of its own,
     whose ``_assert_tensor_metadata`` would otherwise still expect the capture's device (``meta``).
     """
-    tensors = list(stage.parameters()) + list(stage.buffers())
-    # A real device where the stage has one (a rank's materialised stage may still hold meta tensors of others).
-    device = next((t.device for t in tensors if not t.is_meta), tensors[0].device if tensors else None)
+    if device is None:
+        tensors = list(stage.parameters()) + list(stage.buffers())
+        # A real device where the stage has one (a rank's materialised stage may still hold meta tensors of others).
+        device = next((t.device for t in tensors if not t.is_meta), tensors[0].device if tensors else None)
     if device is None:
         return
     for module in stage.modules():

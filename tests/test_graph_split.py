@@ -243,7 +243,7 @@ def test_device_arguments_in_nested_graphs_follow_the_stage_s_tensors() -> None:
     # (found on a GPU: "_assert_tensor_metadata ... Expected: meta, Got: cuda:0").
     import torch.fx as fx
 
-    from pipe.split_stage import _retarget_devices
+    from pipe.split_stage import retarget_devices
 
     class Inner(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ def test_device_arguments_in_nested_graphs_follow_the_stage_s_tensors() -> None:
 
     outer = fx.symbolic_trace(Outer())
     outer.inner = fx.symbolic_trace(Inner())  # kept as a submodule graph, as export keeps a HOP's body
-    _retarget_devices(outer)
+    retarget_devices(outer)
     devices = [n.kwargs["device"] for n in outer.inner.graph.nodes if "device" in n.kwargs]
     assert devices == [torch.device("cpu")]
     torch.testing.assert_close(outer.inner(torch.zeros(3)), torch.arange(3.0))

@@ -27,6 +27,7 @@ from pipe.distributed.step_inputs import prepare_step
 from pipe.distributed.runtime import Runtime
 from pipe.distributed.stage_function import StageSkips, skip_routes
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
+from pipe.distributed.materialize import allocate_for_load, refuse_not_on_meta
 from pipe.distributed.recompute_ranks import attach_to_ranks
 from pipe.batchnorm import convert_deferred_model, deferred_batch_norms
 from pipe.recompute.config import ConfigSource
@@ -134,6 +135,14 @@ class DistributedPipe(PlainNamed, nn.Module):
             builds a planned ``DistributedPipe``, :func:`pipe.plan.planned_distributed`.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
+        init_weights: False, for a model built on ``meta`` whose weights a load
+            will set (:func:`pipe.distributed.hf.load`, :func:`pipe.distributed.state.load`):
+            tensor parallelism and FSDP shard the stages while they are still on
+            ``meta``, then each rank allocates only its shards, never the whole
+            stage, and initialises nothing the load overwrites (only
+            non-persistent buffers such as a rotary ``inv_freq``). No seed is
+            needed: the partners' values come from one checkpoint. The steps
+            refuse to run until the load.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -165,6 +174,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         sample: None = None,
         target: None = None,
         compile: CompileOption = False,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
@@ -184,6 +194,8 @@ class DistributedPipe(PlainNamed, nn.Module):
         if deferred_batch_norm:
             model = convert_deferred_model(model)
         layers = layer_count(model, layers)
+        if not init_weights:
+            refuse_not_on_meta(model)
         require_initialized()
         if mesh is not None:
             verify_mesh(mesh, data_parallel, rank_device(device))
@@ -203,7 +215,8 @@ class DistributedPipe(PlainNamed, nn.Module):
             else even_balance(layers, self.schedule.stages, model, self.schedule)
         self.device = rank_device(device)
         self.partitions, skeleton = build_stages(model, layers, self.balance, self.schedule,
-                                                 self.topology.pipeline_rank, self.device, union_over_ranks)
+                                                 self.topology.pipeline_rank, self.device, union_over_ranks,
+                                                 initialise=init_weights)
         verify_skippables(nn.Sequential(*[layer for part in skeleton for layer in part]))
         layout = inspect_skip_layout(skeleton)
         self.skips = StageSkips.from_layout(layout if layout else None, self.schedule.stages)
@@ -222,6 +235,12 @@ class DistributedPipe(PlainNamed, nn.Module):
         self.shard = shard
         sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,
                                                 parallelize, tensor_parallel, schedule)
+        self.awaiting_load = not init_weights
+        """True until :func:`pipe.distributed.hf.load` or :func:`pipe.distributed.state.load` has filled the
+        tensors that ``init_weights=False`` left unset; the steps refuse to run before."""
+        if not init_weights:  # sharded on meta above: each rank allocates its shards only
+            allocate_for_load(list(self.partitions.values()), self.device)
+            self._tied.refresh()
         self._deferred_batch_norms = [bn for p in self.partitions.values() for bn in deferred_batch_norms(p)]
         self.recompute_strategy: Optional[RecomputeStrategy] = None
         swap = None
@@ -363,6 +382,12 @@ class DistributedPipe(PlainNamed, nn.Module):
     def _prepare(self, inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
                  need_target: bool) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
         """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
+        if self.awaiting_load:
+            raise RuntimeError(
+                f"{where} before the weights were loaded: this DistributedPipe was built with init_weights=False, "
+                f"which leaves its tensors unset for a load to fill; call pipe.distributed.hf.load(directory, "
+                f"model) or pipe.distributed.state.load(path, model) first, or build it with init_weights=True "
+                f"(the default) to initialise the weights with the model's own code")
         return prepare_step(self, inputs, target, loss_fn, where, need_target)
 
     def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:

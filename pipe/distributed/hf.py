@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pipe.distributed import safetensors_files as files
+from pipe.distributed.materialize import mark_loaded
 from pipe.distributed.state import STAGING, _replace, tensor_groups
 from pipe.split_stage import SplitStage
 
@@ -138,6 +139,7 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
             local, offset = _local(tensor, key)
             read += files.read_into(entry, offset, local)
             held += local.numel() * local.element_size()
+    mark_loaded(model)
     _last = LoadStats(len(plan), read, held, time.perf_counter() - started)
     logger.info("loaded %d tensors (%d bytes read for %d bytes held) from %s", len(plan), read, held, directory)
 

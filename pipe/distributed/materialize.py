@@ -37,7 +37,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from torch import fx
+
 from pipe.core.original_names import plain_name, source_model
+from pipe.split_stage import retarget_devices
 
 __all__: list[str] = []
 
@@ -90,13 +93,19 @@ class _Fresh:
         self.version = 0
 
 
-def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], device: torch.device) -> list[str]:
+def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], device: torch.device,
+                initialise: bool = True) -> list[str]:
     """Puts the ``owned`` layers on ``device``; their ``meta`` tensors are allocated there and initialised.
 
     Args:
         layers: every layer of the model, ``(name in the model, layer)``, in order.
         owned: the indices of this rank's layers.
         device: where they go.
+        initialise: False: only the non-persistent buffers (a rotary ``inv_freq``,
+            which no checkpoint holds) are allocated and initialised; the
+            parameters and persistent buffers stay on ``meta`` for tensor
+            parallelism and FSDP to shard first, then :func:`allocate_for_load`
+            allocates this rank's shards of them, for a load to fill.
 
     Returns:
         The plain-model names of the allocated tensors that nothing
@@ -108,6 +117,8 @@ def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], d
     for slot, tensor in slots:
         index, module, kind, attr, local = slot
         if index not in mine or not tensor.is_meta:
+            continue
+        if not initialise and (kind == "_parameters" or attr not in module._non_persistent_buffers_set):
             continue
         entry = fresh.get(id(tensor))
         if entry is None:
@@ -124,7 +135,12 @@ def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], d
             if entry is not None:
                 getattr(module, kind)[attr] = entry.tensor
     for index in sorted(mine):
-        layers[index][1].to(device)  # the rest (a split stage also points its graph's device arguments here)
+        if initialise:
+            layers[index][1].to(device)  # the rest (a split stage also points its graph's device arguments here)
+        else:  # allocate_for_load moves the rest once the meta tensors are sharded; the graphs' devices now,
+            for module in layers[index][1].modules():  # before FSDP changes the stages' classes
+                if isinstance(module, fx.GraphModule):
+                    retarget_devices(module, device)
     if not fresh:
         return []
     entries = list(fresh.values())
@@ -138,6 +154,60 @@ def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], d
     logger.info("allocated %d tensors of layers %s on %s%s", len(entries), sorted(mine), device,
                 f"; not initialised: {unset}" if unset else "")
     return unset
+
+
+def refuse_not_on_meta(model: Any) -> None:
+    """Refuses ``init_weights=False`` for a model with no tensor on ``meta`` (it has nothing to leave unset)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError("init_weights=False needs the model itself (built under torch.device('meta')), not a layer "
+                        "factory; a factory's layers are built and initialised by the factory")
+    held = next((t for t in list(model.parameters()) + list(model.buffers())), None)
+    if held is not None and not held.is_meta:
+        raise ValueError(f"init_weights=False leaves a model built on meta unset for a load to fill, but this "
+                         f"model's tensors are on {held.device}: build it under torch.device('meta'), or drop "
+                         f"init_weights=False")
+
+
+def mark_loaded(model: nn.Module) -> None:
+    """Records that a load set every tensor ``init_weights=False`` left unset (the steps refused before)."""
+    if getattr(model, "awaiting_load", False):
+        model.awaiting_load = False
+
+
+def allocate_for_load(stages: Sequence[nn.Module], device: torch.device) -> list[str]:
+    """Allocates on ``device`` the tensors of ``stages`` still on ``meta`` (left so by
+    ``materialize(initialise=False)``, then sharded by tensor parallelism and FSDP on ``meta``): this rank's
+    local shards only, so that no rank ever holds more than its share. Each is filled with the sentinel
+    (NaN; the largest value for integers), for a load to overwrite; the rest of the stages moves to
+    ``device``. A tensor held in several places (a tie) is one allocation in all of them; FSDP re-points its
+    shards at the new tensors (its ``_apply``), and the caller refreshes the tied-weight replicas. Returns the
+    names (in the stages) of the tensors allocated."""
+    from torch.distributed.tensor import DTensor
+
+    allocated: list[str] = []
+    with torch.no_grad():
+        for stage in stages:
+            fresh: dict[int, Tensor] = {}  # id of the meta tensor -> its allocation, put in every slot holding it
+            for module_name, module in stage.named_modules(remove_duplicate=False):
+                for kind in ("_parameters", "_buffers"):
+                    slots = getattr(module, kind)
+                    for attr, tensor in list(slots.items()):
+                        if tensor is None or not tensor.is_meta:
+                            continue
+                        if id(tensor) not in fresh:
+                            new = torch.empty_like(tensor, device=device)  # a DTensor's local shard only
+                            local = new.to_local() if isinstance(new, DTensor) else new
+                            local.fill_(_sentinel(local))
+                            if isinstance(tensor, nn.Parameter):
+                                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                            fresh[id(tensor)] = new
+                            allocated.append(f"{module_name}.{attr}" if module_name else attr)
+                        slots[attr] = fresh[id(tensor)]
+            # The rest to the device; FSDP re-points its shards at the new tensors, a split stage its graph's
+            # device arguments at the device.
+            stage._apply(lambda t: t.to(device))
+    logger.info("allocated %d tensors on %s for a load to fill (this rank's shards only)", len(allocated), device)
+    return allocated
 
 
 def _initialise(layers: Sequence[tuple[str, nn.Module]], mine: set[int], entries: list[_Fresh],

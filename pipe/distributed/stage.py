@@ -120,6 +120,7 @@ def build_stages(
     rank: int,
     device: torch.device,
     agree: Callable[[list[str]], list[str]] = lambda names: names,
+    initialise: bool = True,
 ) -> tuple[dict[int, nn.Sequential], list[nn.Sequential]]:
     """The stages ``rank`` runs, on ``device``, and a skeleton of every stage.
 
@@ -133,6 +134,9 @@ def build_stages(
             and initialised (:mod:`pipe.distributed.materialize`).
         agree: gathers every rank's uninitialised tensors (so that all refuse
             together); default: this rank's alone.
+        initialise: False: the parameters and persistent buffers built on
+            ``meta`` stay there, to be sharded, then allocated for a load
+            (``materialize(initialise=False)``).
 
     Returns:
         ``(owned, skeleton)``: ``owned[stage]`` is an ``nn.Sequential`` of the
@@ -170,7 +174,7 @@ def build_stages(
             built.append((names[index], layer))
             stage_of.append(stage)
         start += size
-    unset = agree(materialize(built, owned_layers, device))
+    unset = agree(materialize(built, owned_layers, device, initialise))
     message = refusal(unset)
     if message is not None:
         raise ValueError(message)

@@ -60,6 +60,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipe.distributed.materialize import mark_loaded
+
 __all__ = ["save", "load", "load_module", "model_state_dict"]
 
 logger = logging.getLogger(__name__)
@@ -288,6 +290,7 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     set_model_state_dict(view, state["model"], options=_OPTIONS)
     if optimizer is not None:
         set_optimizer_state_dict(view, optimizer, state["optimizer"], options=_OPTIONS)
+    mark_loaded(module)
     logger.info("loaded %d tensors of the model from %s", len(state["model"]), path)
     return dict(state["extra"])
 

@@ -349,3 +349,73 @@ def _on_cuda(rank: int, world: int, directory: str, out: str) -> str:
 def test_load_step_and_export_with_stages_on_the_gpu(checkpoints: dict[str, str], tmp_path: Path) -> None:
     assert run_ranks(_on_cuda, 2, checkpoints["llama"], str(tmp_path / "out"), timeout=60.0,
                      deadline=240.0) == ["ok", "ok"]
+
+
+def _shard_first(rank: int, world: int, checkpoints: dict[str, str], out: str, pp: int, dp_shard: int) -> dict[str, Any]:
+    """init_weights=False: sharded on meta, then only this rank's shards allocated (unset), then loaded."""
+    from pipe.distributed import state
+
+    found: dict[str, Any] = {}
+    for which in ("llama", "llama_untied", "gpt2"):
+        build, cut = MODELS[which]
+        torch.manual_seed(100 + rank)  # each rank another seed: the load alone sets the values
+        with torch.device("meta"):
+            model = build(LAYERS)
+        ids, mask, labels = lm_batch(8, 8, seed=3)
+        at = [cut.format(LAYERS * (i + 1) // pp) for i in range(pp - 1)]
+        stages = pipe.split(model, (ids.to("meta"),), {"attention_mask": mask.to("meta"), "use_cache": False}, at=at)
+        piped = DistributedPipe(stages, chunks=2, mesh=make_mesh(pp=pp, dp_shard=dp_shard), loss_reduction="count",
+                                init_weights=False)
+        held = {name: (t.to_local() if isinstance(t, DTensor) else t) for name, t in piped.state_dict().items()}
+        # Before the load: every persistent tensor is allocated as this rank's shard only, holding the sentinel.
+        unset = [n for n, t in held.items() if t.numel() and not (t.device.type == "cpu" and bool(torch.isnan(t).all()))]
+        assert not unset, unset
+        with pytest.raises(RuntimeError, match=r"step\(\) before the weights were loaded: .*init_weights=False"):
+            piped.step((ids, mask), labels, _sum_count)
+        hf.load(checkpoints[which], piped)
+        stats = hf.last_load()
+        unique = {t.untyped_storage().data_ptr(): t for t in held.values() if t.numel()}  # a tie once
+        assert stats is not None and stats.bytes_held == sum(t.numel() * t.element_size() for t in unique.values())
+        reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[which])
+        for name, tensor in piped.state_dict().items():
+            assert torch.equal(_full(tensor), reference.state_dict()[name]), f"{which} {name}"
+        part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4) if dp_shard > 1 else slice(None)
+        loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
+        total, count = _sum_count(reference(ids, attention_mask=mask).logits, labels)
+        (total / count).backward()
+        torch.testing.assert_close(loss, (total / count).detach(), atol=1e-5, rtol=1e-5)
+        for name, parameter in piped.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, atol=1e-6,
+                                       rtol=1e-5, msg=lambda m: f"{which} {name}: {m}")
+        found[which] = stats.bytes_held
+    # state.load fills a model built so too: a DCP checkpoint of the last pipeline, into a fresh one.
+    state.save(os.path.join(out, "dcp"), piped)
+    with torch.device("meta"):
+        model = MODELS["gpt2"][0](LAYERS)
+    at = [MODELS["gpt2"][1].format(LAYERS * (i + 1) // pp) for i in range(pp - 1)]
+    stages = pipe.split(model, (ids.to("meta"),), {"attention_mask": mask.to("meta"), "use_cache": False}, at=at)
+    again = DistributedPipe(stages, chunks=2, mesh=make_mesh(pp=pp, dp_shard=dp_shard), init_weights=False)
+    state.load(os.path.join(out, "dcp"), again)
+    mine = piped.state_dict()
+    for name, tensor in again.state_dict().items():
+        assert torch.equal(_full(tensor), _full(mine[name])), name
+    again.eval_step((ids[part], mask[part]))
+    return found
+
+
+@pytest.mark.parametrize("pp, dp_shard", [(4, 1), (2, 2)], ids=["pp4", "pp2-dp_shard2"])
+def test_shard_first_then_load_needs_no_seed_and_holds_only_the_share(checkpoints: dict[str, str], tmp_path: Path,
+                                                                      pp: int, dp_shard: int) -> None:
+    held = run_ranks(_shard_first, 4, checkpoints, str(tmp_path), pp, dp_shard, deadline=240)
+    for which, total in _totals({k: checkpoints[k] for k in ("llama", "llama_untied", "gpt2")}).items():
+        embedding = VOCAB * 32 * 4 if which != "llama_untied" else 0  # a tie: held by the embedding's and head's ranks
+        assert sum(h[which] for h in held) == total + embedding, which
+
+
+def test_init_weights_false_is_for_a_model_on_meta() -> None:
+    from pipe.distributed.materialize import refuse_not_on_meta
+
+    with pytest.raises(ValueError, match=r"tensors are on cpu: build it under torch.device\('meta'\), or drop"):
+        refuse_not_on_meta(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="needs the model itself"):
+        refuse_not_on_meta(lambda index: nn.Linear(2, 2))
