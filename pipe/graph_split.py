@@ -76,8 +76,9 @@ def split(
     Args:
         model: any module whose forward ``torch.export`` can capture.
         example_args: positional inputs (a tuple, or one tensor) of one batch.
-            Use a batch of at least 2 and the sizes you will train with; every
-            dimension is captured as dynamic where the model allows it.
+            Use a batch of at least 2 rows (dim 0; a batch of 1 is refused) and
+            the sizes you will train with; every dimension is captured as
+            dynamic where the model allows it.
         example_kwargs: keyword inputs. Tensors among them become inputs of
             the split model; other values (``use_cache=False``) are fixed.
         at: module paths, e.g. ``["transformer.h.2"]``: a new stage begins
@@ -92,7 +93,7 @@ def split(
         the model's own objects: training either trains both.
 
     Raises:
-        ValueError, TypeError: bad ``at`` or example inputs.
+        ValueError, TypeError: bad ``at`` or example inputs (an example batch of 1 row).
         SplitError: the model cannot be captured as one graph (for example
             data-dependent control flow), see docs/split.md.
     """
@@ -102,6 +103,7 @@ def split(
         example_args = (example_args,)
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict of keyword inputs or None, got {type(example_kwargs).__name__}")
+    _refuse_batch_of_one(example_args, example_kwargs or {})
     points = _verify_points(model, at)
     program = _export(model, example_args, example_kwargs or {}, points)
     graph_module = program.module()
@@ -123,6 +125,40 @@ def split(
     keep_original_names(result)
     logger.info("pipe.split: %s cut at %s into %d stages", type(model).__name__, list(points), len(stages))
     return result
+
+
+# -- example inputs --------------------------------------------------------------------------------
+
+
+def _refuse_batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuses an example whose batch (dim 0 of its tensor inputs) is 1: the capture would fix it at 1.
+
+    ``torch.export`` specialises a dimension whose example size is 1 even where
+    it is marked dynamic, so the split model would refuse every micro-batch of
+    another size, at its first step, in its first stage (while the next stage
+    waits for it). Captured at 2 rows, the batch stays dynamic where the model
+    allows it, and micro-batches of 1 run too (LLaMA's and GPT-2's do). Every
+    tensor input with a dimension is split on dim 0 into micro-batches, so dim
+    0 is the batch; 0-d tensors have none. Only when every such input has one
+    row is the batch 1: a tensor of one row beside a batch of more is one that
+    is not split (a ``pipe.NoChunk``), and keeps its size.
+    """
+    named = [(f"example_args[{i}]", leaf) for i, value in enumerate(args)
+             for leaf in torch.utils._pytree.tree_leaves(value)]
+    named += [(f"example_kwargs[{key!r}]", leaf) for key, value in kwargs.items()
+              for leaf in torch.utils._pytree.tree_leaves(value)]
+    batched = [(name, leaf) for name, leaf in named if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    if not batched or any(leaf.size(0) != 1 for _, leaf in batched):
+        return
+    name, first = batched[0]
+    sizes = ", ".join(str(size) for size in (2, *first.shape[1:]))
+    device = "" if first.device.type == "cpu" else f", device={str(first.device)!r}"
+    raise ValueError(
+        f"pipe.split: the example batch has 1 row ({name} has shape {list(first.shape)}); torch.export fixes a "
+        f"dimension of size 1, so every micro-batch of another size would fail in the first stage at the first "
+        f"step. Give an example batch of at least 2 rows, e.g. torch.zeros({sizes}, dtype={first.dtype}{device}) "
+        f"(the batch then stays dynamic where the model allows it, micro-batches of 1 included)"
+    )
 
 
 # -- cut points --------------------------------------------------------------------------------------

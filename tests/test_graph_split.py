@@ -139,6 +139,43 @@ def test_bad_cut_points_are_named() -> None:
         pipe.split(model, (ids, mask), at=["norm", "norm"])
 
 
+def test_an_example_batch_of_one_row_is_refused_before_the_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.export would fix dim 0 at 1 and the first step with micro-batches of 2 would fail in the first stage
+    # (the next stage waiting out its receive timeout): refused at once, before anything is captured.
+    captured = []
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: captured.append(a) or pytest.fail("captured"))
+    model = TinyLM()
+    ids, mask, _ = lm_batch(1, 8)
+    with pytest.raises(ValueError, match=r"example batch has 1 row \(example_args\[0\] has shape \[1, 8\]\).*"
+                                         r"at least 2 rows, e\.g\. torch\.zeros\(2, 8, dtype=torch\.int64\)"):
+        pipe.split(model, (ids, mask), at=["norm"])
+    with pytest.raises(ValueError, match=r"example_args\[0\] has shape \[1, 8\].*torch\.zeros\(2, 8, "
+                                         r"dtype=torch\.int64, device='meta'\)"):
+        pipe.split(model, ids.to("meta"), {"mask": mask.to("meta")}, at=["norm"])
+    assert not captured
+
+
+def test_inputs_whose_dim_0_is_no_batch_are_captured() -> None:
+    # A 0-d tensor has no batch dimension, and a tensor of one row beside a batch of 4 is not split (a NoChunk):
+    # neither makes the example a batch of 1.
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + bias) * scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    bias, scale = torch.randn(1, 4), torch.tensor(0.5)
+    stages = pipe.split(model, (torch.randn(4, 4), bias, scale), at=["b"])
+    for rows in (1, 3):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(stages(x, bias, scale), model(x, bias, scale), rtol=0, atol=0)
+
+
 def test_a_cut_point_that_runs_twice_is_refused() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:

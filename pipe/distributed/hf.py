@@ -21,6 +21,7 @@ is renamed to ``path`` once complete.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -162,6 +163,11 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
         config: the model's ``PretrainedConfig`` (the plain model's ``config``
             before splitting), saved with its ``save_pretrained``; default: ``model.config``
             where the module has one. Without a config, ``from_pretrained`` needs one given.
+            ``config.json`` states the dtype of the floating-point tensors written
+            (of the first, in the plain model's order, if they differ, as
+            ``save_pretrained`` does), whatever ``config.dtype`` says, so that
+            ``from_pretrained(path)`` returns exactly these weights; ``config``
+            itself is not changed (a copy is written).
         max_shard_size: bytes per file, a number or ``"2GB"``, ``"500MiB"``.
     """
     from pipe.core.units import parse_bytes
@@ -330,10 +336,28 @@ def _write_headers(staging: str, layout: Files, config: Any) -> None:
         with open(os.path.join(staging, files.INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if config is not None:
-        config.save_pretrained(staging)
+        _stamped(config, layout).save_pretrained(staging)
     else:
         logger.warning("hf.save without config: %s has no config.json, so from_pretrained needs the config given; "
                        "pass config=<the model's PretrainedConfig>", staging)
+
+
+def _stamped(config: Any, layout: Files) -> Any:
+    """``config`` with the ``dtype`` of the floating-point tensors written, in a copy (as ``save_pretrained`` sets it).
+
+    ``from_pretrained(path)`` builds the model in ``config.json``'s ``dtype``:
+    a config that still says bfloat16 (the source checkpoint's) over float32
+    tensors would return the trained weights rounded. ``layout`` is every
+    rank's tensors, in the files' order (the plain model's). Mixed dtypes: the
+    first floating-point tensor's, as ``save_pretrained`` takes the model's
+    first floating-point parameter's. The caller's config is not changed.
+    """
+    written = next((dtype for tensors in layout.values() for _, dtype, _ in tensors if dtype.is_floating_point), None)
+    if written is None or getattr(config, "dtype", None) == written:
+        return config
+    stamped = copy.deepcopy(config)
+    stamped.dtype = written
+    return stamped
 
 
 # -- refusals ------------------------------------------------------------------------------------------

@@ -210,6 +210,40 @@ def test_tensor_parallel_meta_and_refusal(checkpoints: dict[str, str], tmp_path:
     assert "model.embed_tokens.weight" in messages[0] and "transformer.h.0.attn.c_attn.weight" in messages[0]
 
 
+def _bfloat16_config_over_float32(rank: int, world: int, source: str, out: str) -> str:
+    """A bf16 checkpoint (its config says bfloat16) into a float32 pipeline built on meta, stepped and exported."""
+    config = transformers.AutoConfig.from_pretrained(source)
+    assert config.dtype == torch.bfloat16
+    stages, _ = _split("llama", 2, meta=True)  # float32, as the model builds
+    piped = DistributedPipe(stages, chunks=2, mesh=make_mesh(pp=2, dp_shard=2), loss_reduction="count")
+    hf.load(source, piped)
+    ids, mask, labels = lm_batch(8, 8, seed=3)
+    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
+    piped.step((ids[part], mask[part]), labels[part], _sum_count)
+    torch.optim.SGD(piped.parameters(), lr=0.5).step()  # float32 values that no bfloat16 holds
+    hf.save(out, piped, config=config)
+    assert config.dtype == torch.bfloat16  # the caller's config is left as it was
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    rounded = 0
+    for name, tensor in piped.state_dict().items():
+        full = _full(tensor)
+        assert reloaded[name].dtype == torch.float32 and torch.equal(full, reloaded[name]), name
+        rounded += not torch.equal(full, full.bfloat16().float())
+    assert rounded, "every weight is a bfloat16: the test would not see a rounding"
+    return str(json.loads(Path(out, "config.json").read_text())["dtype"])
+
+
+def test_export_states_the_dtype_of_its_tensors_not_the_config_s(tmp_path: Path) -> None:
+    # The config says bfloat16, the tensors written are float32: config.json says float32, so from_pretrained
+    # returns the pipeline's weights bit for bit instead of rounding them to bfloat16. Rank 0 writes config.json
+    # from every rank's tensors (the layout the ranks exchange).
+    torch.manual_seed(0)
+    llama(LAYERS).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    dtypes = run_ranks(_bfloat16_config_over_float32, 4, str(tmp_path / "bf16"), str(tmp_path / "out"), deadline=240)
+    assert dtypes == ["float32"] * 4
+
+
 # -- one process: a plain model, refusals, dtypes, an interrupted export ---------------------------------------
 
 
@@ -270,8 +304,12 @@ def test_plain_model_dtypes_and_an_interrupted_export(checkpoints: dict[str, str
     assert torch.equal(model.model.rotary_emb.inv_freq, expected.model.rotary_emb.inv_freq)  # left as built
 
     halved = tmp_path / "bf16"
-    hf.save(halved, copy.deepcopy(expected).to(torch.bfloat16))
-    assert json.loads((halved / "config.json").read_text())["model_type"] == "llama"  # model.config by default
+    in_bfloat16 = copy.deepcopy(expected).to(torch.bfloat16)
+    assert in_bfloat16.config.dtype is None  # the config of a model built from a config names no dtype
+    hf.save(halved, in_bfloat16)
+    written = json.loads((halved / "config.json").read_text())
+    assert written["model_type"] == "llama" and written["dtype"] == "bfloat16"  # model.config, the tensors' dtype
+    assert in_bfloat16.config.dtype is None  # stated in a copy: the model's own config is left alone
     into_float = llama(LAYERS)
     hf.load(halved, into_float)  # bf16 values into fp32 tensors
     assert into_float.lm_head.weight.dtype == torch.float32
