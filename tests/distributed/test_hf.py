@@ -89,6 +89,24 @@ def _split(which: str, pieces: int, meta: bool = False) -> tuple[nn.Module, Any]
     return pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=at), model.config
 
 
+def _step_equals_from_pretrained(piped: DistributedPipe, directory: str, which: str, dp_shard: int) -> slice:
+    """Every persistent tensor equals ``from_pretrained``'s bit for bit, and one step (on this rank's part of
+    ``lm_batch(8, 8, seed=3)``, returned) its loss and every gradient."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    for name, tensor in piped.state_dict().items():  # every persistent tensor, bit for bit
+        assert torch.equal(_full(tensor), reference.state_dict()[name]), f"{which} {name}"
+    ids, mask, labels = lm_batch(8, 8, seed=3)
+    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4) if dp_shard > 1 else slice(None)
+    loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
+    total, count = _sum_count(reference(ids, attention_mask=mask).logits, labels)
+    (total / count).backward()
+    torch.testing.assert_close(loss, (total / count).detach(), atol=1e-5, rtol=1e-5)
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, atol=1e-6,
+                                   rtol=1e-5, msg=lambda m: f"{which} {name}: {m}")
+    return part
+
+
 def _round_trip(rank: int, world: int, checkpoints: dict[str, str], out: str, pp: int, dp_shard: int) -> dict[str, Any]:
     """Load each model, step against from_pretrained, export, reload: what each rank read, per model."""
     read: dict[str, Any] = {}
@@ -99,18 +117,8 @@ def _round_trip(rank: int, world: int, checkpoints: dict[str, str], out: str, pp
         stats = hf.last_load()
         assert stats is not None and stats.bytes_read == stats.bytes_held > 0
         read[which] = {"bytes": stats.bytes_read, "keys": stats.keys}
-        reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
-        for name, tensor in piped.state_dict().items():  # every persistent tensor, bit for bit
-            assert torch.equal(_full(tensor), reference.state_dict()[name]), f"{which} {name}"
         ids, mask, labels = lm_batch(8, 8, seed=3)
-        part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4) if dp_shard > 1 else slice(None)
-        loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
-        total, count = _sum_count(reference(ids, attention_mask=mask).logits, labels)
-        (total / count).backward()
-        torch.testing.assert_close(loss, (total / count).detach(), atol=1e-5, rtol=1e-5)
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, atol=1e-6,
-                                       rtol=1e-5, msg=lambda m: f"{which} {name}: {m}")
+        part = _step_equals_from_pretrained(piped, directory, which, dp_shard)
         torch.optim.SGD(piped.parameters(), lr=0.5).step()  # the export holds trained weights, not the checkpoint's
         exported = os.path.join(out, which)
         hf.save(exported, piped, config=config, max_shard_size="24KB")
@@ -414,17 +422,7 @@ def _shard_first(rank: int, world: int, checkpoints: dict[str, str], out: str, p
         stats = hf.last_load()
         unique = {t.untyped_storage().data_ptr(): t for t in held.values() if t.numel()}  # a tie once
         assert stats is not None and stats.bytes_held == sum(t.numel() * t.element_size() for t in unique.values())
-        reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[which])
-        for name, tensor in piped.state_dict().items():
-            assert torch.equal(_full(tensor), reference.state_dict()[name]), f"{which} {name}"
-        part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4) if dp_shard > 1 else slice(None)
-        loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
-        total, count = _sum_count(reference(ids, attention_mask=mask).logits, labels)
-        (total / count).backward()
-        torch.testing.assert_close(loss, (total / count).detach(), atol=1e-5, rtol=1e-5)
-        for name, parameter in piped.named_parameters():
-            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, atol=1e-6,
-                                       rtol=1e-5, msg=lambda m: f"{which} {name}: {m}")
+        part = _step_equals_from_pretrained(piped, checkpoints[which], which, dp_shard)
         found[which] = stats.bytes_held
     # state.load fills a model built so too: a DCP checkpoint of the last pipeline, into a fresh one.
     state.save(os.path.join(out, "dcp"), piped)
