@@ -35,6 +35,7 @@ Run:
     python benchmarks/loading.py                 # 0.5B parameters: several minutes, ~10 GB of RAM at peak
     python benchmarks/loading.py --quick         # 6M parameters: about a minute
     python benchmarks/loading.py --device cuda   # each rank's stages on the (shared) GPU, over gloo
+    python benchmarks/loading.py --step          # and one training step's peak per rank after the load
 Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json).
 """
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
     split_s = time.perf_counter() - started
     piped = DistributedPipe(stages, mesh=_mesh(LAYOUTS[layout], args.device), device=torch.device(args.device),
-                            init_weights=args.init_weights)
+                            init_weights=args.init_weights, chunks=4, loss_reduction="count")
     del model, stages
     build_s = time.perf_counter() - started
     before_load = _status("VmRSS")
@@ -162,12 +163,56 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
             again = torch.empty(local.shape, dtype=local.dtype)
             safetensors_files.read_into(exported[name], offset, again)
             exact = exact and torch.equal(again, local.cpu())
+    step = _training_step(piped, config, stats.bytes_held, baseline, args) if args.step else {}
     dist.barrier()
     dist.destroy_process_group()
     return {"rank": rank, "share_bytes": stats.bytes_held, "bytes_read": stats.bytes_read, "keys": stats.keys,
             "load_s": stats.seconds, "build_s": build_s, "split_s": split_s, "export_s": export_s,
             "load_peak_over_share": peak / stats.bytes_held, "load_only_peak_over_share": load_only / stats.bytes_held,
-            "bytes_read_over_share": stats.bytes_read / stats.bytes_held, "exact": exact}
+            "bytes_read_over_share": stats.bytes_read / stats.bytes_held, "exact": exact, **step}
+
+
+def _training_step(piped: Any, config: Any, share: int, baseline: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One training step after the load (1F1B, 4 micro-batches of 1 x 64 tokens per pipeline; ZeRO-3 where the
+    mesh shards): the peak the rank gains over its share, and what it holds after; beside them the parts of the
+    bound a per-layer ZeRO-3 step would reach, without the activations: the share, the stage's gradients
+    unsharded until the step's one reduce-scatter, and the two largest decoder layers gathered."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        flat = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat, reduction="sum"), flat.numel()
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (4, 64), generator=generator)
+    stage_bytes = sum(p.numel() * p.element_size() for p in piped.parameters())  # full sizes, DTensors too
+    layers = {}
+    for name, p in piped.named_parameters():
+        if ".layers." in name:
+            layer = name.split(".layers.")[1].split(".")[0]
+            layers[layer] = layers.get(layer, 0) + p.numel() * p.element_size()
+    largest = sorted(layers.values(), reverse=True)[:2]
+    gc_collect()
+    dist.barrier()
+    _reset_peak()
+    before = _status("VmRSS")
+    started = time.perf_counter()
+    piped.step(ids, ids, loss_fn)
+    step_s = time.perf_counter() - started
+    peak = _status("VmHWM") - baseline
+    after = _status("VmRSS") - baseline
+    sharded = any(isinstance(p, DTensor) for p in piped.parameters())
+    bound = share + stage_bytes + (sum(largest) if sharded else 0)
+    return {"step_s": step_s, "step_peak_over_share": peak / share, "after_step_over_share": after / share,
+            "step_added_over_share": (_status("VmHWM") - before) / share,
+            "step_bound_without_activations_over_share": bound / share}
+
+
+def gc_collect() -> None:
+    import gc
+
+    gc.collect()
 
 
 def _mesh(sizes: dict[str, int], device: str) -> Any:
@@ -228,6 +273,9 @@ def main() -> None:
     parser.add_argument("--init-weights", action="store_true",
                         help="build with init_weights=True (allocate and initialise whole stages, then shard) as "
                              "before the shard-first build, for comparison; default: init_weights=False")
+    parser.add_argument("--step", action="store_true",
+                        help="then one training step (1F1B, 4 micro-batches of 1 x 64 tokens): each rank's peak "
+                             "over its share (step_peak_over_share) beside the bound without activations")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"the layouts to load into (default: all of {list(LAYOUTS)})")
     args = parser.parse_args()
@@ -268,6 +316,12 @@ def main() -> None:
                 "load_time_vs_from_pretrained": load_s / reference["load_s"],
                 "load_peak_over_share": max(r["load_peak_over_share"] for r in ranks),
                 "export_exact_per_rank": all(r["exact"] for r in ranks)}
+            if args.step:
+                layouts[layout]["step_peak_over_share"] = max(r["step_peak_over_share"] for r in ranks)
+                print(f"{layout:18s} step {max(r['step_s'] for r in ranks):.2f} s: peak over share per rank "
+                      f"{[round(r['step_peak_over_share'], 2) for r in ranks]}, after the step "
+                      f"{[round(r['after_step_over_share'], 2) for r in ranks]}, bound without activations "
+                      f"{[round(r['step_bound_without_activations_over_share'], 2) for r in ranks]}")
             print(f"{layout:18s} build {layouts[layout]['build_s']:6.2f} s (split {layouts[layout]['split_s']:.2f} s), "
                   f"load {load_s:6.2f} s ({layouts[layout]['load_time_vs_from_pretrained']:.2f}x "
                   f"from_pretrained), ready {ready_s:.2f} s ({layouts[layout]['ready_vs_from_pretrained']:.1f}x), "

@@ -16,7 +16,6 @@ from torch import nn
 
 from pipe.compile import CompileOption, compile_stages
 from pipe.spec import PipelineSpec
-from pipe.core.deprecation import refuse_planning
 from pipe.core.options import checkpoint_stop, verify_one_value_layers
 from pipe.core.microbatch import gather, pack_inputs, scatter, verify_device, verify_gatherable
 from pipe.core.partition import Device, split_module
@@ -35,9 +34,6 @@ from pipe.threads.worker import Workers, partition_threads
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-PLANNED = "pipe.plan.planned_pipe(module, sample, memory_budget=..., devices=...)"
-"""What replaces ``Pipe(..., memory_budget=..., sample=...)``."""
 
 _MOVING_DENIED = (
     "a Pipe cannot be moved: it places its partitions on pipe.devices itself; "
@@ -79,8 +75,6 @@ class Pipe(nn.Module):
             docs/recompute.md): full, selective and offload policies per
             layer, stage = partition; best with ``checkpoint="never"``.
             The normalised strategy is ``pipe.recompute_strategy``.
-        memory_budget, sample: no longer taken (TypeError): the planner builds
-            a planned ``Pipe``, :func:`pipe.plan.planned_pipe`.
         compile: compile each layer of each partition with ``torch.compile``:
             ``True`` (inductor, dynamic shapes) or a dict of its keywords
             (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``) and
@@ -106,12 +100,9 @@ class Pipe(nn.Module):
         deferred_batch_norm: bool = False,
         cpu_threads: Optional[int] = None,
         recompute: Optional[ConfigSource] = None,
-        memory_budget: None = None,
-        sample: None = None,
         compile: CompileOption = False,
     ) -> None:
         super().__init__()
-        refuse_planning("Pipe", PLANNED, memory_budget=memory_budget, sample=sample)
         self.plan: Optional[Any] = None  # the pipe.plan.Plan it runs, when pipe.plan.planned_pipe built it
         spec = self.spec = PipelineSpec.checked(chunks, checkpoint, balance=balance,
                                                 deferred_batch_norm=deferred_batch_norm, recompute=recompute,

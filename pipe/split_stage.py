@@ -107,6 +107,16 @@ def retarget_devices(stage: fx.GraphModule, device: Optional[torch.device] = Non
             module.recompile()
 
 
+def retarget_split_stages(stages: Any, device: torch.device) -> None:
+    """Points the graphs of the split stages among ``stages`` at ``device`` while their tensors are still on
+    ``meta`` (``DistributedPipe(init_weights=False)``; a recompile after FSDP has changed a stage's class
+    recursed in fx's call wrapper)."""
+    for stage in stages:
+        for module in stage.modules():
+            if isinstance(module, fx.GraphModule):
+                retarget_devices(module, device)
+
+
 # -- state-dict names --------------------------------------------------------------------------------
 
 

@@ -54,15 +54,3 @@ def renamed(function: F, old: str, new: str) -> F:
         return function(*args, **kwargs)
 
     return alias  # type: ignore[return-value]
-
-
-def refuse_planning(front: str, replacement: str, **given: Any) -> None:
-    """Raises TypeError if a front end got one of ``given``, the planning arguments it no longer takes.
-
-    The front ends do not plan: the planner builds them (``replacement``), so that they never import it.
-    """
-    passed = [name for name, value in given.items() if value is not None]
-    if passed:
-        raise TypeError(f"{front}({', '.join(f'{name}=...' for name in passed)}) is no longer taken: the planner "
-                        f"builds the pipeline now; call {replacement}, with {front}'s other arguments, which "
-                        f"plans and returns the {front}")

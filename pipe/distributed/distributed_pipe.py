@@ -34,19 +34,15 @@ from pipe.recompute.config import ConfigSource
 from pipe.recompute.strategy import RecomputeStrategy
 from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
-from pipe.core.deprecation import refuse_planning
 from pipe.compile import CompileOption, compile_stages
 from pipe.spec import PipelineSpec
 from pipe.core.microbatch import Batch, gather, pack_inputs
 from pipe.core.options import checkpoint_stop, pipeline_schedule
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
-from pipe.split_stage import refuse_tensor_parallel
+from pipe.split_stage import refuse_tensor_parallel, retarget_split_stages
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
-
-PLANNED = "pipe.plan.planned_distributed(model, sample, memory_budget=..., target=..., loss_fn=...)"
-"""What replaces ``DistributedPipe(..., memory_budget=..., sample=..., target=...)``."""
 
 __all__: list[str] = []
 
@@ -131,8 +127,6 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``Pipe``: stage = ``balance`` entry, each rank applies its part
             (:mod:`pipe.distributed.recompute_ranks`); the normalised strategy is
             ``recompute_strategy``.
-        memory_budget, sample, target: no longer taken (TypeError): the planner
-            builds a planned ``DistributedPipe``, :func:`pipe.plan.planned_distributed`.
         compile: compile each layer of this rank's stages with ``torch.compile``,
             as for ``Pipe`` (:mod:`pipe.compile`).
         init_weights: False, for a model built on ``meta`` whose weights a load
@@ -170,9 +164,6 @@ class DistributedPipe(PlainNamed, nn.Module):
         device: Optional[torch.device] = None,
         deferred_batch_norm: bool = False,
         recompute: Optional[ConfigSource] = None,
-        memory_budget: None = None,
-        sample: None = None,
-        target: None = None,
         compile: CompileOption = False,
         init_weights: bool = True,
     ) -> None:
@@ -180,7 +171,6 @@ class DistributedPipe(PlainNamed, nn.Module):
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
         if tensor_parallel:
             refuse_tensor_parallel(model)
-        refuse_planning("DistributedPipe", PLANNED, memory_budget=memory_budget, sample=sample, target=target)
         spec = self.spec = PipelineSpec.checked(
             chunks, checkpoint, balance=balance, deferred_batch_norm=deferred_batch_norm, recompute=recompute,
             compile=compile, tensor_parallel=tensor_parallel is not None or parallelize is not None,
@@ -231,6 +221,8 @@ class DistributedPipe(PlainNamed, nn.Module):
         self.compiled_layers = compile_stages(self.partitions.values(), spec.compile)
         self._tied = TiedReplicas(skeleton, self.schedule, self.topology)  # weights shared across ranks
         self.plain_names = PlainNames(self, skeleton)  # named_parameters() and named_modules() as the plain model
+        if not init_weights:  # a split stage's graph devices now, before FSDP changes the stages' classes
+            retarget_split_stages(self.partitions.values(), self.device)
         # Tensor parallelism first, then FSDP (or the replicas' averager), as torchtitan composes them.
         self.shard = shard
         sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,

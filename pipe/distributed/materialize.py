@@ -37,10 +37,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from torch import fx
-
 from pipe.core.original_names import plain_name, source_model
-from pipe.split_stage import retarget_devices
 
 __all__: list[str] = []
 
@@ -134,13 +131,9 @@ def materialize(layers: Sequence[tuple[str, nn.Module]], owned: Sequence[int], d
             entry = fresh.get(id(tensor))
             if entry is not None:
                 getattr(module, kind)[attr] = entry.tensor
-    for index in sorted(mine):
-        if initialise:
+    if initialise:  # (else allocate_for_load moves the rest, once the meta tensors are sharded)
+        for index in sorted(mine):
             layers[index][1].to(device)  # the rest (a split stage also points its graph's device arguments here)
-        else:  # allocate_for_load moves the rest once the meta tensors are sharded; the graphs' devices now,
-            for module in layers[index][1].modules():  # before FSDP changes the stages' classes
-                if isinstance(module, fx.GraphModule):
-                    retarget_devices(module, device)
     if not fresh:
         return []
     entries = list(fresh.values())

@@ -28,26 +28,6 @@ def mlp() -> nn.Sequential:
                            for _ in range(4)])
 
 
-def test_the_front_ends_refuse_memory_budget_and_name_the_planner_call() -> None:
-    """The front ends do not plan (they never import pipe.plan): a budget given to them is refused with the
-    call that plans and builds them."""
-    from pipe.distributed import DistributedPipe
-
-    x = torch.randn(16, WIDTH)
-    with pytest.raises(TypeError) as pipe_error:
-        Pipe(mlp(), memory_budget="1GiB", sample=x, devices=["cpu", "cpu"])  # type: ignore[arg-type]
-    assert str(pipe_error.value) == (
-        "Pipe(memory_budget=..., sample=...) is no longer taken: the planner builds the pipeline now; call "
-        "pipe.plan.planned_pipe(module, sample, memory_budget=..., devices=...), with Pipe's other arguments, "
-        "which plans and returns the Pipe")
-    with pytest.raises(TypeError) as distributed_error:  # refused before torch.distributed is needed
-        DistributedPipe(mlp(), memory_budget="1GiB")  # type: ignore[arg-type]
-    assert str(distributed_error.value) == (
-        "DistributedPipe(memory_budget=...) is no longer taken: the planner builds the pipeline now; call "
-        "pipe.plan.planned_distributed(model, sample, memory_budget=..., target=..., loss_fn=...), with "
-        "DistributedPipe's other arguments, which plans and returns the DistributedPipe")
-
-
 def test_pipe_applies_the_plan_and_keeps_the_gradients() -> None:
     model, reference = mlp(), mlp()
     x = torch.randn(16, WIDTH)
