@@ -164,7 +164,7 @@ def refuse_not_on_meta(model: Any) -> None:
 def mark_loaded(model: nn.Module) -> None:
     """Records that a load set every tensor ``init_weights=False`` left unset (the steps refused before)."""
     if getattr(model, "awaiting_load", False):
-        model.awaiting_load = False
+        setattr(model, "awaiting_load", False)  # a DistributedPipe's flag (nn.Module types attributes as tensors)
 
 
 def allocate_for_load(stages: Sequence[nn.Module], device: torch.device) -> list[str]:
