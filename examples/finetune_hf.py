@@ -5,7 +5,8 @@ the whole model:
 
 1. every rank builds the model from its ``config.json`` on ``torch.device("meta")``
    (no memory), cuts it into ``--pp`` stages with ``pipe.split``, and
-   ``DistributedPipe`` materialises only the rank's own stage;
+   ``DistributedPipe`` materialises only the rank's own stage, in fp32 or, with
+   ``--dtype bf16``, in bf16 (sharded: fp32 parameters, FSDP's bf16 compute);
 2. ``pipe.distributed.hf.load`` reads the rank's tensors (its stage's, and under
    FSDP only its shard of them) from the directory's safetensors;
 3. training: AdamW with a linear LR warmup then a cosine decay
@@ -59,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch import nn
 from tqdm import tqdm
 
@@ -90,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved: 2, zbv: 2)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
     p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: the model in bfloat16, or with "
+                   "--dp-shard > 1 fp32 parameters and FSDP's bf16 compute (default: %(default)s, whatever "
+                   "config.json says)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run counts on); the "
                    "LR decays over them")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all data-parallel ranks")
@@ -239,20 +244,30 @@ def build(args: argparse.Namespace, world: int) -> tuple[pd.DistributedPipe, Any
 
     config = AutoConfig.from_pretrained(args.model or args.config)
     config.use_cache = False
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # whatever config.json says
+    # bf16 sharded: fp32 parameters (and AdamW state), FSDP computes in bf16 and reduces in fp32; unsharded: all bf16.
+    mixed = args.dtype == "bf16" and args.dp_shard > 1
     torch.manual_seed(args.seed)  # a random start is the same on every rank
     with torch.device("meta"):  # no memory: each rank materialises its own stage only
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     virtual = args.virtual_stages
     # One piece per stage; with one stage (--pp 1), two pieces on the one rank: pipe.split needs a cut.
     at = cut_points(model, config.num_hidden_layers, max(args.pp * virtual, 2))
     example = torch.zeros(2, args.seq_len, dtype=torch.long, device="meta")
     stages = pipe.split(model, (example,), {"use_cache": False}, at=at)
+    if mixed:  # traced in bf16, the dtype FSDP gives the graphs; the parameters it keeps are fp32
+        for parameter in stages.parameters():
+            parameter.data = parameter.data.float()
     if args.pp * args.dp_shard * args.dp_replicate != world:
         raise SystemExit(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --dp-replicate {args.dp_replicate} != "
                          f"{world} ranks: launch {args.pp * args.dp_shard * args.dp_replicate} (NPROC=...)")
     mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate)
+    shard = pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+        if mixed else None
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss)
+                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard)
+    log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
+             else f"{args.dtype} parameters and compute")
     return piped, config
 
 

@@ -72,7 +72,7 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_fine_tune_a_local_hf_model_resume_at_another_layout_and_load_the_export(tmp_path: Path) -> None:
+def test_fine_tune_a_local_hf_model_in_bf16_resume_at_another_layout_and_load_the_export(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     pretrained, text = _tiny_model_and_text(tmp_path)
@@ -80,18 +80,25 @@ def test_fine_tune_a_local_hf_model_resume_at_another_layout_and_load_the_export
     common = ["--model", str(tmp_path / "model"), "--data", str(text), "--out", str(out), "--seq-len", "16",
               "--batch-size", "4", "--chunks", "2", "--eval-every", "2", "--lr", "1e-3"]
 
-    first = _launch(2, [*common, "--pp", "2", "--steps", "2", "--save-every", "2"], "done: steps 0-2")
+    # --dtype bf16 unsharded: the model in bfloat16, exported so.
+    first = _launch(2, [*common, "--pp", "2", "--steps", "2", "--save-every", "2", "--dtype", "bf16"],
+                    "done: steps 0-2")
+    assert "dtype: bf16 parameters and compute" in first, first[-3000:]
     assert (out / "loss.png").stat().st_size > 1000, first
     assert state.latest(out / "checkpoints") == out / "checkpoints" / "step-00000002", first
-    # The same run resumed on another layout: one stage, its parameters sharded over 2 ranks by FSDP2; --resume
+    assert transformers.AutoModelForCausalLM.from_pretrained(out / "hf").dtype == torch.bfloat16
+    # The same run resumed on another layout: one stage, its parameters sharded over 2 ranks by FSDP2, in fp32
+    # with bf16 compute (FSDP's mixed precision; the checkpoint's bf16 tensors load into fp32 ones); --resume
     # given the folder of step checkpoints takes its newest.
-    second = _launch(2, [*common, "--pp", "1", "--dp-shard", "2", "--steps", "4", "--resume", str(out / "checkpoints")],
-                     "done: steps 2-4")
+    second = _launch(2, [*common, "--pp", "1", "--dp-shard", "2", "--steps", "4", "--resume", str(out / "checkpoints"),
+                         "--dtype", "bf16"], "done: steps 2-4")
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in second, second[-3000:]
+    assert "dtype: bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" in second
     assert [record["step"] for record in _metrics(out)] == [1, 2, 3, 4]  # the first run's lines, then the second's
 
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert exported.dtype == torch.float32  # FSDP kept fp32 parameters
     before = dict(pretrained.named_parameters())
     moved = [name for name, p in exported.named_parameters() if not torch.equal(p, before[name])]
     assert all(torch.isfinite(p).all() for p in exported.parameters())
