@@ -5,15 +5,25 @@ the whole model:
 
 1. every rank builds the model from its ``config.json`` on ``torch.device("meta")``
    (no memory), cuts it into ``--pp`` stages with ``pipe.split``, and
-   ``DistributedPipe`` materialises only the rank's own stage;
+   ``DistributedPipe`` materialises only the rank's own stage, in fp32 or, with
+   ``--dtype bf16``, in bf16 (sharded: fp32 parameters, FSDP's bf16 compute);
 2. ``pipe.distributed.hf.load`` reads the rank's tensors (its stage's, and under
    FSDP only its shard of them) from the directory's safetensors;
-3. training: a tqdm bar on rank 0, ``eval_step`` on held-out text, DCP
-   checkpoints (``pipe.distributed.state``) every ``--save-every`` steps that
-   ``--resume`` continues from, at the same or another layout;
+3. training: AdamW with a linear LR warmup then a cosine decay
+   (``--warmup``, ``--lr``, ``--min-lr``), a tqdm bar on rank 0, each step's
+   figures in ``OUT/metrics.jsonl`` (and TensorBoard when it is installed),
+   ``eval_step`` on held-out text, DCP checkpoints (``pipe.distributed.state``)
+   in ``OUT/checkpoints/step-<8 digits>`` every ``--save-every`` steps, the last
+   ``--keep`` kept, that ``--resume auto`` (or a path) continues from, at the same
+   or another layout, the LR schedule where it was;
 4. ``pipe.distributed.hf.save`` writes a HuggingFace directory (safetensors
    shards, their index and the config) from every rank at once, which
    ``AutoModelForCausalLM.from_pretrained`` loads; ``loss.png`` beside it.
+
+The flags can come from a YAML file (``--config-file run.yaml``, keys the
+flags' names); flags on the command line override it, and the effective
+configuration is written to ``OUT/config.yaml``, which ``--config-file``
+takes back.
 
 Without ``--model``, ``--config`` (a ``config.json`` or a directory holding
 one) gives a random start, initialised by the model's own initialiser.
@@ -23,8 +33,8 @@ as bytes (the vocabulary must then hold 256 ids). Run it (2 ranks, the model
 directory and text file local; nothing is downloaded)::
 
     bash launch/single_node.sh examples/finetune_hf.py --model ./my-llama --data train.txt --out ./run
-    NPROC=4 bash launch/single_node.sh examples/finetune_hf.py --model ./my-llama --data train.txt \\
-        --pp 2 --dp-shard 2 --out ./run --resume ./run/checkpoint
+    NPROC=4 bash launch/single_node.sh examples/finetune_hf.py --config-file ./run/config.yaml \\
+        --pp 2 --dp-shard 2 --steps 200 --resume auto
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('./run/hf')"
 
 Tensor parallelism (``tp``) is not offered here: ``pipe.split`` stages are
@@ -38,8 +48,10 @@ the validation loss before and after, and where the export went.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -47,6 +59,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch import nn
 from tqdm import tqdm
 
@@ -62,13 +76,15 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--config-file", type=Path, help="a YAML file of flags (keys: the flags' names); flags given here "
+                   "override it")
+    source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="a local HuggingFace model directory (config.json + safetensors)")
     source.add_argument("--config", type=Path, help="a config.json (or a directory with one): a random start")
-    p.add_argument("--data", type=Path, required=True, help="a local text file; its last 10%% is held out")
-    p.add_argument("--out", type=Path, required=True, help="folder for checkpoint/, hf/ and loss.png")
+    p.add_argument("--data", type=Path, help="a local text file; its last 10%% is held out")
+    p.add_argument("--out", type=Path, help="folder for checkpoints/, hf/, metrics.jsonl, config.yaml and loss.png")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the pipeline")
@@ -76,15 +92,99 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved: 2, zbv: 2)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
     p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run counts on)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: the model in bfloat16, or with "
+                   "--dp-shard > 1 fp32 parameters and FSDP's bf16 compute (default: %(default)s, whatever "
+                   "config.json says)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run counts on); the "
+                   "LR decays over them")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all data-parallel ranks")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate, reached after the warmup")
+    p.add_argument("--min-lr", type=float, default=0.0, help="the learning rate at the last step (cosine decay)")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear LR warmup from lr/warmup to lr")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps (and at the end)")
-    p.add_argument("--save-every", type=int, default=0, help="DCP checkpoint every N steps (0: at the end only)")
-    p.add_argument("--resume", type=Path, help="a checkpoint folder written by this script (any layout)")
-    return p.parse_args(argv)
+    p.add_argument("--save-every", type=int, default=0, help="DCP checkpoint every N steps, in OUT/checkpoints "
+                   "(0: at the end only)")
+    p.add_argument("--keep", type=int, default=3, help="how many of the newest checkpoints to keep (default: %(default)s; 0: all)")
+    p.add_argument("--resume", help="'auto': from the newest complete checkpoint in OUT/checkpoints (none: from "
+                   "step 0); or a checkpoint folder, or a folder of step checkpoints (its newest complete one)")
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--config-file", type=Path)
+    given, _ = first.parse_known_args(argv)
+    if given.config_file is not None:  # the file's values come first: the command line's override them
+        argv = file_arguments(p, given.config_file, argv) + argv
+    args = p.parse_args(argv)
+    for name in ("data", "out"):
+        if getattr(args, name) is None:
+            p.error(f"--{name} is required (on the command line or as '{name}:' in --config-file)")
+    if args.model is None and args.config is None:
+        p.error("give --model (a HF model directory) or --config (a config.json: a random start)")
+    for name in ("steps", "batch_size", "seq_len", "chunks", "pp", "dp_shard", "dp_replicate", "virtual_stages",
+                 "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
+    for name in ("warmup", "save_every", "keep"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 0")
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
+        p.error(f"--lr {args.lr} with --min-lr {args.min_lr}: give --lr > 0 and 0 <= --min-lr <= --lr")
+    return args
+
+
+def file_arguments(p: argparse.ArgumentParser, path: Path, argv: list[str]) -> list[str]:
+    """The flags a YAML file of ``flag: value`` gives (keys with dashes or underscores), as command-line words.
+
+    A group of alternatives (``--model`` or ``--config``) given on the command
+    line replaces the file's choice in it.
+    """
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SystemExit(f"--config-file {path}: {error.strerror}; give a YAML file of flags (steps: 100, ...)")
+    except yaml.YAMLError as error:
+        raise SystemExit(f"--config-file {path}: not YAML ({error}); give a file of flags (steps: 100, ...)")
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise SystemExit(f"--config-file {path}: holds a {type(values).__name__}, not a mapping of flags to values; "
+                         "write one 'flag: value' per line (steps: 100)")
+    options = {action.dest: action for action in p._actions if action.option_strings and
+               action.dest not in ("help", "config_file")}
+    on_command_line = {action.dest for action in options.values() if any(
+        word == option or word.startswith(option + "=") for word in argv for option in action.option_strings)}
+    for group in p._mutually_exclusive_groups:
+        if any(action.dest in on_command_line for action in group._group_actions):
+            on_command_line.update(action.dest for action in group._group_actions)
+    words: list[str] = []
+    seen: dict[str, str] = {}
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in options:
+            known = ", ".join(name.replace("_", "-") for name in options)
+            raise SystemExit(f"--config-file {path}: unknown key {key!r}; the known keys are the flags' names: "
+                             f"{known}")
+        if dest in seen:
+            raise SystemExit(f"--config-file {path}: {seen[dest]!r} and {key!r} are one flag; give it once")
+        seen[dest] = str(key)
+        if isinstance(value, (bool, list, dict)):
+            raise SystemExit(f"--config-file {path}: {key}: {value!r} is not a value of the flag; give one "
+                             "number, word or path")
+        if value is None or dest in on_command_line:  # null: the default; the command line's value wins
+            continue
+        words.append(f"{options[dest].option_strings[-1]}={value}")
+    return words
+
+
+def effective_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's flags as a ``--config-file`` takes them back (flag names, paths as text, no defaults left out)."""
+    return {name.replace("_", "-"): str(value) if isinstance(value, Path) else value
+            for name, value in vars(args).items() if name != "config_file" and value is not None}
 
 
 class TokenStream:
@@ -144,20 +244,30 @@ def build(args: argparse.Namespace, world: int) -> tuple[pd.DistributedPipe, Any
 
     config = AutoConfig.from_pretrained(args.model or args.config)
     config.use_cache = False
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # whatever config.json says
+    # bf16 sharded: fp32 parameters (and AdamW state), FSDP computes in bf16 and reduces in fp32; unsharded: all bf16.
+    mixed = args.dtype == "bf16" and args.dp_shard > 1
     torch.manual_seed(args.seed)  # a random start is the same on every rank
     with torch.device("meta"):  # no memory: each rank materialises its own stage only
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     virtual = args.virtual_stages
     # One piece per stage; with one stage (--pp 1), two pieces on the one rank: pipe.split needs a cut.
     at = cut_points(model, config.num_hidden_layers, max(args.pp * virtual, 2))
     example = torch.zeros(2, args.seq_len, dtype=torch.long, device="meta")
     stages = pipe.split(model, (example,), {"use_cache": False}, at=at)
+    if mixed:  # traced in bf16, the dtype FSDP gives the graphs; the parameters it keeps are fp32
+        for parameter in stages.parameters():
+            parameter.data = parameter.data.float()
     if args.pp * args.dp_shard * args.dp_replicate != world:
         raise SystemExit(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --dp-replicate {args.dp_replicate} != "
                          f"{world} ranks: launch {args.pp * args.dp_shard * args.dp_replicate} (NPROC=...)")
     mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate)
+    shard = pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+        if mixed else None
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss)
+                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard)
+    log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
+             else f"{args.dtype} parameters and compute")
     return piped, config
 
 
@@ -170,6 +280,127 @@ def evaluate(model: pd.DistributedPipe, data: TokenStream, args: argparse.Namesp
     loss = model.eval_step(rows, rows, broadcast_loss=True)
     model.train()
     return float(loss)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``--warmup`` steps to ``--lr``, then a cosine decay to ``--min-lr`` at the last step.
+
+    The factor of ``--lr`` for the optimizer step taken after ``taken`` steps:
+    ``(taken + 1) / warmup`` during the warmup, then from 1 down the half cosine.
+    """
+    warmup, decay, floor = args.warmup, max(1, args.steps - args.warmup - 1), args.min_lr / args.lr
+
+    def factor(taken: int) -> float:
+        if taken < warmup:
+            return (taken + 1) / warmup
+        progress = min(1.0, (taken - warmup) / decay)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def restore_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, saved: Optional[dict[str, Any]], start: int,
+                     args: argparse.Namespace) -> None:
+    """Puts the schedule where the checkpoint's was; the flags give its shape (a resumed run may change --steps).
+
+    With the flags unchanged, the LR of every later step is the one the run
+    that saved would have used, bit for bit.
+    """
+    if saved is not None:
+        schedule.load_state_dict(saved)  # the steps it has taken
+    else:  # a checkpoint written without the schedule: it stood at the step
+        schedule.last_epoch = start
+    schedule.base_lrs = [args.lr for _ in schedule.optimizer.param_groups]
+    for group, base, factor in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas):
+        group["lr"] = base * factor(schedule.last_epoch)  # as LambdaLR computes it
+
+
+def resume_from(args: argparse.Namespace) -> Optional[Path]:
+    """The checkpoint ``--resume`` names: None (from step 0), or a complete checkpoint's folder.
+
+    ``auto`` is the newest complete checkpoint in ``OUT/checkpoints``, or None
+    when there is none yet (a first run); a path is a checkpoint, or a folder
+    of step checkpoints whose newest complete one is taken. A path with no
+    complete checkpoint is refused.
+    """
+    if args.resume is None:
+        return None
+    if args.resume == "auto":
+        found = state.latest(args.out / "checkpoints")
+        if found is None:
+            log.info("--resume auto: no complete checkpoint in %s yet: starting at step 0", args.out / "checkpoints")
+        return found
+    path = Path(args.resume)
+    if state.is_complete(path):
+        return path
+    found = state.latest(path)
+    if found is None:
+        unfinished = sorted(entry.name for entry in path.glob(f"*{state.STAGING}")) if path.is_dir() else []
+        why = (f"saves that did not finish: {', '.join(unfinished)}" if unfinished else
+               "the folder does not exist" if not path.exists() else "no step-<N> folder with a .metadata file")
+        raise SystemExit(f"--resume {path}: no complete checkpoint there ({why}); give a checkpoint folder, a folder "
+                         f"of them ({args.out / 'checkpoints'}), or --resume auto, which starts at step 0 when "
+                         "there is none")
+    return found
+
+
+class Metrics:
+    """Each step's figures on rank 0: a JSON line in ``OUT/metrics.jsonl``, and TensorBoard's if it is installed.
+
+    A resumed run keeps the lines of the steps up to where it resumed and
+    writes on from there, so the file holds one line per step taken.
+    """
+
+    def __init__(self, out: Path, start: int, write: bool) -> None:
+        self.file = None
+        self.board: Any = None
+        if not write:
+            return
+        path = out / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start] \
+            if start and path.exists() else []
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: pip install tensorboard
+            log.info("metrics: %s (tensorboard is not installed: no TensorBoard events)", path)
+        else:
+            self.board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
+            log.info("metrics: %s and TensorBoard events in %s", path, out / "tensorboard")
+
+    def write(self, record: dict[str, float]) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a dashboard (or a killed run) sees every step taken
+        if self.board is not None:
+            for name, value in record.items():
+                if name != "step":
+                    self.board.add_scalar(name, value, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: the CUDA allocator's peak on a GPU, else the peak resident set (VmHWM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, kB elsewhere
 
 
 def plot(path: Path, losses: list[tuple[int, float]], evals: list[tuple[int, float]]) -> None:
@@ -196,15 +427,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     env = pd.init_from_env()
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
+    resume = resume_from(args)
+    if env.rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "config.yaml").write_text(yaml.safe_dump(effective_config(args), sort_keys=False))
     model, config = build(args, env.world_size)
     if args.model:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = lr_schedule(optimizer, args)
     data = TokenStream(args.data, args.model, config.vocab_size, args.seq_len)
     start = 0
-    if args.resume:
-        start = int(state.load(args.resume, model, optimizer)["step"])
-        log.info("resumed from %s at step %d", args.resume, start)
+    if resume is not None:
+        extra = state.load(resume, model, optimizer)
+        start = int(extra["step"])
+        restore_schedule(schedule, extra.get("schedule"), start, args)
+        log.info("resumed from %s at step %d", resume, start)
     parts, part = model.topology.data_parallel, model.topology.replica
     if args.batch_size % (parts * args.chunks):
         raise SystemExit(f"--batch-size {args.batch_size} must divide into {parts} data-parallel part(s) of "
@@ -213,6 +451,8 @@ def main(argv: Optional[list[str]] = None) -> None:
              env.rank, env.world_size, model.stages, model.schedule.stages, args.pp, args.dp_shard,
              args.dp_replicate, f"{sum(p.numel() for p in model.parameters()):,}")
 
+    checkpoints = args.out / "checkpoints"
+    metrics = Metrics(args.out, start, write=env.rank == 0)
     losses: list[tuple[int, float]] = []
     evals = [(start, evaluate(model, data, args))]
     began = time.perf_counter()
@@ -220,20 +460,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     for step in bar:
         ids = data.batch(step, args.batch_size, args.seed)
         rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
+        lr = optimizer.param_groups[0]["lr"]  # this step's
+        tick = time.perf_counter()
         loss = float(model.step(rows, rows, broadcast_loss=True))
         if not math.isfinite(loss):
             raise SystemExit(f"step {step}: the loss is {loss}; lower --lr or check the model and data")
         model.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append((step + 1, loss))
-        bar.set_postfix(loss=f"{loss:.3f}")
+        schedule.step()
+        seconds = time.perf_counter() - tick
         done = step + 1
+        peak = torch.tensor([peak_memory_bytes(model.device)], device=model.device)
+        rank_peak = int(peak.item())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the highest of every rank's
+        metrics.write({"step": done, "loss": loss, "lr": lr, "tokens_per_s": args.batch_size * args.seq_len / seconds,
+                       "seconds": seconds, "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item())})
+        losses.append((done, loss))
+        bar.set_postfix(loss=f"{loss:.3f}")
         if done % args.eval_every == 0 or done == args.steps:
             evals.append((done, evaluate(model, data, args)))
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
-            state.save(args.out / "checkpoint", model, optimizer, step=done)
+            state.save(state.step_path(checkpoints, done), model, optimizer, step=done,
+                       schedule=schedule.state_dict())
+            if args.keep:
+                state.prune(checkpoints, keep=args.keep)
     bar.close()
+    metrics.close()
 
     hf.save(args.out / "hf", model, config=config)  # every rank writes its own tensors
     if env.rank == 0:

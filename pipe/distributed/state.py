@@ -34,6 +34,12 @@ have finished (DCP writes the ``.metadata`` file last) that folder is renamed
 to ``<path>``, replacing an older checkpoint there. A rank that dies during
 a save therefore leaves the previous checkpoint at ``<path>`` intact and the
 partial files in ``<path>.saving``, which :func:`load` names in its error.
+A checkpoint is complete when its folder holds ``.metadata`` (:func:`is_complete`).
+
+A run that saves every N steps keeps its checkpoints as ``step-<8 digits>``
+folders of one directory (:func:`step_path`): :func:`latest` finds the newest
+complete one to resume from, and :func:`prune` deletes all but the newest k
+complete ones, never a save still being written.
 
 DCP is PyTorch's own format for this (parallel writes from every rank, a
 metadata file, reads of any subset of keys); ``torch.distributed.checkpoint.format_utils``
@@ -43,6 +49,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
+import re
 import shutil
 import warnings
 from typing import Any, Optional, Union
@@ -62,7 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pipe.distributed.materialize import mark_loaded
 
-__all__ = ["save", "load", "load_module", "model_state_dict"]
+__all__ = ["save", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,11 @@ Path = Union[str, "os.PathLike[str]"]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 STAGING = ".saving"
 """Suffix of the folder a save writes into before it is renamed to the checkpoint's path."""
+STEP_PREFIX = "step-"
+"""Name of a step checkpoint's folder before its step number (:func:`step_path`)."""
+_STEP_NAME = re.compile(re.escape(STEP_PREFIX) + r"(\d+)")
+_PRUNING = ".pruning"
+"""Suffix a checkpoint's folder takes while :func:`prune` deletes it (not a checkpoint from the rename on)."""
 
 
 def _distributed() -> bool:
@@ -243,7 +256,8 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         path: a directory (created).
         module: a ``DistributedPipe``, a ``pipe.Pipe``, or the plain module (in one process).
         optimizer: the optimizer over ``module.parameters()``.
-        extra: small values every rank agrees on (step number, ...), returned by :func:`load`.
+        extra: small values every rank agrees on (step number, an LR scheduler's ``state_dict()``, ...),
+            returned by :func:`load` as given (a dict of them nested as it was).
     """
     _, state = _state(module, optimizer)
     state["extra"] = dict(extra)
@@ -280,9 +294,7 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     _require_complete(os.fspath(path))
     view, state = _state(module, optimizer)
     # "extra" holds plain values whose keys the loader cannot know in advance: list them first.
-    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
-    extra_keys = [key for key in metadata.state_dict_metadata if key.startswith("extra.")]
-    state["extra"] = {key.split(".", 1)[1]: None for key in extra_keys}
+    state["extra"] = _extra_skeleton(dcp.FileSystemReader(os.fspath(path)).read_metadata())
     with warnings.catch_warnings():
         # Loading in one process is intended here (load_module); DCP warns about it regardless.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -295,6 +307,27 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     return dict(state["extra"])
 
 
+def _extra_skeleton(metadata: Any) -> dict[str, Any]:
+    """The ``extra`` values a checkpoint holds, as :func:`save` was given them (nested dicts nested), set to None.
+
+    DCP stores a nested dict's leaves under flat keys (``extra.schedule.last_epoch``)
+    and, in ``planner_data``, the path of each (``("extra", "schedule", "last_epoch")``),
+    from which the nesting is rebuilt for DCP to fill in place.
+    """
+    skeleton: dict[str, Any] = {}
+    paths = getattr(metadata, "planner_data", None) or {}
+    for key in metadata.state_dict_metadata:
+        if not key.startswith("extra."):
+            continue
+        found = paths.get(key)
+        path = tuple(found[1:]) if found and all(isinstance(atom, str) for atom in found) else (key.split(".", 1)[1],)
+        holder = skeleton
+        for atom in path[:-1]:
+            holder = holder.setdefault(atom, {})
+        holder[path[-1]] = None
+    return skeleton
+
+
 def load_module(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """Loads a checkpoint of a pipeline into the plain module, in a process without a process group.
 
@@ -304,6 +337,92 @@ def load_module(path: Path, module: nn.Module, optimizer: Optional[torch.optim.O
     if _distributed():
         logger.debug("load_module with an initialised process group: every rank loads the whole module")
     return load(path, module, optimizer)
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint: a folder :func:`save` published (DCP's ``.metadata`` is in it).
+
+    A save in progress, or one a failed rank interrupted, is ``<path>.saving``
+    and not yet (or never) ``path``.
+    """
+    return os.path.isfile(os.path.join(os.fspath(path), ".metadata"))
+
+
+def step_path(directory: Path, step: int) -> pathlib.Path:
+    """The folder of the checkpoint at ``step`` in a directory of step checkpoints: ``directory/step-00000042``.
+
+    Save there with :func:`save`; :func:`latest` and :func:`prune` read these
+    names (and only these) back. The number is zero-padded to 8 digits, so the
+    names also sort by step as text.
+
+    Raises:
+        ValueError: ``step`` is not an integer >= 0.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step_path: step={step!r}; give the number of optimizer steps taken, an int >= 0")
+    return pathlib.Path(os.fspath(directory)) / f"{STEP_PREFIX}{step:08d}"
+
+
+def _step_checkpoints(directory: Path) -> list[tuple[int, pathlib.Path]]:
+    """The complete step checkpoints in ``directory``, (step, path), the oldest first."""
+    folder = pathlib.Path(os.fspath(directory))
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        match = _STEP_NAME.fullmatch(entry.name)
+        if match and is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest(directory: Path) -> Optional[pathlib.Path]:
+    """The newest complete checkpoint in a directory of step checkpoints (:func:`step_path`), or None.
+
+    The newest is the one of the highest step. Folders without ``.metadata``
+    (a save a failed rank interrupted: ``step-...saving``; a folder being
+    pruned) and folders of other names are passed over. None when the
+    directory holds no complete step checkpoint or does not exist (a run
+    that has not saved yet).
+    """
+    found = _step_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def prune(directory: Path, keep: int) -> list[pathlib.Path]:
+    """Deletes the complete step checkpoints of ``directory`` but the newest ``keep``, and returns them.
+
+    Only complete step checkpoints (:func:`step_path`, :func:`is_complete`) are
+    deleted, the oldest first, so the newest complete one always stays, and a
+    save being written (``step-...saving``) or any other folder is never
+    touched. Each deleted folder is first renamed (``step-....pruning``), so
+    a job that dies while deleting leaves no half-deleted checkpoint that
+    :func:`latest` could return; the next ``prune`` clears such leftovers.
+
+    Collective when ``torch.distributed`` is initialised: call it on every
+    rank after :func:`save` has returned; rank 0 deletes and every rank returns
+    the same list.
+
+    Raises:
+        ValueError: ``keep`` is not an integer >= 1.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"prune: keep={keep!r}; keep at least 1 checkpoint (an int >= 1): the newest complete one "
+                         "is never deleted")
+    doomed = [path for _, path in _step_checkpoints(directory)[:-keep]]
+    _barrier()  # every rank has listed before rank 0 deletes
+    if not _distributed() or dist.get_rank() == 0:
+        folder = pathlib.Path(os.fspath(directory))
+        for path in doomed:
+            pruning = path.with_name(path.name + _PRUNING)
+            os.rename(path, pruning)  # from here on not a checkpoint
+            shutil.rmtree(pruning)
+        for leftover in folder.glob(f"{STEP_PREFIX}*{_PRUNING}") if folder.is_dir() else []:
+            shutil.rmtree(leftover, ignore_errors=True)
+        if doomed:
+            logger.info("pruned %d checkpoint(s) of %s, kept the newest %d", len(doomed), directory, keep)
+    _barrier()
+    return doomed
 
 
 def _barrier() -> None:
@@ -323,7 +442,7 @@ def _replace(staging: str, final: str) -> None:
 
 def _require_complete(path: str) -> None:
     """Raises ``FileNotFoundError`` naming what is wrong unless ``path`` is a complete checkpoint."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if is_complete(path):
         return
     if not os.path.exists(path) and os.path.isdir(path + STAGING):
         raise FileNotFoundError(

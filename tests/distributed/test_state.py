@@ -117,3 +117,62 @@ def test_an_interrupted_save_keeps_the_previous_checkpoint(tmp_path: Path, monke
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"'.*empty' is not a complete checkpoint: it has no .metadata"):
         state.load_module(tmp_path / "empty", _model(1))
+
+
+def test_extra_values_come_back_as_given_nested_dicts_nested(tmp_path: Path) -> None:
+    model = _model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 3)
+    optimizer.step()
+    schedule.step()
+    state.save(tmp_path / "ckpt", model, optimizer, step=1, schedule=schedule.state_dict(), **{"dotted.key": "a.b"})
+    other = _model(1)
+    extra = state.load_module(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()))
+    assert extra == {"step": 1, "schedule": schedule.state_dict(), "dotted.key": "a.b"}
+
+
+def _step_folders(directory: Path) -> list[str]:
+    return sorted(entry.name for entry in directory.iterdir())
+
+
+def test_latest_is_the_complete_step_checkpoint_of_the_highest_step(tmp_path: Path) -> None:
+    model = _model(0)
+    assert state.latest(tmp_path / "none yet") is None and state.latest(tmp_path) is None
+    for step in (4, 10, 2):
+        state.save(state.step_path(tmp_path, step), model, step=step)
+    assert state.step_path(tmp_path, 10) == tmp_path / "step-00000010"
+    assert state.latest(tmp_path) == tmp_path / "step-00000010"
+    # Not complete, or not a step checkpoint: passed over.
+    (tmp_path / "step-00000012.saving").mkdir()  # a save a failed rank interrupted
+    (tmp_path / "step-00000012.saving" / "__0_0.distcp").write_bytes(b"partial")
+    (tmp_path / "step-00000011").mkdir()  # no .metadata
+    (tmp_path / "step-00000013").write_text("a file")
+    state.save(tmp_path / "final", model, step=99)  # complete, but not named as a step
+    assert state.latest(tmp_path) == tmp_path / "step-00000010"
+    assert not state.is_complete(tmp_path / "step-00000011") and state.is_complete(tmp_path / "step-00000010")
+    # The number orders, not the text: an unpadded name of a higher step is newer.
+    state.save(tmp_path / "step-20", model, step=20)
+    assert state.latest(tmp_path) == tmp_path / "step-20"
+    assert state.load_module(state.latest(tmp_path), _model(1)) == {"step": 20}
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"step_path: step={bad!r}; give the number of optimizer steps"):
+            state.step_path(tmp_path, bad)  # type: ignore[arg-type]
+
+
+def test_prune_keeps_the_newest_complete_checkpoints_and_never_a_save_in_progress(tmp_path: Path) -> None:
+    model = _model(0)
+    for step in range(1, 6):
+        state.save(state.step_path(tmp_path, step), model, step=step)
+    (tmp_path / "step-00000006.saving").mkdir()  # being written (or interrupted): not complete
+    (tmp_path / "step-00000007").mkdir()  # not complete either
+    (tmp_path / "step-00000000.pruning").mkdir()  # left by a prune that died while deleting
+    deleted = state.prune(tmp_path, keep=2)
+    assert deleted == [state.step_path(tmp_path, step) for step in (1, 2, 3)]
+    assert _step_folders(tmp_path) == ["step-00000004", "step-00000005", "step-00000006.saving", "step-00000007"]
+    assert state.prune(tmp_path, keep=2) == [] and state.prune(tmp_path, keep=1) == [tmp_path / "step-00000004"]
+    assert state.latest(tmp_path) == tmp_path / "step-00000005"  # the newest complete one always stays
+    assert state.load_module(state.latest(tmp_path), _model(1)) == {"step": 5}
+    assert state.prune(tmp_path / "none yet", keep=3) == []
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match=rf"prune: keep={bad!r}; keep at least 1 checkpoint"):
+            state.prune(tmp_path, keep=bad)  # type: ignore[arg-type]
