@@ -5,7 +5,8 @@ the whole model:
 
 1. every rank builds the model from its ``config.json`` on ``torch.device("meta")``
    (no memory), cuts it into ``--pp`` stages with ``pipe.split``, and
-   ``DistributedPipe`` materialises only the rank's own stage, in fp32 or, with
+   ``DistributedPipe(..., init_weights=False)`` shards it on ``meta`` and allocates
+   only the rank's shards of its own stage, in fp32 or, with
    ``--dtype bf16``, in bf16 (sharded: fp32 parameters, FSDP's bf16 compute);
 2. ``pipe.distributed.hf.load`` reads the rank's tensors (its stage's, and under
    FSDP only its shard of them) from the directory's safetensors;
@@ -238,8 +239,10 @@ def cut_points(model: nn.Module, layers: int, stages: int) -> list[str]:
     return [f"{found[0]}.{round(k * layers / stages)}" for k in range(1, stages)]
 
 
-def build(args: argparse.Namespace, world: int) -> tuple[pd.DistributedPipe, Any]:
-    """The pipeline on this rank (its stage materialised, nothing else) and the model's config."""
+def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.DistributedPipe, Any]:
+    """The pipeline on this rank and the model's config: with ``loaded`` (weights from --model or a checkpoint)
+    only the rank's shards are allocated, for the load to fill (``init_weights=False``); else its stage is
+    materialised and initialised by the model's own code."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(args.model or args.config)
@@ -247,7 +250,7 @@ def build(args: argparse.Namespace, world: int) -> tuple[pd.DistributedPipe, Any
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # whatever config.json says
     # bf16 sharded: fp32 parameters (and AdamW state), FSDP computes in bf16 and reduces in fp32; unsharded: all bf16.
     mixed = args.dtype == "bf16" and args.dp_shard > 1
-    torch.manual_seed(args.seed)  # a random start is the same on every rank
+    torch.manual_seed(args.seed)  # a random start is the same on every rank (a loaded one needs no seed)
     with torch.device("meta"):  # no memory: each rank materialises its own stage only
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     virtual = args.virtual_stages
@@ -265,7 +268,8 @@ def build(args: argparse.Namespace, world: int) -> tuple[pd.DistributedPipe, Any
     shard = pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
         if mixed else None
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard)
+                               virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard,
+                               init_weights=not loaded)
     log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
              else f"{args.dtype} parameters and compute")
     return piped, config
@@ -431,7 +435,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if env.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "config.yaml").write_text(yaml.safe_dump(effective_config(args), sort_keys=False))
-    model, config = build(args, env.world_size)
+    model, config = build(args, env.world_size, loaded=bool(args.model) or resume is not None)
     if args.model:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
