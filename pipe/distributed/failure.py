@@ -160,18 +160,30 @@ class Failures:
         return f"pipe/{self.instance}/{self.step if self.running else self.step + 1}/{name}"
 
     def blamed_for_stall(self) -> Optional[str]:
-        """The agreed headline if it blames this rank as stalled while this rank has not met the failure itself."""
-        if self.reporting or self.broken is not None:
+        """The agreed headline if it blames this rank as stalled while this rank has not met the failure itself.
+
+        Raises:
+            RuntimeError: the store cannot be read (its host has ended): the watchdog stops reading it.
+        """
+        store = _store()
+        if self.reporting or self.broken is not None or store is None:
             return None
-        headline = self._get(self._watched_key("root"))
-        if headline is None or not headline.startswith(f"rank {self.rank} stalled") or self.reporting:
+        key = self._watched_key("root")
+        if not store.check([key]):
             return None
-        return headline
+        headline = store.get(key).decode()
+        return None if self.reporting or not headline.startswith(f"rank {self.rank} stalled") else headline
 
     def await_reports(self, seconds: float) -> None:
-        """Returns once every other rank published its evidence on the failed step, or after ``seconds``."""
-        deadline = time.monotonic() + seconds
-        while self._count(self._watched_key("reported")) < self.world - 1 and time.monotonic() < deadline:
+        """Returns once every other rank published its evidence on the failed step, or after ``seconds``.
+
+        Raises:
+            RuntimeError: the store cannot be read.
+        """
+        store, deadline = _store(), time.monotonic() + seconds
+        while store is not None and time.monotonic() < deadline:
+            if int(store.add(self._watched_key("reported"), 0)) >= self.world - 1:
+                return
             time.sleep(_POLL)
 
     # -- the store ------------------------------------------------------------------------------
@@ -290,13 +302,9 @@ class Failures:
                 logger.debug("could not count this rank's report", exc_info=True)
 
     def _reported(self) -> int:
-        return self._count(self._key("reported"))
-
-    @staticmethod
-    def _count(key: str) -> int:
         store = _store()
         try:
-            return int(store.add(key, 0)) if store is not None else 0
+            return int(store.add(self._key("reported"), 0)) if store is not None else 0
         except Exception:
             return 0
 

@@ -23,6 +23,8 @@ begun it and be waiting for this rank). It ends the process with
 
 It never fires in a healthy run: no headline is written unless a step failed,
 and long compute, inside a step or between steps, is never judged by itself.
+A store it cannot read (its host, rank 0's process or the agent, has ended) it
+reads no more.
 Before it ends the process it gives the other ranks up to 2 s to report what
 they saw and half a second to log it (under torchrun the agent ends them as
 soon as this process ends), then logs the reason at ERROR level with the
@@ -76,13 +78,16 @@ class Watched(Protocol):
     """What the watchdog asks of a pipeline's failure bookkeeping (:class:`pipe.distributed.failure.Failures`)."""
 
     rank: int
+    reporting: bool  # this rank met the failure itself: it raises it
 
     def blamed_for_stall(self) -> Optional[str]:
-        """The agreed headline if it names this rank as stalled and this rank has not met the failure itself."""
+        """The agreed headline if it names this rank as stalled and this rank has not met the failure itself
+        (raises if the store cannot be read)."""
         ...
 
     def await_reports(self, seconds: float) -> None:
-        """Returns once every other rank reported on the failed step, or after ``seconds``."""
+        """Returns once every other rank reported on the failed step, or after ``seconds`` (raises if the store
+        cannot be read)."""
         ...
 
 
@@ -140,9 +145,12 @@ class Watchdog:
         for pipeline in pipelines:
             headline = pipeline.blamed_for_stall()
             if headline is not None:
-                pipeline.await_reports(_REPORTS)
+                try:
+                    pipeline.await_reports(_REPORTS)
+                except Exception:  # the store went away meanwhile: nobody is left to report
+                    pass
                 time.sleep(_LOG_PAUSE)
-                if pipeline.blamed_for_stall() is None:  # its step raised meanwhile: it reports the failure itself
+                if pipeline.reporting:  # its step raised meanwhile: it reports the failure itself
                     return None
                 return (f"rank {pipeline.rank} ended itself (exit status {STALLED_EXIT}): the other ranks gave up "
                         f"on it and agreed that {headline}")
@@ -158,8 +166,10 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 reason = self.reason()
-            except Exception:  # a store gone with its host: nothing to read; the process ends otherwise
-                logger.debug("the watchdog could not look", exc_info=True)
+            except Exception as error:  # the store is gone with its host (rank 0's process, the agent): nothing
+                logger.info("the watchdog stops reading the store: %s", error)  # to read, and every read of a
+                with self._lock:  # dead store prints torch's warning with its C++ stack
+                    self.pipelines.clear()
                 continue
             if reason is not None and not self._stop.is_set():
                 self.end(reason)

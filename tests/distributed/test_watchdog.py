@@ -116,3 +116,21 @@ def test_the_thread_is_a_daemon_and_stops(ended: Ended) -> None:
     assert thread is not None and thread.daemon and thread.is_alive()
     dog.stop()
     assert not thread.is_alive()
+
+
+def test_a_store_gone_with_its_host_is_read_once_and_no_more(ended: Ended, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every read of a dead TCPStore prints torch's warning with a C++ stack: the watchdog stops at the first.
+    reasons, event, _ = ended
+    reads = []
+
+    class Gone:
+        def check(self, keys: list[str]) -> bool:
+            reads.append(keys)
+            raise RuntimeError("Broken pipe")
+
+    monkeypatch.setattr(failure, "_store", lambda: Gone())
+    failures = failure.Failures(rank=2, world=4, timeout=4.0)
+    failures.begin_step()
+    time.sleep(0.3)  # some 30 looks
+    assert len(reads) == 1 and not reasons
+    assert not watchdog._watchdog.pipelines
