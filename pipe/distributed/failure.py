@@ -34,6 +34,10 @@ torchrun's 30 s grace period. Under torchrun (``TORCHELASTIC_ERROR_FILE`` set)
 a rank that fails because of another rank's failure waits
 :data:`AGENT_GRACE` seconds before raising, so that the agent records the
 root-cause rank's exit first and its summary points at that rank.
+
+The stalled rank itself ends once the others agreed that it stalled: its
+process's watchdog (:mod:`pipe.distributed.watchdog`) reads the headline and
+ends the process, whoever started the ranks.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pipe.distributed import watchdog
 from pipe.distributed.mesh import spoil_reused
 from pipe.distributed.transport import PeerError
 
@@ -122,8 +127,11 @@ class Failures:
         self.instance = next(_instances)
         self.step = 0
         self.broken: Optional[str] = None  # the headline of the failure that broke the pipeline
+        self.running = False  # a step is in progress (between begin_step and end_step)
+        self.reporting = False  # this rank met a failure: it raises it itself (failure_from)
         self._stopped_peer: Optional[int] = None  # pid of a stopped peer on this machine to end
         self._set(f"pipe/{self.instance}/process/{rank}", _process_identity())
+        watchdog.watch(self)
 
     def begin_step(self) -> None:
         """Starts a new namespace for the evidence of the next step (called by every rank alike).
@@ -139,6 +147,44 @@ class Failures:
                 "checkpoint into it (pipe.distributed.state.load), or restart the job"
             )
         self.step += 1
+        self.running = True
+
+    def end_step(self) -> None:
+        """The step ended (completed or raised): until the next, the watchdog looks at the next step's headline."""
+        self.running = False
+
+    # -- the watchdog's questions ---------------------------------------------------------------
+
+    def _watched_key(self, name: str) -> str:
+        """The key of ``name`` in the step in progress, or between steps in the next (the others may be in it)."""
+        return f"pipe/{self.instance}/{self.step if self.running else self.step + 1}/{name}"
+
+    def blamed_for_stall(self) -> Optional[str]:
+        """The agreed headline if it blames this rank as stalled while this rank has not met the failure itself.
+
+        Raises:
+            RuntimeError: the store cannot be read (its host has ended): the watchdog stops reading it.
+        """
+        store = _store()
+        if self.reporting or self.broken is not None or store is None:
+            return None
+        key = self._watched_key("root")
+        if not store.check([key]):
+            return None
+        headline = store.get(key).decode()
+        return None if self.reporting or not headline.startswith(f"rank {self.rank} stalled") else headline
+
+    def await_reports(self, seconds: float) -> None:
+        """Returns once every other rank published its evidence on the failed step, or after ``seconds``.
+
+        Raises:
+            RuntimeError: the store cannot be read.
+        """
+        store, deadline = _store(), time.monotonic() + seconds
+        while store is not None and time.monotonic() < deadline:
+            if int(store.add(self._watched_key("reported"), 0)) >= self.world - 1:
+                return
+            time.sleep(_POLL)
 
     # -- the store ------------------------------------------------------------------------------
 
@@ -187,6 +233,7 @@ class Failures:
         is worked out from the store and a :class:`PipelineFailure` naming it
         is returned; the first verdict of the step is every rank's headline.
         """
+        self.reporting = True  # the watchdog leaves this rank to raise, whatever the headline
         result = self._verdict(where, error)
         self.broken = str(result).splitlines()[0] if str(result) else type(result).__name__
         spoil_reused()  # the next pipeline of this job starts on new groups

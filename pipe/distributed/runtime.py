@@ -206,6 +206,7 @@ class Runtime:
             raise failure from None
         finally:
             self._step = None
+            self.failures.end_step()
         return state.loss, [state.outputs[i] for i in sorted(state.outputs)]
 
     # -- messages ---------------------------------------------------------------------------

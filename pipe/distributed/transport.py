@@ -76,6 +76,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipe import trace
+from pipe.distributed import watchdog
 from pipe.trace.events import Cell
 from pipe.core.message import HEADER_BYTES, INLINE_BYTES
 from pipe.core.microbatch import flatten, unflatten
@@ -201,11 +202,18 @@ class Incoming:
             except RuntimeError as error:
                 raise self._failed(error) from error
 
+    def __str__(self) -> str:
+        return (f"receiving {self.channel.name} of micro-batch {(self.tag - self.transport._first_tag) // _SLOTS} "
+                f"from rank {self.channel.peer}")
+
     def _failed(self, error: RuntimeError) -> RuntimeError:
-        return PeerError(
-            f"receiving {self.channel.name} of micro-batch {(self.tag - self.transport._first_tag) // _SLOTS} from rank {self.channel.peer} "
-            f"failed: {error}", self.channel.peer
-        )
+        return PeerError(f"{self} failed: {error}", self.channel.peer)
+
+    def _await(self, work: dist.Work) -> None:
+        """``work.wait`` within the transport's timeout, watched (:func:`pipe.distributed.watchdog.waiting`)."""
+        timeout = self.transport.timeout
+        with watchdog.waiting(self, timeout.total_seconds()):
+            work.wait(timeout)
 
     def wait(self) -> Any:
         """Blocks until the whole message is here and returns its value."""
@@ -225,7 +233,7 @@ class Incoming:
         with trace.span("recv", self.cell, channel=channel.name):
             assert self._work is not None and self._header is not None
             started = time.perf_counter()
-            self._work.wait(transport.timeout)
+            self._await(self._work)
             buffer, self._header = self._header, None  # the buffer goes once the tensors are out
             header = buffer[:HEADER_BYTES].cpu()
             length = int.from_bytes(header[:_LENGTH_BYTES].numpy().tobytes(), "little")
@@ -240,7 +248,7 @@ class Incoming:
                 payload = header[_LENGTH_BYTES:_LENGTH_BYTES + length].numpy().tobytes()
                 if length > HEADER_BYTES - _LENGTH_BYTES:
                     rest = torch.empty(length - len(payload), dtype=torch.uint8, device=transport.wire)
-                    channel.irecv(rest, self.tag + 1).wait(transport.timeout)
+                    self._await(channel.irecv(rest, self.tag + 1))
                     payload += rest.cpu().numpy().tobytes()
                 spec, leaves, metas, guessed, hit = pickle.loads(payload)
                 if transport.guess:
@@ -270,7 +278,7 @@ class Incoming:
                 ]
             del buffer, header
             for work in works:
-                work.wait(transport.timeout)
+                self._await(work)
             transport.stats["wait_s"] += time.perf_counter() - started
         if transport.wire != transport.device:  # gloo on a GPU rank: host buffers to the device
             buffers = [buffer.to(transport.device) for buffer in buffers]
@@ -420,7 +428,8 @@ class Transport:
         pending, self._pending = self._pending, []
         for work, _, channel in pending:
             try:
-                work.wait(self.timeout)
+                with watchdog.waiting(f"sending {channel.name} to rank {channel.peer}", self.timeout.total_seconds()):
+                    work.wait(self.timeout)
             except RuntimeError as error:
                 raise PeerError(f"sending {channel.name} to rank {channel.peer} failed: {error}",
                                 channel.peer) from error

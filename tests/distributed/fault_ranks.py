@@ -13,7 +13,8 @@ Layouts (rank 2 and its partners):
 
 Faults, in the forward of a layer of rank 2 at step 2 (the third): ``exit``
 (``os._exit``), ``kill`` (SIGKILL), ``raise`` (ValueError) or ``stall`` (sleeps
-:data:`STALL` seconds, far past the timeout). Each survivor reports
+:data:`STALL` seconds, far past the timeout); or ``pause``: rank 2 sleeps as
+long before step 2, between steps, while the others begin it. Each survivor reports
 ``(message, seconds from the start of step 2 to its error)``; under torchrun the agent may
 end a survivor first (it ends every rank once one's process ended), after it logged its headline.
 """
@@ -69,7 +70,7 @@ class Fault(nn.Module):
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self.how == "raise":
                 raise ValueError("boom on rank 2")
-            else:
+            elif self.how == "stall":
                 time.sleep(STALL)
         return self.mix(x)
 
@@ -107,6 +108,8 @@ def run(rank: int, world: int, layout: str, how: str, wait_for_others: bool = Tr
                     began.write(repr(time.time()))
             if fault is not None:
                 fault.armed = True
+            if how == "pause" and rank == VICTIM:  # stalls between steps: the others begin the step without it
+                time.sleep(STALL)
         try:
             piped.step(x, y, F.mse_loss)
         except Exception as error:  # the victim's own ValueError, or a survivor's PipelineFailure

@@ -4,35 +4,53 @@ Every case asserts that each survivor's error names rank 2 (and how it
 failed: ``failed in`` for a raise, ``died`` for an exit or a kill, ``stalled``
 for a stall) and that each survivor ends within :data:`TIMEOUT` seconds plus
 a bounded margin of the start of the faulty step; under torchrun, that the
-job ends so and the agent's root cause is rank 2 when rank 2's process ended.
-The stalled rank sleeps :data:`fault_ranks.STALL` seconds (60): the job must
-not wait for it (the mesh's groups used to keep torch's 30-minute default).
+job ends so and the agent's root cause is rank 2 (a stalled rank 2 is ended
+by its watchdog, exit status 75). The stalled rank sleeps
+:data:`fault_ranks.STALL` seconds (60): the job must not wait for it (the
+mesh's groups used to keep torch's 30-minute default).
 
 A representative subset runs in CI (every layout, every fault, each
 launcher at least once); the full product is ``slow`` (``pytest -m slow``). "spawn" forks the
 ranks (``run_ranks``' default on the CPU), "forkserver" starts them from a fork server, as where a GPU is seen.
 ``python tests/distributed/test_fault_matrix.py`` runs the full product and
 prints the table of seconds and the rank named.
+
+Without torchrun's agent (ranks started as plain processes, the store in the
+test's process), nothing but rank 2 itself can end a stalled rank 2: its
+watchdog (:mod:`pipe.distributed.watchdog`) must, once the survivors agreed
+that it stalled. There every process's exit time is asserted, rank 2's
+included, with rank 2 stalling inside a step (``stall``) or between steps
+(``pause``).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+import torch.distributed as dist
 
 import fault_ranks
 from fault_ranks import FAULTS, LAYOUTS, VICTIM, headline
-from spawn_ranks import run_ranks
+from pipe.distributed.watchdog import STALLED_EXIT
+from spawn_ranks import free_port, run_ranks
 
 TIMEOUT = 4.0  # the job's process-group timeout, in seconds
 MARGIN = 6.0  # what a survivor may take beyond the timeout (evidence settles in at most 4 s; a loaded CI)
-NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled"}
+NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled",
+         "pause": "rank 2 stalled"}
+EXIT_MARGIN = 30.0  # what any process may take beyond the timeout to end, the stalled one included: the survivors'
+# evidence settles in a few seconds and the watchdog acts within 3 s of the headline, but an interpreter that imported
+# torch takes 2-4 s of CPU to exit, and 8-20 s were seen on the 2-core machine loaded by other work. Still far below
+# fault_ranks.STALL (60 s), when a rank 2 that nothing ended would end.
 CI = {("fsdp", "stall", "spawn"), ("hsdp", "stall", "spawn"), ("tp", "kill", "spawn"), ("replicas", "raise", "spawn"),
       ("fsdp", "exit", "spawn"), ("hsdp", "exit", "torchrun")}
 CI |= {("fsdp", "kill", "forkserver")}
@@ -105,15 +123,104 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
     check(layout, how, reports)
     heard = logged(out)
     assert all(cause.startswith(NAMED[how]) for cause in heard.values()), (heard, out[-3000:])
-    if how != "stall":  # rank 2's process ended first: the agent's root cause; it ends the others at once
-        # (SIGTERM), often before they noticed anything
-        summary = out.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
-        assert f"rank      : {VICTIM} (local_rank: {VICTIM})" in summary, out[-3000:]
-    else:  # nothing ends rank 2: every survivor gives up on it after the timeout and names it
+    # Rank 2's process ends first, the agent's root cause; the agent ends the others at once (SIGTERM), after a
+    # death often before they noticed anything. A stalled rank 2 is ended by its watchdog once every survivor
+    # gave up on it after the timeout and named it (the survivors wait 1 s before raising, the watchdog 0.5 s).
+    summary = out.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
+    assert f"rank      : {VICTIM} (local_rank: {VICTIM})" in summary, out[-3000:]
+    if how == "stall":
         assert {0, 1, 3} <= set(heard), (heard, out[-3000:])
-    # The job: + up to 15 s for the processes to end (gloo joins its threads, waiting out their receives) and
-    # torchrun to notice, on a loaded 2-core machine.
+        assert f"exitcode  : {STALLED_EXIT}" in summary and "rank 2 ended itself" in summary, out[-3000:]
+    # The job: + up to 15 s for the processes to end (gloo's groups are destroyed, then the interpreter's own
+    # finalization: seconds of CPU, many more under load) and torchrun to notice, on a loaded 2-core machine.
     assert seconds < TIMEOUT + MARGIN + 15.0, (seconds, out[-3000:])
+
+
+STALLS = ("stall", "pause")  # rank 2 sleeps in a forward of step 2, or before it (between steps)
+AGENTLESS_CI = {("fsdp", "stall"), ("replicas", "pause")}
+AGENTLESS = [pytest.param(layout, how, marks=() if (layout, how) in AGENTLESS_CI else pytest.mark.slow,
+                          id=f"{layout}-{how}") for layout in LAYOUTS for how in STALLS]
+
+
+def unattended(layout: str, how: str) -> tuple[dict[int, tuple[str, float]], dict[int, tuple[float, Optional[int]]],
+                                              dict[int, str]]:
+    """Four ranks started as plain processes (``python fault_ranks.py``) with the store in this process, as
+    torchrun's agent would host it, but no agent to end them: each survivor's ``(message, seconds)``, each
+    process's ``(seconds from the start of the faulty step to its end, exit status)`` and each one's output."""
+    for _ in range(2):  # a launch whose ranks did not reach the faulty step (a loaded machine) is launched once more
+        files, ended, statuses = _plain_processes(layout, how)
+        began = [float(text) for name, text in files.items() if name.startswith("began")]
+        if began:
+            break
+    outs = {rank: files.get(f"out{rank}", "") for rank in range(4)}
+    assert began, outs
+    reports = {report["rank"]: (report["message"], report["seconds"])
+               for report in (json.loads(text) for name, text in files.items() if name.endswith(".json"))
+               if report["rank"] != VICTIM}
+    exits = {rank: (ended[rank] - min(began) if rank in ended else float("inf"), statuses[rank]) for rank in range(4)}
+    return reports, exits, outs
+
+
+def _plain_processes(layout: str, how: str) -> tuple[dict[str, str], dict[int, float], list[Optional[int]]]:
+    """One launch of :func:`unattended`: the files the ranks wrote, when each process ended, and its exit status."""
+    root = Path(__file__).resolve().parents[2]
+    store: Optional[dist.TCPStore] = None
+    for _ in range(3):  # a port found free may be taken before the store binds it
+        port = free_port()
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 4, is_master=True, timeout=datetime.timedelta(seconds=60),
+                                  wait_for_workers=False)
+            break
+        except RuntimeError:
+            continue
+    assert store is not None, "no free port for the store"
+    with tempfile.TemporaryDirectory(prefix="pipe-agentless-") as folder:
+        env = {name: value for name, value in os.environ.items() if not name.startswith("TORCHELASTIC_")}
+        paths = [str(root), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        env.update(PYTHONPATH=os.pathsep.join(paths), FAULT_REPORTS=folder, MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), WORLD_SIZE="4",
+                   TORCHELASTIC_USE_AGENT_STORE="True")  # every rank a client of this process's store
+        processes = []
+        for rank in range(4):
+            with open(os.path.join(folder, f"out{rank}"), "w") as out:
+                processes.append(subprocess.Popen(
+                    [sys.executable, str(Path(fault_ranks.__file__).resolve()), layout, how, str(TIMEOUT)],
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT))
+        ended: dict[int, float] = {}
+        try:
+            deadline = time.monotonic() + 150.0
+            while len(ended) < 4 and time.monotonic() < deadline:
+                for rank, process in enumerate(processes):
+                    if rank not in ended and process.poll() is not None:
+                        ended[rank] = time.time()
+                time.sleep(0.05)
+        finally:
+            for process in processes:  # only the processes this test started, by their handles
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+        del store
+        files = {name: Path(folder, name).read_text() for name in os.listdir(folder)}
+    return files, ended, [process.returncode for process in processes]
+
+
+@pytest.mark.parametrize("layout,how", AGENTLESS)
+def test_without_torchruns_agent_every_process_ends_in_time_the_stalled_one_by_its_watchdog(layout: str,
+                                                                                           how: str) -> None:
+    reports, exits, outs = unattended(layout, how)
+    assert set(reports) == {0, 1, 3}, (reports, outs)
+    check(layout, how, reports)
+    for rank, (seconds, status) in exits.items():
+        assert seconds < TIMEOUT + EXIT_MARGIN, (rank, seconds, status, outs[rank][-3000:])
+        if rank != VICTIM:
+            assert status == 1, (rank, status, outs[rank][-3000:])  # raised its PipelineFailure
+    status = exits[VICTIM][1]
+    assert status == STALLED_EXIT, (status, outs[VICTIM][-3000:])  # not its own raise after a 60 s sleep
+    said = re.search(r"rank 2 ended itself \(exit status 75\): the other ranks gave up on it and agreed that (.*)",
+                     outs[VICTIM])
+    assert said is not None, outs[VICTIM][-3000:]
+    assert said.group(1).startswith("rank 2 stalled: it did not answer within the 4 s timeout"), said.group(0)
+    assert headline(reports[0][0]) == said.group(1).strip(), (reports[0][0], said.group(0))  # the agreed headline
 
 
 def _row(layout: str, how: str, launcher: str) -> str:
@@ -140,3 +247,12 @@ if __name__ == "__main__":  # the full product as a table
                     print(_row(layout, how, launcher), flush=True)
                 except Exception as error:  # noqa: BLE001 - the table goes on
                     print(f"| {layout} | {how} | {launcher} | FAILED | {str(error).splitlines()[0][:200]} |", flush=True)
+    print("\n| layout | rank 2 | each process's end after the step began (s): 0, 1, 2, 3 | rank 2's exit | named |")
+    print("|---|---|---|---|---|")
+    for layout in LAYOUTS:
+        for how in STALLS:
+            reports, exits, _ = unattended(layout, how)
+            ends = ", ".join(f"{seconds:.1f}" for _, (seconds, _) in sorted(exits.items()))
+            causes = "; ".join(sorted({" ".join(headline(message).split()[:3]).rstrip(":")
+                                       for message, _ in reports.values()}))
+            print(f"| {layout} | {how} | {ends} | {exits[VICTIM][1]} | {causes} |", flush=True)
