@@ -75,8 +75,8 @@ def test_exception_on_one_rank_ends_every_rank_naming_it() -> None:
     assert "because rank 1 failed in F0@1: ValueError: boom in layer 3" in peer, peer
 
 
-def _hang(rank: int, world: int) -> tuple[str, float]:
-    """Rank 1 hangs 30 s in step 3; rank 0 returns its error and how long rank 1's process lived after it."""
+def _hang(rank: int, world: int) -> str:
+    """Rank 1 hangs 30 s in step 3; rank 0 returns its error once rank 1's process has ended."""
     pipe = DistributedPipe(_model(30.0), chunks=2, checkpoint="never", schedule="1f1b")
     failures = pipe._runtime.failures
     x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
@@ -88,24 +88,24 @@ def _hang(rank: int, world: int) -> tuple[str, float]:
                 failures.timeout = 1.0
     except PipelineFailure as error:
         # Rank 0 hosts the store here: it stays until rank 1's process (on this machine) has ended.
+        # (A deadline past the hang only, so that a rank 1 left hanging wakes, raises and returns: caught below.)
         raised = time.monotonic()
         pid, start = failures._local_process(1) or (0, "?")
-        while not failure._gone(pid, start) and time.monotonic() - raised < 25.0:
+        while not failure._gone(pid, start) and time.monotonic() - raised < 60.0:
             time.sleep(0.05)
-        return f"PipelineFailure: {error}", time.monotonic() - raised
-    return "no error", 0.0
+        return f"PipelineFailure: {error}"
+    return "no error"
 
 
 def test_hanging_rank_ends_the_job_after_the_timeout_and_ends_itself() -> None:
     # Rank 1 hangs far longer than the timeout (1 s): rank 0 gives up, naming rank 1 as the rank that stalled,
     # and rank 1's watchdog reads that headline and ends its process (exit status 75) instead of hanging on.
-    (peer, lived), hung = run_ranks(_hang, 2, barrier=False, expect_missing=(1,))
+    peer, hung = run_ranks(_hang, 2, barrier=False, expect_missing=(1,))
     assert peer.startswith("PipelineFailure: rank 0 stopped in"), peer
     assert "because rank 1 stalled: it did not answer within the 1 s timeout" in peer, peer
-    assert hung is None  # it never returned: it did not wake up to raise
-    # It ended within the watchdog's look (0.5 s), the others' reports (at most 2 s) and a 0.5 s pause after rank
-    # 0 raised, long before its 30 s hang would have; 15 s leaves room for a loaded machine.
-    assert lived < 15.0, lived
+    # It never returned: its watchdog ended the process during the hang (a rank left to its 30 s hang wakes,
+    # raises and returns its error), whatever the machine's speed.
+    assert hung is None
 
 
 def test_a_connection_reset_or_closed_by_gloo_is_a_lost_peer_not_this_ranks_own_error() -> None:
