@@ -188,11 +188,9 @@ def allocate_for_load(stages: Sequence[nn.Module], device: torch.device) -> list
                         if tensor is None or not tensor.is_meta:
                             continue
                         if id(tensor) not in fresh:
-                            new = torch.empty_like(tensor, device=device)  # a DTensor's local shard only
+                            new = _allocate(tensor, device)  # a DTensor's local shard only
                             local = new.to_local() if isinstance(new, DTensor) else new
-                            local.fill_(_sentinel(local))
-                            if isinstance(tensor, nn.Parameter):
-                                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                            local.detach().fill_(_sentinel(local))
                             fresh[id(tensor)] = new
                             allocated.append(f"{module_name}.{attr}" if module_name else attr)
                         slots[attr] = fresh[id(tensor)]
