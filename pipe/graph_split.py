@@ -37,6 +37,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipe.core.sequential import PipeSequential
+from pipe.split_blocks import outline_layers
 from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
 __all__: list[str] = []
@@ -120,6 +121,7 @@ def split(
         logger.info("pipe.split: forward does not use %s; the first stage keeps them for the state dict", unused[:8])
     for stage in stages:
         adopt_state(stage, model, aliases, tuple(model_state))
+        outline_layers(stage, model)
     result = PipeSequential(*stages)
     result.train(model.training)
     keep_original_names(result)

@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runners", ["pipe.threads", "pipe.threads.", "pipe.distributed."]),
     # The planner's model: costs, candidates, prediction over a schedule, search; no torch (checked below).
     ("planner model", PLANNER_MODEL),
-    ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.distributed",
+    ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.split_blocks",
+                    "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
                     "pipe.distributed.calibrated",
                     "pipe.distributed.step_inputs", "pipe.viz.cli", "pipe.viz.__main__",

@@ -1,0 +1,178 @@
+"""A split stage's layers as modules of their own: the ops one layer ran, outlined into a call at its path.
+
+``torch.export`` flattens the model: in a :class:`pipe.split_stage.SplitStage`
+a decoder layer is a run of aten ops over get-attrs of its weights, with no
+module call that FSDP's hooks, a recompute boundary or ``torch.compile`` could
+hold on to. Each op still records the modules it ran in (``nn_module_stack``),
+so the ops of one layer can be gathered back into a graph of their own, a
+:class:`SplitBlock` installed at the layer's path (``model.layers.3``) in
+place of the empty holder of its weights::
+
+    Stage0:  embed ─ [ops of layers.0] ─ [ops of layers.1] ─ norm
+        ->   embed ─ model.layers.0(h, cos, sin, mask) ─ model.layers.1(...) ─ norm
+
+The block holds the same parameter objects under the same names, so the
+stage's state dict, its original names and ties are unchanged; the stage now
+calls each layer as a module, which is what makes a layer an FSDP unit of its
+own (:mod:`pipe.distributed.fsdp`). :func:`outline_layers` outlines the
+entries of the model's ``nn.ModuleList``s (the repeated layers); a layer that
+cannot be outlined (its weight is read outside it, or an op between its ops
+both uses and feeds it) stays as ops, and the stage works as before.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Optional
+
+from torch import fx, nn
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+class SplitBlock(fx.GraphModule):
+    """One layer of a split stage: the graph of the ops it ran, over its own parameters.
+
+    Attributes:
+        path: the layer's path in the model (``"model.layers.3"``).
+    """
+
+    path: str
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SplitBlock":
+        """A copy that is a block too (``GraphModule``'s copy keeps the graph, the tensors and the class only)."""
+        name = type(self).__name__
+        result = super().__deepcopy__(memo)
+        result.__dict__["path"] = self.path
+        type(result).__name__ = name
+        return result  # type: ignore[return-value]
+
+
+def repeated_layers(model: nn.Module) -> list[str]:
+    """The paths of the entries of ``model``'s ``nn.ModuleList``s that hold parameters, in the model's order."""
+    paths = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for index, layer in module.named_children():
+                if any(True for _ in layer.parameters()):
+                    paths.append(f"{name}.{index}" if name else index)
+    return paths
+
+
+def outline_layers(stage: fx.GraphModule, model: nn.Module) -> list[str]:
+    """Outlines each repeated layer of ``model`` that ``stage`` runs into a :class:`SplitBlock`; returns their paths."""
+    done = [path for path in repeated_layers(model) if outline(stage, path, type(model.get_submodule(path)).__name__)]
+    if done:
+        stage.recompile()
+        logger.info("pipe.split: %s runs %d layers as modules of their own (%s ... %s)", type(stage).__name__,
+                    len(done), done[0], done[-1])
+    return done
+
+
+def _runs_in(node: fx.Node, path: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(entry[0] == path for entry in stack.values())
+
+
+def outline(stage: fx.GraphModule, path: str, class_name: str = "SplitBlock") -> bool:
+    """Replaces the ops ``stage`` runs in module ``path`` by one call of a :class:`SplitBlock` at ``path``.
+
+    Returns False, changing nothing, when the stage holds no weight of that
+    module, runs none of its ops, reads one of its weights outside it, or
+    interleaves an op that both uses the layer's results and feeds the layer.
+    The caller recompiles the stage.
+    """
+    try:
+        holder = stage.get_submodule(path)
+    except AttributeError:
+        return False
+    if isinstance(holder, SplitBlock) or type(holder) is not nn.Module:
+        return False
+    graph = stage.graph
+    nodes = list(graph.nodes)
+    prefix = f"{path}."
+    weights = [n for n in nodes if n.op == "get_attr" and str(n.target).startswith(prefix)]
+    body = [n for n in nodes if n.op == "call_function" and _runs_in(n, path)]
+    if not weights or not body:
+        return False
+    inside = set(body) | set(weights)
+    if any(user not in inside for weight in weights for user in weight.users):
+        logger.debug("pipe.split: %s stays as ops: a weight of it is read outside it", path)
+        return False
+    position = {node: i for i, node in enumerate(nodes)}
+    first, last = position[body[0]], position[body[-1]]
+    after: list[fx.Node] = []  # ops between the layer's ops that use its results: moved after its call
+    for node in nodes[first:last + 1]:
+        if node in inside:
+            if any(source in after for source in node.all_input_nodes):
+                logger.debug("pipe.split: %s stays as ops: %s both uses and feeds it", path, after[0].name)
+                return False
+        elif any(source in inside or source in after for source in node.all_input_nodes):
+            after.append(node)
+    inputs: list[fx.Node] = []
+    for node in body:
+        for source in node.all_input_nodes:
+            if source not in inside and source not in inputs:
+                inputs.append(source)
+    outputs = [node for node in body if any(user not in inside for user in node.users)]
+
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = sub.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in weights:
+        env[node] = sub.get_attr(str(node.target)[len(prefix):])
+        env[node].meta = dict(node.meta)
+    for node in body:
+        env[node] = sub.node_copy(node, env.__getitem__)
+    results = [env[node] for node in outputs]
+    sub.output(results[0] if len(results) == 1 else tuple(results))
+    sub.lint()
+    block = SplitBlock(holder, sub, class_name=class_name)
+    # The holder's whole tree (weights the graph does not read too), the same objects under the same names.
+    block._modules = holder._modules
+    block._parameters = holder._parameters
+    block._buffers = holder._buffers
+    block._non_persistent_buffers_set = holder._non_persistent_buffers_set
+    block.path = path
+    block.train(holder.training)
+    parent_path, _, name = path.rpartition(".")
+    stage.get_submodule(parent_path).add_module(name, block)
+
+    with graph.inserting_after(body[-1]):
+        call = graph.call_module(path, tuple(inputs))
+    call.meta["nn_module_stack"] = dict(body[-1].meta.get("nn_module_stack") or {})
+    anchor: fx.Node = call
+    if len(outputs) == 1:
+        call.meta["val"] = outputs[0].meta.get("val")
+        outputs[0].replace_all_uses_with(call, delete_user_cb=lambda user: user not in inside)
+    else:
+        call.meta["val"] = tuple(node.meta.get("val") for node in outputs)
+        for index, node in enumerate(outputs):
+            with graph.inserting_after(anchor):
+                item = graph.call_function(operator.getitem, (call, index))
+            item.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+            anchor = item
+    for node in after:
+        anchor.append(node)
+        anchor = node
+    for node in reversed(body):
+        graph.erase_node(node)
+    for node in weights:
+        graph.erase_node(node)
+    graph.lint()
+    return True
+
+
+def blocks_of(stage: nn.Module) -> list[SplitBlock]:
+    """The outlined layers of ``stage``, in its order."""
+    return [module for module in stage.modules() if isinstance(module, SplitBlock)]
+
+
+def block_path(module: nn.Module) -> Optional[str]:
+    """The model path of an outlined layer (None for another module)."""
+    return module.path if isinstance(module, SplitBlock) else None

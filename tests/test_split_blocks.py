@@ -1,0 +1,81 @@
+"""pipe.split runs each decoder layer as a module of its own (pipe.split_blocks), exactly as the flat graph did."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import pipe
+from pipe.split_blocks import SplitBlock, blocks_of, outline
+from split_models import gpt2, llama, lm_batch
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("make, layers, at", [(llama, "model.layers", ["model.layers.2"]),
+                                              (gpt2, "transformer.h", ["transformer.h.2"])])
+def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(make, layers: str, at: list[str]) -> None:
+    torch.manual_seed(0)
+    model = make(layers=4)
+    reference = copy.deepcopy(model)
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=at)
+    found = [[block.path for block in blocks_of(stage)] for stage in stages]
+    assert found == [[f"{layers}.0", f"{layers}.1"], [f"{layers}.2", f"{layers}.3"]]
+    for stage in stages:
+        for block in blocks_of(stage):
+            assert stage.get_submodule(block.path) is block  # installed at the layer's path
+            assert type(block).__name__ == type(model.get_submodule(block.path)).__name__
+            assert any(node.op == "call_module" and node.target == block.path for node in stage.graph.nodes)
+            assert not any(node.op == "get_attr" and str(node.target).startswith(block.path + ".")
+                           for node in stage.graph.nodes)  # its weights are read inside it only
+    assert list(stages.state_dict()) == list(model.state_dict())
+    logits = stages(ids, mask)
+    expected = reference(ids, attention_mask=mask).logits
+    assert torch.equal(logits, expected)
+    logits.square().mean().backward()
+    expected.square().mean().backward()
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter.grad, reference.get_parameter(name).grad), name
+    copied = copy.deepcopy(stages)  # a copy runs its layers as modules too
+    assert [[b.path for b in blocks_of(stage)] for stage in copied] == found
+    assert all(isinstance(b, SplitBlock) for stage in copied for b in blocks_of(stage))
+    assert torch.equal(copied(ids, mask), expected)
+
+
+def test_a_layer_cut_in_two_runs_as_a_module_in_both_stages() -> None:
+    torch.manual_seed(0)
+    model = llama(layers=3)
+    ids, mask, _ = lm_batch()
+    expected = model(ids, attention_mask=mask).logits
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.1.mlp"])
+    assert [[b.path for b in blocks_of(stage)] for stage in stages] == [
+        ["model.layers.0", "model.layers.1"], ["model.layers.1", "model.layers.2"]]
+    assert torch.equal(stages(ids, mask), expected)
+
+
+class ReadsALayerWeight(nn.Module):
+    """Reads the first layer's weight outside the layer: that layer stays as ops, the others are outlined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.relu(self.layers[0](x)) + self.layers[0].weight.sum()
+        for layer in self.layers[1:]:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_layer_whose_weight_is_read_outside_it_stays_as_ops() -> None:
+    torch.manual_seed(0)
+    model = ReadsALayerWeight()
+    x = torch.randn(2, 4)
+    stages = pipe.split(model, (x,), at=["layers.2"])
+    assert [[b.path for b in blocks_of(stage)] for stage in stages] == [["layers.1"], ["layers.2"]]
+    assert type(stages[0].get_submodule("layers.0")) is nn.Module  # still the holder its graph reads
+    assert torch.equal(stages(x), model(x))
+    assert not outline(stages[1], "layers.2")  # once is all: an outlined layer is not outlined again
