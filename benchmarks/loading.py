@@ -36,6 +36,7 @@ Run:
     python benchmarks/loading.py --quick         # 6M parameters: about a minute
     python benchmarks/loading.py --device cuda   # each rank's stages on the (shared) GPU, over gloo
     python benchmarks/loading.py --step          # and one training step's peak per rank after the load
+    python benchmarks/loading.py --step --unit block   # the step with each decoder layer gathered on its own
 Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json).
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=1800))
     import pipe
-    from pipe.distributed import DistributedPipe, hf
+    from pipe.distributed import DistributedPipe, Shard, hf
     from pipe.distributed import safetensors_files
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
@@ -139,8 +140,9 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     at = [f"model.layers.{config.num_hidden_layers * (i + 1) // pieces}" for i in range(pieces - 1)]
     stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
     split_s = time.perf_counter() - started
+    shard = Shard(unit=args.unit) if "dp_shard" in LAYOUTS[layout] else None
     piped = DistributedPipe(stages, mesh=_mesh(LAYOUTS[layout], args.device), device=torch.device(args.device),
-                            init_weights=args.init_weights, chunks=4, loss_reduction="count")
+                            init_weights=args.init_weights, chunks=4, loss_reduction="count", shard=shard)
     del model, stages
     build_s = time.perf_counter() - started
     before_load = _status("VmRSS")
@@ -276,6 +278,9 @@ def main() -> None:
     parser.add_argument("--step", action="store_true",
                         help="then one training step (1F1B, 4 micro-batches of 1 x 64 tokens): each rank's peak "
                              "over its share (step_peak_over_share) beside the bound without activations")
+    parser.add_argument("--unit", default="stage", choices=["stage", "block"],
+                        help="with dp_shard: Shard(unit=...), what ZeRO-3 gathers at a time: a stage whole "
+                             "(default) or each decoder layer around its own forward and backward")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"the layouts to load into (default: all of {list(LAYOUTS)})")
     args = parser.parse_args()
@@ -334,7 +339,8 @@ def main() -> None:
         result = {
             "config": {"parameters": reference["parameters"], "model_bytes": reference["model_bytes"],
                        "dtype": "float32", "device": args.device, "quick": args.quick, "ranks": 4,
-                       "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB"},
+                       "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB",
+                       "unit": args.unit},
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
                                 "peak_over_model": reference["peak_over_model"]},
             "layouts": layouts,
@@ -356,7 +362,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
-            + ("-init" if args.init_weights else "") + ".json")
+            + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
+            + ("-by-block" if args.unit == "block" else "") + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULTS / name}")
 

@@ -224,6 +224,13 @@ class DistributedPipe(PlainNamed, nn.Module):
         if not init_weights:  # a split stage's graph devices now, before FSDP changes the stages' classes
             retarget_split_stages(self.partitions.values(), self.device)
         # Tensor parallelism first, then FSDP (or the replicas' averager), as torchtitan composes them.
+        if isinstance(shard, Shard) and shard.unit == "block" and self.schedule.splits_backward:
+            raise ValueError(
+                f"shard=Shard(unit='block') with schedule {schedule!r}, which splits each backward into an input "
+                f"half and a later weight half: FSDP's hooks reshard a layer after its input half, and the weight "
+                f"half would miss its gathered weights; use Shard(unit='stage') with this schedule, or a schedule "
+                f"whose backward is whole ('1f1b', 'gpipe', 'interleaved', 'looped-bfs')"
+            )
         self.shard = shard
         sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,
                                                 parallelize, tensor_parallel, schedule)

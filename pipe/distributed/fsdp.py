@@ -25,6 +25,16 @@ as torch's ``PipelineStage`` does:
 Within a run of one stage's actions the stage stays gathered (FSDP's per-block
 reshard after forward is turned off), so a stage is gathered once per run of
 its actions, not once per micro-batch.
+
+``Shard(unit="block")`` trades traffic for memory, as torchtitan's per-block
+FSDP2 does: each block (a layer of the stage; a decoder layer of a model cut
+by :func:`pipe.split`, see :mod:`pipe.split_blocks`) is gathered by FSDP's own
+hooks around its forward and its backward, one at a time with the next
+prefetched, and resharded after each; its gradients accumulate unsharded
+until the one reduce-scatter of the step. The runner still gathers the
+stage's own parameters (an embedding, a norm, a head) as above. A rank then
+holds its shards, the stage's unsharded gradients, one or two gathered blocks
+and the activations, instead of its whole stage gathered.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 
@@ -46,6 +56,7 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 BlockPolicy = Callable[[str, nn.Module], bool]
+UNITS = ("stage", "block")
 
 
 @dataclass(frozen=True)
@@ -70,11 +81,18 @@ class Shard:
             stage: one group, as a stage is gathered whole anyway; needed where
             one stage holds two layers that share a weight (a tied split model
             at pipeline size 1).
+        unit: what is gathered at a time under ZeRO-3. ``"stage"``: a stage
+            whole, once per run of its actions (least traffic). ``"block"``:
+            each block around its own forward and backward, the next
+            prefetched (least memory: the default blocks are then the layers
+            a stage calls, a split model's decoder layers); needs
+            ``reshard_after_forward=True``.
     """
 
     reshard_after_forward: bool = True
     mp_policy: Optional[MixedPrecisionPolicy] = None
     blocks: Optional[BlockPolicy] = None
+    unit: str = "stage"
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
@@ -86,6 +104,14 @@ class Shard:
             )
         if self.blocks is not None and not callable(self.blocks):
             raise TypeError(f"Shard(blocks=...) must be a function (name, module) -> bool, got {self.blocks!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"Shard(unit=...) must be one of {UNITS}, got {self.unit!r}")
+        if self.unit == "block" and not self.reshard_after_forward:
+            raise ValueError(
+                "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered from its first "
+                "action to its last, so there is nothing to gather block by block; pass reshard_after_forward=True "
+                "(ZeRO-3) to gather one block at a time, or unit='stage'"
+            )
 
 
 def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
@@ -104,9 +130,29 @@ def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
             )
 
 
-def _default_blocks(stage: nn.Module) -> BlockPolicy:
-    layers = {id(m) for m in stage.children() if any(True for _ in m.parameters())}
+def _default_blocks(stage: nn.Module, unit: str) -> BlockPolicy:
+    """Each layer of the stage with parameters; by block, the modules a graph of the stage calls where it has
+    such (a split stage's outlined decoder layers, :mod:`pipe.split_blocks`)."""
+    layers = {id(m) for m in _graph_calls(stage) if any(True for _ in m.parameters())} if unit == "block" else set()
+    if not layers:
+        layers = {id(m) for m in stage.children() if any(True for _ in m.parameters())}
     return lambda name, module: id(module) in layers
+
+
+def _graph_calls(stage: nn.Module) -> list[nn.Module]:
+    """The modules that the ``fx`` graphs in ``stage`` call (``call_module``), in order."""
+    return [graph_module.get_submodule(str(node.target)) for graph_module in stage.modules()
+            if isinstance(graph_module, fx.GraphModule) for node in graph_module.graph.nodes
+            if node.op == "call_module"]
+
+
+def _called(stage: nn.Module, module: nn.Module) -> bool:
+    """Whether ``stage``'s forward calls ``module``, so that FSDP's hooks on it run: a layer of a stage that
+    calls its layers, or a module an ``fx`` graph of the stage calls. The other modules of a graph (a split
+    stage's holders of weights) are only read by it."""
+    if not isinstance(stage, fx.GraphModule) and any(module is child for child in stage.children()):
+        return True
+    return any(module is called for called in _graph_calls(stage))
 
 
 def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) -> None:
@@ -122,8 +168,8 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
         refuse_wrapped(stage, f"stage {s}")
         owner: dict[int, tuple[str, str]] = {}  # parameter -> (its name in the stage, the block holding it first)
         if config.blocks is None:
-            chosen = [(name, module) for name, module in stage.named_modules() if name
-                      and _default_blocks(stage)(name, module)]
+            default = _default_blocks(stage, config.unit)
+            chosen = [(name, module) for name, module in stage.named_modules() if name and default(name, module)]
         else:
             chosen = [(name, module) for name, module in stage.named_modules()
                       if name and config.blocks(partition_name(stage, name, module=True), module)]
@@ -150,10 +196,15 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
                 )
         mp_policy = config.mp_policy or MixedPrecisionPolicy()
         # Innermost first: fully_shard of a parent leaves the parameters of wrapped children to them.
+        by_block = [block for _, block in chosen if config.unit == "block" and _called(stage, block)]
         for _, block in reversed(chosen):
-            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=any(block is b for b in by_block), mp_policy=mp_policy)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
-        logger.info("stage %d: fully_shard on %d block(s) and the stage, mesh %s", s, len(chosen), mesh)
+        for block, following in zip(by_block, by_block[1:]):
+            assert isinstance(block, FSDPModule) and isinstance(following, FSDPModule)
+            block.set_modules_to_forward_prefetch([following])
+        logger.info("stage %d: fully_shard on %d block(s) (%d gathered by their own hooks) and the stage, mesh %s",
+                    s, len(chosen), len(by_block), mesh)
         _quiet_view_warning([stage] + [block for _, block in chosen])
 
 
@@ -186,6 +237,13 @@ class StageSharding:
         self.config = config
         self.modules: dict[int, list[FSDPModule]] = {
             s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
+        # Blocks that FSDP's own hooks gather (unit="block"); the runner gathers the others.
+        self.by_block: dict[int, list[FSDPModule]] = {
+            s: [m for m in self.modules[s]
+                if config.unit == "block" and m is not stage and isinstance(m, nn.Module) and _called(stage, m)]
+            for s, stage in stages.items()}
+        self.by_runner: dict[int, list[FSDPModule]] = {
+            s: [m for m in self.modules[s] if not any(m is b for b in self.by_block[s])] for s in stages}
         self.roots: dict[int, FSDPModule] = {}
         for s, stage in stages.items():
             assert isinstance(stage, FSDPModule)
@@ -202,9 +260,10 @@ class StageSharding:
         gather, reduce and reshard is the lowered program's
         (:func:`pipe.core.lowering.gathers`).
         """
-        for modules in self.modules.values():
+        for s, modules in self.modules.items():
             for module in modules:
-                module.set_reshard_after_backward(False, recurse=False)
+                # A block gathered by its hooks is resharded after each backward, its gradient kept unsharded.
+                module.set_reshard_after_backward(any(module is b for b in self.by_block[s]), recurse=False)
                 module.set_requires_gradient_sync(False, recurse=False)
                 module.set_is_last_backward(False)
 
@@ -217,7 +276,7 @@ class StageSharding:
 
     def unshard(self, stage: int) -> None:
         """Starts gathering ``stage``'s parameters (returns at once)."""
-        self._handles[stage] = [h for m in self.modules[stage] if (h := m.unshard(async_op=True)) is not None]
+        self._handles[stage] = [h for m in self.by_runner[stage] if (h := m.unshard(async_op=True)) is not None]
         self._gathered.add(stage)
 
     def wait(self, stage: int) -> None:
@@ -313,4 +372,5 @@ def describe_shard(shard: Optional[Shard]) -> Optional[str]:
     if shard is None:
         return None
     blocks = getattr(shard.blocks, "__qualname__", repr(shard.blocks)) if shard.blocks else None
-    return f"Shard(reshard_after_forward={shard.reshard_after_forward}, mp_policy={shard.mp_policy!r}, blocks={blocks})"
+    return (f"Shard(reshard_after_forward={shard.reshard_after_forward}, mp_policy={shard.mp_policy!r}, "
+            f"blocks={blocks}, unit={shard.unit!r})")

@@ -366,3 +366,100 @@ def test_split_gpt2_sharded_matches_the_plain_model() -> None:
     gpt2()  # imports transformers' lazy modules once, here: the forked ranks inherit them
     results = run_ranks(_gpt2, 4, deadline=240.0, timeout=60.0)
     assert all(r == results[0] for r in results)  # the tied embedding equal on every rank and shard
+
+
+def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str]) -> dict[str, Any]:
+    """A tied HuggingFace LLaMA of 6 decoder layers cut by pipe.split at (pp 2, dp_shard 2), 3 layers a stage,
+    ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps. Before
+    each layer's forward (and its recomputation) the hook counts the stage's layers then gathered."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import pipe
+    from pipe.split_blocks import blocks_of
+    from split_models import lm_batch, llama
+
+    torch.manual_seed(0)
+    model = llama(layers=6)
+    if schedule == "zbv":  # ZB-V puts the first and the last stage on one rank: FSDP cannot shard a tie there
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    reference = copy.deepcopy(model)
+    ids, mask, _ = lm_batch(8, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=at)
+    refused = ""
+    if schedule == "zbv":
+        with pytest.raises(ValueError) as error:
+            pd.DistributedPipe(copy.deepcopy(stages), chunks=2, schedule=schedule,
+                               mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(unit="block"))
+        refused = str(error.value)
+    piped = pd.DistributedPipe(stages, chunks=2, checkpoint="except_last", schedule=schedule,
+                               mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count",
+                               shard=pd.Shard(unit=unit))
+    layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
+    gathered: list[int] = []
+
+    def count(module: nn.Module, args: Any) -> None:
+        gathered.append(sum(not isinstance(next(b.parameters()), DTensor) for b in layers))
+
+    for block in layers:
+        block.register_forward_pre_hook(count)
+
+    def lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        flat_labels = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum"), \
+            (flat_labels != -100).sum()
+
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
+    for step in range(3):
+        ids, mask, labels = lm_batch(8, 8, seed=step)
+        loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
+        total, counted = lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
+        (total / counted).backward()
+        assert loss is not None
+        torch.testing.assert_close(loss, (total / counted).detach(), atol=1e-5, rtol=1e-5)
+        for name, parameter in piped.named_parameters():
+            assert parameter.grad is not None, name
+            # Step 0 from equal weights: 1e-6; later steps start from weights that AdamW's rounding moved apart.
+            tolerance = dict(atol=1e-6, rtol=1e-5) if step == 0 else dict(atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, **tolerance,
+                                       msg=lambda m: f"{unit}, step {step} {name}: {m}")
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(),
+                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"{unit}, {name} after 3 AdamW steps: {m}")
+    return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused,
+            "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("unit, schedule", [("block", "1f1b"), ("stage", "1f1b"), ("stage", "zbv")])
+def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str) -> None:
+    """Shard(unit="block"): each decoder layer of a split stage is an FSDP unit gathered by its own hooks, so at
+    most two (this one and the prefetched next) are gathered when a layer runs; unit="stage" gathers all three,
+    under ZB-V (two stages a rank) too, where unit="block" is refused (its backward is split in two)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from split_models import llama
+
+    llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
+    at = ["model.layers.3"] if schedule == "1f1b" else ["model.layers.2", "model.layers.3", "model.layers.5"]
+    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, deadline=240.0, timeout=60.0)
+    # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's.
+    held = [range(3), range(3, 6)] if schedule == "1f1b" else [[0, 1, 5], [2, 3, 4]]
+    for rank, result in enumerate(results):
+        if schedule == "zbv":
+            assert result["refused"].startswith("shard=Shard(unit='block') with schedule 'zbv', which splits each "
+                                                "backward"), result["refused"]
+        assert sorted(result["layers"]) == [f"model.layers.{k}" for k in held[rank // 2]]
+        assert result["sharded after the step"]
+        if schedule == "1f1b":  # 3 steps x 2 micro-batches x 3 layers, and the checkpointed micro-batch's replay
+            assert len(result["gathered"]) == 3 * 3 * 3
+        if unit == "block":
+            assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
+        elif schedule == "1f1b":  # the whole stage of the layer that runs
+            assert set(result["gathered"]) == {3}, result["gathered"]
+        else:  # ZB-V: stages of 2 and 1 layers, the running one whole, the next one's prefetch at times
+            assert 2 in result["gathered"] and set(result["gathered"]) <= {1, 2, 3}, result["gathered"]

@@ -61,15 +61,17 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str, bool]] = {
 }
 EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
-# (label, mesh sizes, ZeRO-3): the reference first, then the chain.
+# (label, mesh sizes, the Shard's arguments): the reference first, then the chain.
 ONE_GROUP = Shard(blocks=lambda name, module: False)
-LAYOUTS = [
-    ("pp 2, dp_shard 2", dict(pp=2, dp_shard=2), True),
+ZERO3: dict[str, Any] = {"reshard_after_forward": True}
+LAYOUTS: list[tuple[str, dict[str, int], dict[str, Any] | None]] = [
+    ("pp 2, dp_shard 2", dict(pp=2, dp_shard=2), ZERO3),
     ("pp 4", dict(pp=4), None),
     ("pp 2, dp_replicate 2", dict(pp=2, dp_replicate=2), None),
-    ("pp 2, dp_shard 2, ZeRO-2", dict(pp=2, dp_shard=2), False),
-    ("HSDP pp 1, dp_replicate 2, dp_shard 2", dict(pp=1, dp_replicate=2, dp_shard=2), True),
-    ("pp 1, dp_shard 4", dict(pp=1, dp_shard=4), True),
+    ("pp 2, dp_shard 2, ZeRO-2", dict(pp=2, dp_shard=2), {"reshard_after_forward": False}),
+    ("pp 2, dp_shard 2, gathered by layer", dict(pp=2, dp_shard=2), {"unit": "block"}),
+    ("HSDP pp 1, dp_replicate 2, dp_shard 2", dict(pp=1, dp_replicate=2, dp_shard=2), ZERO3),
+    ("pp 1, dp_shard 4", dict(pp=1, dp_shard=4), ZERO3),
 ]
 
 
@@ -96,12 +98,12 @@ def _stages(which: str, other: bool = False) -> nn.Module:
     return stages
 
 
-def _build(stages: nn.Module, which: str, sizes: dict[str, int], zero3: bool | None
+def _build(stages: nn.Module, which: str, sizes: dict[str, int], arguments: dict[str, Any] | None
            ) -> tuple[DistributedPipe, Any]:
     tied = MODELS[which][2]
     shard = None
-    if zero3 is not None:
-        shard = Shard(reshard_after_forward=zero3, blocks=ONE_GROUP.blocks if tied and sizes["pp"] == 1 else None)
+    if arguments is not None:
+        shard = Shard(**arguments, blocks=ONE_GROUP.blocks if tied and sizes["pp"] == 1 else None)
     piped = DistributedPipe(stages, chunks=1 if tied else 2, schedule="1f1b", mesh=make_mesh(**sizes),
                             shard=shard, loss_reduction="sum")
     return piped, torch.optim.AdamW(piped.parameters(), lr=0.01)
@@ -129,8 +131,8 @@ def _weights(piped: DistributedPipe) -> dict[str, list[float]]:
 
 def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    label, sizes, zero3 = LAYOUTS[0]
-    reference, optimizer = _build(_stages(which), which, sizes, zero3)
+    label, sizes, arguments = LAYOUTS[0]
+    reference, optimizer = _build(_stages(which), which, sizes, arguments)
     steps = [_step(reference, optimizer, 0)]
     state.save(f"{folder}/after1", reference, optimizer, step=1)
     steps += [_step(reference, optimizer, k) for k in range(1, len(LAYOUTS))]
@@ -142,8 +144,11 @@ def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
         with pytest.raises(ValueError) as refused:  # ZB-V puts the first and the last stage on rank 0
             DistributedPipe(_stages(which), chunks=2, schedule="zbv", mesh=make_mesh(pp=2, dp_shard=2))
         results["zbv refusal"] = str(refused.value)
-    for k, (label, sizes, zero3) in enumerate(LAYOUTS[1:], start=1):
-        piped, optimizer = _build(_stages(which, other=True), which, sizes, zero3)
+    for k, (label, sizes, arguments) in enumerate(LAYOUTS[1:], start=1):
+        piped, optimizer = _build(_stages(which, other=True), which, sizes, arguments)
+        if arguments == {"unit": "block"}:  # each decoder layer is an FSDP unit of its own, gathered by its hooks
+            sharding = piped._runtime.sharding
+            results["by block"] = {s: len(blocks) for s, blocks in sharding.by_block.items()}
         assert state.load(f"{folder}/after{k}", piped, optimizer) == {"step": k}
         results[label] = _step(piped, optimizer, k)
         state.save(f"{folder}/after{k + 1}", piped, optimizer, step=k + 1)
@@ -180,6 +185,8 @@ def test_split_model_checkpoint_through_every_layout(which: str, tmp_path: Path)
             assert grads, (label, rank)
             for name, values in grads.items():
                 assert values == reference_grads[k][name], f"{label}, rank {rank}: the gradient of {name} differs"
+    # Gathered by layer: every decoder layer an FSDP unit of its own on the ranks that hold it (two replicas).
+    assert sum(count for result in per_rank for count in result["by block"].values()) == 2 * LAYERS
     last: dict[str, list[float]] = {}
     for result in per_rank:
         last.update(result["last weights"])
