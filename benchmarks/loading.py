@@ -37,6 +37,7 @@ Run:
     python benchmarks/loading.py --device cuda   # each rank's stages on the (shared) GPU, over gloo
     python benchmarks/loading.py --step          # and one training step's peak per rank after the load
     python benchmarks/loading.py --step --unit block   # the step with each decoder layer gathered on its own
+    python benchmarks/loading.py --step --unit block --reduce micro-batch   # and reduced after each backward
 Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json).
 """
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     at = [f"model.layers.{config.num_hidden_layers * (i + 1) // pieces}" for i in range(pieces - 1)]
     stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
     split_s = time.perf_counter() - started
-    shard = Shard(unit=args.unit) if "dp_shard" in LAYOUTS[layout] else None
+    shard = Shard(unit=args.unit, reduce=args.reduce) if "dp_shard" in LAYOUTS[layout] else None
     piped = DistributedPipe(stages, mesh=_mesh(LAYOUTS[layout], args.device), device=torch.device(args.device),
                             init_weights=args.init_weights, chunks=4, loss_reduction="count", shard=shard)
     del model, stages
@@ -281,6 +282,9 @@ def main() -> None:
     parser.add_argument("--unit", default="stage", choices=["stage", "block"],
                         help="with dp_shard: Shard(unit=...), what ZeRO-3 gathers at a time: a stage whole "
                              "(default) or each decoder layer around its own forward and backward")
+    parser.add_argument("--reduce", default="step", choices=["step", "micro-batch"],
+                        help="with --unit block: Shard(reduce=...), reduce-scatter each layer's gradients once a step "
+                             "(default) or after each of its backwards")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"the layouts to load into (default: all of {list(LAYOUTS)})")
     args = parser.parse_args()
@@ -340,7 +344,7 @@ def main() -> None:
             "config": {"parameters": reference["parameters"], "model_bytes": reference["model_bytes"],
                        "dtype": "float32", "device": args.device, "quick": args.quick, "ranks": 4,
                        "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB",
-                       "unit": args.unit},
+                       "unit": args.unit, "reduce": args.reduce},
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
                                 "peak_over_model": reference["peak_over_model"]},
             "layouts": layouts,
@@ -363,7 +367,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
             + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
-            + ("-by-block" if args.unit == "block" else "") + ".json")
+            + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
+            + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULTS / name}")
 

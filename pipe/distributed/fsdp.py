@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 BlockPolicy = Callable[[str, nn.Module], bool]
 UNITS = ("stage", "block")
+REDUCES = ("step", "micro-batch")
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,19 @@ class Shard:
             prefetched (least memory: the default blocks are then the layers
             a stage calls, a split model's decoder layers); needs
             ``reshard_after_forward=True``.
+        reduce: when a block's gradients are reduce-scattered. ``"step"``: once,
+            after the stage's last backward of the step (the stage's gradients
+            held unsharded until then; least traffic). ``"micro-batch"`` (with
+            ``unit="block"``): after each backward of the block, added to the
+            sharded gradient, so no unsharded gradient outlives its block's
+            backward (least memory; a reduce-scatter per block per micro-batch).
     """
 
     reshard_after_forward: bool = True
     mp_policy: Optional[MixedPrecisionPolicy] = None
     blocks: Optional[BlockPolicy] = None
     unit: str = "stage"
+    reduce: str = "step"
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
@@ -106,6 +114,14 @@ class Shard:
             raise TypeError(f"Shard(blocks=...) must be a function (name, module) -> bool, got {self.blocks!r}")
         if self.unit not in UNITS:
             raise ValueError(f"Shard(unit=...) must be one of {UNITS}, got {self.unit!r}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"Shard(reduce=...) must be one of {REDUCES}, got {self.reduce!r}")
+        if self.reduce == "micro-batch" and self.unit != "block":
+            raise ValueError(
+                f"Shard(reduce='micro-batch') needs unit='block' (got unit={self.unit!r}): a stage gathered whole "
+                f"keeps its gradients unsharded until its last backward anyway; pass Shard(unit='block', "
+                f"reduce='micro-batch') to reduce each layer's gradients after each of its backwards"
+            )
         if self.unit == "block" and not self.reshard_after_forward:
             raise ValueError(
                 "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered from its first "
@@ -262,9 +278,11 @@ class StageSharding:
         """
         for s, modules in self.modules.items():
             for module in modules:
-                # A block gathered by its hooks is resharded after each backward, its gradient kept unsharded.
-                module.set_reshard_after_backward(any(module is b for b in self.by_block[s]), recurse=False)
-                module.set_requires_gradient_sync(False, recurse=False)
+                # A block gathered by its hooks is resharded after each backward, its gradient kept unsharded
+                # until the stage's reduce, or reduce-scattered then (reduce="micro-batch").
+                by_block = any(module is b for b in self.by_block[s])
+                module.set_reshard_after_backward(by_block, recurse=False)
+                module.set_requires_gradient_sync(by_block and self.config.reduce == "micro-batch", recurse=False)
                 module.set_is_last_backward(False)
 
     def executors(self) -> dict[Kind, Callable[[Step], None]]:
@@ -373,4 +391,4 @@ def describe_shard(shard: Optional[Shard]) -> Optional[str]:
         return None
     blocks = getattr(shard.blocks, "__qualname__", repr(shard.blocks)) if shard.blocks else None
     return (f"Shard(reshard_after_forward={shard.reshard_after_forward}, mp_policy={shard.mp_policy!r}, "
-            f"blocks={blocks}, unit={shard.unit!r})")
+            f"blocks={blocks}, unit={shard.unit!r}, reduce={shard.reduce!r})")

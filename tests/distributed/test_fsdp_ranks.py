@@ -368,7 +368,7 @@ def test_split_gpt2_sharded_matches_the_plain_model() -> None:
     assert all(r == results[0] for r in results)  # the tied embedding equal on every rank and shard
 
 
-def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str]) -> dict[str, Any]:
+def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str], reduce: str) -> dict[str, Any]:
     """A tied HuggingFace LLaMA of 6 decoder layers cut by pipe.split at (pp 2, dp_shard 2), 3 layers a stage,
     ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps. Before
     each layer's forward (and its recomputation) the hook counts the stage's layers then gathered."""
@@ -392,7 +392,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         refused = str(error.value)
     piped = pd.DistributedPipe(stages, chunks=2, checkpoint="except_last", schedule=schedule,
                                mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count",
-                               shard=pd.Shard(unit=unit))
+                               shard=pd.Shard(unit=unit, reduce=reduce))
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
     gathered: list[int] = []
 
@@ -410,9 +410,12 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
+    scatters = []
     for step in range(3):
         ids, mask, labels = lm_batch(8, 8, seed=step)
-        loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
+        with Collectives() as collectives:
+            loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
+        scatters.append(collectives.counts["reduce_scatter"])
         total, counted = lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
         (total / counted).backward()
         assert loss is not None
@@ -430,23 +433,26 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     for name, parameter in piped.named_parameters():
         torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(),
                                    atol=1e-4, rtol=1e-4, msg=lambda m: f"{unit}, {name} after 3 AdamW steps: {m}")
-    return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused,
+    return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("unit, schedule", [("block", "1f1b"), ("stage", "1f1b"), ("stage", "zbv")])
-def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str) -> None:
+@pytest.mark.parametrize("unit, schedule, reduce", [("block", "1f1b", "step"), ("block", "1f1b", "micro-batch"),
+                                                    ("stage", "1f1b", "step"), ("stage", "zbv", "step")])
+def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str,
+                                                                           reduce: str) -> None:
     """Shard(unit="block"): each decoder layer of a split stage is an FSDP unit gathered by its own hooks, so at
     most two (this one and the prefetched next) are gathered when a layer runs; unit="stage" gathers all three,
-    under ZB-V (two stages a rank) too, where unit="block" is refused (its backward is split in two)."""
+    under ZB-V (two stages a rank) too, where unit="block" is refused (its backward is split in two).
+    reduce="micro-batch" reduce-scatters each layer's gradients after each of its backwards: as exact."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import llama
 
     llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
     at = ["model.layers.3"] if schedule == "1f1b" else ["model.layers.2", "model.layers.3", "model.layers.5"]
-    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, deadline=240.0, timeout=60.0)
+    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, deadline=240.0, timeout=60.0)
     # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's.
     held = [range(3), range(3, 6)] if schedule == "1f1b" else [[0, 1, 5], [2, 3, 4]]
     for rank, result in enumerate(results):
@@ -459,6 +465,8 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
             assert len(result["gathered"]) == 3 * 3 * 3
         if unit == "block":
             assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
+            # Per step: the stage's own group once, and each of its 3 layers once or once per micro-batch (2).
+            assert result["scatters"] == [1 + 3 * (2 if reduce == "micro-batch" else 1)] * 3, result["scatters"]
         elif schedule == "1f1b":  # the whole stage of the layer that runs
             assert set(result["gathered"]) == {3}, result["gathered"]
         else:  # ZB-V: stages of 2 and 1 layers, the running one whole, the next one's prefetch at times

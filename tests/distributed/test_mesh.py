@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -151,3 +152,18 @@ def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_bac
     last_weight = max(i for i, e in enumerate(events) if e.startswith("W") and e.endswith("@1"))
     assert events.index("reduce 1") == last_weight + 1
     assert sum(e.startswith("reduce") for e in events) == 2 and sum(e.startswith("gather") for e in events) == 2
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    ({"unit": "layer"}, ValueError, "Shard(unit=...) must be one of ('stage', 'block'), got 'layer'"),
+    ({"reduce": "always"}, ValueError, "Shard(reduce=...) must be one of ('step', 'micro-batch'), got 'always'"),
+    ({"reduce": "micro-batch"}, ValueError, "Shard(reduce='micro-batch') needs unit='block' (got unit='stage')"),
+    ({"unit": "block", "reshard_after_forward": False}, ValueError,
+     "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered"),
+])
+def test_a_bad_unit_or_reduce_is_refused_naming_the_value_and_the_fix(arguments: dict[str, Any], error: type,
+                                                                       message: str) -> None:
+    with pytest.raises(error) as raised:
+        pd.Shard(**arguments)
+    assert str(raised.value).startswith(message), raised.value
+    assert "pass" in str(raised.value) or "must be one of" in str(raised.value)  # the fix, or the values allowed
