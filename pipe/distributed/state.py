@@ -309,6 +309,9 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     if _coordinator():
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
     _barrier()
+    if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
+                                category=UserWarning)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         if asynchronous:
