@@ -8,8 +8,10 @@ mean for ``"mean"``) and one backward: the pipeline's gradients after the last
 pass must equal its gradients within 1e-6 of the gradient's largest element
 (fp32 rounding only: a pass divided by its own count, or reduced on its own,
 is off by a factor of the gradient). Layouts: replicas (pp 2, dp_replicate 2),
-FSDP (pp 2, dp_shard 2, one reduce-scatter per pass that ends the accumulation
-and none before), tensor parallelism (pp 2, tp 2), pipeline only (pp 4).
+FSDP (pp 2, dp_shard 2: ZeRO-3 with a tied embedding, and ZeRO-2 under the
+zero-bubble "zbv", whose W steps accumulate the weight gradients; reduce-scatters
+only in the pass that ends the accumulation), tensor parallelism (pp 2, tp 2),
+pipeline only (pp 4, interleaved).
 Misuse is refused: an optimizer step, ``eval_step``, ``clip_grad_norm_`` while
 accumulating.
 """
@@ -125,8 +127,8 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
                   mesh=pd.make_mesh(pp=2, dp_replicate=2))
         # FSDP: ZeRO-3 with the embedding tied to the head (first and last stage), ZeRO-2.
         check(lm(tied=True), "count", "fsdp count", chunks=2, schedule="1f1b", mesh=pd.make_mesh(pp=2, dp_shard=2))
-        check(lm(tied=False), "mean", "fsdp zero2 mean", chunks=2, schedule="gpipe",
-              mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(reshard_after_forward=False))
+        check(lm(tied=False), "mean", "fsdp zero2 mean", chunks=2, schedule="zbv", virtual_stages=2,
+              mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(reshard_after_forward=False))  # weights in W
         # Tensor parallelism (Megatron's split of the decoder's blocks).
         check(decoder(0), "count", "tp count", vocab=32, chunks=2, mesh=pd.make_mesh(pp=2, tp=2),
               tensor_parallel=tensor_parallel_plan(False))
