@@ -16,7 +16,10 @@ the whole model:
    ``eval_step`` on held-out text, DCP checkpoints (``pipe.distributed.state``)
    in ``OUT/checkpoints/step-<8 digits>`` every ``--save-every`` steps, the last
    ``--keep`` kept, that ``--resume auto`` (or a path) continues from, at the same
-   or another layout, the LR schedule where it was;
+   or another layout, the LR schedule where it was; with ``--async-save`` written
+   in the background while training goes on (``state.save(asynchronous=True)``);
+   ``--accumulate K``: K forward/backward passes per optimizer step, the
+   gradients those of the mean over all of them (``DistributedPipe.step(..., accumulate=True)``);
 4. ``pipe.distributed.hf.save`` writes a HuggingFace directory (safetensors
    shards, their index and the config) from every rank at once, which
    ``AutoModelForCausalLM.from_pretrained`` loads; ``loss.png`` beside it.
@@ -107,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps (and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="DCP checkpoint every N steps, in OUT/checkpoints "
                    "(0: at the end only)")
+    p.add_argument("--async-save", action="store_true", help="write the checkpoints in the background "
+                   "(state.save(asynchronous=True)): training goes on while the files are written; a checkpoint "
+                   "counts (for --resume auto and --keep) once every rank has written it")
+    p.add_argument("--accumulate", type=int, default=1, help="forward/backward passes of --batch-size sequences per "
+                   "optimizer step; the gradients are those of the mean over all of them (default: %(default)s)")
     p.add_argument("--keep", type=int, default=3, help="how many of the newest checkpoints to keep (default: %(default)s; 0: all)")
     p.add_argument("--resume", help="'auto': from the newest complete checkpoint in OUT/checkpoints (none: from "
                    "step 0); or a checkpoint folder, or a folder of step checkpoints (its newest complete one)")
@@ -128,7 +136,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.model is None and args.config is None:
         p.error("give --model (a HF model directory) or --config (a config.json: a random start)")
     for name in ("steps", "batch_size", "seq_len", "chunks", "pp", "dp_shard", "dp_replicate", "virtual_stages",
-                 "eval_every"):
+                 "eval_every", "accumulate"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
     for name in ("warmup", "save_every", "keep"):
@@ -173,12 +181,16 @@ def file_arguments(p: argparse.ArgumentParser, path: Path, argv: list[str]) -> l
         if dest in seen:
             raise SystemExit(f"--config-file {path}: {seen[dest]!r} and {key!r} are one flag; give it once")
         seen[dest] = str(key)
-        if isinstance(value, (bool, list, dict)):
-            raise SystemExit(f"--config-file {path}: {key}: {value!r} is not a value of the flag; give one "
-                             "number, word or path")
+        switch = isinstance(options[dest], argparse._StoreTrueAction)  # a flag without a value: true or false
+        if isinstance(value, (list, dict)) or isinstance(value, bool) != switch:
+            expected = "true or false" if switch else "one number, word or path"
+            raise SystemExit(f"--config-file {path}: {key}: {value!r} is not a value of the flag; give {expected}")
         if value is None or dest in on_command_line:  # null: the default; the command line's value wins
             continue
-        words.append(f"{options[dest].option_strings[-1]}={value}")
+        if switch:
+            words += [options[dest].option_strings[-1]] if value else []
+        else:
+            words.append(f"{options[dest].option_strings[-1]}={value}")
     return words
 
 
@@ -462,11 +474,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     began = time.perf_counter()
     bar = tqdm(range(start, args.steps), desc="fine-tune", unit="step", disable=env.rank != 0, dynamic_ncols=True)
     for step in bar:
-        ids = data.batch(step, args.batch_size, args.seed)
-        rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
         lr = optimizer.param_groups[0]["lr"]  # this step's
         tick = time.perf_counter()
-        loss = float(model.step(rows, rows, broadcast_loss=True))
+        for k in range(args.accumulate):  # the last pass reduces and divides by the sequences of all (pipe's accumulate)
+            ids = data.batch(step * args.accumulate + k, args.batch_size, args.seed)
+            rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
+            last = k == args.accumulate - 1
+            reported = model.step(rows, rows, broadcast_loss=True, accumulate=not last)
+        loss = float(reported)  # the last pass's: the mean over every pass
         if not math.isfinite(loss):
             raise SystemExit(f"step {step}: the loss is {loss}; lower --lr or check the model and data")
         model.clip_grad_norm_(1.0)
@@ -478,7 +493,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         peak = torch.tensor([peak_memory_bytes(model.device)], device=model.device)
         rank_peak = int(peak.item())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the highest of every rank's
-        metrics.write({"step": done, "loss": loss, "lr": lr, "tokens_per_s": args.batch_size * args.seq_len / seconds,
+        metrics.write({"step": done, "loss": loss, "lr": lr, "tokens_per_s": args.accumulate * args.batch_size * args.seq_len / seconds,
                        "seconds": seconds, "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item())})
         losses.append((done, loss))
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -486,11 +501,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             evals.append((done, evaluate(model, data, args)))
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             state.save(state.step_path(checkpoints, done), model, optimizer, step=done,
-                       schedule=schedule.state_dict())
-            if args.keep:
+                       schedule=schedule.state_dict(), asynchronous=args.async_save)
+            if args.keep:  # complete checkpoints only: one still being written is not counted, nor deleted
                 state.prune(checkpoints, keep=args.keep)
     bar.close()
     metrics.close()
+    if state.wait() is not None and args.keep:  # the last asynchronous save, written and published
+        state.prune(checkpoints, keep=args.keep)
 
     hf.save(args.out / "hf", model, config=config)  # every rank writes its own tensors
     if env.rank == 0:

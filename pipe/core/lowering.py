@@ -199,13 +199,14 @@ def _sends(action: Action, routes: Routes) -> list[Step]:
 # -- the passes -----------------------------------------------------------------------------------
 
 
-def gathers(slots: list[_Slot], zero3: bool, training: bool) -> list[tuple[int, list[Step]]]:
+def gathers(slots: list[_Slot], zero3: bool, training: bool, reduce: bool = True) -> list[tuple[int, list[Step]]]:
     """FSDP: gather before use (the next action's stage is prefetched), reduce after the last backward, reshard.
 
     Before action k the stages of actions k and k + 1 are gathered. ZeRO-3
     (``zero3``) reshards a stage as soon as neither needs it; ZeRO-2 after the
     stage's last action. A stage is reduced after its last backward (``B``, or
-    ``W`` in zero-bubble schedules) when ``training``. Adds the gathers to
+    ``W`` in zero-bubble schedules) when ``training`` and ``reduce`` (a pass that
+    accumulates leaves its gradients unreduced, FSDP keeps them unsharded). Adds the gathers to
     ``before``; returns the reduces and reshards, per slot, for :func:`lower`
     to place after every other pass's steps.
     """
@@ -230,7 +231,7 @@ def gathers(slots: list[_Slot], zero3: bool, training: bool) -> list[tuple[int, 
         if action.stage in unwaited:
             unwaited.discard(action.stage)
             slots[k].before.append(Step(Kind.WAIT_UNSHARD, action, action.stage))
-        if training and last_backward.get(action.stage) == k:
+        if training and reduce and last_backward.get(action.stage) == k:
             after[k].append(Step(Kind.REDUCE_GRAD, action, action.stage))
         if last[action.stage] == k:
             active.remove(action.stage)
@@ -309,7 +310,7 @@ def replicas(slots: list[_Slot]) -> None:
 
 def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, checkpoint_stop: int = 0,
           zero3: Optional[bool] = None, offload_stages: Sequence[int] = (), offload_horizon: int = 0,
-          replicated: bool = False, post_ahead: int = 1) -> list[Step]:
+          replicated: bool = False, post_ahead: int = 1, reduce: bool = True) -> list[Step]:
     """The lowered program of one rank: every step it takes, in order.
 
     Args:
@@ -327,6 +328,10 @@ def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, c
         post_ahead: how many actions ahead a receive is posted (a message's
             bytes move only once its receive is posted; each posted receive
             holds its buffer): 1 by default, 0 just before its wait.
+        reduce: ``training`` reduces the gradients (FSDP's reduce-scatter, the
+            replicas' average) after each stage's last backward; False for a
+            pass that accumulates them locally for a later one to reduce
+            (``DistributedPipe.step(..., accumulate=True)``): no reduce step at all.
 
     The order around action k: gathers, recomputation, the wait for its
     messages, the receives of action k + ``post_ahead``, offload tag and
@@ -337,13 +342,13 @@ def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, c
         raise ValueError(f"post_ahead must be an int >= 0 (actions ahead a receive is posted), got {post_ahead!r}")
     program = [a for a in program if training or a.phase is Phase.FORWARD]
     slots = [_Slot(a) for a in program]
-    late = gathers(slots, zero3, training) if zero3 is not None else []
+    late = gathers(slots, zero3, training, reduce) if zero3 is not None else []
     if training:
         recompute(slots, checkpoint_stop)
     head = messages(slots, routes, post_ahead)
     if offload_stages or offload_horizon:
         offload(slots, offload_stages, offload_horizon)
-    if replicated and training:
+    if replicated and training and reduce:
         replicas(slots)
     for k, steps in late:
         slots[k].after += steps
@@ -355,6 +360,6 @@ def lower(program: Sequence[Action], routes: Routes, *, training: bool = True, c
         lowered += slot.after
     if program:
         lowered.append(Step(Kind.FLUSH, program[-1], program[-1].stage))
-        if replicated and training:
+        if replicated and training and reduce:
             lowered.append(Step(Kind.FINISH_REPLICAS, program[-1], program[-1].stage))
     return lowered

@@ -22,7 +22,8 @@ from pipe.distributed.env import rank_device
 from pipe.distributed.group import Topology, require_initialized, union_over_ranks, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
-from pipe.distributed.loss import CountedLoss, LossFn, StepGradients, divide_step_by_count, share_loss
+from pipe.distributed.accumulation import Accumulation
+from pipe.distributed.loss import CountedLoss, LossFn, divide_step_by_count, share_loss
 from pipe.distributed.step_inputs import prepare_step
 from pipe.distributed.runtime import Runtime
 from pipe.distributed.stage_function import StageSkips, skip_routes
@@ -178,6 +179,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             data_parallel=data_parallel)
         self.chunks, self.checkpoint, self.loss_reduction = spec.chunks, spec.checkpoint, spec.loss_reduction
         self._warned_ignored_targets = False
+        self._accumulation: Optional[Accumulation] = None  # the passes of step(accumulate=True) so far
         self.loss_fn = loss_fn
         if isinstance(model, nn.Module):
             refuse_wrapped(model)  # on every rank alike, before anything collective
@@ -278,7 +280,7 @@ class DistributedPipe(PlainNamed, nn.Module):
     # -- training and inference -----------------------------------------------------------------
 
     def step(self, inputs: Any = None, target: Any = None, loss_fn: Optional[LossFn] = None, *,
-             broadcast_loss: bool = False) -> Optional[Tensor]:
+             broadcast_loss: bool = False, accumulate: bool = False) -> Optional[Tensor]:
         """Runs forward and backward of one mini-batch; gradients accumulate in ``.grad``.
 
         Args:
@@ -288,39 +290,78 @@ class DistributedPipe(PlainNamed, nn.Module):
             loss_fn: ``loss_fn(output, target) -> scalar tensor`` (``(sum, count)``
                 with ``loss_reduction="count"``); default the constructor's.
             broadcast_loss: return the loss on every rank (one broadcast), not only the last stage's.
+            accumulate: this pass is not the last of an optimizer step: its
+                gradients stay on this rank, unreduced, and the next ``step()``
+                without ``accumulate`` (the last pass) reduces them once and
+                divides them by the count of all the passes, so they are the
+                plain model's for the loss over every pass's global batch
+                (:mod:`pipe.distributed.accumulation`). Every rank passes the
+                same value. Until that last pass an optimizer step over these
+                parameters, :meth:`eval_step`, :meth:`forward` and
+                :meth:`clip_grad_norm_` are refused.
 
         Returns:
             The mini-batch's loss (averaged over the data-parallel ranks, replicas
             and shards; with ``loss_reduction="count"`` the token mean over the
             global batch), on the rank of the last stage, or everywhere with
-            ``broadcast_loss``; else None.
+            ``broadcast_loss``; else None. The last pass of an accumulation
+            returns the loss over all its passes; a pass with ``accumulate=True`` returns None.
 
         Raises:
             ValueError, TypeError: bad inputs or targets. If any rank fails, the
-            failing rank re-raises its error and the others raise
-            :class:`pipe.distributed.PipelineFailure` naming it.
+                failing rank re-raises its error and the others raise
+                :class:`pipe.distributed.PipelineFailure` naming it (a failed pass
+                drops the gradients of the accumulation it was part of).
         """
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"step(accumulate=...) must be True or False, got {accumulate!r}")
         loss_fn = loss_fn or self.loss_fn
-        batches, targets, weights = self._prepare(inputs, target, loss_fn, "step()", need_target=True)
+        window = self._accumulation
+        batches, targets, weights = self._prepare(inputs, target, loss_fn, "step()", need_target=True,
+                                                  summed=window is not None or accumulate)
         stop = checkpoint_stop(self.checkpoint, self.chunks) if torch.is_grad_enabled() else 0
         for bn in self._deferred_batch_norms:
             bn.discard()  # what a failed step left behind
         # "count": each micro-batch back-propagates its sum; the step divides by the count at the end.
         counted = CountedLoss(loss_fn) if self.loss_reduction == "count" and loss_fn is not None else None
-        step_grads = StepGradients(self) if self.loss_reduction == "count" else None
+        if window is None and (accumulate or self.loss_reduction == "count"):
+            window = Accumulation(self, guard=accumulate)  # a "count" step alone is an accumulation of one pass
+        self._accumulation = None
         try:
             with torch.enable_grad():
-                loss, _ = self._runtime.run(batches, targets, counted or loss_fn, stop, weights, training=True)
+                loss, _ = self._runtime.run(batches, targets, counted or loss_fn, stop, weights, training=True,
+                                            reduce=not accumulate)
         except BaseException:
-            if step_grads is not None:
-                step_grads.abandon()
+            if window is not None:
+                window.abandon()
             raise
-        if step_grads is not None:
-            loss = self._divide_by_count(counted, loss, step_grads)
         for bn in self._deferred_batch_norms:
             bn.commit()  # running statistics once per mini-batch
+        if window is not None:
+            window.add(loss, self._pass_count(counted, weights))
+            if accumulate:
+                self._accumulation = window
+                return None
+            loss = self._end_accumulation(window)
         self._tied.reduce_gradients()  # tied weights: the replicas' gradients summed over their ranks
         return self._share_loss(loss, broadcast_loss)
+
+    def _pass_count(self, counted: Optional[CountedLoss], weights: Optional[list[float]]) -> Optional[Tensor]:
+        """What a pass of an accumulation divides by, on the last stage's rank: its tokens ("count") or samples."""
+        if counted is not None:
+            return counted.total(self.device)
+        if self.loss_reduction == "mean" and weights is not None:  # summed weights: the samples of each micro-batch
+            return torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
+        return None
+
+    def _end_accumulation(self, window: Accumulation) -> Optional[Tensor]:
+        """The last pass is done (and reduced): the passes' gradients and loss divided by their global count."""
+        window.release()
+        if self.loss_reduction == "sum":
+            window.gradients.finish(1.0)
+            return window.loss
+        return divide_step_by_count(window.local_count(self.device), window.loss, window.gradients, self.topology,
+                                    self._last_stage_rank(), self._pipeline_group, self.device, is_last=self.is_last)
 
     def eval_step(self, inputs: Any = None, target: Any = None, loss_fn: Optional[LossFn] = None, *,
                   return_outputs: bool = False, broadcast_loss: bool = False) -> Any:
@@ -379,24 +420,22 @@ class DistributedPipe(PlainNamed, nn.Module):
         return loss, gather(outputs) if outputs else None
 
     def _prepare(self, inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
-                 need_target: bool) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
+                 need_target: bool, summed: bool = False,
+                 ) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
         """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
+        if self._accumulation is not None and where != "step()":
+            raise self._accumulation.refuse(where)
         if self.awaiting_load:
             raise RuntimeError(
                 f"{where} before the weights were loaded: this DistributedPipe was built with init_weights=False, "
                 f"which leaves its tensors unset for a load to fill; call pipe.distributed.hf.load(directory, "
                 f"model) or pipe.distributed.state.load(path, model) first, or build it with init_weights=True "
                 f"(the default) to initialise the weights with the model's own code")
-        return prepare_step(self, inputs, target, loss_fn, where, need_target)
+        return prepare_step(self, inputs, target, loss_fn, where, need_target, summed)
 
     def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:
         return share_loss(loss, self.topology, self._last_stage_rank(), self._pipeline_group, self.device,
                           is_last=self.is_last, average=average, broadcast=broadcast_loss)
-
-    def _divide_by_count(self, counted: Optional[CountedLoss], loss: Optional[Tensor],
-                         step_grads: StepGradients) -> Optional[Tensor]:
-        return divide_step_by_count(counted, loss, step_grads, self.topology, self._last_stage_rank(),
-                                    self._pipeline_group, self.device, is_last=self.is_last)
 
     def _last_stage_rank(self) -> int:
         return self.topology.global_rank(self.schedule.rank_of(self.schedule.stages - 1))
@@ -428,5 +467,10 @@ class DistributedPipe(PlainNamed, nn.Module):
 
         Returns:
             The total norm before clipping, on every rank.
+
+        Raises:
+            RuntimeError: during an accumulation (``step(..., accumulate=True)``), whose gradients are not whole yet.
         """
+        if self._accumulation is not None:
+            raise self._accumulation.refuse("clip_grad_norm_()")
         return clip_grad_norm(self.parameters(), self._tied, self._pipeline_group, self.device, max_norm)

@@ -54,11 +54,17 @@ IGNORE_INDEX = -100  # the default ignore_index of F.cross_entropy and F.nll_los
 LossFn = Callable[[Any, Any], Tensor]
 
 
-def sample_weights(reduction: str, targets: list[Batch]) -> list[float]:
-    """Per micro-batch, the factor of its loss in the step's loss (before a count divides it)."""
+def sample_weights(reduction: str, targets: list[Batch], summed: bool = False) -> list[float]:
+    """Per micro-batch, the factor of its loss in the step's loss (before a count divides it).
+
+    ``summed`` (``"mean"`` in an accumulation of several steps, :mod:`pipe.distributed.accumulation`): each
+    micro-batch's mean weighted by its samples, a sum that the last step divides by the samples of them all.
+    """
     if reduction != "mean":
         return [1.0] * len(targets)
     sizes = [t.tensors[0].size(0) for t in targets]
+    if summed:
+        return [float(size) for size in sizes]
     total = sum(sizes)
     return [size / total for size in sizes]
 
@@ -198,7 +204,8 @@ class StepGradients:
         for parameter, earlier in self.held:
             grad = parameter.grad
             if grad is not None:
-                grad.mul_(scale)
+                if scale != 1.0:
+                    grad.mul_(scale)
                 if earlier is not None:
                     grad = earlier.add_(grad)
             parameter.grad = grad if grad is not None else earlier
@@ -211,13 +218,14 @@ class StepGradients:
         self.held = []
 
 
-def divide_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step_grads: StepGradients, *,
+def divide_by_count(local: Tensor, loss: Optional[Tensor], step_grads: StepGradients, *,
                     is_last: bool, data_parallel_group: Optional[dist.ProcessGroup], replicas: int,
-                    broadcast: Callable[[Optional[Tensor]], Tensor], device: torch.device) -> Optional[Tensor]:
+                    broadcast: Callable[[Optional[Tensor]], Tensor]) -> Optional[Tensor]:
     """Ends a ``"count"`` step: divides its gradients and this replica's loss by the global count.
 
     Every rank of the pipeline calls it (see :func:`global_count` for the
-    arguments). Replicas' gradients and losses are averaged afterwards, so
+    arguments; ``local`` is this replica's count, float64, on the last stage's rank).
+    Replicas' gradients and losses are averaged afterwards, so
     each divides by its share of the global count, ``count / replicas``.
 
     Returns:
@@ -226,7 +234,6 @@ def divide_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step
     Raises:
         ValueError: the global count is 0; this step's gradients are dropped.
     """
-    local = counted.total(device) if counted is not None else torch.zeros((), dtype=torch.float64, device=device)
     try:
         count = global_count(local, is_last, data_parallel_group, replicas, broadcast)
     except ValueError:
@@ -287,11 +294,12 @@ def share_loss(loss: Optional[Tensor], topology: "Topology", source: int, group:
     return loss
 
 
-def divide_step_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor], step_grads: StepGradients,
+def divide_step_by_count(local: Tensor, loss: Optional[Tensor], step_grads: StepGradients,
                          topology: "Topology", source: int, group: Optional[dist.ProcessGroup], device: torch.device,
                          *, is_last: bool) -> Optional[Tensor]:
-    """Divides a step's gradients and loss by the global count (``loss_reduction="count"``); every rank learns
-    the same count from the last stage's rank ``source``, so a count of 0 raises the same error everywhere."""
+    """Divides a step's gradients and loss by the global count (``loss_reduction="count"``, or the samples of an
+    accumulation); ``local``: this replica's count on the last stage's rank. Every rank learns the same count
+    from the last stage's rank ``source``, so a count of 0 raises the same error everywhere."""
     def broadcast(value: Optional[Tensor]) -> Tensor:
         if topology.ranks == 1:
             if value is None:
@@ -299,5 +307,5 @@ def divide_step_by_count(counted: Optional[CountedLoss], loss: Optional[Tensor],
             return value
         return broadcast_from(value, source, group, device)
 
-    return divide_by_count(counted, loss, step_grads, is_last=is_last, data_parallel_group=topology.data_parallel_group,
-                           replicas=topology.data_parallel, broadcast=broadcast, device=device)
+    return divide_by_count(local, loss, step_grads, is_last=is_last, data_parallel_group=topology.data_parallel_group,
+                           replicas=topology.data_parallel, broadcast=broadcast)

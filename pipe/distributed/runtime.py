@@ -150,12 +150,12 @@ class Runtime:
         for feature in (sharding, averager, self.swap):
             if feature is not None:
                 self.executors.update({kind: _traced(kind, run) for kind, run in feature.executors().items()})
-        self._lowered: dict[tuple[bool, int], list[Step]] = {}
+        self._lowered: dict[tuple[bool, int, bool], list[Step]] = {}
         self._step: Optional[_Step] = None
 
-    def lowered(self, training: bool, checkpoint_stop: int) -> list[Step]:
-        """This rank's lowered program for a step (made once per mode and kept)."""
-        key = (training, checkpoint_stop if training else 0)
+    def lowered(self, training: bool, checkpoint_stop: int, reduce: bool = True) -> list[Step]:
+        """This rank's lowered program for a step (made once per mode and kept); ``reduce``: as for :func:`lower`."""
+        key = (training, checkpoint_stop if training else 0, reduce or not training)
         if key not in self._lowered:
             swap = self.swap
             rank = self.topology.pipeline_rank
@@ -165,13 +165,14 @@ class Runtime:
                 zero3=None if self.sharding is None else self.sharding.config.reshard_after_forward,
                 offload_stages=() if swap is None else swap.offloading_stages(),
                 offload_horizon=0 if swap is None else swap.horizon,
-                replicated=self.averager is not None)
+                replicated=self.averager is not None, reduce=key[2])
         return self._lowered[key]
 
     # -- one step ----------------------------------------------------------------------------
 
     def run(self, batches: Optional[list[Batch]], targets: Optional[list[Batch]], loss_fn: Optional[LossFn],
-            checkpoint_stop: int, weights: Optional[list[float]], training: bool) -> tuple[Optional[Tensor], list[Batch]]:
+            checkpoint_stop: int, weights: Optional[list[float]], training: bool,
+            reduce: bool = True) -> tuple[Optional[Tensor], list[Batch]]:
         """Runs the lowered program of this rank for one mini-batch.
 
         Args:
@@ -182,6 +183,8 @@ class Runtime:
             checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
             weights: per micro-batch, the factor of its loss in the step's loss.
             training: run backward (True) or forwards only.
+            reduce: reduce the gradients over the data-parallel ranks after the
+                backwards (False: they accumulate locally, for a later step to reduce).
 
         Returns:
             ``(loss, outputs)``: the step's loss on the last stage's rank (when
@@ -195,7 +198,7 @@ class Runtime:
         try:
             if self.sharding is not None:
                 self.sharding.begin_step()
-            for step in self.lowered(training, checkpoint_stop):
+            for step in self.lowered(training, checkpoint_stop, reduce):
                 executors[step.kind](step)
         except BaseException as error:
             where = "the end of the step" if step is None or step.kind in (Kind.FLUSH, Kind.FINISH_REPLICAS) \

@@ -36,6 +36,15 @@ a save therefore leaves the previous checkpoint at ``<path>`` intact and the
 partial files in ``<path>.saving``, which :func:`load` names in its error.
 A checkpoint is complete when its folder holds ``.metadata`` (:func:`is_complete`).
 
+``save(..., asynchronous=True)`` copies the state to host memory and returns;
+DCP's ``async_save`` writes the files in a background thread, over a gloo
+group of its own, while training goes on. The rename that publishes the
+checkpoint waits for every rank's write: :func:`wait`, which the next
+:func:`save` and :func:`load` call first, and a run calls before it ends.
+Until then the checkpoint is ``<path>.saving``, which :func:`latest` and
+:func:`prune` pass over, so a rank that dies mid-write leaves the newest
+published checkpoint the one to resume from.
+
 A run that saves every N steps keeps its checkpoints as ``step-<8 digits>``
 folders of one directory (:func:`step_path`): :func:`latest` finds the newest
 complete one to resume from, and :func:`prune` deletes all but the newest k
@@ -53,7 +62,9 @@ import pathlib
 import re
 import shutil
 import warnings
-from typing import Any, Optional, Union
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -70,7 +81,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pipe.distributed.materialize import mark_loaded
 
-__all__ = ["save", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
+__all__ = ["save", "wait", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +252,24 @@ def _state(module: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tup
     return view, state
 
 
-def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> None:
+@dataclass
+class _Writing:
+    """An asynchronous save in flight: DCP's future, and the folders to publish once every rank has written."""
+
+    future: "Future[Any]"
+    staging: str
+    final: str
+    tensors: int
+
+
+_writing: Optional[_Writing] = None
+"""The asynchronous save of this process still being written (at most one: a save waits for the one before)."""
+_save_group: Optional[tuple[Any, dist.ProcessGroup]] = None
+"""(the default process group, a gloo group of the same ranks) for the writes in the background."""
+
+
+def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+         asynchronous: bool = False, **extra: Any) -> None:
     """Saves the model (and optimizer) state of every rank into the directory ``path``.
 
     Collective: every rank of the job calls it with its ``DistributedPipe``
@@ -252,36 +280,142 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     model's, a tied weight once; so the checkpoint loads at any other layout,
     into ``pipe.Pipe`` and into the plain model (:func:`load_module`).
 
+    A save in flight (``asynchronous=True`` before) is finished first (:func:`wait`).
+
     Args:
         path: a directory (created).
         module: a ``DistributedPipe``, a ``pipe.Pipe``, or the plain module (in one process).
         optimizer: the optimizer over ``module.parameters()``.
+        asynchronous: return once the state is copied to host memory, and write the files in the background
+            (``torch.distributed.checkpoint.async_save``, over a gloo group of its own so that its
+            collectives never meet the training's): training goes on meanwhile and may change the weights.
+            The checkpoint is published at ``path`` (complete, :func:`is_complete`; found by :func:`latest`)
+            only when :func:`wait` has seen every rank's write finish; the next :func:`save`, :func:`load`
+            and :func:`wait` do that. Call :func:`wait` before the end of the run, or the last checkpoint
+            stays unpublished in ``<path>.saving``. Holds a copy of this rank's state in host memory while writing.
         extra: small values every rank agrees on (step number, an LR scheduler's ``state_dict()``, ...),
             returned by :func:`load` as given (a dict of them nested as it was).
+
+    Raises:
+        RuntimeError: the save in flight before this one failed (see :func:`wait`).
     """
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"state.save(asynchronous=...) must be True or False, got {asynchronous!r}")
+    wait()
     _, state = _state(module, optimizer)
     state["extra"] = dict(extra)
     final = os.fspath(path)
     staging = final + STAGING
-    coordinator = not _distributed() or dist.get_rank() == 0
-    if coordinator:
+    if _coordinator():
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
     _barrier()
+    if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
+                                category=UserWarning)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        if asynchronous:
+            global _writing
+            written = dcp.async_save(state, checkpoint_id=staging, process_group=_background_group(),
+                                     no_dist=not _distributed())
+            # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
+            future = cast("Future[Any]", getattr(written, "upload_completion", written))
+            _writing = _Writing(future, staging, final, len(state["model"]))
+            logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
+            return
         dcp.save(state, checkpoint_id=staging, no_dist=not _distributed())
-    _barrier()  # every rank's files and the metadata are written
-    if coordinator:
+    _publish(staging, final)
+    logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
+
+
+def wait() -> Optional[pathlib.Path]:
+    """Finishes the asynchronous save in flight (:func:`save` with ``asynchronous=True``): waits, publishes it.
+
+    Collective when ``torch.distributed`` is initialised (every rank has one
+    save in flight or none alike). Once every rank's files are written, the
+    save's folder is renamed to its path, as a synchronous save's is: only then is
+    it a complete checkpoint (:func:`is_complete`, :func:`latest`, :func:`prune`).
+
+    Returns:
+        The path of the checkpoint published, or None when no save was in flight.
+
+    Raises:
+        RuntimeError: the write failed on a rank (named, with DCP's error); the
+            partial files stay in ``<path>.saving``, never published, and the
+            checkpoints published before are untouched.
+    """
+    global _writing
+    writing, _writing = _writing, None
+    if writing is None:
+        return None
+    error: Optional[BaseException] = None
+    try:
+        writing.future.result()
+    except (Exception, dcp.CheckpointException) as failure:  # (a BaseException) reported on every rank below
+        error = failure
+    failed = _failed_ranks(error)
+    if failed:
+        raise RuntimeError(
+            f"the asynchronous save to {writing.final!r} failed on rank(s) {sorted(failed)}: "
+            f"{'; '.join(f'rank {rank}: {why}' for rank, why in sorted(failed.items()))}; it was not published "
+            f"(its partial files are in {writing.staging!r}) and the checkpoints saved before it are untouched: "
+            f"resume from the newest of them (state.latest)") from error
+    _publish(writing.staging, writing.final)
+    logger.info("saved %d tensors of the model to %s (written in the background)", writing.tensors, writing.final)
+    return pathlib.Path(writing.final)
+
+
+def _publish(staging: str, final: str) -> None:
+    """Renames ``staging`` to ``final`` once every rank has written its files (DCP writes the metadata last)."""
+    _barrier()
+    if _coordinator():
         _replace(staging, final)
     _barrier()
-    logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
+
+
+def _coordinator() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _background_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group of every rank for asynchronous saves (made once per default group; collective), or None."""
+    global _save_group
+    if not _distributed():
+        return None
+    default = dist.group.WORLD
+    if _save_group is None or _save_group[0] is not default:
+        group = dist.new_group(backend="gloo")
+        assert group is not None, "dist.new_group of every rank returned no group on a member"
+        _save_group = (default, group)
+    return _save_group[1]
+
+
+def _failed_ranks(error: Optional[BaseException]) -> dict[int, str]:
+    """The ranks whose write failed and why, on every rank (one all-gather over the save's gloo group).
+
+    DCP reports a rank's failed write on every rank (a ``CheckpointException`` naming the ranks); any other
+    error names the rank that raised it.
+    """
+    local: dict[int, str] = {}
+    rank = dist.get_rank() if _distributed() else 0
+    if isinstance(error, dcp.CheckpointException):
+        for failed, wrapped in error.failures.items():
+            cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            local[failed] = f"{type(cause).__name__}: {cause}"
+    elif error is not None:
+        local[rank] = f"{type(error).__name__}: {error}"
+    if not _distributed():
+        return local
+    gathered: list[Optional[dict[int, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local, group=_background_group())
+    return {failed: why for part in gathered if part for failed, why in part.items()}
 
 
 def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
     """Loads what :func:`save` wrote into ``module`` (and ``optimizer``), whatever the stages were.
 
     Collective when ``torch.distributed`` is initialised. Each rank reads the
-    keys of the layers it owns.
+    keys of the layers it owns. An asynchronous save in flight is finished first (:func:`wait`).
 
     Returns:
         The ``extra`` values given to :func:`save`.
@@ -291,6 +425,7 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
             whether a save into it was interrupted).
         RuntimeError: the checkpoint lacks a key this rank needs (DCP names it).
     """
+    wait()
     _require_complete(os.fspath(path))
     view, state = _state(module, optimizer)
     # "extra" holds plain values whose keys the loader cannot know in advance: list them first.

@@ -20,9 +20,10 @@ Prepared = tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[flo
 
 
 def prepare_step(pipe: "DistributedPipe", inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
-                 need_target: bool) -> Prepared:
+                 need_target: bool, summed: bool = False) -> Prepared:
     """``pipe``'s input and target micro-batches on this rank and the loss weights; a bad argument fails every
-    rank (``where`` names the call: ``"step()"``)."""
+    rank (``where`` names the call: ``"step()"``). ``summed``: a step of an accumulation, whose ``"mean"`` losses
+    are weighted by their samples (:func:`pipe.distributed.loss.sample_weights`) for its last step to divide."""
     failures = pipe._runtime.failures
     targets = weights = None
     try:  # a bad argument on one rank must not leave the others waiting: report it
@@ -35,13 +36,13 @@ def prepare_step(pipe: "DistributedPipe", inputs: Any, target: Any, loss_fn: Opt
                 raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
             verify_device(target, pipe.device, "a target", _move_to(pipe, "target"))
             targets = scatter_exactly(target, pipe.chunks, "target")
-            weights = sample_weights(pipe.loss_reduction, targets)
+            weights = sample_weights(pipe.loss_reduction, targets, summed)
             if not pipe._warned_ignored_targets:
                 pipe._warned_ignored_targets = warn_if_ignored_targets(pipe.loss_reduction, target)
     except (TypeError, ValueError) as error:
         failures.begin_step()  # the step the other ranks run
         raise failures.failure_from(where, error) from None
-    if targets is not None and weights is not None and pipe.loss_reduction == "mean" \
+    if targets is not None and weights is not None and pipe.loss_reduction == "mean" and not summed \
             and pipe.topology.data_parallel > 1:
         try:  # replicas with uneven shares of the global batch: weighted by their samples
             weights = replica_share(weights, targets, pipe.topology.data_parallel_group,

@@ -86,6 +86,17 @@ def test_zero3_gathers_more_often_than_zero2_and_both_reduce_once_per_stage() ->
     assert not any(s.kind is Kind.REDUCE_GRAD for s in lower(program, Routes.chain(4), zero3=True, training=False))
 
 
+def test_a_pass_that_accumulates_reduces_nothing_and_gathers_as_any_other() -> None:
+    """``reduce=False`` (``step(..., accumulate=True)``): no reduce-scatter, no replicas' average; the rest alike."""
+    program = Schedule("interleaved", 2, 4, 2).actions(0)
+    reductions = {Kind.REDUCE_GRAD, Kind.REDUCE_REPLICAS, Kind.FINISH_REPLICAS}
+    for options in ({"zero3": True}, {"zero3": False}, {"replicated": True}):
+        reducing = lower(program, Routes.chain(4), **options)  # type: ignore[arg-type]
+        accumulating = lower(program, Routes.chain(4), reduce=False, **options)  # type: ignore[arg-type]
+        assert any(s.kind in reductions for s in reducing), options
+        assert [s for s in reducing if s.kind not in reductions] == accumulating, options
+
+
 def test_recompute_offload_and_replica_steps_land_where_their_features_need_them() -> None:
     schedule = Schedule("1f1b", 2, 4)
     program = schedule.actions(0)

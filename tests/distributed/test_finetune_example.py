@@ -116,7 +116,8 @@ def test_keep_the_last_checkpoints_and_resume_auto_continues_an_interrupted_run_
     out = tmp_path / "run"
     flags = ["--model", str(tmp_path / "model"), "--data", str(text), "--out", str(out), "--seq-len", "16",
              "--batch-size", "4", "--chunks", "2", "--eval-every", "3", "--pp", "2", "--steps", "6",
-             "--save-every", "1", "--keep", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4"]
+             "--save-every", "1", "--keep", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
+             "--async-save", "--accumulate", "2"]  # checkpoints written in the background; 2 passes per step
     first = _launch(2, flags, "done: steps 0-6")
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000005", "step-00000006"], first
@@ -162,11 +163,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 def test_a_config_file_gives_the_flags_and_the_command_line_overrides_it(tmp_path: Path) -> None:
     example = _example()
     flags = ["--model", "m", "--data", "d.txt", "--out", "o", "--pp", "4", "--dp-shard", "2", "--steps", "30",
-             "--lr", "0.001", "--min-lr", "1e-05", "--warmup", "3", "--schedule", "gpipe", "--resume", "auto"]
+             "--lr", "0.001", "--min-lr", "1e-05", "--warmup", "3", "--schedule", "gpipe", "--resume", "auto",
+             "--async-save", "--accumulate", "4"]
     given = example.parse_args(flags)
     run = tmp_path / "run.yaml"
     run.write_text("model: m\ndata: d.txt\nout: o\npp: 4\ndp_shard: 2\nsteps: 30\nlr: 1e-3\nmin-lr: 1.0e-5\n"
-                   "warmup: 3\nschedule: gpipe\nresume: auto\nseed: null\n")  # dashes or underscores; null: default
+                   "warmup: 3\nschedule: gpipe\nresume: auto\nseed: null\nasync-save: true\naccumulate: 4\n"
+                   )  # dashes or underscores; null: default; a switch is true or false
     assert _settings(example.parse_args(["--config-file", str(run)])) == _settings(given)
     # What a run saves as out/config.yaml gives the same run back.
     run.write_text(yaml.safe_dump(example.effective_config(given)))
@@ -184,7 +187,9 @@ def test_a_config_file_gives_the_flags_and_the_command_line_overrides_it(tmp_pat
                                r"data, out, pp, dp-shard, .*, steps, "),
     ("dp-shard: 2\ndp_shard: 2\n", r"'dp-shard' and 'dp_shard' are one flag; give it once"),
     ("- steps: 10\n", r"run.yaml: holds a list, not a mapping of flags to values"),
-    ("steps: [1, 2]\n", r"steps: \[1, 2\] is not a value of the flag"),
+    ("steps: [1, 2]\n", r"steps: \[1, 2\] is not a value of the flag; give one number, word or path"),
+    ("async-save: 1\n", r"async-save: 1 is not a value of the flag; give true or false"),
+    ("steps: true\n", r"steps: True is not a value of the flag; give one number"),
     ("steps: 10\n  bad: [\n", r"run.yaml: not YAML"),
 ])
 def test_a_config_file_with_a_key_that_is_no_flag_is_refused_naming_it(tmp_path: Path, text: str,

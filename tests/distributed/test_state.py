@@ -176,3 +176,51 @@ def test_prune_keeps_the_newest_complete_checkpoints_and_never_a_save_in_progres
     for bad in (0, -2, True, 2.0):
         with pytest.raises(ValueError, match=rf"prune: keep={bad!r}; keep at least 1 checkpoint"):
             state.prune(tmp_path, keep=bad)  # type: ignore[arg-type]
+
+
+def _asynchronous(rank: int, world: int, directory: str) -> list[str]:
+    pipe = DistributedPipe(_model(0), chunks=2, schedule="1f1b")
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    _train(pipe, optimizer, range(2))
+    at_save = {name: p.detach().clone() for name, p in pipe.named_parameters()}
+    first, second = state.step_path(directory, 2), state.step_path(directory, 4)
+    state.save(first, pipe, optimizer, asynchronous=True, step=2)
+    reference = _train(pipe, optimizer, range(2, 4))  # training goes on (and changes the weights) while it writes
+    assert not state.is_complete(first) and state.latest(directory) is None  # published by wait() only
+    state.save(second, pipe, optimizer, asynchronous=True, step=4)  # finishes the first, then starts
+    assert state.latest(directory) == first and not state.is_complete(second)
+    assert state.prune(directory, keep=1) == []  # the one in flight is no checkpoint yet: nothing to prune
+    assert state.wait() == second and state.wait() is None
+    assert state.latest(directory) == second
+    # The first holds the weights at its call, not those training wrote while it was written: a resume continues
+    # exactly where the reference did.
+    resumed = DistributedPipe(_model(1), chunks=2, schedule="1f1b")
+    resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    assert state.load(first, resumed, resumed_optimizer) == {"step": 2}
+    for name, p in resumed.named_parameters():
+        torch.testing.assert_close(p.detach(), at_save[name], rtol=0, atol=0)
+    again = _train(resumed, resumed_optimizer, range(2, 4))
+    assert state.prune(directory, keep=1) == [first]
+    # load() finishes a save in flight first.
+    third = state.step_path(directory, 5)
+    state.save(third, pipe, optimizer, asynchronous=True, step=5)
+    assert state.load(second, DistributedPipe(_model(1), chunks=2, schedule="1f1b")) == {"step": 4}
+    assert state.is_complete(third)
+    # A write that fails on rank 1: every rank raises naming it, nothing is published, the newest checkpoint stays.
+    if rank == 1:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OSError("disk full (injected)")
+        state.dcp.FileSystemWriter.write_data = refuse  # type: ignore[method-assign]
+    failed = state.step_path(directory, 6)
+    state.save(failed, pipe, optimizer, asynchronous=True, step=6)
+    with pytest.raises(RuntimeError, match=r"save to .*step-00000006.* failed on rank\(s\) \[1\]: rank 1: OSError: "
+                                           r"disk full \(injected\)"):
+        state.wait()
+    assert state.latest(directory) == third and not state.is_complete(failed)
+    return [str(reference), str(again)]
+
+
+def test_asynchronous_save_is_published_once_written_and_holds_the_state_at_its_call(tmp_path: Path) -> None:
+    results = run_ranks(_asynchronous, 2, str(tmp_path / "checkpoints"))
+    reference, resumed = results[0]
+    assert resumed == reference and results[1] == results[0]
