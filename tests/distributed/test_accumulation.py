@@ -10,7 +10,8 @@ pass must equal its gradients within 1e-6 of the gradient's largest element
 is off by a factor of the gradient). Layouts: replicas (pp 2, dp_replicate 2),
 FSDP (pp 2, dp_shard 2: ZeRO-3 with a tied embedding, and ZeRO-2 under the
 zero-bubble "zbv", whose W steps accumulate the weight gradients; reduce-scatters
-only in the pass that ends the accumulation), tensor parallelism (pp 2, tp 2),
+only in the pass that ends the accumulation; and ``Shard(unit="block", reduce="micro-batch")``,
+which reduce-scatters in every pass), tensor parallelism (pp 2, tp 2),
 pipeline only (pp 4, interleaved).
 Misuse is refused: an optimizer step, ``eval_step``, ``clip_grad_norm_`` while
 accumulating.
@@ -129,6 +130,10 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
         check(lm(tied=True), "count", "fsdp count", chunks=2, schedule="1f1b", mesh=pd.make_mesh(pp=2, dp_shard=2))
         check(lm(tied=False), "mean", "fsdp zero2 mean", chunks=2, schedule="zbv", virtual_stages=2,
               mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(reshard_after_forward=False))  # weights in W
+        # FSDP gathering a layer at a time, each layer's gradients reduce-scattered after each of its backwards:
+        # the passes that accumulate reduce too, into the sharded gradients, which the last pass divides.
+        check(lm(tied=False), "count", "fsdp by layer count", chunks=2, schedule="1f1b",
+              mesh=pd.make_mesh(pp=2, dp_shard=2), shard=pd.Shard(unit="block", reduce="micro-batch"))
         # Tensor parallelism (Megatron's split of the decoder's blocks).
         check(decoder(0), "count", "tp count", vocab=32, chunks=2, mesh=pd.make_mesh(pp=2, tp=2),
               tensor_parallel=tensor_parallel_plan(False))
@@ -175,3 +180,4 @@ def test_accumulation_equals_plain_model() -> None:
             assert reports_of_rank[label]["reduce_scatters"][:2] == [0, 0], (label, reports_of_rank[label])
             assert reports_of_rank[label]["reduce_scatters"][2] > 0, (label, reports_of_rank[label])
         assert reports_of_rank["replicas count float32"]["reduce_scatters"] == [0, 0, 0]
+        assert all(count > 0 for count in reports_of_rank["fsdp by layer count float32"]["reduce_scatters"])
