@@ -14,6 +14,18 @@ from split_models import gpt2, llama, lm_batch
 pytest.importorskip("transformers")
 
 
+def assert_exact(logits: Tensor, model: nn.Module, reference: nn.Module, ids: Tensor, mask: Tensor) -> Tensor:
+    """``logits`` of the split ``model`` and, after a backward of both, every gradient equal ``reference``'s to
+    the last bit; returns the reference's logits."""
+    expected = reference(ids, attention_mask=mask).logits
+    assert torch.equal(logits, expected)
+    logits.square().mean().backward()
+    expected.square().mean().backward()
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter.grad, reference.get_parameter(name).grad), name
+    return expected.detach()
+
+
 @pytest.mark.parametrize("make, layers, at", [(llama, "model.layers", ["model.layers.2"]),
                                               (gpt2, "transformer.h", ["transformer.h.2"])])
 def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(make, layers: str, at: list[str]) -> None:
@@ -32,13 +44,7 @@ def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(make, layers:
             assert not any(node.op == "get_attr" and str(node.target).startswith(block.path + ".")
                            for node in stage.graph.nodes)  # its weights are read inside it only
     assert list(stages.state_dict()) == list(model.state_dict())
-    logits = stages(ids, mask)
-    expected = reference(ids, attention_mask=mask).logits
-    assert torch.equal(logits, expected)
-    logits.square().mean().backward()
-    expected.square().mean().backward()
-    for name, parameter in model.named_parameters():
-        assert torch.equal(parameter.grad, reference.get_parameter(name).grad), name
+    expected = assert_exact(stages(ids, mask), model, reference, ids, mask)
     copied = copy.deepcopy(stages)  # a copy runs its layers as modules too
     assert [[b.path for b in blocks_of(stage)] for stage in copied] == found
     assert all(isinstance(b, SplitBlock) for stage in copied for b in blocks_of(stage))
@@ -107,9 +113,4 @@ def test_each_layer_of_a_split_model_can_be_recomputed_on_its_own() -> None:
             recompute(block)
     logits, kept_with_recompute = saved_elements()
     assert kept_with_recompute < kept / 4  # 144 768 -> 11 904 elements here
-    expected = reference(ids, attention_mask=mask).logits
-    assert torch.equal(logits, expected)
-    logits.square().mean().backward()
-    expected.square().mean().backward()
-    for name, parameter in model.named_parameters():
-        assert torch.equal(parameter.grad, reference.get_parameter(name).grad), name
+    assert_exact(logits, model, reference, ids, mask)

@@ -277,6 +277,50 @@ def test_replicas_hsdp_and_mixed_precision_match_the_plain_model() -> None:
                        ["replicas:1/0", "hsdp:0/2", "bf16"], ["replicas:1/1", "hsdp:0/3", "bf16"]]
 
 
+def _split_lm_against_plain(piped: pd.DistributedPipe, reference: nn.Module, label: str,
+                            first: dict[str, float]) -> list[int]:
+    """3 AdamW steps of a split HF language model at (pp 2, dp_shard 2) against the plain model on the global
+    batch (8 padded rows; each replica takes its 4): the loss, every gradient (step 0 within ``first``, later
+    steps within 1e-5 / 1e-4, from weights AdamW's rounding moved apart) and the weights after. Returns each
+    step's reduce-scatters."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from split_models import lm_batch
+
+    def lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        flat_labels = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum"), \
+            (flat_labels != -100).sum()
+
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
+    scatters = []
+    for step in range(3):
+        ids, mask, labels = lm_batch(8, 8, seed=step)
+        with Collectives() as collectives:
+            loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
+        scatters.append(collectives.counts["reduce_scatter"])
+        total, counted = lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
+        (total / counted).backward()
+        assert loss is not None
+        torch.testing.assert_close(loss, (total / counted).detach(), atol=1e-5, rtol=1e-5)
+        tolerance = first if step == 0 else dict(atol=1e-5, rtol=1e-4)
+        for name, parameter in piped.named_parameters():
+            assert parameter.grad is not None, name
+            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, **tolerance,
+                                       msg=lambda m: f"{label}, step {step} {name}: {m}")
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    # Adam normalises each gradient: the attention key bias, whose gradient is zero up to rounding (softmax
+    # ignores a per-query constant), moves by rounding-sized steps scaled up, so weights get 1e-4 here.
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(),
+                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"{label}, {name} after 3 AdamW steps: {m}")
+    return scatters
+
+
 def _gpt2(rank: int, world: int) -> float:
     """HuggingFace GPT-2 cut by pipe.split, sharded on (pp 2, dp_shard 2), tied embeddings, padded batches."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -290,36 +334,7 @@ def _gpt2(rank: int, world: int) -> float:
     stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
     piped = pd.DistributedPipe(stages, chunks=2, checkpoint="except_last", schedule="1f1b",
                                mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count")
-
-    def lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        flat_labels = labels[:, 1:].reshape(-1)
-        total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum")
-        return total, (flat_labels != -100).sum()
-
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
-    for step in range(3):
-        ids, mask, labels = lm_batch(8, 8, seed=step)
-        loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
-        total, count = lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
-        expected = total / count
-        expected.backward()
-        assert loss is not None
-        torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
-        for name, parameter in piped.named_parameters():
-            assert parameter.grad is not None, name
-            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad,
-                                       atol=1e-5, rtol=1e-4, msg=lambda m: f"step {step} {name}: {m}")
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-    # Adam normalises each gradient: the attention key bias, whose gradient is zero up to rounding (softmax
-    # ignores a per-query constant), moves by rounding-sized steps scaled up, so weights get 1e-4 here.
-    for name, parameter in piped.named_parameters():
-        torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(),
-                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"{name} after 3 AdamW steps: {m}")
+    _split_lm_against_plain(piped, reference, "gpt2", first=dict(atol=1e-5, rtol=1e-4))
     return float(_full(model.get_input_embeddings().weight.detach()).sum())
 
 
@@ -402,37 +417,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     for block in layers:
         block.register_forward_pre_hook(count)
 
-    def lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        flat_labels = labels[:, 1:].reshape(-1)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum"), \
-            (flat_labels != -100).sum()
-
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
-    scatters = []
-    for step in range(3):
-        ids, mask, labels = lm_batch(8, 8, seed=step)
-        with Collectives() as collectives:
-            loss = piped.step((ids[part], mask[part]), labels[part], lm_sum_count, broadcast_loss=True)
-        scatters.append(collectives.counts["reduce_scatter"])
-        total, counted = lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
-        (total / counted).backward()
-        assert loss is not None
-        torch.testing.assert_close(loss, (total / counted).detach(), atol=1e-5, rtol=1e-5)
-        for name, parameter in piped.named_parameters():
-            assert parameter.grad is not None, name
-            # Step 0 from equal weights: 1e-6; later steps start from weights that AdamW's rounding moved apart.
-            tolerance = dict(atol=1e-6, rtol=1e-5) if step == 0 else dict(atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(_full(parameter.grad), reference.get_parameter(name).grad, **tolerance,
-                                       msg=lambda m: f"{unit}, step {step} {name}: {m}")
-        optimizer.step()
-        expected_optimizer.step()
-        optimizer.zero_grad()
-        expected_optimizer.zero_grad()
-    for name, parameter in piped.named_parameters():
-        torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(),
-                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"{unit}, {name} after 3 AdamW steps: {m}")
+    scatters = _split_lm_against_plain(piped, reference, unit, first=dict(atol=1e-6, rtol=1e-5))
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
