@@ -277,6 +277,13 @@ def test_replicas_hsdp_and_mixed_precision_match_the_plain_model() -> None:
                        ["replicas:1/0", "hsdp:0/2", "bf16"], ["replicas:1/1", "hsdp:0/3", "bf16"]]
 
 
+def _lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """A causal LM's summed next-token loss and its token count (padding is -100)."""
+    flat_labels = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum"), \
+        (flat_labels != -100).sum()
+
+
 def _split_lm_against_plain(piped: pd.DistributedPipe, reference: nn.Module, label: str,
                             first: dict[str, float]) -> list[int]:
     """3 AdamW steps of a split HF language model at (pp 2, dp_shard 2) against the plain model on the global
@@ -286,11 +293,7 @@ def _split_lm_against_plain(piped: pd.DistributedPipe, reference: nn.Module, lab
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import lm_batch
 
-    def lm_sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        flat_labels = labels[:, 1:].reshape(-1)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat_labels, reduction="sum"), \
-            (flat_labels != -100).sum()
-
+    lm_sum_count = _lm_sum_count
     optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
@@ -385,8 +388,9 @@ def test_split_gpt2_sharded_matches_the_plain_model() -> None:
 
 def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str], reduce: str) -> dict[str, Any]:
     """A tied HuggingFace LLaMA of 6 decoder layers cut by pipe.split at (pp 2, dp_shard 2), 3 layers a stage,
-    ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps. Before
-    each layer's forward (and its recomputation) the hook counts the stage's layers then gathered."""
+    ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps and a
+    held-out loss (eval_step). Before each layer's forward (and its recomputation) the hook counts the stage's
+    layers then gathered."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import pipe
     from pipe.split_blocks import blocks_of
@@ -418,6 +422,12 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         block.register_forward_pre_hook(count)
 
     scatters = _split_lm_against_plain(piped, reference, unit, first=dict(atol=1e-6, rtol=1e-5))
+    ids, mask, labels = lm_batch(8, 8, seed=7)  # and a held-out loss, forward only
+    part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
+    held_out = piped.eval_step((ids[part], mask[part]), labels[part], _lm_sum_count, broadcast_loss=True)
+    with torch.no_grad():
+        total, counted = _lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
+    torch.testing.assert_close(held_out, total / counted, atol=1e-5, rtol=1e-5)
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
@@ -446,8 +456,8 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
                                                 "backward"), result["refused"]
         assert sorted(result["layers"]) == [f"model.layers.{k}" for k in held[rank // 2]]
         assert result["sharded after the step"]
-        if schedule == "1f1b":  # 3 steps x 2 micro-batches x 3 layers, and the checkpointed micro-batch's replay
-            assert len(result["gathered"]) == 3 * 3 * 3
+        if schedule == "1f1b":  # 3 steps x 2 micro-batches x 3 layers, the checkpointed micro-batch's replay, eval
+            assert len(result["gathered"]) == 3 * 3 * 3 + 2 * 3
         if unit == "block":
             assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
             # Per step: the stage's own group once, and each of its 3 layers once or once per micro-batch (2).
