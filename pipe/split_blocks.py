@@ -15,7 +15,9 @@ The block holds the same parameter objects under the same names, so the
 stage's state dict, its original names and ties are unchanged; the stage now
 calls each layer as a module, which is what makes a layer an FSDP unit of its
 own (:mod:`pipe.distributed.fsdp`). :func:`outline_layers` outlines the
-entries of the model's ``nn.ModuleList``s (the repeated layers); a layer that
+entries of the model's ``nn.ModuleList``s (the repeated layers), then the
+other modules that hold parameters of their own (an embedding, the final
+norm, the LM head), so that each is a unit of its own; a module that
 cannot be outlined (its weight is read outside it, or an op between its ops
 both uses and feeds it) stays as ops, and the stage works as before.
 """
@@ -61,9 +63,23 @@ def repeated_layers(model: nn.Module) -> list[str]:
     return paths
 
 
+def other_holders(model: nn.Module, layers: list[str]) -> list[str]:
+    """The paths of ``model``'s modules outside ``layers`` that hold parameters of their own (an embedding, the
+    final norm, the head), in the model's order."""
+    inside = tuple(f"{path}." for path in layers)
+    return [name for name, module in model.named_modules()
+            if name and name not in layers and not name.startswith(inside) and module._parameters
+            and any(p is not None for p in module._parameters.values())]
+
+
 def outline_layers(stage: fx.GraphModule, model: nn.Module) -> list[str]:
-    """Outlines each repeated layer of ``model`` that ``stage`` runs into a :class:`SplitBlock`; returns their paths."""
-    done = [path for path in repeated_layers(model) if outline(stage, path, type(model.get_submodule(path)).__name__)]
+    """Outlines into :class:`SplitBlock`s each repeated layer of ``model`` that ``stage`` runs, then each other
+    module with parameters of its own (embedding, norm, head); returns their paths in the stage's order."""
+    layers = repeated_layers(model)
+    candidates = layers + other_holders(model, layers)
+    done = [path for path in candidates if outline(stage, path, type(model.get_submodule(path)).__name__)]
+    calls = [str(node.target) for node in stage.graph.nodes if node.op == "call_module"]
+    done.sort(key=calls.index)
     if done:
         stage.recompile()
         logger.info("pipe.split: %s runs %d layers as modules of their own (%s ... %s)", type(stage).__name__,

@@ -26,16 +26,34 @@ def assert_exact(logits: Tensor, model: nn.Module, reference: nn.Module, ids: Te
     return expected.detach()
 
 
-@pytest.mark.parametrize("make, layers, at", [(llama, "model.layers", ["model.layers.2"]),
-                                              (gpt2, "transformer.h", ["transformer.h.2"])])
-def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(make, layers: str, at: list[str]) -> None:
+# Each stage's modules, in the order it calls them. The tied embedding stays as ops: the first stage reads the
+# weight under the head's name (torch.export's), outside the head; an untied one is a module too.
+EXPECTED = {
+    "llama": [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]],
+    "llama-untied": [["model.embed_tokens", "model.layers.0", "model.layers.1"],
+                     ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]],
+    "gpt2": [["transformer.wpe", "transformer.h.0", "transformer.h.1"],
+             ["transformer.h.2", "transformer.h.3", "transformer.ln_f", "lm_head"]],
+}
+
+
+def _untied_llama(layers: int) -> nn.Module:
+    model = llama(layers=layers)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
+@pytest.mark.parametrize("which, make, at", [("llama", llama, ["model.layers.2"]),
+                                             ("llama-untied", _untied_llama, ["model.layers.2"]),
+                                             ("gpt2", gpt2, ["transformer.h.2"])])
+def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(which: str, make, at: list[str]) -> None:
     torch.manual_seed(0)
     model = make(layers=4)
     reference = copy.deepcopy(model)
     ids, mask, _ = lm_batch()
     stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=at)
     found = [[block.path for block in blocks_of(stage)] for stage in stages]
-    assert found == [[f"{layers}.0", f"{layers}.1"], [f"{layers}.2", f"{layers}.3"]]
+    assert found == EXPECTED[which]
     for stage in stages:
         for block in blocks_of(stage):
             assert stage.get_submodule(block.path) is block  # installed at the layer's path
@@ -58,7 +76,7 @@ def test_a_layer_cut_in_two_runs_as_a_module_in_both_stages() -> None:
     expected = model(ids, attention_mask=mask).logits
     stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.1.mlp"])
     assert [[b.path for b in blocks_of(stage)] for stage in stages] == [
-        ["model.layers.0", "model.layers.1"], ["model.layers.1", "model.layers.2"]]
+        ["model.layers.0", "model.layers.1"], ["model.layers.1", "model.layers.2", "model.norm", "lm_head"]]
     assert torch.equal(stages(ids, mask), expected)
 
 

@@ -413,6 +413,8 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
                                mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count",
                                shard=pd.Shard(unit=unit, reduce=reduce))
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
+    in_layers = {id(p) for block in layers for p in block.parameters()}
+    own_groups = sum(any(id(p) not in in_layers for p in stage.parameters()) for stage in piped.partitions.values())
     gathered: list[int] = []
 
     def count(module: nn.Module, args: Any) -> None:
@@ -429,6 +431,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         total, counted = _lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
     torch.testing.assert_close(held_out, total / counted, atol=1e-5, rtol=1e-5)
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
+            "own groups": own_groups,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
 
@@ -448,21 +451,29 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
     llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
     at = ["model.layers.3"] if schedule == "1f1b" else ["model.layers.2", "model.layers.3", "model.layers.5"]
     results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, deadline=240.0, timeout=60.0)
-    # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's.
-    held = [range(3), range(3, 6)] if schedule == "1f1b" else [[0, 1, 5], [2, 3, 4]]
+    # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's; the
+    # final norm and the head are modules of their own, and so is the embedding where it is untied (under ZB-V).
+    tail = ["model.norm", "lm_head"]
+    held = ([[f"model.layers.{k}" for k in range(3)], [f"model.layers.{k}" for k in range(3, 6)] + tail]
+            if schedule == "1f1b" else
+            [["model.embed_tokens"] + [f"model.layers.{k}" for k in (0, 1, 5)] + tail,
+             [f"model.layers.{k}" for k in (2, 3, 4)]])
     for rank, result in enumerate(results):
         if schedule == "zbv":
             assert result["refused"].startswith("shard=Shard(unit='block') with schedule 'zbv', which splits each "
                                                 "backward"), result["refused"]
-        assert sorted(result["layers"]) == [f"model.layers.{k}" for k in held[rank // 2]]
+        modules = result["layers"]
+        assert sorted(modules) == sorted(held[rank // 2])
         assert result["sharded after the step"]
-        if schedule == "1f1b":  # 3 steps x 2 micro-batches x 3 layers, the checkpointed micro-batch's replay, eval
-            assert len(result["gathered"]) == 3 * 3 * 3 + 2 * 3
+        if schedule == "1f1b":  # 3 steps x 2 micro-batches, the checkpointed micro-batch's replay, eval's 2
+            assert len(result["gathered"]) == (3 * 3 + 2) * len(modules)
         if unit == "block":
             assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
-            # Per step: the stage's own group once, and each of its 3 layers once or once per micro-batch (2).
-            assert result["scatters"] == [1 + 3 * (2 if reduce == "micro-batch" else 1)] * 3, result["scatters"]
-        elif schedule == "1f1b":  # the whole stage of the layer that runs
-            assert set(result["gathered"]) == {3}, result["gathered"]
-        else:  # ZB-V: stages of 2 and 1 layers, the running one whole, the next one's prefetch at times
-            assert 2 in result["gathered"] and set(result["gathered"]) <= {1, 2, 3}, result["gathered"]
+            # Per step: the stage's own group once (where it has parameters outside its modules: the tied
+            # embedding's), and each module once or once per micro-batch (2).
+            each = 2 if reduce == "micro-batch" else 1
+            assert result["scatters"] == [result["own groups"] + each * len(modules)] * 3, result["scatters"]
+        elif schedule == "1f1b":  # the whole stage of the module that runs
+            assert set(result["gathered"]) == {len(modules)}, result["gathered"]
+        else:  # ZB-V: each stage whole, and the next one's prefetch: at times more than by block's bound of 2
+            assert max(result["gathered"]) > 2, result["gathered"]

@@ -185,8 +185,11 @@ def test_split_model_checkpoint_through_every_layout(which: str, tmp_path: Path)
             assert grads, (label, rank)
             for name, values in grads.items():
                 assert values == reference_grads[k][name], f"{label}, rank {rank}: the gradient of {name} differs"
-    # Gathered by layer: every decoder layer an FSDP unit of its own on the ranks that hold it (two replicas).
-    assert sum(count for result in per_rank for count in result["by block"].values()) == 2 * LAYERS
+    # Gathered by layer: every decoder layer an FSDP unit of its own on the ranks that hold it (two replicas), and
+    # so are the modules with weights of their own (final norm, head, GPT-2's position embedding, an untied
+    # embedding; a tied one stays in its stage's group).
+    own = {"gpt2": 3, "llama": 2, "llama-untied": 3}[which]
+    assert sum(count for result in per_rank for count in result["by block"].values()) == 2 * (LAYERS + own)
     last: dict[str, list[float]] = {}
     for result in per_rank:
         last.update(result["last weights"])
