@@ -36,6 +36,13 @@ a save therefore leaves the previous checkpoint at ``<path>`` intact and the
 partial files in ``<path>.saving``, which :func:`load` names in its error.
 A checkpoint is complete when its folder holds ``.metadata`` (:func:`is_complete`).
 
+A rank that dies, stalls or raises during a save is named on every other rank
+as in a step (``PipelineFailure: rank 0 stopped in state.save because rank 2
+died: ...``, :func:`pipe.distributed.failure.naming_failures`), as fast: on
+gloo, a save's collectives run on a group of their own (:func:`checkpoint_group`),
+whose connections the ranks that named the failure shut down, so that no rank
+waits for the timeout.
+
 A run that saves every N steps keeps its checkpoints as ``step-<8 digits>``
 folders of one directory (:func:`step_path`): :func:`latest` finds the newest
 complete one to resume from, and :func:`prune` deletes all but the newest k
@@ -47,13 +54,14 @@ converts it to a single ``torch.save`` file if needed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
 import re
 import shutil
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -68,7 +76,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipe.distributed.failure import naming_failures
+from pipe.distributed.group import world_timeout
 from pipe.distributed.materialize import mark_loaded
+from pipe.distributed.mesh import reuse
 
 __all__ = ["save", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
 
@@ -259,21 +270,22 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
         extra: small values every rank agrees on (step number, an LR scheduler's ``state_dict()``, ...),
             returned by :func:`load` as given (a dict of them nested as it was).
     """
-    _, state = _state(module, optimizer)
-    state["extra"] = dict(extra)
     final = os.fspath(path)
     staging = final + STAGING
     coordinator = not _distributed() or dist.get_rank() == 0
-    if coordinator:
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-    _barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save(state, checkpoint_id=staging, no_dist=not _distributed())
-    _barrier()  # every rank's files and the metadata are written
-    if coordinator:
-        _replace(staging, final)
-    _barrier()
+    with saving("state.save") as group:
+        _, state = _state(module, optimizer)
+        state["extra"] = dict(extra)
+        if coordinator:
+            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        _barrier(group)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(state, checkpoint_id=staging, no_dist=not _distributed(), process_group=group)
+        _barrier(group)  # every rank's files and the metadata are written
+        if coordinator:
+            _replace(staging, final)
+        _barrier(group)
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
 
@@ -425,9 +437,44 @@ def prune(directory: Path, keep: int) -> list[pathlib.Path]:
     return doomed
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+_failed_saves = 0  # saves that failed in this process: each failure shut its group's connections down
+
+
+def checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """The group a save's collectives run on: on gloo a group of its own, else the default group (None).
+
+    Its connections are shut down when a save fails
+    (:func:`pipe.distributed.failure.naming_failures`), which the default group's
+    must never be (a rebuilt pipeline agrees over it); the next save makes a
+    new one. Made on first use (collective: every rank saves alike).
+    """
+    if not _distributed() or dist.get_backend() != "gloo":
+        return None
+    timeout = world_timeout()
+    return reuse(("checkpoints", _failed_saves), lambda: dist.new_group(backend="gloo", timeout=timeout),
+                 "checkpoints")
+
+
+@contextlib.contextmanager
+def saving(where: str) -> Iterator[Optional[dist.ProcessGroup]]:
+    """The block of a save (``where``: ``"state.save"``, ``"hf.save"``) on :func:`checkpoint_group`, which it
+    gives; a failure in it is named on every rank as in a step, and the next save gets a new group."""
+    global _failed_saves
+    if not _distributed():
+        yield None
+        return
+    group = checkpoint_group()
+    try:
+        with naming_failures(where, world_timeout().total_seconds()):
+            yield group
+    except BaseException:
+        _failed_saves += 1
+        raise
 
 
 def _replace(staging: str, final: str) -> None:
