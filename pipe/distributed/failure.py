@@ -1,9 +1,9 @@
 """Failures across ranks: every rank's headline names the root cause, agreed through the store.
 
 When a layer raises on one rank, its peers are blocked in receives that will
-never complete. Nothing can interrupt a blocked gloo or NCCL wait from the
-outside, but the wait ends when the failed process exits (its connections
-close) or when the process group's timeout expires. A rank may also die
+never complete. No torch call interrupts a blocked gloo or NCCL wait from the
+outside, but the wait ends when the failed process exits or shuts its
+connections down (they close) or when the process group's timeout expires. A rank may also die
 without raising (killed, ``os._exit``) or stop (``SIGSTOP``, a hang). Each rank
 that fails leaves evidence in the job's key-value store (the
 ``torch.distributed`` store, hosted by torchrun's agent), under a namespace of
@@ -38,6 +38,16 @@ root-cause rank's exit first and its summary points at that rank.
 The stalled rank itself ends once the others agreed that it stalled: its
 process's watchdog (:mod:`pipe.distributed.watchdog`) reads the headline and
 ends the process, whoever started the ranks.
+
+Once a rank has its verdict (its own error published, or the agreed
+headline), it shuts down the connections of the failed groups
+(:mod:`pipe.distributed.connections`): the partners still blocked on it in a
+receive or a collective are released at once ("Connection closed by peer"),
+read the headline and raise it, and no wait is left running to hold a
+process at exit. A collective's lost connection names its peer's address,
+which leads to the peer's rank. A save runs under the same bookkeeping
+(:func:`naming_failures`): a rank that dies in ``state.save`` or ``hf.save`` is
+named as in a step (``rank 0 stopped in state.save because rank 2 died``).
 """
 from __future__ import annotations
 
