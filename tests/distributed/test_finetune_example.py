@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from pipe.distributed import state
+from pipe.distributed.local_ranks import free_port
 from torchrun_launch import aborted_at_exit, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,6 +190,64 @@ def test_a_token_file_is_read_in_order_and_resume_auto_continues_with_the_next_b
     exact = ("step", "loss", "lr", "data_position")  # bit for bit: the same batches after the resume
     assert [[record[key] for key in exact] for record in resumed] == [[record[key] for key in exact]
                                                                        for record in uninterrupted]
+
+
+def _launch_restartable(nproc: int, args: list[str], **extra_env: str) -> str:
+    """The recipe under ``torchrun --max-restarts 3`` with a c10d rendezvous on 127.0.0.1, as a long job runs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra_env,
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a store of each attempt's own (launch/single_node.sh's)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for _ in range(3):  # a new port only if the one found free was taken before the rendezvous bound it
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                               f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=test{os.getpid()}",
+                               str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                              start_new_session=True)
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "EADDRINUSE" not in out:
+            break
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2000)
+def test_a_rank_killed_mid_run_under_torchrun_max_restarts_resumes_by_itself_with_the_uninterrupted_losses(
+        tmp_path: Path) -> None:
+    """Issue 52, item 3: 4 ranks (pp 2 x dp_shard 2, gloo), rank 1 SIGKILLed as step 4 begins, in the first attempt.
+
+    Whatever the machine's speed, the newest complete checkpoint then is step 2's: saves are asynchronous, and
+    step 3's is published only by the wait of step 4's save, which rank 1 never reaches.
+    """
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    _, text = _tiny_model_and_text(tmp_path)
+    example = _example()
+    example.prepare(tmp_path / "model", [text], tmp_path / "tokens.bin")
+
+    def flags(out: Path) -> list[str]:
+        return ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "tokens.bin"), "--out", str(out),
+                "--seq-len", "16", "--batch-size", "8", "--chunks", "2", "--pp", "2", "--dp-shard", "2",
+                "--steps", "6", "--save-every", "1", "--keep", "2", "--async-save", "--lr", "1e-3",
+                "--warmup", "2", "--eval-every", "3", "--resume", "auto"]
+
+    whole = _launch_restartable(4, flags(tmp_path / "whole"), FINETUNE_KILL="")
+    assert "done: steps 0-6" in whole and "FINETUNE_KILL" not in whole, whole[-3000:]
+    uninterrupted = _metrics(tmp_path / "whole")
+
+    out = tmp_path / "killed"
+    killed = _launch_restartable(4, flags(out), FINETUNE_KILL="1:4")
+    assert killed.count("FINETUNE_KILL: rank 1 kills itself (SIGKILL) as step 4 begins") == 1, killed[-6000:]
+    assert "local_rank: 1" in killed and "exitcode: -9" in killed, killed[-6000:]  # torchrun saw the SIGKILL
+    assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in killed, killed[-6000:]
+    assert "read in order from sequence 16 (pass 1)" in killed, killed[-6000:]  # the next batch, not the first
+    assert "done: steps 2-6" in killed, killed[-6000:]
+    resumed = _metrics(out)
+    exact = ("step", "loss", "lr", "data_position")  # bit for bit
+    assert [[record[key] for key in exact] for record in resumed] == [[record[key] for key in exact]
+                                                                       for record in uninterrupted]
+    assert [record["data_position"] for record in resumed] == [8, 16, 24, 32, 40, 48]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005", "step-00000006"]
 
 
 def _example() -> ModuleType:
