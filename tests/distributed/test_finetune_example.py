@@ -6,8 +6,11 @@ The exactness of each part (loading, checkpoints across layouts, the export)
 is tested against the plain model in test_hf.py and test_state*.py; these
 tests check the road a user takes: the script runs, keeps its last k
 checkpoints, resumes by itself (at another layout, or where an interrupted run
-stopped, with the losses the uninterrupted run had), writes one metrics line
-per step, and its export loads with ``from_pretrained``. The flag parsing, the
+stopped, with the losses the uninterrupted run had; from a token file, reading on
+from the batch after the last; under ``torchrun --max-restarts`` after a rank was
+SIGKILLed), writes one metrics line per step, and its export loads with
+``from_pretrained``. ``prepare`` and the token file's reading are tested in
+this process. The flag parsing, the
 config file, the choice of checkpoint to resume from and the LR schedule are
 tested in this process, without ranks.
 """
