@@ -450,3 +450,18 @@ def test_a_token_file_of_another_vocabulary_is_refused_naming_both_and_the_fix(t
                                          r"or directory\); write the token file and its header with: python "
                                          r"examples/finetune_hf.py prepare --model"):
         example.open_data(args, 256)
+
+
+def test_the_kill_drill_names_a_rank_and_a_step_of_the_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example()
+    monkeypatch.delenv("FINETUNE_KILL", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert example.kill_drill(1) is None
+    monkeypatch.setenv("FINETUNE_KILL", "1:25")
+    assert [example.kill_drill(rank) for rank in range(3)] == [None, 25, None]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs on
+    assert example.kill_drill(1) is None
+    monkeypatch.setenv("FINETUNE_KILL", "rank1")
+    with pytest.raises(SystemExit, match=r"FINETUNE_KILL='rank1': give RANK:STEP \(1:3: rank 1 kills itself as "
+                                         r"step 3 begins\)"):
+        example.kill_drill(1)
