@@ -33,10 +33,19 @@ Without ``--model``, ``--config`` (a ``config.json`` or a directory holding
 one) gives a random start, initialised by the model's own initialiser.
 
 The text is tokenized with the model directory's tokenizer if it has one, else
-as bytes (the vocabulary must then hold 256 ids). Run it (2 ranks, the model
-directory and text file local; nothing is downloaded)::
+as bytes (the vocabulary must then hold 256 ids). ``--data`` is a text file
+(tokenized at the start of each run, batches drawn at random from
+``(--seed, step)``) or a token file that ``prepare`` wrote once: a flat array
+of token ids (uint16, or uint32 beyond 65536 ids) memory-mapped by every rank,
+read in order (each data-parallel rank reads only its own rows of a batch),
+the number of sequences read saved in each checkpoint (``data_position``), so
+that a resumed run reads the next batch, not the first; its JSON header
+(``tokens.bin.json``: vocabulary size, dtype, count, tokenizer) must name the
+model's vocabulary size. Run it (2 ranks, the model directory and text files
+local; nothing is downloaded)::
 
-    bash launch/single_node.sh examples/finetune_hf.py --model ./my-llama --data train.txt --out ./run
+    python examples/finetune_hf.py prepare --model ./my-llama --text a.txt b.txt --out tokens.bin
+    bash launch/single_node.sh examples/finetune_hf.py --model ./my-llama --data tokens.bin --out ./run
     NPROC=4 bash launch/single_node.sh examples/finetune_hf.py --config-file ./run/config.yaml \\
         --pp 2 --dp-shard 2 --steps 200 --resume auto
     python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('./run/hf')"
@@ -55,11 +64,14 @@ import argparse
 import json
 import logging
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -87,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="a local HuggingFace model directory (config.json + safetensors)")
     source.add_argument("--config", type=Path, help="a config.json (or a directory with one): a random start")
-    p.add_argument("--data", type=Path, help="a local text file; its last 10%% is held out")
+    p.add_argument("--data", type=Path, help="a local text file, or a token file written by 'prepare' (read in "
+                   "order, the position saved in the checkpoints); its last 10%% is held out")
     p.add_argument("--out", type=Path, help="folder for checkpoints/, hf/, metrics.jsonl, config.yaml and loss.png")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
@@ -231,6 +244,145 @@ class TokenStream:
         return self.held_out[:count * self.seq_len].view(count, self.seq_len)
 
 
+HEADER_FORMAT = "pipe-tokens-1"
+"""The ``format`` of a token file's JSON header."""
+
+
+def header_path(tokens: Path) -> Path:
+    """Where the JSON header of the token file ``tokens`` is: beside it, ``<name>.json`` (tokens.bin.json)."""
+    return tokens.with_name(tokens.name + ".json")
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="finetune_hf.py prepare", description="Tokenize text files once, with a model "
+                                "directory's tokenizer (or as bytes when it has none), into a flat token file "
+                                "(uint16 or uint32 by the vocabulary's size) and its JSON header OUT.json, which "
+                                "--data OUT reads memory-mapped.")
+    p.add_argument("--model", type=Path, required=True, help="the HF model directory: its tokenizer and "
+                   "config.json's vocab_size")
+    p.add_argument("--text", type=Path, nargs="+", required=True, help="text files (UTF-8), in this order; each "
+                   "is tokenized whole, followed by the tokenizer's end-of-text token if it has one")
+    p.add_argument("--out", type=Path, required=True, help="the token file to write, e.g. tokens.bin")
+    return p
+
+
+def prepare(model_dir: Path, texts: list[Path], out: Path) -> dict[str, Any]:
+    """Writes the token file ``out`` and its header (:func:`header_path`) from ``texts``; returns the header.
+
+    The tokens are written as they come, one text file at a time (a corpus
+    bigger than memory: in files smaller than it), into ``out.writing``, renamed
+    to ``out`` once all are in; the header is written last.
+    """
+    from transformers import AutoConfig
+
+    vocab_size = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    tokenizer = _tokenizer(model_dir)
+    if tokenizer is None and vocab_size < 256:
+        raise SystemExit(f"{model_dir}: no tokenizer files and a vocabulary of {vocab_size} < 256 ids: give it a "
+                         "tokenizer (tokenizer.save_pretrained into the model directory) or a byte vocabulary")
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    end = None if tokenizer is None else tokenizer.eos_token_id
+    count = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writing = out.with_name(out.name + ".writing")
+    with writing.open("wb") as file:
+        for text in texts:
+            try:
+                content = text.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise SystemExit(f"--text {text}: cannot be read as UTF-8 text ({error}); give text files")
+            if tokenizer is None:
+                ids = np.frombuffer(content.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+            else:
+                ids = np.asarray(tokenizer(content, verbose=False)["input_ids"] + ([] if end is None else [end]),
+                                 dtype=np.int64)
+            if len(ids) and int(ids.max()) >= vocab_size:
+                raise SystemExit(f"--text {text}: the tokenizer gave id {int(ids.max())}, beyond the model's "
+                                 f"vocabulary of {vocab_size} (config.json's vocab_size): give the model the "
+                                 "tokenizer it was trained with")
+            file.write(ids.astype(dtype).tobytes())
+            count += len(ids)
+    writing.replace(out)
+    header = {"format": HEADER_FORMAT, "vocab_size": vocab_size, "dtype": np.dtype(dtype).name, "count": count,
+              "tokenizer": "bytes (UTF-8)" if tokenizer is None else str(tokenizer.name_or_path),
+              "tokenizer_class": "bytes" if tokenizer is None else type(tokenizer).__name__,
+              "end_of_text": end, "texts": [str(text) for text in texts]}
+    header_path(out).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
+    return header
+
+
+def is_token_file(path: Path) -> bool:
+    """Whether ``--data path`` names a token file (``prepare``'s: a header beside it, or a ``.bin`` name)."""
+    return header_path(path).exists() or path.suffix == ".bin"
+
+
+class TokenFile:
+    """A token file written by ``prepare``, memory-mapped: sequences of ``seq_len`` tokens read in order.
+
+    Sequence ``r`` is tokens ``[r * seq_len, (r + 1) * seq_len)`` of the file's
+    first 90% (the rest is held out). A step's batch of ``size`` sequences is
+    the ``size`` after the ``position`` sequences read before it (the count
+    goes on past the end: the file is read again from its start), and each
+    data-parallel part reads only its own consecutive rows of it, so the
+    position, saved in a checkpoint, is all a resumed run needs to read the
+    next batch.
+    """
+
+    def __init__(self, path: Path, vocab_size: int, model: Path, seq_len: int) -> None:
+        head = header_path(path)
+        try:
+            header = json.loads(head.read_text(encoding="utf-8"))
+        except OSError as error:
+            raise SystemExit(f"--data {path}: its header {head} cannot be read ({error.strerror}); write the token "
+                             f"file and its header with: python examples/finetune_hf.py prepare --model "
+                             f"{model} --text FILE... --out {path}")
+        except ValueError as error:
+            raise SystemExit(f"--data {path}: its header {head} is not JSON ({error}); write it again with "
+                             "'python examples/finetune_hf.py prepare'")
+        missing = {"format", "vocab_size", "dtype", "count", "tokenizer"} - set(header)
+        if header.get("format") != HEADER_FORMAT or missing or header["dtype"] not in ("uint16", "uint32"):
+            raise SystemExit(f"--data {path}: {head} is not a header 'prepare' wrote (format {HEADER_FORMAT}; "
+                             f"missing {sorted(missing)}); write it again with 'python examples/finetune_hf.py "
+                             "prepare'")
+        if header["vocab_size"] != vocab_size:
+            raise SystemExit(f"--data {path}: its tokens are for a vocabulary of {header['vocab_size']} ids "
+                             f"(tokenizer {header['tokenizer']}), the model {model} has {vocab_size}: a file of "
+                             f"another tokenizer; prepare the data with this model's: python "
+                             f"examples/finetune_hf.py prepare --model {model} --text FILE... --out {path}")
+        dtype, count = np.dtype(header["dtype"]), int(header["count"])
+        size = path.stat().st_size if path.exists() else None
+        if size != count * dtype.itemsize:
+            raise SystemExit(f"--data {path}: {'absent' if size is None else f'{size} bytes'}, its header says "
+                             f"{count} {dtype.name} tokens ({count * dtype.itemsize} bytes): prepare it again")
+        self.path, self.header, self.seq_len = path, header, seq_len
+        self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        held = max(seq_len, count // 10)
+        self.sequences = (count - held) // seq_len  # training sequences in one pass over the file
+        if self.sequences < 1 or held > count:
+            raise SystemExit(f"--data {path}: {count} tokens are too few for --seq-len {seq_len}: give more text")
+        self.held_out = self.tokens[count - held:]
+
+    def batch(self, position: int, size: int, part: int = 0, parts: int = 1) -> torch.Tensor:
+        """Data-parallel part ``part`` of ``parts``'s rows of the ``size`` sequences after ``position``, [B, T]."""
+        first, last = position + part * size // parts, position + (part + 1) * size // parts
+        rows = [self.tokens[r * self.seq_len:(r + 1) * self.seq_len]
+                for r in (index % self.sequences for index in range(first, last))]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def evaluation(self, size: int) -> torch.Tensor:
+        """The held-out part's first ``size`` sequences (fewer if it is short), [B, T]."""
+        count = min(size, len(self.held_out) // self.seq_len)
+        return torch.from_numpy(np.asarray(self.held_out[:count * self.seq_len], dtype=np.int64)).view(count, self.seq_len)
+
+
+def open_data(args: argparse.Namespace, vocab_size: int) -> "TokenStream | TokenFile":
+    """``--data``: a token file (``prepare``'s) read in order, or a text file tokenized here."""
+    if is_token_file(args.data):
+        return TokenFile(args.data, vocab_size, args.model or args.config, args.seq_len)
+    return TokenStream(args.data, args.model, vocab_size, args.seq_len)
+
+
+
 def _tokenizer(model_dir: Optional[Path]) -> Any:
     if model_dir is None or not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer.model",
                                                                              "vocab.json")):
@@ -287,7 +439,7 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
     return piped, config
 
 
-def evaluate(model: pd.DistributedPipe, data: TokenStream, args: argparse.Namespace) -> float:
+def evaluate(model: pd.DistributedPipe, data: "TokenStream | TokenFile", args: argparse.Namespace) -> float:
     """The held-out loss, forwards only, the same on every rank."""
     ids = data.evaluation(args.batch_size)
     parts, part = model.topology.data_parallel, model.topology.replica
@@ -439,7 +591,33 @@ def plot(path: Path, losses: list[tuple[int, float]], evals: list[tuple[int, flo
     plt.close(figure)
 
 
+KILL = "FINETUNE_KILL"
+"""The fault drill's variable: ``RANK:STEP`` makes that rank SIGKILL itself as that step begins, in a job's first
+attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so that a job under ``--max-restarts``
+restarts and resumes (``--resume auto``) once."""
+
+
+def kill_drill(rank: int) -> Optional[int]:
+    """The step (1-based) at which this rank kills itself, from ``$FINETUNE_KILL``; None when it does not."""
+    given = os.environ.get(KILL)
+    if not given:
+        return None
+    try:
+        victim, step = (int(word) for word in given.split(":"))
+    except ValueError:
+        raise SystemExit(f"{KILL}={given!r}: give RANK:STEP (1:3: rank 1 kills itself as step 3 begins)")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return step if victim == rank and attempt == 0 else None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["prepare"]:  # python examples/finetune_hf.py prepare --model DIR --text a.txt --out tokens.bin
+        given = prepare_parser().parse_args(argv[1:])
+        header = prepare(given.model, given.text, given.out)
+        print(f"wrote {header['count']:,} tokens ({header['dtype']}, vocabulary {header['vocab_size']}, tokenizer "
+              f"{header['tokenizer']}) to {given.out} and its header {header_path(given.out)}")
+        return
     args = parse_args(argv)
     env = pd.init_from_env()
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
@@ -452,17 +630,25 @@ def main(argv: Optional[list[str]] = None) -> None:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = lr_schedule(optimizer, args)
-    data = TokenStream(args.data, args.model, config.vocab_size, args.seq_len)
+    data = open_data(args, config.vocab_size)
     start = 0
+    position = 0  # sequences read so far, over all data-parallel ranks
     if resume is not None:
         extra = state.load(resume, model, optimizer)
         start = int(extra["step"])
+        # A checkpoint from before the position was saved: the steps it took, of this run's batch size.
+        position = int(extra.get("data_position", start * args.accumulate * args.batch_size))
         restore_schedule(schedule, extra.get("schedule"), start, args)
         log.info("resumed from %s at step %d", resume, start)
     parts, part = model.topology.data_parallel, model.topology.replica
     if args.batch_size % (parts * args.chunks):
         raise SystemExit(f"--batch-size {args.batch_size} must divide into {parts} data-parallel part(s) of "
                          f"--chunks {args.chunks} micro-batches")
+    if isinstance(data, TokenFile):
+        log.info("data: %s, %s tokens of a vocabulary of %d (tokenizer %s): %s sequences of %d a pass, read in order "
+                 "from sequence %d (pass %d)", args.data, f"{len(data.tokens):,}", data.header["vocab_size"],
+                 data.header["tokenizer"], f"{data.sequences:,}", args.seq_len, position % data.sequences,
+                 position // data.sequences + 1)
     log.info("rank %d/%d: stages %s of %d, mesh pp %d x dp_shard %d x dp_replicate %d, %s parameters here",
              env.rank, env.world_size, model.stages, model.schedule.stages, args.pp, args.dp_shard,
              args.dp_replicate, f"{sum(p.numel() for p in model.parameters()):,}")
@@ -472,13 +658,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     losses: list[tuple[int, float]] = []
     evals = [(start, evaluate(model, data, args))]
     began = time.perf_counter()
+    kill_at = kill_drill(env.rank)
     bar = tqdm(range(start, args.steps), desc="fine-tune", unit="step", disable=env.rank != 0, dynamic_ncols=True)
     for step in bar:
+        if step + 1 == kill_at:
+            print(f"{KILL}: rank {env.rank} kills itself (SIGKILL) as step {step + 1} begins", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         lr = optimizer.param_groups[0]["lr"]  # this step's
         tick = time.perf_counter()
         for k in range(args.accumulate):  # the last pass reduces and divides by the sequences of all (pipe's accumulate)
-            ids = data.batch(step * args.accumulate + k, args.batch_size, args.seed)
-            rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
+            if isinstance(data, TokenFile):  # in order: this part's rows of the next --batch-size sequences
+                rows = data.batch(position, args.batch_size, part, parts).to(model.device)
+            else:  # drawn from (--seed, pass)
+                ids = data.batch(step * args.accumulate + k, args.batch_size, args.seed)
+                rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
+            position += args.batch_size
             last = k == args.accumulate - 1
             reported = model.step(rows, rows, broadcast_loss=True, accumulate=not last)
         loss = float(reported)  # the last pass's: the mean over every pass
@@ -494,14 +689,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         rank_peak = int(peak.item())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the highest of every rank's
         metrics.write({"step": done, "loss": loss, "lr": lr, "tokens_per_s": args.accumulate * args.batch_size * args.seq_len / seconds,
-                       "seconds": seconds, "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item())})
+                       "seconds": seconds, "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item()),
+                       "data_position": position})
         losses.append((done, loss))
         bar.set_postfix(loss=f"{loss:.3f}")
         if done % args.eval_every == 0 or done == args.steps:
             evals.append((done, evaluate(model, data, args)))
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             state.save(state.step_path(checkpoints, done), model, optimizer, step=done,
-                       schedule=schedule.state_dict(), asynchronous=args.async_save)
+                       schedule=schedule.state_dict(), data_position=position, asynchronous=args.async_save)
             if args.keep:  # complete checkpoints only: one still being written is not counted, nor deleted
                 state.prune(checkpoints, keep=args.keep)
     bar.close()

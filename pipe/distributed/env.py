@@ -101,6 +101,7 @@ def init_from_env(
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        _check_restartable()
         dist.init_process_group(backend, timeout=wait)
         if backend == "gloo":
             atexit.unregister(_close_at_exit)  # once, however many groups the process makes in turn
@@ -108,6 +109,40 @@ def init_from_env(
     env = DistributedEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
     logger.info("rank %d of %d (local rank %d) on %s with %s", env.rank, env.world_size, local_rank, device, env.backend)
     return env
+
+
+SHARED_STORE_FIX = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+"""What a job launched with ``torchrun --max-restarts`` needs in its environment to restart (pytorch/pytorch#135712)."""
+
+
+def _check_restartable() -> None:
+    """Refuses a restarted torchrun attempt whose process group cannot form, before it fails or hangs.
+
+    By default torchrun's c10d rendezvous shares its TCP store with the
+    workers (``TORCHELASTIC_USE_AGENT_STORE=True``), and the store outlives
+    an attempt with its keys unprefixed: after a restart, ``init_process_group``
+    reads the previous attempt's addresses (gloo: "connectFullMesh failed ...
+    Connection refused") or counters (it waits until the timeout)
+    (pytorch/pytorch#135712, seen with torch 2.13). With
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every attempt gets a store of its
+    own (``launch/single_node.sh`` and ``launch/multi_node.sh`` set it).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+    if attempt > 0:
+        raise RuntimeError(
+            f"torchrun restarted this job (TORCHELASTIC_RESTART_COUNT={attempt}) with the rendezvous store "
+            "shared with the workers, which still holds the first attempt's process-group keys: the process "
+            "group cannot form (pytorch/pytorch#135712). Launch with "
+            f"{SHARED_STORE_FIX} in the environment (launch/single_node.sh sets it)"
+        )
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or "0")
+    if restarts > 0 and os.environ.get("RANK") == "0":
+        logger.warning(
+            "torchrun --max-restarts %d without %s: a restart would fail to form the process group (the rendezvous "
+            "store, shared with the workers, keeps this attempt's keys; pytorch/pytorch#135712): set it in the "
+            "environment", restarts, SHARED_STORE_FIX)
 
 
 def _close_at_exit() -> None:

@@ -141,3 +141,29 @@ def test_a_gloo_group_from_init_from_env_is_destroyed_before_the_interpreter_fin
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-2:] == ["done", "initialised at exit: False"], done.stdout
     assert "could not destroy" not in done.stderr
+
+
+def test_a_restarted_torchrun_attempt_on_the_shared_rendezvous_store_is_refused_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from pipe.distributed import env as env_module
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's default: the store outlives attempts
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(RuntimeError, match=r"torchrun restarted this job \(TORCHELASTIC_RESTART_COUNT=1\) with the "
+                                           r"rendezvous store shared .* Launch with "
+                                           r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment"):
+        env_module._check_restartable()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the first attempt: warned, once, on rank 0
+    with caplog.at_level("WARNING", logger="pipe.distributed.env"):
+        env_module._check_restartable()
+    assert [r.getMessage() for r in caplog.records] == [
+        "torchrun --max-restarts 3 without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restart would fail to form the "
+        "process group (the rendezvous store, shared with the workers, keeps this attempt's keys; "
+        "pytorch/pytorch#135712): set it in the environment"]
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a store of each attempt's own
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    env_module._check_restartable()
+    assert not caplog.records

@@ -6,8 +6,11 @@ The exactness of each part (loading, checkpoints across layouts, the export)
 is tested against the plain model in test_hf.py and test_state*.py; these
 tests check the road a user takes: the script runs, keeps its last k
 checkpoints, resumes by itself (at another layout, or where an interrupted run
-stopped, with the losses the uninterrupted run had), writes one metrics line
-per step, and its export loads with ``from_pretrained``. The flag parsing, the
+stopped, with the losses the uninterrupted run had; from a token file, reading on
+from the batch after the last; under ``torchrun --max-restarts`` after a rank was
+SIGKILLed), writes one metrics line per step, and its export loads with
+``from_pretrained``. ``prepare`` and the token file's reading are tested in
+this process. The flag parsing, the
 config file, the choice of checkpoint to resume from and the LR schedule are
 tested in this process, without ranks.
 """
@@ -19,20 +22,25 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
 from pipe.distributed import state
+from pipe.distributed.local_ranks import free_port
 from torchrun_launch import aborted_at_exit, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "finetune_hf.py"
-METRICS = {"step", "loss", "lr", "tokens_per_s", "seconds", "peak_memory_bytes", "max_peak_memory_bytes"}
+METRICS = {"step", "loss", "lr", "tokens_per_s", "seconds", "peak_memory_bytes", "max_peak_memory_bytes",
+           "data_position"}
 
 
 def _launch(nproc: int, args: list[str], done: str, rerun: bool = True) -> str:
@@ -148,6 +156,103 @@ def test_keep_the_last_checkpoints_and_resume_auto_continues_an_interrupted_run_
     assert yaml.safe_load((out / "config.yaml").read_text()) == {**config, "resume": "auto"}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_token_file_is_read_in_order_and_resume_auto_continues_with_the_next_batch_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    _, text = _tiny_model_and_text(tmp_path)
+    tokens = tmp_path / "tokens.bin"
+    prepared = subprocess.run([sys.executable, str(SCRIPT), "prepare", "--model", str(tmp_path / "model"), "--text",
+                               str(text), "--out", str(tokens)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    count = len(text.read_bytes())  # the model has no tokenizer: UTF-8 bytes
+    sequences = (count - count // 10) // 16
+    assert f"wrote {count:,} tokens (uint16, vocabulary 256, tokenizer bytes (UTF-8)) to {tokens}" in prepared.stdout
+    out = tmp_path / "run"
+    flags = ["--model", str(tmp_path / "model"), "--data", str(tokens), "--out", str(out), "--seq-len", "16",
+             "--batch-size", "4", "--chunks", "2", "--eval-every", "3", "--pp", "1", "--dp-shard", "2",
+             "--steps", "5", "--save-every", "1", "--keep", "3", "--lr", "1e-3", "--accumulate", "2"]
+    first = _launch(2, flags, "done: steps 0-5")  # each of the 2 data-parallel ranks reads its 2 rows of 4
+    assert (f"data: {tokens}, {count:,} tokens of a vocabulary of 256 (tokenizer bytes (UTF-8)): {sequences:,} "
+            "sequences of 16 a pass, read in order from sequence 0 (pass 1)") in first, first[-3000:]
+    uninterrupted = _metrics(out)
+    assert [record["data_position"] for record in uninterrupted] == [8, 16, 24, 32, 40]  # 2 passes of 4 a step
+
+    # The job dies during the save of step 5, after step 4's was lost: step 3 is the newest complete checkpoint.
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000005")
+    (checkpoints / "step-00000004").rename(checkpoints / ("step-00000004" + state.STAGING))
+    (checkpoints / ("step-00000004" + state.STAGING) / ".metadata").unlink()
+    second = _launch(2, [*flags, "--resume", "auto"], "done: steps 3-5", rerun=False)
+    assert f"resumed from {checkpoints / 'step-00000003'} at step 3" in second, second[-3000:]
+    assert "read in order from sequence 24 (pass 1)" in second, second[-3000:]  # the next batch, not the first
+    resumed = _metrics(out)
+    exact = ("step", "loss", "lr", "data_position")  # bit for bit: the same batches after the resume
+    assert [[record[key] for key in exact] for record in resumed] == [[record[key] for key in exact]
+                                                                       for record in uninterrupted]
+
+
+def _launch_restartable(nproc: int, args: list[str], **extra_env: str) -> str:
+    """The recipe under ``torchrun --max-restarts 3`` with a c10d rendezvous on 127.0.0.1, as a long job runs."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra_env,
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a store of each attempt's own (launch/single_node.sh's)
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for _ in range(3):  # a new port only if the one found free was taken before the rendezvous bound it
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                               f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
+                               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=test{os.getpid()}",
+                               str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                              start_new_session=True)
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "EADDRINUSE" not in out:
+            break
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2000)
+def test_a_rank_killed_mid_run_under_torchrun_max_restarts_resumes_by_itself_with_the_uninterrupted_losses(
+        tmp_path: Path) -> None:
+    """Issue 52, item 3: 4 ranks (pp 2 x dp_shard 2, gloo), rank 1 SIGKILLed as step 4 begins, in the first attempt.
+
+    Whatever the machine's speed, the newest complete checkpoint then is step 2's: saves are asynchronous, and
+    step 3's is published only by the wait of step 4's save, which rank 1 never reaches.
+    """
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    _, text = _tiny_model_and_text(tmp_path)
+    example = _example()
+    example.prepare(tmp_path / "model", [text], tmp_path / "tokens.bin")
+
+    def flags(out: Path) -> list[str]:
+        return ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "tokens.bin"), "--out", str(out),
+                "--seq-len", "16", "--batch-size", "8", "--chunks", "2", "--pp", "2", "--dp-shard", "2",
+                "--steps", "6", "--save-every", "1", "--keep", "2", "--async-save", "--lr", "1e-3",
+                "--warmup", "2", "--eval-every", "3", "--resume", "auto"]
+
+    whole = _launch_restartable(4, flags(tmp_path / "whole"), FINETUNE_KILL="")
+    assert "done: steps 0-6" in whole and "FINETUNE_KILL" not in whole, whole[-3000:]
+    uninterrupted = _metrics(tmp_path / "whole")
+
+    out = tmp_path / "killed"
+    killed = _launch_restartable(4, flags(out), FINETUNE_KILL="1:4")
+    assert killed.count("FINETUNE_KILL: rank 1 kills itself (SIGKILL) as step 4 begins") == 1, killed[-6000:]
+    assert "local_rank: 1" in killed and "exitcode: -9" in killed, killed[-6000:]  # torchrun saw the SIGKILL
+    assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in killed, killed[-6000:]
+    assert "read in order from sequence 16 (pass 1)" in killed, killed[-6000:]  # the next batch, not the first
+    assert "done: steps 2-6" in killed, killed[-6000:]
+    resumed = _metrics(out)
+    exact = ("step", "loss", "lr", "data_position")  # bit for bit
+    assert [[record[key] for key in exact] for record in resumed] == [[record[key] for key in exact]
+                                                                       for record in uninterrupted]
+    assert [record["data_position"] for record in resumed] == [8, 16, 24, 32, 40, 48]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005", "step-00000006"]
+
+
 def _example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("finetune_hf_example", SCRIPT)
     assert spec is not None and spec.loader is not None
@@ -253,3 +358,110 @@ def test_the_lr_warms_up_then_decays_and_a_restored_schedule_continues_it_bit_fo
     again = example.lr_schedule(torch.optim.AdamW([parameter], lr=args.lr), args)  # a new process: step 0
     example.restore_schedule(again, saved, 4, args)
     assert before + lrs(again, range(4, 10)) == whole
+
+
+def _bpe_model(folder: Path, text: str, vocab_size: int) -> Any:
+    """A model directory holding a config of ``vocab_size`` ids and a byte-level BPE tokenizer of 300 trained here."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4).save_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def test_prepare_writes_the_texts_tokens_by_the_model_directorys_tokenizer_and_a_header(tmp_path: Path,
+                                                                                        capsys: Any) -> None:
+    from pydoc_data.topics import topics
+
+    example = _example()
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(topics["if"], encoding="utf-8")
+    b.write_text(topics["while"] + " naïve", encoding="utf-8")
+    tokenizer = _bpe_model(tmp_path / "model", topics["if"] + topics["for"], vocab_size=320)
+    out = tmp_path / "data" / "tokens.bin"
+    example.main(["prepare", "--model", str(tmp_path / "model"), "--text", str(a), str(b), "--out", str(out)])
+    expected = [*tokenizer(a.read_text())["input_ids"], 1, *tokenizer(b.read_text())["input_ids"], 1]  # </s> is 1
+    header = json.loads((tmp_path / "data" / "tokens.bin.json").read_text())
+    assert header == {"format": "pipe-tokens-1", "vocab_size": 320, "dtype": "uint16", "count": len(expected),
+                      "tokenizer": str(tmp_path / "model"), "tokenizer_class": type(tokenizer).__name__,
+                      "end_of_text": 1, "texts": [str(a), str(b)]}
+    assert np.fromfile(out, dtype=np.uint16).tolist() == expected
+    assert f"wrote {len(expected):,} tokens (uint16, vocabulary 320" in capsys.readouterr().out
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tokens.bin", "tokens.bin.json"]  # nothing half-written
+
+    # A directory without a tokenizer: UTF-8 bytes; more than 65536 ids: uint32.
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=70_000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4).save_pretrained(tmp_path / "big")
+    header = example.prepare(tmp_path / "big", [b], tmp_path / "bytes.bin")
+    assert header["dtype"] == "uint32" and header["tokenizer"] == "bytes (UTF-8)" and header["end_of_text"] is None
+    assert np.fromfile(tmp_path / "bytes.bin", dtype=np.uint32).tolist() == list(b.read_bytes())
+
+
+def test_a_token_file_is_read_in_order_each_data_parallel_part_its_own_rows_and_from_the_start_again(
+        tmp_path: Path) -> None:
+    example = _example()
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4).save_pretrained(tmp_path / "model")
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 11)  # 1045 bytes: 104 held out, 941 // 8 = 117 sequences of 8
+    example.prepare(tmp_path / "model", [text], tmp_path / "t.bin")
+    data = example.TokenFile(tmp_path / "t.bin", 256, tmp_path / "model", seq_len=8)
+    tokens = torch.tensor(list(text.read_bytes()))
+    assert data.sequences == 117
+    rows = tokens[:117 * 8].view(117, 8)
+    assert torch.equal(data.batch(0, 4), rows[:4])
+    assert torch.equal(data.batch(20, 6), rows[20:26])  # the 6 sequences after the 20 read before
+    parts = [data.batch(20, 6, part, 3) for part in range(3)]  # 3 data-parallel parts: 2 rows each, in order
+    assert [len(part) for part in parts] == [2, 2, 2] and torch.equal(torch.cat(parts), rows[20:26])
+    assert torch.equal(data.batch(115, 4), torch.cat([rows[115:], rows[:2]]))  # past the end: from the start again
+    assert torch.equal(data.batch(117 + 3, 2), rows[3:5])  # the second pass
+    assert torch.equal(data.evaluation(3), tokens[-104:][:24].view(3, 8))  # the last 10%, held out
+    assert data.batch(0, 1).dtype == torch.long
+
+
+def test_a_token_file_of_another_vocabulary_is_refused_naming_both_and_the_fix(tmp_path: Path) -> None:
+    example = _example()
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4).save_pretrained(tmp_path / "bytes")
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100)
+    example.prepare(tmp_path / "bytes", [text], tmp_path / "t.bin")
+    with pytest.raises(SystemExit, match=r"--data .*t.bin: its tokens are for a vocabulary of 256 ids \(tokenizer "
+                                         r"bytes \(UTF-8\)\), the model .*other has 32000: a file of another "
+                                         r"tokenizer; prepare the data with this model's: python "
+                                         r"examples/finetune_hf.py prepare --model .*other --text FILE... --out "
+                                         r".*t.bin"):
+        example.TokenFile(tmp_path / "t.bin", 32000, tmp_path / "other", seq_len=8)
+    (tmp_path / "t.bin").write_bytes(b"\0" * 10)  # cut short
+    with pytest.raises(SystemExit, match=r"t.bin: 10 bytes, its header says 1000 uint16 tokens \(2000 bytes\): "
+                                         r"prepare it again"):
+        example.TokenFile(tmp_path / "t.bin", 256, tmp_path / "bytes", seq_len=8)
+    (tmp_path / "u.bin").write_bytes(b"\0" * 10)  # no header
+    args = example.parse_args(["--config", str(tmp_path / "bytes"), "--data", str(tmp_path / "u.bin"), "--out", "o"])
+    with pytest.raises(SystemExit, match=r"--data .*u.bin: its header .*u.bin.json cannot be read \(No such file "
+                                         r"or directory\); write the token file and its header with: python "
+                                         r"examples/finetune_hf.py prepare --model"):
+        example.open_data(args, 256)
+
+
+def test_the_kill_drill_names_a_rank_and_a_step_of_the_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example()
+    monkeypatch.delenv("FINETUNE_KILL", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert example.kill_drill(1) is None
+    monkeypatch.setenv("FINETUNE_KILL", "1:25")
+    assert [example.kill_drill(rank) for rank in range(3)] == [None, 25, None]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the restarted job runs on
+    assert example.kill_drill(1) is None
+    monkeypatch.setenv("FINETUNE_KILL", "rank1")
+    with pytest.raises(SystemExit, match=r"FINETUNE_KILL='rank1': give RANK:STEP \(1:3: rank 1 kills itself as "
+                                         r"step 3 begins\)"):
+        example.kill_drill(1)
