@@ -11,10 +11,9 @@ them. This module only names the rows, picks durations and writes the title.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from pipe.core.cost_order import StageCosts, cost_functions
-from pipe.core.deprecation import warn
 from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind
 from pipe.core.program_time import lowered_programs, phase_durations, simulate, step_cost
@@ -192,8 +191,3 @@ def _describe(schedule: Schedule) -> str:
         stages += f" × {schedule.virtual_stages} virtual"
     return f"{name} · {stages} · {schedule.microbatches} micro-batch{'es' if schedule.microbatches != 1 else ''}"
 
-
-def plan(schedule: str = "gpipe", stages: int = 4, microbatches: int = 8, **options: Any) -> Timeline:
-    """Deprecated: :func:`schedule_timeline` (``stages=`` is now ``ranks=``)."""
-    warn("pipe.viz.plan(stages=...)", "pipe.viz.schedule_timeline(ranks=...)")
-    return schedule_timeline(schedule, stages, microbatches, **options)
