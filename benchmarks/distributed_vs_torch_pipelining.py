@@ -127,10 +127,11 @@ def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, fl
     """The fastest step any runtime could take on 1F1B with the compute each engine measured per action.
 
     Each rank's forward and backward per micro-batch are its profile's means, laid out by pipe's schedule
-    simulator with free messages and no work between actions (pipe.core.schedule.Schedule.simulate).
+    simulator with free messages and no work between actions (pipe.core.program_time.time_schedule).
     Against torch's measured step (the slower rank's median), this is the ceiling of pipe / torch on this
     schedule: whatever a runtime saves, the compute and the fill and drain stay.
     """
+    from pipe.core.program_time import time_schedule
     from pipe.core.schedule import Phase, Schedule
 
     schedule = Schedule("1f1b", ranks=2, microbatches=microbatches)
@@ -140,8 +141,8 @@ def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, fl
         per_action = [{Phase.FORWARD: rank[forward]["ms_per_step"] / rank[forward]["calls_per_step"],
                        Phase.BACKWARD: rank[backward]["ms_per_step"] / rank[backward]["calls_per_step"]}
                       for rank in profiles[engine]]
-        timed = schedule.simulate(checkpoint_stop=0, durations=lambda action, per_action=per_action:
-                                  per_action[action.stage].get(action.phase, 0.0))
+        timed = time_schedule(schedule, lambda action, per_action=per_action:
+                              per_action[action.stage].get(action.phase, 0.0))
         ideal[engine] = max(t.end for t in timed)
     measured = {engine: 1e3 * max(r["median_step_s"] for r in runs[engine][-1]) for engine in ("pipe", "torch")}
     return {"ideal_step_ms": ideal, "measured_step_ms": measured,

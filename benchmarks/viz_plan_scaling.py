@@ -1,6 +1,6 @@
 """How ``pipe-viz plan`` scales: seconds per planned cell as stages x micro-batches grows.
 
-``pipe-viz plan`` simulates the schedule (``Schedule.timed``), lays the timed
+``pipe-viz plan`` simulates the schedule's lowered programs (``pipe.core.program_time``), lays the timed
 actions out as cells and draws them. Each size runs the whole command (text
 to a discarded stream, as without ``-o``) in this process; the figure that
 matters is the time per cell (2 x stages x micro-batches of them), which stays

@@ -9,11 +9,11 @@ project tests against.
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from helpers import assert_same_grads
 
 VOCAB = 64
 
@@ -130,20 +130,6 @@ def lm_loss(logits: Tensor, labels: Tensor, tokens: int | None = None) -> Tensor
 
 def predicted_tokens(labels: Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
-
-
-def named_grads(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None, f"{name} has no gradient"
-        yield name, parameter.grad
-
-
-def assert_same_grads(model: nn.Module, reference: nn.Module, atol: float = 1e-6, rtol: float = 1e-5) -> None:
-    expected = dict(named_grads(reference))
-    got = dict(named_grads(model))
-    assert got.keys() == expected.keys()
-    for name, grad in got.items():
-        torch.testing.assert_close(grad, expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
 def assert_same_lm_step(piped: nn.Module, model: nn.Module, reference: nn.Module, ids: Tensor, mask: Tensor,

@@ -25,7 +25,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import pipe
 from pipe import Pipe
 from pipe.compile import CompileError, compiled_layers, verify_compile
-from split_models import VOCAB, assert_same_grads, assert_same_lm_step, gpt2, lm_batch, tied_model
+from helpers import assert_same_grads
+from split_models import VOCAB, assert_same_lm_step, gpt2, lm_batch, tied_model
 
 # compile= is refused below torch 2.13 (pipe.compile.verify_compile says why).
 pytestmark = pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",

@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipe.viz.planned import schedule_timeline
 
 
 @pytest.mark.parametrize("module, old, new_module, new", [
-    ("pipe.sequential", "PipeSequential", "pipe.core.sequential", "PipeSequential"),
-    ("pipe.sequential", "sequential_like", "pipe.core.sequential", "sequential_like"),
-    ("pipe.tied", "tie_partitions", "pipe.core.tying", "tie_partitions"),
     ("pipe.viz", "Cell", "pipe.viz.timeline", "Span"),
     ("pipe.viz.timeline", "Cell", "pipe.viz.timeline", "Span"),
     ("pipe.viz", "plan_like", "pipe.viz.measured", "schedule_like"),
@@ -27,18 +23,21 @@ def test_an_old_name_is_the_new_object_with_a_warning(module: str, old: str, new
 
 
 def test_an_unknown_name_of_an_old_module_is_an_attribute_error() -> None:
-    import pipe.sequential
-
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        pipe.sequential.nothing  # noqa: B018
-
-
-def test_viz_plan_with_stages_draws_what_schedule_timeline_with_ranks_draws() -> None:
     import pipe.viz
 
-    with pytest.warns(DeprecationWarning, match=r"schedule_timeline\(ranks=...\)"):
-        old = pipe.viz.plan("1f1b", stages=2, microbatches=3)
-    assert old == schedule_timeline("1f1b", ranks=2, microbatches=3)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        pipe.viz.nothing  # noqa: B018
+
+
+def test_pre_release_shims_are_gone() -> None:
+    """pipe.sequential, pipe.tied and pipe.viz.plan never shipped in a release (issue 51): no alias is left."""
+    from pathlib import Path
+
+    import pipe.viz
+
+    package = Path(pipe.viz.__file__).resolve().parent.parent
+    assert not (package / "sequential.py").exists() and not (package / "tied.py").exists()
+    assert not hasattr(pipe.viz, "plan")
 
 
 def test_pipe_viz_plan_stages_still_works_and_says_ranks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,8 @@ from torch import nn
 
 import pipe
 from pipe import Pipe
-from split_models import (SmallResNet, assert_same_grads, assert_same_lm_step, assert_same_state, gpt2, lm_batch,
+from helpers import assert_same_grads
+from split_models import (SmallResNet, assert_same_lm_step, assert_same_state, gpt2, lm_batch,
                           llama)
 
 pytest.importorskip("transformers")

@@ -25,7 +25,7 @@ from torch import nn
 from pipe.balance.solver import solve
 from pipe.balance.timing import LayerTimes, time_layers
 from pipe.balance.traced import TracedStep, calibrated_times
-from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders, with_posts_chosen
+from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders, fastest
 from pipe.core.microbatch import scatter
 from pipe.core.options import CHECKPOINT_MODES, positive_int
 from pipe.core.partition import verify_module
@@ -200,7 +200,7 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
                                                  in_flight=in_flight, memory_limit=memory_limit,
                                                  checkpoint=checkpoint) if c.fits]
             if found:
-                candidate = with_posts_chosen(found, costs, checkpoint)
+                candidate = fastest(found, costs, checkpoint)
                 if best is None or candidate.step < best[0].step - 1e-12:
                     best = (candidate, balance, costs)
     if best is None:

@@ -8,15 +8,15 @@ each stage, :func:`schedule_from_costs` plays the pipeline out with a greedy
 list scheduler under a memory limit (:mod:`pipe.core.greedy_order`), with a
 few variants of its priority rule, for the looped placement (stage s on rank
 ``s % ranks``) and the V (rank r runs stages r and ``2 * ranks - 1 - r``),
-and returns the order that :meth:`~pipe.core.schedule.Schedule.simulate`
-finds fastest under the same costs. The fixed schedules of that placement
-are candidates too, judged under the same costs and memory limit, so the
-result is never slower in simulation than the best of them that fits. Where
-messages cost time, the fastest orders and the fixed ones are then lowered
-into every step of each rank (:mod:`pipe.core.lowering`) and each rank's
-receive posts are chosen (:func:`choose_posts`): a message's bytes move only
-once its receive is posted, so a rank that posts one action ahead may wait
-for bytes that could have moved during the action before.
+and returns the order whose lowered programs (every step of each rank:
+:mod:`pipe.core.lowering`) :func:`pipe.core.program_time.time_schedule` finds
+fastest under the same costs. The fixed schedules of that placement are
+candidates too, judged under the same costs and memory limit, so the result
+is never slower in simulation than the best of them that fits. Where messages
+cost time, each rank's receive posts are then chosen for the fastest orders
+and the fixed ones (:func:`choose_posts`): a message's bytes move only once
+its receive is posted, so a rank that posts one action ahead may wait for
+bytes that could have moved during the action before.
 
 The result is an ordinary :class:`~pipe.core.schedule_table.TableSchedule`:
 validated, simulated, saved with ``to_csv`` and reloaded with ``from_csv``,
@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
-from pipe.core.program_time import lowered_programs, time_programs
-from pipe.core.schedule import Action, Phase, Schedule, TimedAction
+from pipe.core.program_time import time_schedule
+from pipe.core.schedule import Action, Phase, Schedule
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
 
@@ -182,17 +182,11 @@ def peak_held(schedule: Schedule, activation: Sequence[float]) -> tuple[float, .
     return tuple(peaks)
 
 
-def timed_with_costs(schedule: Schedule, costs: StageCosts, stop: int = 0) -> list[TimedAction]:
-    """:meth:`Schedule.simulate` of ``schedule`` under ``costs``, micro-batches ``i < stop`` recomputed: each
-    action timed, a message across ranks delayed by its boundary's transfer."""
-    duration, transfer = _cost_functions(schedule, costs)
-    return schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
-
-
-def _cost_functions(schedule: Schedule, costs: StageCosts
-                    ) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
-    """``(duration, transfer)`` of an action under ``costs``: its own seconds, and those of the message it waits
-    for (its boundary's transfer where the neighbouring stage runs on another rank)."""
+def cost_functions(schedule: Schedule, costs: StageCosts
+                   ) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
+    """``(duration, transfer)`` of an action under ``costs``, for :func:`pipe.core.program_time.time_schedule`:
+    its own seconds, and those of the message it waits for (its boundary's transfer where the neighbouring
+    stage runs on another rank)."""
     last = schedule.stages - 1
 
     def duration(action: Action) -> float:
@@ -210,11 +204,10 @@ def _cost_functions(schedule: Schedule, costs: StageCosts
 
 
 def lowered_step(schedule: Schedule, costs: StageCosts, stop: int = 0) -> float:
-    """The step of ``schedule``'s lowered programs (:mod:`pipe.core.program_time`) under ``costs``, micro-batches
-    ``i < stop`` recomputed: receives posted where each rank posts them, a message's bytes moving once both
-    its send and its receive are posted."""
-    duration, transfer = _cost_functions(schedule, costs)
-    return max(t.end for t in time_programs(lowered_programs(schedule, stop), duration, transfer))
+    """The step of ``schedule``'s lowered programs (:func:`pipe.core.program_time.time_schedule`) under
+    ``costs``, micro-batches ``i < stop`` recomputed: receives posted where each rank posts them, a message's
+    bytes moving once both its send and its receive are posted."""
+    return max(t.end for t in time_schedule(schedule, *cost_functions(schedule, costs), stop))
 
 
 def choose_posts(schedule: TableSchedule, costs: StageCosts, checkpoint: str = "never"
@@ -239,10 +232,9 @@ def choose_posts(schedule: TableSchedule, costs: StageCosts, checkpoint: str = "
     return schedule.with_posts(posts), best
 
 
-def with_posts_chosen(found: Sequence[Candidate], costs: StageCosts, checkpoint: str = "never",
-                      top: int = 4) -> Candidate:
-    """The fastest fitting candidate once each rank's posts are chosen (:func:`choose_posts`), its step the
-    lowered one; weighed: the ``top`` fastest and every fixed schedule, so none of those is faster. Without
+def fastest(found: Sequence[Candidate], costs: StageCosts, checkpoint: str = "never", top: int = 4) -> Candidate:
+    """The fastest fitting candidate once each rank's receive posts are chosen (:func:`choose_posts`) for the
+    ``top`` fastest and every fixed schedule, so that none of those is faster with its own posts. Without
     transfer costs posts change nothing: the fastest candidate as it is.
 
     Raises:
@@ -258,11 +250,6 @@ def with_posts_chosen(found: Sequence[Candidate], costs: StageCosts, checkpoint:
         table, step = choose_posts(candidate.schedule, costs, checkpoint)
         chosen.append(Candidate(candidate.name, table, step, candidate.peak, candidate.limit))
     return min(chosen, key=lambda c: c.step)
-
-
-def simulate_with_costs(schedule: Schedule, costs: StageCosts, checkpoint: str = "never") -> float:
-    """The step :meth:`Schedule.simulate` finds for ``schedule`` under ``costs`` (recomputes with ``checkpoint``)."""
-    return max(t.end for t in timed_with_costs(schedule, costs, checkpoint_stop(checkpoint, schedule.microbatches)))
 
 
 def busy_bound(costs: StageCosts, ranks: int, microbatches: int, placement: str = "looped",
@@ -299,7 +286,7 @@ def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placem
         if table.programs in seen:
             return
         seen.add(table.programs)
-        found.append(Candidate(name, table, simulate_with_costs(table, costs, checkpoint),
+        found.append(Candidate(name, table, lowered_step(table, costs, checkpoint_stop(checkpoint, microbatches)),
                                peak_held(table, costs.activation), limit))
 
     for where in placements:
@@ -342,7 +329,7 @@ def _judged(programs: list[list[Step]], shape: tuple[int, int, int, tuple[int, .
     if max(peak_held(table, costs.activation)) > limit + 1e-9:
         return None
     try:
-        return simulate_with_costs(table, costs, checkpoint)
+        return lowered_step(table, costs, checkpoint_stop(checkpoint, microbatches))
     except RuntimeError:
         return None
 
@@ -381,7 +368,7 @@ def schedule_from_costs(costs: StageCosts, *, ranks: int, microbatches: int, pla
         raise ValueError(f"no order of {costs.stages} stages on {ranks} ranks holds at most "
                          f"{found[0].limit if found else in_flight or memory_limit:g} per rank (in_flight / "
                          f"memory_limit); the least found holds {least:g}: raise the limit to {least:g}")
-    best = with_posts_chosen(fitting, costs, checkpoint)
+    best = fastest(fitting, costs, checkpoint)
     logger.debug("auto order: %s, simulated step %.6g (of %d candidates)", best.name, best.step, len(found))
     return best.schedule  # a fixed schedule's table is named by its kind (1f1b, zbv, ...)
 

@@ -273,15 +273,16 @@ def messages(slots: list[_Slot], routes: Routes, ahead: int = 1) -> list[Step]:
 
     Returns the receives of the first ``ahead`` actions, posted before anything else.
     """
+    receives = [_receives(slot.action, routes) for slot in slots]  # each action's, built once
     for k, slot in enumerate(slots):
-        own = _receives(slot.action, routes)
+        own = receives[k]
         if ahead == 0:
             slot.before += own
         slot.before += [Step(Kind.WAIT_RECV, r.action, r.stage, r.peer, r.direction, r.channel) for r in own]
         if ahead and k + ahead < len(slots):
-            slot.before += _receives(slots[k + ahead].action, routes)
+            slot.before += receives[k + ahead]
         slot.after += _sends(slot.action, routes)
-    return [r for slot in slots[:ahead] for r in _receives(slot.action, routes)]
+    return [r for own in receives[:ahead] for r in own]
 
 
 def offload(slots: list[_Slot], stages: Sequence[int], horizon: int) -> None:

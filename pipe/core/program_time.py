@@ -21,8 +21,10 @@ The module imports no torch.
 from __future__ import annotations
 
 import collections
+import functools
+import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
@@ -56,6 +58,23 @@ def stage_ranks(programs: Sequence[Sequence[Step]]) -> dict[int, int]:
     return {step.stage: rank for rank, program in enumerate(programs) for step in program if step.kind in COMPUTE}
 
 
+# What the simulator does with each kind of step, as small ints (compared with ``==``, not hashed).
+_COMPUTE, _SEND, _POST, _WAIT, _COMM, _COPY, _WAIT_UNSHARD, _FLUSH, _FINISH, _NOTHING = range(10)
+_OPS = {**{kind: _COMPUTE for kind in COMPUTE}, Kind.RECOMPUTE: _COMPUTE, Kind.SEND: _SEND,
+        Kind.POST_RECV: _POST, Kind.WAIT_RECV: _WAIT, **{kind: _COMM for kind in _ON_COMM}, Kind.PREFETCH: _COPY,
+        Kind.WAIT_UNSHARD: _WAIT_UNSHARD, Kind.FLUSH: _FLUSH, Kind.FINISH_REPLICAS: _FINISH}
+
+#: A program made ready for the simulator: per step, ``(op, key, step)``; the key is a message's for the
+#: message steps, the stage for a gather or its wait.
+_Ready = tuple[tuple[tuple[int, object, Step], ...], ...]
+
+
+def _ready(programs: Sequence[Sequence[Step]]) -> _Ready:
+    return tuple(tuple((op, step.message() if op in (_SEND, _POST, _WAIT) else step.stage, step)
+                       for step in program for op in (_OPS.get(step.kind, _NOTHING),))
+                 for program in programs)
+
+
 def simulate(programs: Sequence[Sequence[Step]], cost: Callable[[Step], float]) -> list[TimedStep]:
     """Every step of every rank's lowered program on one timeline; see the module docstring.
 
@@ -69,101 +88,174 @@ def simulate(programs: Sequence[Sequence[Step]], cost: Callable[[Step], float]) 
     Raises:
         RuntimeError: the programs deadlock; the message names each rank's stuck step.
     """
+    return [TimedStep(step, rank, start, end) for start, rank, end, step in sorted(_run(_ready(programs), cost),
+                                                                                   key=_order)]
+
+
+def _order(timed: tuple[float, int, float, Step]) -> tuple[float, int, float]:
+    return timed[0], timed[1], timed[2]
+
+
+def _run(programs: _Ready, cost: Callable[[Step], float]) -> list[tuple[float, int, float, Step]]:
+    """:func:`simulate`'s timeline, unsorted, as ``(start, rank, end, step)``."""
     ranks = len(programs)
-    sent: dict[tuple[int, int, str, str, int], tuple[float, float]] = {}  # message -> (when sent, transfer)
-    posted: dict[tuple[int, int, str, str, int], float] = {}  # message -> when its receive was posted
-    gathered: dict[tuple[int, int], float] = {}  # (rank, stage) -> when its last gather ends
+    sent: dict[object, tuple[float, float]] = {}  # message -> (when sent, transfer)
+    posted: dict[object, float] = {}  # message -> when its receive was posted
+    gathered: dict[tuple[int, object], float] = {}  # (rank, stage) -> when its last gather ends
     clock = [0.0] * ranks
     comm = [0.0] * ranks  # when each rank's communication lane is free
     sends_done = [0.0] * ranks
     cursor = [0] * ranks
-    timeline: list[TimedStep] = []
-    waiting: dict[tuple[int, int, str, str, int], list[int]] = {}
+    timeline: list[tuple[float, int, float, Step]] = []
+    append = timeline.append
+    waiting: dict[object, list[int]] = {}
     ready = collections.deque(range(ranks))
     while ready:
         rank = ready.popleft()
         program, at = programs[rank], clock[rank]
-        position = cursor[rank]
-        while position < len(program):
-            step = program[position]
-            kind = step.kind
-            if kind is Kind.WAIT_RECV:
-                key = step.message()
+        position, end = cursor[rank], len(programs[rank])
+        while position < end:
+            op, key, step = program[position]
+            if op == _COMPUTE:
+                length = cost(step)
+                append((at, rank, at + length, step))
+                at += length
+            elif op == _WAIT:
                 if key not in sent:
                     waiting.setdefault(key, []).append(rank)
                     break
                 when, transfer = sent[key]
                 arrival = max(when, posted.get(key, when)) + transfer
                 if arrival > at:
-                    timeline.append(TimedStep(step, rank, at, arrival))
+                    append((at, rank, arrival, step))
                     at = arrival
-            elif kind is Kind.POST_RECV:
-                posted[step.message()] = at
-            elif kind in COMPUTE or kind is Kind.RECOMPUTE:
-                length = cost(step)
-                timeline.append(TimedStep(step, rank, at, at + length))
-                at += length
-            elif kind is Kind.SEND:
-                key = step.message()
-                sent[key] = (at, cost(step))
-                sends_done[rank] = max(sends_done[rank], at + sent[key][1])  # (as if posted: the other rank may
-                timeline.append(TimedStep(step, rank, at, at + sent[key][1]))  # not be simulated that far)
+            elif op == _POST:
+                posted[key] = at
+            elif op == _SEND:
+                transfer = cost(step)
+                sent[key] = (at, transfer)
+                if at + transfer > sends_done[rank]:  # (as if posted: the other rank may not be simulated that far)
+                    sends_done[rank] = at + transfer
+                append((at, rank, at + transfer, step))
                 woken = waiting.pop(key, None)
                 if woken:
                     ready.extend(woken)
-            elif kind in _ON_COMM:
+            elif op == _COMM:
                 start = max(at, comm[rank])
                 comm[rank] = start + cost(step)
-                timeline.append(TimedStep(step, rank, start, comm[rank]))
-                if kind is Kind.UNSHARD:
-                    gathered[(rank, step.stage)] = comm[rank]
-            elif kind is Kind.PREFETCH:
-                timeline.append(TimedStep(step, rank, at, at + cost(step)))
-            elif kind in (Kind.WAIT_UNSHARD, Kind.FLUSH, Kind.FINISH_REPLICAS):
-                until = gathered.get((rank, step.stage), at) if kind is Kind.WAIT_UNSHARD \
-                    else sends_done[rank] if kind is Kind.FLUSH else comm[rank]
+                append((start, rank, comm[rank], step))
+                if step.kind is Kind.UNSHARD:
+                    gathered[(rank, key)] = comm[rank]
+            elif op == _COPY:
+                append((at, rank, at + cost(step), step))
+            elif op != _NOTHING:
+                until = gathered.get((rank, key), at) if op == _WAIT_UNSHARD \
+                    else sends_done[rank] if op == _FLUSH else comm[rank]
                 if until > at:
-                    timeline.append(TimedStep(step, rank, at, until))
+                    append((at, rank, until, step))
                     at = until
             position += 1
         cursor[rank], clock[rank] = position, at
-    stuck = [f"rank {rank} at {programs[rank][cursor[rank]]}" for rank in range(ranks)
+    stuck = [f"rank {rank} at {programs[rank][cursor[rank]][2]}" for rank in range(ranks)
              if cursor[rank] < len(programs[rank])]
     if stuck:
         raise RuntimeError("the lowered programs deadlock, each rank waiting for a message never sent: "
                            + "; ".join(stuck))
-    return sorted(timeline, key=lambda t: (t.start, t.rank, t.end))
+    return timeline
 
 
-def lowered_programs(schedule: Schedule, checkpoint_stop: int) -> list[list[Step]]:
-    """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes."""
+def lowered_programs(schedule: Schedule, checkpoint_stop: int, zero3: Optional[bool] = None
+                     ) -> tuple[tuple[Step, ...], ...]:
+    """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes; FSDP
+    stages with ``zero3`` (see :func:`pipe.core.lowering.lower`)."""
+    return _lowered(schedule, checkpoint_stop, zero3)[0]
+
+
+@functools.lru_cache(maxsize=128)
+def _lowered(schedule: Schedule, checkpoint_stop: int, zero3: Optional[bool]
+             ) -> tuple[tuple[tuple[Step, ...], ...], _Ready]:
+    """The lowered programs and their form for :func:`_run`, cached per schedule, stop and ``zero3`` (a
+    schedule is frozen, its actions a function of its fields): the planner times one table under many costs,
+    and a prediction then costs the simulation alone."""
     routes = Routes.chain(schedule.stages)
-    return [lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop, post_ahead=schedule.post_ahead(rank))
-            for rank in range(schedule.ranks)]
+    programs = tuple(tuple(lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop, zero3=zero3,
+                                 post_ahead=schedule.post_ahead(rank)))
+                     for rank in range(schedule.ranks))
+    return programs, _ready(programs)
 
 
-def time_programs(programs: list[list[Step]], duration: Callable[[Action], float],
-                  transfer: Callable[[Action], float]) -> list[TimedAction]:
-    """The lowered ``programs`` timed (:func:`pipe.core.program_time.simulate`): each compute step takes
-    ``duration(action)``, a recompute ``duration`` of its ``R`` action, and a message ``transfer`` of the action
-    that waits for it. Returns the compute and recompute steps as timed actions (a recompute of no time left out)."""
+def step_cost(duration: Callable[[Action], float], transfer: Optional[Callable[[Action], float]] = None,
+              others: Optional[Mapping[Kind, float]] = None) -> Callable[[Step], float]:
+    """The seconds of each step of a lowered program, from the costs of actions: a compute step takes
+    ``duration(action)``, a recompute ``duration`` of its ``R`` action, a send ``transfer`` of the action on
+    the peer stage that waits for its message (free without ``transfer``), and a step of another kind its
+    entry in ``others`` (a gather, a reduce; 0 if none)."""
+    recompute = Phase.RECOMPUTE
+    others = others or {}
 
     def cost(step: Step) -> float:
-        if step.kind in COMPUTE:
+        kind = step.kind
+        if kind in COMPUTE:
             return duration(step.action)
-        if step.kind is Kind.RECOMPUTE:
-            return duration(Action(Phase.RECOMPUTE, step.microbatch, step.stage))
-        if step.kind is Kind.SEND:  # the action on the peer stage that waits for this message
-            return transfer(Action(step.action.phase, step.microbatch, step.peer))
-        return 0.0
+        if kind is Kind.RECOMPUTE:
+            return duration(Action(recompute, step.action.microbatch, step.stage))
+        if kind is Kind.SEND:
+            return transfer(Action(step.action.phase, step.action.microbatch, step.peer)) if transfer else 0.0
+        return others.get(kind, 0.0)
 
+    return cost
+
+
+def time_schedule(schedule: Schedule, duration: Optional[Callable[[Action], float]] = None,
+                  transfer: Optional[Callable[[Action], float]] = None, checkpoint_stop: int = 0
+                  ) -> list[TimedAction]:
+    """``schedule`` timed: its ranks' lowered programs (:func:`lowered_programs`, micro-batches ``i <
+    checkpoint_stop`` recomputed ahead of their gradient) through :func:`simulate`, each action taking
+    ``duration(action)`` (default :func:`phase_durations`: F 1, B 2) and each message between ranks
+    ``transfer`` of the action that waits for it (default: free). The one way the library times a schedule.
+
+    Returns:
+        The compute and recompute steps as timed actions, sorted by ``(start, rank)``.
+
+    Raises:
+        RuntimeError: the programs deadlock; the message names each rank's stuck step.
+    """
+    timeline = _run(_lowered(schedule, checkpoint_stop, None)[1], step_cost(duration or phase_durations(), transfer))
     timed = []
-    for t in simulate(programs, cost):
-        if t.step.kind in COMPUTE:
-            timed.append(TimedAction(t.step.action, t.rank, t.start, t.end))
-        elif t.step.kind is Kind.RECOMPUTE and t.end > t.start:
-            timed.append(TimedAction(Action(Phase.RECOMPUTE, t.step.microbatch, t.step.stage), t.rank, t.start, t.end))
+    for start, rank, end, step in timeline:
+        if step.kind in COMPUTE:
+            timed.append(TimedAction(step.action, rank, start, end))
+        elif step.kind is Kind.RECOMPUTE and end > start:
+            timed.append(TimedAction(Action(Phase.RECOMPUTE, step.microbatch, step.stage), rank, start, end))
+    timed.sort(key=_timed_order)
     return timed
+
+
+def _timed_order(timed: TimedAction) -> tuple[float, int, float]:
+    return timed.start, timed.rank, timed.end
+
+
+def phase_durations(forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0, *,
+                    input_grad: Optional[float] = None, weight_grad: Optional[float] = None
+                    ) -> Callable[[Action], float]:
+    """Every action's duration by its phase alone (I and W default to half a backward each), for
+    :func:`time_schedule`; relative units, e.g. ``forward=1.0, backward=2.0``.
+
+    Raises:
+        ValueError: a duration that is not a finite number in range (> 0; a recompute >= 0).
+    """
+    input_grad = backward / 2 if input_grad is None else input_grad
+    weight_grad = backward / 2 if weight_grad is None else weight_grad
+    for name, value, least in (("forward", forward, "> 0"), ("backward", backward, "> 0"),
+                               ("recompute", recompute, ">= 0"), ("input_grad", input_grad, "> 0"),
+                               ("weight_grad", weight_grad, "> 0")):
+        positive = value > 0 if least == "> 0" else value >= 0
+        if isinstance(value, bool) or not math.isfinite(value) or not positive:
+            raise ValueError(f"{name} duration must be a finite number {least} (got {value!r}); "
+                             f"durations are relative, e.g. forward=1.0, backward=2.0")
+    lengths = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.RECOMPUTE: recompute,
+               Phase.INPUT: input_grad, Phase.WEIGHT: weight_grad}
+    return lambda action: lengths[action.phase]
 
 
 def check(programs: Sequence[Sequence[Step]]) -> None:

@@ -18,11 +18,9 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import enum
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
 
@@ -257,111 +255,6 @@ class Schedule:
             return Action(Phase.FORWARD, i, s)  # the loss turns the last forward around
         return Action(action.phase, i, s + 1)  # B after B, I after I
 
-    def simulate(
-        self, forward: float = 1.0, backward: float = 2.0, recompute: float = 0.0,
-        checkpoint_stop: int | None = None, durations: Callable[[Action], float] | None = None, *,
-        input_grad: float | None = None, weight_grad: float | None = None,
-        transfer: Callable[[Action], float] | None = None,
-    ) -> list[TimedAction]:
-        """Place every action on a timeline, given how long each phase takes.
-
-        An action starts once its rank has finished the previous action of its
-        program and the action it depends on (the forward of the stage before,
-        the backward of the stage after, or the last stage's forward) has ended.
-        Transfers are free. With ``recompute > 0`` each backward is preceded on
-        its rank by a RECOMPUTE of that length, which starts as soon as the rank
-        is free: it does not wait for the gradient (that is why Checkpoint and
-        Recompute are separate), but the backward waits for it.
-        ``checkpoint_stop`` limits recomputation to micro-batches ``i <
-        checkpoint_stop``, as ``Pipe``'s checkpoint modes do (None: all).
-        ``durations(action)``, when given, is the length of each action
-        instead (per stage and micro-batch, e.g. measured costs for
-        :mod:`pipe.plan`); a RECOMPUTE of length 0 is left out.
-
-        Zero-bubble schedules run I (``input_grad``, default ``backward / 2``)
-        and later W (``weight_grad``, default ``backward / 2``) instead of B; a
-        checkpointed cell recomputes once, before its I, and the recomputed
-        graph serves its W. An I waits for the I of the stage after; a W for
-        its own I. ``transfer(action)``, when given, is the seconds from the
-        end of the action ``action`` depends on until its input is there (a
-        message between ranks, for :mod:`pipe.plan`).
-
-        Returns:
-            The timed actions of all ranks, sorted by ``(start, rank)``.
-
-        Raises:
-            ValueError: a duration is not a finite number in range.
-            RuntimeError: the programs deadlock; the message names the stuck actions.
-        """
-        input_grad = backward / 2 if input_grad is None else input_grad
-        weight_grad = backward / 2 if weight_grad is None else weight_grad
-        _check_durations(forward, backward, recompute, input_grad, weight_grad)
-        duration = {Phase.FORWARD: forward, Phase.BACKWARD: backward, Phase.RECOMPUTE: recompute,
-                    Phase.INPUT: input_grad, Phase.WEIGHT: weight_grad}
-        length = durations or (lambda action: duration[action.phase])
-        programs = [self.actions(rank) for rank in range(self.ranks)]
-        # Keys are plain tuples (phase code, micro-batch, stage): hashing them costs no Python call,
-        # as hashing an Action or a Phase does. The dependencies are those of _dependency.
-        code = {id(phase): n for n, phase in enumerate(Phase)}  # by id: an Enum's own hash is a Python call
-        f_, i_, w_ = code[id(Phase.FORWARD)], code[id(Phase.INPUT)], code[id(Phase.WEIGHT)]
-        replayed = (code[id(Phase.BACKWARD)], i_)
-        last = self.stages - 1
-        fixed = None if durations is not None else [duration.get(phase, 0.0) for phase in Phase]
-        ends: dict[tuple[int, int, int], float] = {}
-        cursor = [0] * self.ranks
-        free = [0.0] * self.ranks
-        timeline: list[TimedAction] = []
-        # Event-driven, so linear in the number of actions: a rank runs until an action waits
-        # for another rank's, and is woken when that one ends (plans of thousands of stages and
-        # micro-batches take seconds in pipe-viz plan).
-        waiting: dict[tuple[int, int, int], list[int]] = {}
-        ready = collections.deque(range(self.ranks))
-        while ready:
-            rank = ready.popleft()
-            program = programs[rank]
-            position, at = cursor[rank], free[rank]
-            while position < len(program):
-                action = program[position]
-                c, i, s = code[id(action.phase)], action.microbatch, action.stage
-                if c == f_:
-                    dependency = (f_, i, s - 1) if s > 0 else None
-                elif c == w_:
-                    dependency = (i_, i, s)  # the graph that I kept
-                elif s == last:
-                    dependency = (f_, i, s)  # the loss turns the last forward around
-                else:
-                    dependency = (c, i, s + 1)  # B after B, I after I
-                if dependency is not None and dependency not in ends:
-                    waiting.setdefault(dependency, []).append(rank)
-                    break
-                start = at
-                if c in replayed and (checkpoint_stop is None or i < checkpoint_stop):
-                    redo = Action(Phase.RECOMPUTE, i, s)
-                    redo_length = length(redo) if fixed is None else recompute
-                    if redo_length > 0:
-                        timeline.append(TimedAction(redo, rank, start, start + redo_length))
-                        start += redo_length
-                if dependency is not None:
-                    start = max(start, ends[dependency] + (transfer(action) if transfer else 0.0))
-                end = start + (length(action) if fixed is None else fixed[c])
-                timeline.append(TimedAction(action, rank, start, end))
-                key = (c, i, s)
-                ends[key] = at = end
-                position += 1
-                woken = waiting.pop(key, None)
-                if woken:
-                    ready.extend(woken)
-            cursor[rank], free[rank] = position, at
-        stuck = [
-            f"rank {rank} at {program[cursor[rank]]} (waits for "
-            f"{self._dependency(program[cursor[rank]])})"
-            for rank, program in enumerate(programs)
-            if cursor[rank] < len(program)
-        ]
-        if stuck:
-            raise RuntimeError(f"{self} deadlocks: " + "; ".join(stuck))
-        return sorted(timeline, key=lambda t: (t.start, t.rank, t.end))
-
     def forward_clock_cycles(self) -> list[list[Action]]:
         """The forwards grouped into clock cycles, for the thread runner.
 
@@ -372,8 +265,10 @@ class Schedule:
             cycle   0       1             2             3
                     F0@0    F0@1 F1@0     F1@1 F2@0     F2@1      (2 ranks, 3 micro-batches)
         """
+        from pipe.core.program_time import phase_durations, time_schedule  # it times what this module defines
+
         cycles: dict[float, list[Action]] = {}
-        for timed in self.simulate(forward=1.0, backward=1.0):
+        for timed in time_schedule(self, phase_durations(forward=1.0, backward=1.0)):
             if timed.action.phase is Phase.FORWARD:
                 cycles.setdefault(timed.start, []).append(timed.action)
         return [
@@ -389,9 +284,13 @@ class Schedule:
         For GPipe and 1F1B this is (ranks - 1) / (microbatches + ranks - 1).
         For ZB-H1 with F = I = W (backward = 2 * forward) and microbatches >=
         ranks, each rank idles ``(ranks - 1) * (F + I - W)``, a third of 1F1B's; see
-        :mod:`pipe.core.zero_bubble`. Arguments as for ``simulate``.
+        :mod:`pipe.core.zero_bubble`. Arguments as for :func:`pipe.core.program_time.phase_durations`;
+        every micro-batch recomputes when ``recompute > 0``.
         """
-        timeline = self.simulate(forward, backward, recompute, input_grad=input_grad, weight_grad=weight_grad)
+        from pipe.core.program_time import phase_durations, time_schedule  # it times what this module defines
+
+        durations = phase_durations(forward, backward, recompute, input_grad=input_grad, weight_grad=weight_grad)
+        timeline = time_schedule(self, durations, checkpoint_stop=self.microbatches if recompute > 0 else 0)
         busy = math.fsum(t.duration for t in timeline)
         makespan = max(t.end for t in timeline)
         return 1.0 - busy / (self.ranks * makespan)
@@ -433,20 +332,3 @@ class Schedule:
         from pipe.core.schedule_table import check_programs
 
         check_programs(self)
-
-
-def _check_durations(forward: float, backward: float, recompute: float,
-                     input_grad: float = 1.0, weight_grad: float = 1.0) -> None:
-    for name, value, least in (
-        ("forward", forward, "> 0"),
-        ("backward", backward, "> 0"),
-        ("recompute", recompute, ">= 0"),
-        ("input_grad", input_grad, "> 0"),
-        ("weight_grad", weight_grad, "> 0"),
-    ):
-        positive = value > 0 if least == "> 0" else value >= 0
-        if isinstance(value, bool) or not math.isfinite(value) or not positive:
-            raise ValueError(
-                f"{name} duration must be a finite number {least} (got {value!r}); "
-                f"durations are relative, e.g. forward=1.0, backward=2.0"
-            )

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
+from pipe.core.program_time import time_schedule
 from pipe.core.schedule import Action, Phase, Schedule
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def check_programs(schedule: Schedule) -> None:
                 raise ValueError(f"{schedule}: rank {rank} holds {peak} micro-batches in flight; "
                                  f"{name} allows at most {formula} = {bound(rank)}")
     try:
-        schedule.simulate()
+        time_schedule(schedule)
     except RuntimeError:
         raise ValueError(_stuck(schedule, programs)) from None
 

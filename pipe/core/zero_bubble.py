@@ -61,7 +61,7 @@ pattern's steps were 7-8% shorter than the rule of thumb's without
 checkpointing and level with it, and its ranks held less
 (docs/benchmarks.md). The result is a fixed table: the runners execute it
 whatever the real durations, and
-:meth:`pipe.core.schedule.Schedule.simulate` replays it with any durations.
+:func:`pipe.core.program_time.time_schedule` replays it with any durations.
 The module imports no torch.
 """
 from __future__ import annotations
@@ -135,13 +135,14 @@ def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
     W does the whole backward (0 and 2 units). On a tie the rule of thumb is
     kept: it idles less on a clock of equal phases where the V cannot fill.
     """
-    from pipe.core.schedule import Phase  # imported here: pipe.core.schedule imports this module
+    from pipe.core.program_time import time_schedule  # imported here: pipe.core.schedule imports this module
+    from pipe.core.schedule import Phase
     from pipe.core.schedule_table import TableSchedule
 
     def makespan(programs: tuple[tuple[Step, ...], ...]) -> float:
         table = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
                                           for program in programs], name="zbv")
-        timed = table.simulate(checkpoint_stop=0, durations=lambda action: (
+        timed = time_schedule(table, lambda action: (
             {Phase.INPUT: 0.0, Phase.WEIGHT: 2.0}.get(action.phase, 1.0) if action.stage == 0 else 1.0))
         return max(t.end for t in timed)
 

@@ -23,8 +23,8 @@ from pipe.distributed.group import Topology, require_initialized, union_over_ran
 from pipe.distributed.names import PlainNamed, PlainNames
 from pipe.distributed.parallelism import clip_grad_norm, parallelize_stages, verify_parallelism
 from pipe.distributed.accumulation import Accumulation
-from pipe.distributed.loss import CountedLoss, LossFn, divide_step_by_count, share_loss
-from pipe.distributed.step_inputs import prepare_step
+from pipe.distributed.loss import (CountedLoss, LossFn, divide_step_by_count, replica_share, sample_weights,
+                                  share_loss, warn_if_ignored_targets)
 from pipe.distributed.runtime import Runtime
 from pipe.distributed.stage_function import StageSkips, skip_routes
 from pipe.distributed.stage import ModelSpec, build_stages, even_balance, layer_count, layer_names
@@ -37,7 +37,7 @@ from pipe.distributed.transport import Transport
 from pipe.core.schedule import Schedule
 from pipe.compile import CompileOption, compile_stages
 from pipe.spec import PipelineSpec
-from pipe.core.microbatch import Batch, gather, pack_inputs
+from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly, verify_device
 from pipe.core.options import checkpoint_stop, pipeline_schedule
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
@@ -422,7 +422,11 @@ class DistributedPipe(PlainNamed, nn.Module):
     def _prepare(self, inputs: Any, target: Any, loss_fn: Optional[LossFn], where: str,
                  need_target: bool, summed: bool = False,
                  ) -> tuple[Optional[list[Batch]], Optional[list[Batch]], Optional[list[float]]]:
-        """This rank's input and target micro-batches and the loss weights; a bad argument fails every rank."""
+        """This rank's input and target micro-batches and the loss weights. A bad argument on one rank must not
+        leave the others waiting in the step: it is reported through the rank's failure channel (every rank
+        then raises the same :class:`pipe.distributed.failure.PipelineFailure`; ``where`` names the call).
+        ``summed``: a step of an accumulation, whose ``"mean"`` losses are weighted by their samples
+        (:func:`pipe.distributed.loss.sample_weights`) for its last step to divide."""
         if self._accumulation is not None and where != "step()":
             raise self._accumulation.refuse(where)
         if self.awaiting_load:
@@ -431,7 +435,36 @@ class DistributedPipe(PlainNamed, nn.Module):
                 f"which leaves its tensors unset for a load to fill; call pipe.distributed.hf.load(directory, "
                 f"model) or pipe.distributed.state.load(path, model) first, or build it with init_weights=True "
                 f"(the default) to initialise the weights with the model's own code")
-        return prepare_step(self, inputs, target, loss_fn, where, need_target, summed)
+        failures = self._runtime.failures
+        targets = weights = None
+        try:  # a bad argument on one rank must not leave the others waiting: report it
+            batches = None
+            if self.is_first:
+                verify_device(inputs, self.device, "an input", self._move_to("inputs"))
+                batches = scatter_exactly(inputs, self.chunks, "inputs")
+            if self.is_last and need_target:
+                if loss_fn is None:
+                    raise ValueError(f"the rank of the last stage needs loss_fn, in {where} or in the constructor")
+                verify_device(target, self.device, "a target", self._move_to("target"))
+                targets = scatter_exactly(target, self.chunks, "target")
+                weights = sample_weights(self.loss_reduction, targets, summed)
+                if not self._warned_ignored_targets:
+                    self._warned_ignored_targets = warn_if_ignored_targets(self.loss_reduction, target)
+        except (TypeError, ValueError) as error:
+            failures.begin_step()  # the step the other ranks run
+            raise failures.failure_from(where, error) from None
+        if targets is not None and weights is not None and self.loss_reduction == "mean" and not summed \
+                and self.topology.data_parallel > 1:
+            try:  # replicas with uneven shares of the global batch: weighted by their samples
+                weights = replica_share(weights, targets, self.topology.data_parallel_group,
+                                        self.topology.data_parallel, self.device)
+            except Exception as error:
+                failures.begin_step()
+                raise failures.failure_from(where, error) from None
+        return batches, targets, weights
+
+    def _move_to(self, what: str) -> str:
+        return f"this rank's stages are on {self.device}; move it with {what}.to(pipe.device)"
 
     def _share_loss(self, loss: Optional[Tensor], broadcast_loss: bool, average: bool = True) -> Optional[Tensor]:
         return share_loss(loss, self.topology, self._last_stage_rank(), self._pipeline_group, self.device,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipe.core.options import checkpoint_stop
-from pipe.core.program_time import lowered_programs, time_programs
+from pipe.core.program_time import time_schedule
 from pipe.core.schedule import Action, Phase, Schedule, TimedAction
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
@@ -127,13 +127,12 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1]) if _remote(schedule, s - 1, here) else 0.0
         return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1]) if _remote(schedule, s + 1, here) else 0.0
 
-    programs = lowered_programs(schedule, stop)
-    simulated = time_programs(programs, duration, transfer)
+    simulated = time_schedule(schedule, duration, transfer, stop)
     cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
     if cores is not None and cores < schedule.ranks:
         for _ in range(SHARING_ROUNDS):
             stretch = shared_stretch(simulated, cores)
-            simulated = time_programs(programs, duration, transfer)
+            simulated = time_schedule(schedule, duration, transfer, stop)
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])

@@ -1,15 +1,15 @@
 """The time model: how measured layer times become a predicted step.
 
 A step is more than its layers' times (:class:`pipe.plan.cost.Costs`). The
-simulator (:meth:`pipe.core.schedule.Schedule.simulate`) places every action
-of every rank, each lasting::
+simulator (:func:`pipe.core.program_time.time_schedule`) places every step
+of every rank's lowered program, each lasting::
 
     compute x contention + action_overhead + messages x message_overhead
 
-and an action that waits for another rank's action starts only once that
-action's message has arrived::
+and a message's bytes move once it is sent and its receive is posted, so a
+step that waits for it ends no earlier than::
 
-    start >= end of the awaited action + link.latency + bytes x link.per_byte
+    max(sent, posted) + link.latency + bytes x link.per_byte
 
 * ``link``: the transport's cost per message and per byte between two ranks,
   measured once on the machine by sending messages of several sizes

@@ -11,10 +11,10 @@ trace-event JSON. The ``pipe-viz`` command (``python -m pipe.viz``) wraps it::
 from pipe.core.deprecation import moved
 from pipe.trace import record
 from pipe.viz.measured import from_trace, schedule_like
-from pipe.viz.planned import plan, schedule_timeline
+from pipe.viz.planned import schedule_timeline
 from pipe.viz.timeline import Span, Timeline
 
 __all__ = ["Span", "Timeline", "from_trace", "schedule_like", "schedule_timeline", "record"]
 
-# Old names, one release (plan(stages=) is a deprecated function of its own, pipe.viz.planned.plan).
+# Old names, one release.
 __getattr__ = moved(__name__, __name__, {"Cell": "Span", "plan_like": "schedule_like"})

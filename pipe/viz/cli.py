@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="{plan,trace}", required=True)
 
     p = commands.add_parser("plan", help="draw the planned schedule of a configuration",
-                            description="Draw the planned schedule (pipe.core.schedule.Schedule.simulate) of a "
+                            description="Draw the planned schedule (its lowered programs, simulated: pipe.core.program_time) of a "
                                         "configuration, with its bubble and micro-batches in flight.")
     p.add_argument("--schedule", choices=SCHEDULE_KINDS, default="gpipe", help="schedule kind (default: gpipe)")
     p.add_argument("--table", metavar="CSV", default=None,

@@ -5,7 +5,7 @@ boxes; this module names the gaps between them. On each row (a stage of the
 thread pipeline, or a rank), the step's wall time is cut into busy time
 (compute: forward, backward, recompute; transfer: copy, send, recv) and idle
 intervals, and each idle interval gets a cause from the schedule's data
-dependencies (:meth:`pipe.core.schedule.Schedule.simulate`'s rule: a forward
+dependencies (the simulator's rule, :func:`pipe.core.program_time.time_schedule`: a forward
 needs the forward of the stage before, a backward the backward of the stage
 after, the last stage's backward its own forward):
 
@@ -37,6 +37,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from pipe.core.program_time import time_schedule
 from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule
 from pipe.viz.timeline import COMPUTE, Span, Timeline
 
@@ -179,7 +180,7 @@ def _expected_idle(timeline: Timeline, stage_rows: dict[int, int], kind: str) ->
 
     expected: dict[Action, float] = {}
     free = [0.0] * ranks
-    for timed in sorted(schedule.simulate(checkpoint_stop=stop, durations=duration), key=lambda t: t.start):
+    for timed in sorted(time_schedule(schedule, duration, checkpoint_stop=stop), key=lambda t: t.start):
         if timed.action.phase is not Phase.RECOMPUTE:
             expected[timed.action] = expected.get(timed.action, 0.0) + max(0.0, timed.start - free[timed.rank])
         else:  # a recompute runs as soon as the rank is free; the backward (or I) after it waits

@@ -1,34 +1,29 @@
 """Planned timelines: a schedule from :mod:`pipe.core.schedule`, simulated and laid out for drawing.
 
 The picture must show what the engines execute, so nothing here decides an
-order: the cells are ``Schedule.simulate()``'s timed actions and the peak
-in-flight counts are ``Schedule.peak_inflight()``. With :class:`Communication`
-costs, the cells are the timed steps of the ranks' lowered programs
-(:mod:`pipe.core.lowering`, :func:`pipe.core.program_time.simulate`): the
-compute, and marks for sends, waits for messages, FSDP gathers and reduces,
-under the names a measured trace gives them. This module only names the rows,
-picks durations and writes the title.
+order: the cells are the timed steps of the ranks' lowered programs
+(:mod:`pipe.core.lowering`, :func:`pipe.core.program_time.simulate`) and the
+peak in-flight counts are ``Schedule.peak_inflight()``. With
+:class:`Communication` costs, marks for sends, waits for messages, FSDP
+gathers and reduces join the compute, under the names a measured trace gives
+them. This module only names the rows, picks durations and writes the title.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from pipe.core.cost_order import StageCosts, timed_with_costs
-from pipe.core.deprecation import warn
+from pipe.core.cost_order import StageCosts, cost_functions
 from pipe.core.options import checkpoint_stop, verify_checkpoint
-from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind, Routes, lower
-from pipe.core.program_time import simulate
-from pipe.core.schedule import Phase, Schedule
+from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind
+from pipe.core.program_time import lowered_programs, phase_durations, simulate, step_cost
+from pipe.core.schedule import Schedule
 from pipe.viz.timeline import Span, Timeline
 
 __all__: list[str] = []
 
 #: How each schedule kind is named in titles.
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "looped-bfs": "looped BFS", "zb-h1": "ZB-H1", "zbv": "ZB-V"}
-
-_KIND = {Phase.FORWARD: "forward", Phase.BACKWARD: "backward", Phase.RECOMPUTE: "recompute",
-         Phase.INPUT: "input", Phase.WEIGHT: "weight"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +108,7 @@ def lay_out(
     split: Optional[tuple[float, float]] = None, communication: Optional[Communication] = None,
     costs: Optional[StageCosts] = None,
 ) -> Timeline:
-    """Lays out ``schedule.simulate()``: micro-batches ``i < stop`` recompute.
+    """Lays out ``schedule``'s lowered programs, simulated: micro-batches ``i < stop`` recompute.
 
     ``split`` gives the I and W durations of a zero-bubble schedule (default:
     half the backward each); ``costs`` instead gives every stage its own
@@ -124,24 +119,28 @@ def lay_out(
     chunk = {s: schedule.stages_of(schedule.rank_of(s)).index(s) for s in range(schedule.stages)}
     if costs is not None and communication is not None:
         raise ValueError("give costs (each stage's own, messages included) or communication, not both")
+    others: dict[Kind, float] = {}
     if costs is not None:
         if costs.stages != schedule.stages:
             raise ValueError(f"costs of {costs.stages} stages for a schedule of {schedule.stages}: give one cost "
                              f"per stage of the schedule")
-        cells = [Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
-                      microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
-                 for t in timed_with_costs(schedule, costs, stop)]
-    elif communication is not None:
-        cells = _lowered_cells(schedule, (forward, backward, recompute if stop > 0 else 0.0, input_grad, weight_grad),
-                               stop, communication, chunk)
+        duration, transfer = cost_functions(schedule, costs)
     else:
-        timed = schedule.simulate(forward, backward, recompute if stop > 0 else 0.0, checkpoint_stop=stop,
-                                  input_grad=input_grad, weight_grad=weight_grad)
-        cells = [
-            Span(row=t.rank, kind=_KIND[t.action.phase], start=t.start, end=t.end,
-                 microbatch=t.action.microbatch, stage=t.action.stage, chunk=chunk[t.action.stage])
-            for t in timed
-        ]
+        duration = phase_durations(forward, backward, recompute if stop > 0 else 0.0, input_grad=input_grad,
+                                   weight_grad=weight_grad)
+        transfer = None
+        if communication is not None:
+            transfer = lambda action: communication.transfer  # noqa: E731 (every message costs the same)
+            others = {Kind.UNSHARD: communication.gather, Kind.REDUCE_GRAD: communication.reduce}
+    programs = lowered_programs(schedule, stop, communication.zero3 if communication is not None else None)
+    cells = []
+    for t in simulate(programs, step_cost(duration, transfer, others)):
+        kind = t.step.kind
+        if kind not in COMPUTE and (t.end <= t.start or (communication is None and kind is not Kind.RECOMPUTE)):
+            continue  # a recompute of no time; without communication costs, only the compute is drawn
+        stage = t.step.stage if kind is Kind.RECOMPUTE else t.step.action.stage
+        cells.append(Span(row=t.rank, kind=TRACE_KINDS[kind], start=t.start, end=t.end,
+                          microbatch=t.step.microbatch, stage=stage, chunk=chunk[stage]))
     rows = [f"stage {r}" for r in range(schedule.ranks)]
     notes = [_costs_note(costs, stop, unit)] if costs is not None else [
         f"durations{' per model chunk' if schedule.virtual_stages > 1 else ''}: forward {forward:g}, backward {backward:g}"
@@ -185,27 +184,6 @@ def _costs_note(costs: StageCosts, stop: int, unit: str) -> str:
             + (f"; the runner {costs.overhead:.3g} per action" if costs.overhead else ""))
 
 
-def _lowered_cells(schedule: Schedule, durations: tuple[float, float, float, float, float], stop: int,
-                   communication: Communication, chunk: dict[int, int]) -> list[Span]:
-    """The timed steps of every rank's lowered program that take time, as cells."""
-    forward, backward, recompute, input_grad, weight_grad = durations
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.INPUT: input_grad, Kind.WEIGHT: weight_grad,
-             Kind.RECOMPUTE: recompute, Kind.SEND: communication.transfer, Kind.UNSHARD: communication.gather,
-             Kind.REDUCE_GRAD: communication.reduce}
-    routes = Routes.chain(schedule.stages)
-    programs = [lower(schedule.actions(rank), routes, checkpoint_stop=stop if recompute > 0 else 0,
-                      zero3=communication.zero3, post_ahead=schedule.post_ahead(rank))
-                for rank in range(schedule.ranks)]
-    cells = []
-    for t in simulate(programs, lambda step: costs.get(step.kind, 0.0)):
-        if t.end <= t.start and t.step.kind not in COMPUTE:
-            continue
-        stage = t.step.action.stage
-        cells.append(Span(row=t.rank, kind=TRACE_KINDS[t.step.kind], start=t.start, end=t.end,
-                          microbatch=t.step.microbatch, stage=stage, chunk=chunk[stage]))
-    return cells
-
-
 def _describe(schedule: Schedule) -> str:
     name = SCHEDULE_NAMES.get(schedule.kind) or str(getattr(schedule, "name", schedule.kind))
     stages = f"{schedule.ranks} stage{'s' if schedule.ranks != 1 else ''}"
@@ -213,8 +191,3 @@ def _describe(schedule: Schedule) -> str:
         stages += f" × {schedule.virtual_stages} virtual"
     return f"{name} · {stages} · {schedule.microbatches} micro-batch{'es' if schedule.microbatches != 1 else ''}"
 
-
-def plan(schedule: str = "gpipe", stages: int = 4, microbatches: int = 8, **options: Any) -> Timeline:
-    """Deprecated: :func:`schedule_timeline` (``stages=`` is now ``ranks=``)."""
-    warn("pipe.viz.plan(stages=...)", "pipe.viz.schedule_timeline(ranks=...)")
-    return schedule_timeline(schedule, stages, microbatches, **options)

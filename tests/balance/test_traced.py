@@ -11,7 +11,7 @@ from torch import nn
 
 from pipe.balance import LayerTimes, auto_schedule, traced_step
 from pipe.balance.traced import calibrated_times
-from pipe.core.cost_order import StageCosts, simulate_with_costs
+from pipe.core.cost_order import StageCosts, lowered_step
 from pipe.core.schedule import Phase, Schedule
 from pipe.trace import TraceError, complete_event
 
@@ -131,7 +131,7 @@ def test_auto_schedule_orders_by_the_recorded_costs() -> None:
     assert auto.costs.overhead == pytest.approx(10e-6)
     if auto.balance == [2, 2, 2, 2]:  # the recorded cut: its costs are the medians
         assert auto.costs.forward == pytest.approx((110e-6,) * 4, rel=0.1)
-    assert simulate_with_costs(auto.schedule, auto.costs) == pytest.approx(auto.step)
+    assert lowered_step(auto.schedule, auto.costs) == pytest.approx(auto.step)
     again = auto_schedule(model, ranks=2, chunks=4, times=auto.times, placement="v", action_seconds=10e-6)
     assert again.step == pytest.approx(auto.step) and again.balance == auto.balance
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pipe.core.cost_order import (POST_CHOICES, StageCosts, busy_bound, candidate_orders, choose_posts, lowered_step,
-                                  peak_held, schedule_from_costs, simulate_with_costs)
+                                  peak_held, schedule_from_costs)
 from pipe.core.options import checkpoint_stop
 from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule
@@ -64,14 +64,14 @@ def test_uneven_costs_beat_every_fixed_schedule() -> None:
     fixed = min(c.step for c in found if not c.name.startswith("auto") and c.fits)
     table = schedule_from_costs(costs, ranks=2, microbatches=8)
     assert table.name == "auto"
-    assert simulate_with_costs(table, costs) < fixed * 0.99
+    assert lowered_step(table, costs) < fixed * 0.99
 
 
 def test_uniform_costs_match_the_zero_bubble_schedules() -> None:
     costs = StageCosts.of([1.0, 1.0], [1.0, 1.0], [1.0, 1.0])
     table = schedule_from_costs(costs, ranks=2, microbatches=6)
     zb = Schedule("zb-h1", 2, 6)
-    assert simulate_with_costs(table, costs) == simulate_with_costs(zb, costs)
+    assert lowered_step(table, costs) == lowered_step(zb, costs)
 
 
 def test_the_order_is_saved_reloaded_and_drawn(tmp_path) -> None:
@@ -84,7 +84,7 @@ def test_the_order_is_saved_reloaded_and_drawn(tmp_path) -> None:
     path.write_text(table.to_csv())
     again = TableSchedule.from_csv(path)
     assert again.programs == table.programs and again.placement == table.placement
-    assert simulate_with_costs(again, costs) == simulate_with_costs(table, costs)
+    assert lowered_step(again, costs) == lowered_step(table, costs)
     out = tmp_path / "auto.svg"
     assert main(["plan", "--table", str(path), "--output", str(out)]) == 0
     assert out.read_text().startswith("<svg") and "auto" in out.read_text()
@@ -101,7 +101,7 @@ def test_an_order_is_drawn_with_its_own_costs(tmp_path, capsys) -> None:
                           overhead=0.01)
     table = schedule_from_costs(costs, ranks=2, microbatches=4, placement="v")
     timeline = lay_out(table, 1.0, 2.0, 1.0, 0, costs=costs)  # what the picture shows is the simulated step
-    assert max(c.end for c in timeline.cells) == pytest.approx(simulate_with_costs(table, costs))
+    assert max(c.end for c in timeline.cells) == pytest.approx(lowered_step(table, costs))
     assert "F 1/1.2/0.9/1.5" in timeline.notes[0] and "the runner 0.01 per action" in timeline.notes[0]
     (tmp_path / "auto.csv").write_text(table.to_csv())
     (tmp_path / "costs.json").write_text(json.dumps(dataclasses.asdict(costs)))
@@ -164,7 +164,8 @@ def test_posts_are_chosen_where_messages_are_slow_and_kept_with_the_table() -> N
     assert max(table.posts) > 1, table.posts
     one_ahead = lowered_step(table.with_posts([1] * 4), costs)
     assert lowered_step(table, costs) < one_ahead * 0.98
-    assert lowered_step(table, costs) >= simulate_with_costs(table, costs) - 1e-9  # posted early: the action-level step
+    every = table.with_posts([len(table.programs[r]) for r in range(4)])  # every receive posted at the start
+    assert lowered_step(table, costs) >= lowered_step(every, costs) - 1e-9  # a message moves once sent, at best
     again = TableSchedule.from_csv(io.StringIO(table.to_csv()))
     assert again.posts == table.posts and again.programs == table.programs
     same, step = choose_posts(table.with_posts([1] * 4), costs)

@@ -8,6 +8,8 @@ import doctest
 import pytest
 
 import pipe.core.zero_bubble
+from helpers import without_lowering_cache
+from pipe.core.program_time import phase_durations, time_schedule
 from pipe.core.schedule import Action, Phase, Schedule
 from pipe.core.zero_bubble import zero_bubble_programs
 
@@ -16,13 +18,14 @@ F, I, W, R = Phase.FORWARD, Phase.INPUT, Phase.WEIGHT, Phase.RECOMPUTE
 
 def idle(schedule: Schedule, forward: float, input_grad: float, weight_grad: float) -> list[float]:
     """Per rank, the simulated makespan minus the rank's busy time."""
-    timeline = schedule.simulate(forward, input_grad + weight_grad, input_grad=input_grad, weight_grad=weight_grad)
+    timeline = time_schedule(schedule, phase_durations(forward, input_grad + weight_grad, input_grad=input_grad,
+                                                       weight_grad=weight_grad))
     makespan = max(t.end for t in timeline)
     return [makespan - sum(t.duration for t in timeline if t.rank == r) for r in range(schedule.ranks)]
 
 
 def render(schedule: Schedule) -> list[str]:
-    timeline = schedule.simulate(forward=1.0, backward=2.0)
+    timeline = time_schedule(schedule, phase_durations(forward=1.0, backward=2.0))
     cells = [[". "] * int(max(t.end for t in timeline)) for _ in range(schedule.ranks)]
     for t in timeline:
         cells[t.rank][int(t.start)] = f"{t.action.phase.value}{t.action.microbatch}"
@@ -113,7 +116,7 @@ def test_zbv_v_placement() -> None:
 
 def test_recompute_runs_once_before_i_and_w_reuses_it() -> None:
     s = Schedule("zb-h1", ranks=2, microbatches=2)
-    timeline = s.simulate(1.0, 2.0, recompute=1.0)
+    timeline = time_schedule(s, phase_durations(1.0, 2.0, recompute=1.0), checkpoint_stop=s.microbatches)
     redo = [t for t in timeline if t.action.phase is R]
     assert len(redo) == s.stages * s.microbatches  # once per cell: not again for W
     for rank in range(s.ranks):
@@ -121,14 +124,16 @@ def test_recompute_runs_once_before_i_and_w_reuses_it() -> None:
         for a, b in zip(mine, mine[1:]):
             if a.phase is R:
                 assert b == Action(I, a.microbatch, a.stage)
-    stop = s.simulate(1.0, 2.0, recompute=1.0, checkpoint_stop=1)
+    stop = time_schedule(s, phase_durations(1.0, 2.0, recompute=1.0), checkpoint_stop=1)
     assert sorted(str(t.action) for t in stop if t.action.phase is R) == ["R0@0", "R0@1"]
 
 
 def test_default_split_halves_the_backward() -> None:
     s = Schedule("zb-h1", 2, 2)
-    assert s.simulate(1.0, 3.0) == s.simulate(1.0, 3.0, input_grad=1.5, weight_grad=1.5)
-    durations = {t.action.phase: t.duration for t in s.simulate(1.0, 2.0, input_grad=0.5, weight_grad=1.5)}
+    assert time_schedule(s, phase_durations(1.0, 3.0)) == \
+        time_schedule(s, phase_durations(1.0, 3.0, input_grad=1.5, weight_grad=1.5))
+    durations = {t.action.phase: t.duration
+                 for t in time_schedule(s, phase_durations(1.0, 2.0, input_grad=0.5, weight_grad=1.5))}
     assert durations == {F: 1.0, I: 0.5, W: 1.5}
 
 
@@ -144,11 +149,12 @@ def test_constructor_errors(kwargs: dict[str, object], message: str) -> None:
 @pytest.mark.parametrize(("name", "value"), [("input_grad", 0.0), ("weight_grad", float("nan"))])
 def test_split_duration_errors(name: str, value: float) -> None:
     with pytest.raises(ValueError, match=rf"{name} duration must be a finite number > 0"):
-        Schedule("zb-h1", 2, 2).simulate(**{name: value})  # type: ignore[arg-type]
+        phase_durations(**{name: value})  # type: ignore[arg-type]
 
 
 def test_validate_rejects_a_b_in_a_split_program(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Schedule("zb-h1", 1, 1)
+    without_lowering_cache(monkeypatch)
     monkeypatch.setattr(Schedule, "actions", lambda self, rank: [Action(F, 0, 0), Action(Phase.BACKWARD, 0, 0)])
     with pytest.raises(ValueError, match="programs hold only forwards, input and weight gradients"):
         s.validate()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import mlp
 from pipe import Pipe
 from pipe.plan import PlanError, planned_distributed, planned_pipe
 from pipe.plan.measure import measure_step
@@ -20,12 +21,6 @@ from spawn_ranks import run_ranks  # noqa: E402
 
 WIDTH = 32
 BUDGET = 200_000  # bytes per rank: between the all-checkpointed and the never-checkpointed peaks below
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
-                           for _ in range(4)])
 
 
 def test_pipe_applies_the_plan_and_keeps_the_gradients() -> None:

@@ -20,7 +20,7 @@ from pipe.plan.predict import predict
 from pipe.plan.timing import Link, TimeModel
 
 
-def mlp(layers: int = 6, width: int = 64) -> nn.Sequential:
+def tanh_layers(layers: int = 6, width: int = 64) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
 
@@ -47,7 +47,7 @@ def test_calibration_plans_take_one_balanced_plan_per_schedule_family() -> None:
 
 
 def test_calibrate_fits_the_model_no_worse_than_the_layers_times_alone() -> None:
-    model = mlp()
+    model = tanh_layers()
     x = torch.randn(32, 64)
     costs = costs_of(model)
     link = Link(latency=1e-4, per_byte=1e-9)
@@ -72,11 +72,11 @@ def test_calibrate_fits_the_model_no_worse_than_the_layers_times_alone() -> None
 
 
 def test_calibrate_refuses_what_it_cannot_run() -> None:
-    model = mlp(layers=2)
+    model = tanh_layers(layers=2)
     costs = costs_of(model)
     with pytest.raises(ValueError, match="no plan to calibrate on: 2 layers over 2 ranks with schedules"):
         calibrate(lambda: model, costs, 2, torch.randn(32, 64), schedules=("zbv",))
-    four = candidates(costs_of(mlp(layers=4)), 4, "processes", schedules=("gpipe",))[:1]
+    four = candidates(costs_of(tanh_layers(layers=4)), 4, "processes", schedules=("gpipe",))[:1]
     with pytest.raises(ValueError, match="calibration plans must run on 2 pipeline ranks, without replicas or shards"):
         calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=four)
     replicated = [replace(c, dp_replicate=2) for c in candidates(costs, 1, "processes", schedules=("gpipe",))[:1]]
@@ -124,7 +124,7 @@ def test_where_a_gpu_is_visible_the_plans_ranks_are_fresh_interpreters_so_build_
     # interpreters get build by pickling, and a lambda does not pickle: refused before any process starts.
     from pipe.plan.measure import run_plans
 
-    model = mlp(layers=2)
+    model = tanh_layers(layers=2)
     plans = candidates(costs_of(model), 2, "processes", schedules=("gpipe",))[:1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(TypeError, match="the plan's ranks are fresh interpreters .* build and loss_fn must be functions at module level"):
@@ -134,7 +134,7 @@ def test_where_a_gpu_is_visible_the_plans_ranks_are_fresh_interpreters_so_build_
 
 
 def _two_layers() -> nn.Sequential:  # at module level: the plans' ranks may be fresh interpreters
-    return mlp(layers=2)
+    return tanh_layers(layers=2)
 
 
 def test_run_plans_keeps_every_timed_step_of_every_sweep_and_the_fastest() -> None:
@@ -154,7 +154,7 @@ def test_calibrate_warns_when_the_machine_s_speed_moved_under_the_plans(monkeypa
     import pipe.plan.calibration as calibration_module
     from pipe.plan.measure import Measured
 
-    model = mlp(layers=2)
+    model = tanh_layers(layers=2)
     costs = costs_of(model)
     plans = candidates(costs, 2, "processes", schedules=("gpipe",))[:2]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import mlp
 from pipe import Pipe
 from pipe.plan import Candidate, Costs, PlanError, plan, predict, profile_costs
 from pipe.plan.measure import measure_step
@@ -21,12 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from spawn_ranks import run_ranks  # noqa: E402
 
 WIDTH = 32
-
-
-def mlp(layers: int = 4, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
-                           for _ in range(layers)])
 
 
 def test_a_checkpointed_stage_keeps_its_input_and_output_only() -> None:

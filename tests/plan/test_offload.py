@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import mlp
 from pipe import Pipe
 from pipe.plan import Candidate, Costs, predict, profile_costs
 from pipe.plan.candidates import per_stage_offload
@@ -25,12 +26,6 @@ from transformer_lm import build_model  # noqa: E402
 FAST = HostCopy(latency=5e-6, per_byte=1 / 20e9)  # a what-if on the CPU: a GPU's copy to pinned memory
 
 
-def mlp(layers: int = 6, width: int = 64, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
-                           for _ in range(layers)])
-
-
 def counted_peak(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> int:
     model(x)  # warm up, and the gradients exist before counting: they are static
     for p in model.parameters():
@@ -43,7 +38,7 @@ def counted_peak(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> int
 def test_an_offloading_stage_is_counted_by_what_stays_on_the_device() -> None:
     # The CPU plays the device: host copies are not counted, copies back are. The profile's count of a
     # stage offloading k layers moves its peak by as much as the swap config moves the model's own.
-    model, x, target = mlp(), torch.randn(64, 64), torch.randn(64, 64)
+    model, x, target = mlp(layers=6, width=64), torch.randn(64, 64), torch.randn(64, 64)
     costs = profile_costs(model, x, (1,), rounds=1, loss_fn=F.mse_loss, target=target)
     plain = counted_peak(copy.deepcopy(model), x, target)
     predicted_plain = predict(costs, Candidate("gpipe", 1, (6,), "never"))
@@ -77,7 +72,7 @@ def test_copies_beyond_what_the_stage_computes_meanwhile_lengthen_its_actions() 
 
 
 def test_the_planner_offloads_where_the_budget_needs_it_and_the_pipe_runs_the_plan_exactly() -> None:
-    model, x, target = mlp(), torch.randn(64, 64), torch.randn(64, 64)
+    model, x, target = mlp(layers=6, width=64), torch.randn(64, 64), torch.randn(64, 64)
     costs = profile_costs(model, x, (1, 2, 4), rounds=1, loss_fn=F.mse_loss, target=target)
     never = predict(costs, Candidate("gpipe", 1, (6,), "never"))
     budget = int(never.static[0] + 0.6 * (never.peak - never.static[0]))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipe.core.program_time import phase_durations, time_schedule
 from pipe.core.schedule import Schedule
 from pipe.plan import Candidate, Costs, TimeModel, predict
 
@@ -33,9 +34,9 @@ def test_recomputation_lengthens_the_step_by_the_recomputed_forwards() -> None:
 
 def test_simulate_with_constant_durations_is_the_uniform_simulation() -> None:
     s = Schedule("interleaved", ranks=2, microbatches=4, virtual_stages=2)
-    uniform_ = s.simulate(1.0, 2.0, 1.0, checkpoint_stop=2)
+    uniform_ = time_schedule(s, phase_durations(1.0, 2.0, 1.0), checkpoint_stop=2)
     lengths = {"F": 1.0, "B": 2.0, "R": 1.0}
-    per_action = s.simulate(checkpoint_stop=2, durations=lambda a: lengths[a.phase.value])
+    per_action = time_schedule(s, lambda a: lengths[a.phase.value], checkpoint_stop=2)
     assert per_action == uniform_
 
 
@@ -135,32 +136,3 @@ def test_shared_stretch_is_the_mean_number_running_per_core() -> None:
     stretch = shared_stretch([TimedAction(a, 0, 0.0, 4.0), TimedAction(b, 1, 2.0, 4.0)], cores=1)
     assert stretch == {a: pytest.approx(1.5), b: pytest.approx(2.0)}
     assert shared_stretch([TimedAction(a, 0, 0.0, 4.0), TimedAction(b, 1, 2.0, 4.0)], cores=2) == {a: 1.0, b: 1.0}
-
-
-@pytest.mark.parametrize("kind,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped-bfs", 2),
-                                          ("zb-h1", 1), ("zbv", 1)])
-def test_predictions_time_the_lowered_programs_as_the_schedule_simulator_does(kind: str, virtual: int) -> None:
-    """The planner times the runner's lowered programs; with per-action costs and per-message transfers
-    (remote neighbours only) they place every action where ``Schedule.simulate`` does."""
-    import random
-
-    from pipe.core.schedule import Action, Phase, Schedule
-    from pipe.core.program_time import lowered_programs, time_programs
-
-    rng = random.Random(kind)
-    schedule = Schedule(kind, 3, 6, virtual)
-    lengths: dict[Action, float] = {}
-
-    def duration(action: Action) -> float:
-        return lengths.setdefault(action, rng.uniform(0.5, 2.0))
-
-    def transfer(action: Action) -> float:
-        remote = action.phase is Phase.FORWARD and action.stage > 0 or action.phase in (Phase.BACKWARD, Phase.INPUT) \
-            and action.stage < schedule.stages - 1
-        return 0.1 * (1 + action.stage) if remote else 0.0
-
-    for stop in (0, 3, 6):
-        ours = time_programs(lowered_programs(schedule, stop), duration, transfer)
-        theirs = schedule.simulate(checkpoint_stop=stop, durations=duration, transfer=transfer)
-        assert sorted((str(t.action), t.rank, round(t.start, 9), round(t.end, 9)) for t in ours) == \
-            sorted((str(t.action), t.rank, round(t.start, 9), round(t.end, 9)) for t in theirs), (kind, stop)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import mlp
 from pipe.plan import Candidate, Costs, TimeModel, predict, profile_costs, search
 from pipe.plan.predict import LOSS_SCALAR_BYTES, predict_memory
 from pipe.plan.measure import measure_step
@@ -20,12 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
 from spawn_ranks import run_ranks  # noqa: E402
 
 WIDTH = 32
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
-                           for _ in range(4)])
 
 
 def table(batch: int = 4, params: int = 10_000, chunks: tuple[int, ...] = (1, 2, 4, 8)) -> Costs:

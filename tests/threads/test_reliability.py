@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_same_grads
 import pipe
 from pipe import Pipe
 from pipe.threads.call import PipeClosedError
@@ -39,19 +40,8 @@ def cpu_pipe(model: nn.Sequential, chunks: int = 4, checkpoint: str = "except_la
     return Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=balance, devices=["cpu"] * parts)
 
 
-def mlp() -> nn.Sequential:
+def small_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-
-
-def assert_same_grads(a: nn.Module, b: nn.Module, none_is_zero: bool = False) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        if none_is_zero:  # a gradient identically zero may be None in one graph and zeros in the other
-            torch.testing.assert_close(p.grad if p.grad is not None else torch.zeros_like(p),
-                                       q.grad if q.grad is not None else torch.zeros_like(q), msg=name)
-            continue
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 # -- 1. KeyboardInterrupt -----------------------------------------------------------------
@@ -243,7 +233,7 @@ def test_two_threads_calling_one_pipe_get_their_own_outputs(grad):
     # Cause: both calls read the same result queues and took each other's micro-batches.
     # Now calls of one Pipe are serialised by a lock, and each reads only its own results.
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4)
     wrong: list[int] = []
@@ -337,7 +327,7 @@ def test_flattened_per_sample_outputs_still_gather():
 def test_grad_of_the_input_fills_no_parameter_grad(checkpoint):
     # Cause: the workers ran a full backward per cell, filling every parameter's .grad.
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4, checkpoint=checkpoint)
     x = torch.randn(8, 6, requires_grad=True)
@@ -352,7 +342,7 @@ def test_grad_of_the_input_fills_no_parameter_grad(checkpoint):
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_grad_of_parameters_and_backward_inputs_equal_plain(checkpoint):
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4, checkpoint=checkpoint)
     x = torch.randn(8, 6)
@@ -364,7 +354,7 @@ def test_grad_of_parameters_and_backward_inputs_equal_plain(checkpoint):
     # backward(inputs=[one weight]) fills that weight's grad only.
     piped(x).sum().backward(inputs=[piped[2].weight])
     plain(x).sum().backward(inputs=[plain[2].weight])
-    assert_same_grads(piped, plain)
+    assert_same_grads(piped, plain, missing_is_zero=True)  # the others have none, in both
     assert piped[0].weight.grad is None and piped[2].weight.grad is not None
     piped.close()
 
@@ -374,7 +364,7 @@ def test_grad_of_parameters_and_backward_inputs_equal_plain(checkpoint):
 def test_second_backward_after_retain_graph_equals_plain(checkpoint):
     # Cause: a cell dropped its graph after its first backward (a bare AssertionError on the second).
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4, checkpoint=checkpoint)
     x = torch.randn(8, 6, requires_grad=True)
@@ -395,7 +385,7 @@ def test_second_backward_after_retain_graph_equals_plain(checkpoint):
 def test_create_graph_is_refused_with_the_fix_and_the_fix_equals_plain():
     # A gradient penalty cannot cross the worker backward's cut between partitions.
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4, checkpoint="never")
     x = torch.randn(8, 6, requires_grad=True)
@@ -405,7 +395,7 @@ def test_create_graph_is_refused_with_the_fix_and_the_fix_equals_plain():
     for module in (piped, plain):
         (g,) = torch.autograd.grad(module(x).sum(), x, create_graph=True)
         g.pow(2).sum().backward()
-    assert_same_grads(piped, plain, none_is_zero=True)
+    assert_same_grads(piped, plain, missing_is_zero=True)
     piped.close()
 
 
@@ -535,7 +525,7 @@ def test_autograd_backward_path_refuses_create_graph_through_checkpoints_and_gra
     # With pipe.worker_backward = False, checkpointed cells back-propagate in
     # Checkpoint.backward: it honours grad() and refuses a double backward it would get wrong.
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=4, checkpoint="always")
     piped.worker_backward = False
@@ -547,7 +537,7 @@ def test_autograd_backward_path_refuses_create_graph_through_checkpoints_and_gra
     with pytest.raises(RuntimeError, match="create_graph=True .* checkpointed micro-batch; use checkpoint='never'"):
         torch.autograd.grad(piped(x).sum(), x, create_graph=True)
     with pytest.raises(ValueError, match="worker_backward=True needs several partitions, all on the CPU"):
-        Pipe(mlp(), chunks=2).worker_backward = True
+        Pipe(small_mlp(), chunks=2).worker_backward = True
     piped.close()
 
 
@@ -556,7 +546,7 @@ def test_retain_graph_under_copying_saved_tensor_hooks():
     # The token that tells when autograd lets go of a cell must not be packed by the caller's hooks:
     # a hook that copies (as offloading does) would free it at once and drop the cell's graph.
     torch.manual_seed(0)
-    model = mlp()
+    model = small_mlp()
     plain = copy.deepcopy(model)
     piped = cpu_pipe(model, chunks=2, checkpoint="never")
     packed = []
