@@ -27,12 +27,14 @@ reshard after forward is turned off), so a stage is gathered once per run of
 its actions, not once per micro-batch.
 
 ``Shard(unit="block")`` trades traffic for memory, as torchtitan's per-block
-FSDP2 does: each block (a layer of the stage; a decoder layer of a model cut
-by :func:`pipe.split`, see :mod:`pipe.split_blocks`) is gathered by FSDP's own
-hooks around its forward and its backward, one at a time with the next
-prefetched, and resharded after each; its gradients accumulate unsharded
-until the one reduce-scatter of the step. The runner still gathers the
-stage's own parameters (an embedding, a norm, a head) as above. A rank then
+FSDP2 does: each block (a layer of the stage; a decoder layer, an untied
+embedding, the final norm or the head of a model cut by :func:`pipe.split`,
+see :mod:`pipe.split_blocks`) is gathered by FSDP's own hooks around its
+forward and its backward, one at a time with the next prefetched, and
+resharded after each; its gradients accumulate unsharded until the one
+reduce-scatter of the step (or, ``reduce="micro-batch"``, are reduced after
+each backward). The runner still gathers what the stage holds outside its
+blocks (a tied embedding) as above. A rank then
 holds its shards, the stage's unsharded gradients, one or two gathered blocks
 and the activations, instead of its whole stage gathered.
 """
