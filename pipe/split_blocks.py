@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Optional
+from typing import Any
 
 from torch import fx, nn
 
@@ -187,8 +187,3 @@ def outline(stage: fx.GraphModule, path: str, class_name: str = "SplitBlock") ->
 def blocks_of(stage: nn.Module) -> list[SplitBlock]:
     """The outlined layers of ``stage``, in its order."""
     return [module for module in stage.modules() if isinstance(module, SplitBlock)]
-
-
-def block_path(module: nn.Module) -> Optional[str]:
-    """The model path of an outlined layer (None for another module)."""
-    return module.path if isinstance(module, SplitBlock) else None
