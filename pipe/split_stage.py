@@ -287,22 +287,3 @@ def _from_original_keys(container: nn.Module, state: dict[str, Any], prefix: str
     for key in consumed:
         state.pop(key, None)
 
-
-def refuse_tensor_parallel(model: Any) -> None:
-    """Refuses tensor parallelism over a model of ``pipe.split`` stages.
-
-    torch's ``ParallelStyle``s split modules that call ``nn.Linear`` or
-    ``nn.Embedding``; a split stage's graph applies aten ops to its weights.
-
-    Raises:
-        ValueError: ``model`` holds a split stage; the message names it and the fix.
-    """
-    if not isinstance(model, nn.Module):
-        return
-    split = [name for name, module in model.named_children() if isinstance(module, SplitStage)]
-    if split:
-        raise ValueError(
-            f"tensor_parallel= cannot split stage {split[0]}, a stage of pipe.split: its graph applies aten ops to "
-            f"the weights directly, and torch's ParallelStyles split modules that call nn.Linear or nn.Embedding; "
-            f"give DistributedPipe the model as an nn.Sequential or pipe.PipeSequential of modules for tensor "
-            f"parallelism, or use pipe.split with data parallelism (dp_shard, dp_replicate) only")

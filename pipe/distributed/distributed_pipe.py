@@ -41,7 +41,7 @@ from pipe.core.microbatch import Batch, gather, pack_inputs, scatter_exactly, ve
 from pipe.core.options import checkpoint_stop, pipeline_schedule
 from pipe.distributed.tied_replicas import TiedReplicas
 from pipe.graph_split import keep_original_names
-from pipe.split_stage import refuse_tensor_parallel, retarget_split_stages
+from pipe.split_stage import retarget_split_stages
 from pipe.skip.layout import inspect_skip_layout
 from pipe.skip.skippable import verify_skippables
 
@@ -170,8 +170,6 @@ class DistributedPipe(PlainNamed, nn.Module):
     ) -> None:
         super().__init__()
         tensor_parallel = verify_parallelism(parallelize, tensor_parallel, mesh)
-        if tensor_parallel:
-            refuse_tensor_parallel(model)
         spec = self.spec = PipelineSpec.checked(
             chunks, checkpoint, balance=balance, deferred_batch_norm=deferred_batch_norm, recompute=recompute,
             compile=compile, tensor_parallel=tensor_parallel is not None or parallelize is not None,

@@ -42,7 +42,7 @@ from pipe.distributed.materialize import mark_loaded
 from pipe.distributed.state import STAGING, _replace, tensor_groups
 from pipe.split_stage import SplitStage
 
-__all__ = ["load", "save", "LoadStats", "last_load"]
+__all__ = ["load", "save", "tensor_parallel_plan", "LoadStats", "last_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +222,50 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
 # -- what a rank holds ---------------------------------------------------------------------------------
 
 
+def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
+    """The standard tensor-parallel plan of a HuggingFace model, for ``DistributedPipe(tensor_parallel=...)``.
+
+    Read from the model's config (``base_model_tp_plan``, which transformers ships for LLaMA, Mistral, Qwen2
+    and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
+    features (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), under the plain
+    model's names (``"model.layers.*.self_attn.q_proj"``). The embedding and the LM head stay whole on each
+    tensor-parallel rank (FSDP can still shard them). Works for the model as built and for its
+    ``pipe.split`` stages alike.
+
+    Usage::
+
+        stages = pipe.split(model, (ids,), {"use_cache": False}, at=["model.layers.12"])
+        piped = DistributedPipe(stages, mesh=make_mesh(pp=2, tp=2), tensor_parallel=hf.tensor_parallel_plan(model))
+
+    Raises:
+        ValueError: the config has no such plan (GPT-2: its attention computes q, k and v in one fused
+            ``Conv1D``), or an entry splits in a way other than by columns or rows.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = getattr(model, "config", None)
+    entries = getattr(config, "base_model_tp_plan", None)
+    if not entries:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor-parallel plan in its config (base_model_tp_plan); GPT-2 has "
+            f"none: its attention computes q, k and v in one fused Conv1D, which columns cannot split into heads. "
+            f"Give DistributedPipe(tensor_parallel=...) a plan of your own: {{module name pattern: "
+            f"ColwiseParallel() or RowwiseParallel()}}")
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        prefix = ""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, Any] = {}
+    for pattern, kind in entries.items():
+        if kind not in styles:
+            raise ValueError(
+                f"{type(model).__name__}'s tensor-parallel plan splits {pattern!r} as {kind!r}; pipe splits "
+                f"linear layers by columns or rows only ('colwise', 'rowwise'); give DistributedPipe("
+                f"tensor_parallel=...) a plan of your own without that entry")
+        plan[f"{prefix}.{pattern}" if prefix else pattern] = styles[kind]()
+    return plan
+
+
 def _collective(model: nn.Module) -> bool:
     from pipe.distributed.distributed_pipe import DistributedPipe
 
@@ -231,11 +275,6 @@ def _collective(model: nn.Module) -> bool:
 def _local(tensor: Tensor, name: str) -> tuple[Tensor, tuple[int, ...]]:
     """This rank's slice of ``tensor`` (its memory, to fill or write) and the slice's offset in the whole."""
     if isinstance(tensor, DTensor):
-        strided = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
-        if strided:  # _StridedShard (FSDP over a tensor-parallel dimension): not one block of the whole
-            raise ValueError(f"{name} is placed as {tensor.placements}: hf.load and hf.save read and write blocks "
-                             f"of a tensor (Shard, Replicate), not {strided[0]}; shard FSDP and tensor "
-                             "parallelism along different dimensions, or use pipe.distributed.state")
         shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         local = tensor.to_local()
         if tuple(local.shape) != tuple(shape):

@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from pipe.core.microbatch import flatten, unflatten
+from pipe.distributed import split_tensor_parallel
 
 __all__: list[str] = []
 
@@ -89,8 +90,8 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
     for pattern, style in plan.items():
         matched = False
         for s, stage in enumerate(stages):
-            for name, _ in stage.named_modules():
-                if not name or not fnmatch.fnmatchcase(name, pattern):
+            for name in _plain_names(stage):
+                if not fnmatch.fnmatchcase(name, pattern):
                     continue
                 if name in chosen_by:
                     raise ValueError(
@@ -101,7 +102,7 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
                 per_stage[s][name] = style
                 matched = True
         if not matched:
-            names = [name for stage in stages for name, _ in stage.named_modules() if name]
+            names = [name for stage in stages for name in _plain_names(stage)]
             shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
             raise ValueError(
                 f"tensor_parallel entry {pattern!r} matches no module of any stage; name modules of the plain "
@@ -110,11 +111,22 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
     return per_stage
 
 
+def _plain_names(stage: nn.Module) -> list[str]:
+    """The plain model's names of ``stage``'s modules: a split stage's modules carry them under the stage."""
+    split = split_tensor_parallel.plain_modules(stage)
+    return [name for name, _ in split] if split else [name for name, _ in stage.named_modules() if name]
+
+
 def apply(partitions: Mapping[int, nn.Module], stage_plans: Sequence[Mapping[str, ParallelStyle]],
           tp_mesh: DeviceMesh) -> None:
-    """Applies each owned stage's plan with ``parallelize_module`` on ``tp_mesh`` (in place)."""
+    """Applies each owned stage's plan with ``parallelize_module`` on ``tp_mesh`` (in place); in the graphs of
+    ``pipe.split`` stages with :mod:`pipe.distributed.split_tensor_parallel`."""
     for s, partition in partitions.items():
-        if stage_plans[s]:
+        if not stage_plans[s]:
+            continue
+        if split_tensor_parallel.plain_modules(partition):
+            split_tensor_parallel.apply_to_partition(partition, stage_plans[s], tp_mesh)
+        else:
             parallelize_module(partition, tp_mesh, dict(stage_plans[s]))
             logger.info("stage %d: tensor parallel over %d ranks: %s", s, tp_mesh.size(), sorted(stage_plans[s]))
 

@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
-import pipe
 from decoder import decoder, lm_data, lm_loss, tensor_parallel_plan, train_against
 from pipe.distributed import DistributedPipe, make_mesh
 from pipe.distributed.tensor_parallel import resolve_plan, verify_plan
@@ -142,11 +141,6 @@ def _tensor_parallel_ranks(rank: int, world: int) -> list[dict[str, Any]]:
     # A plan entry naming no module of any stage is refused on every rank, naming it.
     with pytest.raises(ValueError, match=r"tensor_parallel entry '\*\.attn\.qkv' matches no module of any stage"):
         DistributedPipe(decoder(0), chunks=2, mesh=make_mesh(pp=2, tp=2), tensor_parallel={"*.attn.qkv": ColwiseParallel()})
-    # A pipe.split stage is a graph of aten ops on its weights: no ParallelStyle can split it, said at once.
-    split = pipe.split(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), (torch.randn(2, 4),), at=["2"])
-    with pytest.raises(ValueError, match=r"tensor_parallel= cannot split stage 0, a stage of pipe.split.*"
-                                         r"nn.Sequential or pipe.PipeSequential"):
-        DistributedPipe(split, chunks=2, mesh=make_mesh(pp=2, tp=2), tensor_parallel={"*": ColwiseParallel()})
     with pytest.raises(ValueError, match=r"tensor_parallel= needs a mesh with a 'tp' dimension"):
         DistributedPipe(decoder(0), chunks=2, mesh=make_mesh(pp=2, dp_shard=2),
                         tensor_parallel={"*.mlp.fc": ColwiseParallel()})

@@ -1,0 +1,479 @@
+"""Tensor parallelism inside the graphs of ``pipe.split`` stages: Megatron's column and row splits on local shards.
+
+torch's ``ParallelStyle``s split ``nn.Linear`` modules; a split stage has
+none: ``torch.export`` flattened the model into aten ops over get-attrs of
+its weights (in each outlined layer, :class:`pipe.split_blocks.SplitBlock`,
+or in the stage). Here a plan by plain-model names
+(``{"model.layers.*.self_attn.q_proj": ColwiseParallel(), ...}``, or
+:func:`pipe.distributed.hf.tensor_parallel_plan`) is applied to that graph:
+
+- the named module's weight becomes a ``DTensor`` on the ``"tp"`` mesh, split
+  by rows (column parallel: output features) or by columns (row parallel:
+  input features), as ``parallelize_module`` would make it, so that FSDP, the
+  checkpoints and the optimizer see what they see for any tensor-parallel
+  model;
+- the ``aten.linear`` that reads it runs on the local shard, with Megatron's
+  two collectives around the split region::
+
+      x ─ copy (fwd: identity, bwd: all-reduce) ─ linear(x, W_rows) ─ ... ─ linear(·, W_cols) ─ reduce (fwd: all-reduce, bwd: identity) ─ + bias
+
+- the shapes that ``torch.export`` baked into the graph (the head counts in
+  ``repeat_kv``'s ``expand`` and ``reshape``: ``[b, 8, 4, s, 64]``) are rewritten
+  to the local shard's, found by running the graph once on ``meta`` tensors:
+  each value is compared with the shape the export recorded, which tells the
+  one dimension it is split on (heads, features).
+
+The same run refuses what local shards cannot compute exactly, naming the op
+and the fix: an op that reduces, slices or splits along the split dimension
+(a fused ``qkv`` split by ``split``/``chunk``, a norm over split features), a
+split value that leaves the layer, a degree that does not divide a size
+(heads, KV heads, features).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+DOCS = "docs/huggingface.md#tensor-parallelism"
+
+aten = torch.ops.aten
+
+_SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_BATCHED_OPS = {aten.scaled_dot_product_attention.default}  # split only along a batch dimension (batch, heads)
+_MOVES_DIMS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}  # take a dim without working along it
+
+
+# -- the collectives around a split region ---------------------------------------------------------
+
+
+class _CopyToSplit(torch.autograd.Function):
+    """Identity forward; backward sums the partial input gradients of the ranks' shards (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str) -> Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=_group(ctx.group_name))
+        return grad, None
+
+
+class _ReduceFromSplit(torch.autograd.Function):
+    """Forward sums the ranks' partial outputs; the gradient is the same on every rank (Megatron's ``g``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=_group(group_name))
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+
+
+def copy_to_split(x: Tensor, group_name: str) -> Tensor:
+    """The input of a column-parallel linear (graph op)."""
+    return _CopyToSplit.apply(x, group_name)
+
+
+def reduce_from_split(x: Tensor, group_name: str) -> Tensor:
+    """The output of a row-parallel linear (graph op)."""
+    return _ReduceFromSplit.apply(x, group_name)
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """A weight's local shard (graph op; differentiable, its gradient becomes the DTensor's)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+_MARKERS = {copy_to_split, reduce_from_split, local_shard}
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+
+
+def kind_of(name: str, style: ParallelStyle) -> str:
+    """``"column"`` or ``"row"`` for the styles a split graph can apply; refuses the others."""
+    if type(style) is ColwiseParallel and _default(style, Replicate(), Shard(-1)):
+        return "column"
+    if type(style) is RowwiseParallel and _default(style, Shard(-1), Replicate()):
+        return "row"
+    raise ValueError(
+        f"tensor_parallel entry {name!r}: {type(style).__name__} with these layouts cannot apply to a stage of "
+        f"pipe.split, whose tensor parallelism splits linear layers only; use ColwiseParallel() or "
+        f"RowwiseParallel() with their default layouts (no sequence parallelism, use_local_output=True), e.g. "
+        f"pipe.distributed.hf.tensor_parallel_plan(model), see {DOCS}")
+
+
+def _default(style: Any, input_layout: Any, output_layout: Any) -> bool:
+    return (tuple(style.input_layouts) == (input_layout,) and tuple(style.output_layouts) == (output_layout,)
+            and style.use_local_output)
+
+
+def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh) -> None:
+    """Splits the modules ``plan`` names in ``stage`` (a split stage) over ``mesh`` (its ``"tp"`` sub-mesh).
+
+    Args:
+        stage: a :class:`pipe.split_stage.SplitStage`.
+        plan: module names of ``stage`` (the plain model's) -> ``ColwiseParallel()`` or ``RowwiseParallel()``.
+        mesh: the one-dimensional tensor-parallel mesh.
+
+    Raises:
+        ValueError: a style other than those two, a module whose weight the graph does not read in one
+            ``aten.linear``, a size the degree does not divide, or an op that cannot run on the shards.
+    """
+    size = mesh.size()
+    _check_heads(stage, size)
+    group_name = mesh.get_group().group_name
+    graphs: dict[str, list[tuple[str, str, fx.Node]]] = {}
+    for name, style in plan.items():
+        kind = kind_of(name, style)
+        owner = _owner(stage, name)
+        graph_module = _graph(stage, owner)
+        relative = name[len(owner) + 1:] if owner else name
+        linear = _linear_of(graph_module, relative, name)
+        graphs.setdefault(owner, []).append((kind, relative, linear))
+        _shard_weights(stage.get_submodule(name), name, kind, mesh)
+    for owner, linears in graphs.items():
+        graph_module = _graph(stage, owner)
+        _rewrite(graph_module, linears, group_name)
+        _localise_shapes(graph_module, size, owner or type(stage).__name__)
+        graph_module.recompile()
+        logger.info("tensor parallel over %d ranks in %s: %d linear layers", size, owner or "the stage",
+                    len(linears))
+
+
+def _check_heads(stage: nn.Module, size: int) -> None:
+    """Refuses a degree that does not divide the heads a HuggingFace config states."""
+    from pipe.core.original_names import source_model
+
+    config = getattr(source_model(stage), "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % size:
+            raise ValueError(
+                f"tensor_parallel over {size} ranks: the model has {attr}={heads}, which {size} does not divide; "
+                f"each tp rank computes whole heads: choose a tp degree that divides {attr} "
+                f"({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
+
+
+def _graph(stage: fx.GraphModule, path: str) -> fx.GraphModule:
+    module = stage.get_submodule(path) if path else stage
+    assert isinstance(module, fx.GraphModule)  # _owner found it so
+    return module
+
+
+def _owner(stage: nn.Module, name: str) -> str:
+    """The path of the innermost graph (an outlined layer, or the stage: "") that runs module ``name``."""
+    atoms = name.split(".")
+    for end in range(len(atoms) - 1, 0, -1):
+        path = ".".join(atoms[:end])
+        if isinstance(stage.get_submodule(path), fx.GraphModule):
+            return path
+    return ""
+
+
+def _linear_of(graph_module: fx.GraphModule, relative: str, name: str) -> fx.Node:
+    reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == f"{relative}.weight"]
+    users = [user for read in reads for user in read.users]
+    if len(users) != 1 or users[0].target is not aten.linear.default or users[0].args[1] is not reads[0]:
+        found = ", ".join(sorted({str(user.target) for user in users})) or "nothing"
+        raise ValueError(
+            f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one "
+            f"aten.linear, so it cannot be split by rows or columns (a module fused or used twice, or not a "
+            f"linear layer: GPT-2's Conv1D runs addmm); leave {name!r} out of the plan, see {DOCS}")
+    bias = users[0].args[2] if len(users[0].args) > 2 else None
+    if isinstance(bias, fx.Node) and len(bias.users) != 1:
+        raise ValueError(f"tensor_parallel entry for {name!r}: the split graph reads its bias outside its linear "
+                         f"layer, so it cannot be split; leave {name!r} out of the plan, see {DOCS}")
+    return users[0]
+
+
+def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh) -> None:
+    weight = module.get_parameter("weight")
+    dim = 0 if kind == "column" else 1
+    if weight.shape[dim] % mesh.size():
+        raise ValueError(
+            f"tensor_parallel: {name!r} has {weight.shape[dim]} {'output' if dim == 0 else 'input'} features, "
+            f"which {mesh.size()} tensor-parallel ranks cannot split evenly; choose a tp degree that divides "
+            f"{weight.shape[dim]} (and the model's heads and KV heads)")
+    placements: dict[str, list[Any]] = {"weight": [Shard(dim)]}
+    if kind == "column" and getattr(module, "bias", None) is not None:
+        placements["bias"] = [Shard(0)]
+    for attr, placement in placements.items():
+        tensor = getattr(module, attr)
+        module.register_parameter(attr, nn.Parameter(distribute_tensor(tensor.data, mesh, placement),
+                                                     requires_grad=tensor.requires_grad))
+
+
+def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, str, fx.Node]], group_name: str) -> None:
+    """Puts the collectives around the split linears and reads their weights as local shards."""
+    graph = graph_module.graph
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def local(node: Optional[fx.Node]) -> Optional[fx.Node]:
+        if node is None:
+            return None
+        with graph.inserting_after(node):
+            shard = graph.call_function(local_shard, (node,))
+        return shard
+
+    for kind, _, linear in linears:
+        x, weight = linear.args[0], linear.args[1]
+        bias = linear.args[2] if len(linear.args) > 2 else None
+        assert isinstance(x, fx.Node) and isinstance(weight, fx.Node) and (bias is None or isinstance(bias, fx.Node))
+        if kind == "column":
+            if x not in copies:
+                with graph.inserting_after(x):
+                    copies[x] = graph.call_function(copy_to_split, (x, group_name))
+            linear.args = (copies[x], local(weight), local(bias))
+            continue
+        linear.args = (x, local(weight))
+        with graph.inserting_after(linear):
+            reduced = graph.call_function(reduce_from_split, (linear, group_name))
+        last = reduced
+        if bias is not None:
+            with graph.inserting_after(reduced):
+                last = graph.call_function(aten.add.Tensor, (reduced, bias))
+        linear.replace_all_uses_with(last, delete_user_cb=lambda user: user is not reduced)
+        reduced.meta["val"] = linear.meta.get("val")
+        last.meta["val"] = linear.meta.get("val")
+    graph.lint()
+
+
+# -- the shapes on the shards -------------------------------------------------------------------------
+
+
+def _hint(value: Any) -> Any:
+    """A recorded value's example: an int for a SymInt, a shape for a fake tensor."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    if isinstance(value, Tensor):
+        return tuple(_hint(size) if isinstance(size, torch.SymInt) else int(size) for size in value.shape)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_hint(item) for item in value)
+    return value
+
+
+def _split_dim(local: tuple[int, ...], whole: tuple[int, ...], size: int) -> Optional[int]:
+    """The one dimension on which ``local`` is a 1/size shard of ``whole``; None if they are equal."""
+    if local == whole:
+        return None
+    differ = [d for d, (a, b) in enumerate(zip(local, whole)) if a != b]
+    if len(local) != len(whole) or len(differ) != 1 or local[differ[0]] * size != whole[differ[0]]:
+        raise _Unshardable(f"a shard of shape {list(local)} does not split {list(whole)} along one dimension "
+                           f"into {size}")
+    return differ[0]
+
+
+class _Unshardable(Exception):
+    pass
+
+
+def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str) -> None:
+    """Runs the graph on ``meta`` with local weights; rewrites baked shapes; refuses what shards cannot compute."""
+    env: dict[fx.Node, Any] = {}
+    split: dict[fx.Node, Optional[int]] = {}  # value -> the dimension it is split on
+    for node in graph_module.graph.nodes:
+        if node.op == "output":
+            for source in node.all_input_nodes:
+                if split.get(source) is not None:
+                    raise ValueError(
+                        f"tensor_parallel in {where}: {source.name} leaves the layer split across the tp ranks; "
+                        f"end each split region with a RowwiseParallel module (o_proj, down_proj), see {DOCS}")
+            break
+        try:
+            env[node], split[node] = _run(graph_module, node, env, split, size)
+        except _Unshardable as reason:
+            raise ValueError(
+                f"tensor_parallel in {where}: {_describe(node)} cannot run on shards split {size} ways: {reason}; "
+                f"leave the modules before it out of the plan, or choose a tp degree that divides the model's "
+                f"heads, KV heads and features, see {DOCS}") from None
+
+
+def _describe(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else ""
+    return f"op {node.target} ({node.name}{' in ' + module if module else ''})"
+
+
+def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], split: dict[fx.Node, Optional[int]],
+         size: int) -> tuple[Any, Optional[int]]:
+    recorded = _hint(node.meta.get("val"))
+    if node.op == "placeholder":
+        return _meta_like(recorded), None
+    if node.op == "get_attr":
+        tensor = operator.attrgetter(str(node.target))(graph_module)
+        if isinstance(tensor, Tensor):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return torch.empty(local.shape, dtype=local.dtype, device="meta"), None
+        return tensor, None
+    inputs = node.all_input_nodes
+    split_inputs = {source: split[source] for source in inputs if split.get(source) is not None}
+    if node.op == "call_module":
+        if split_inputs:
+            raise _Unshardable(f"{node.target} gets a split value")
+        return _meta_like(recorded), None
+    if node.target is local_shard:
+        return env[inputs[0]], None
+    if node.target in (copy_to_split, reduce_from_split):
+        return env[inputs[0]], None
+    first_split = split.get(inputs[0]) if inputs else None
+    if node.target in _SHAPE_OPS and first_split is not None:
+        _localise_shape_arg(node, first_split, size)
+    if split_inputs:
+        _refuse_along(node, {source: dim for source, dim in split_inputs.items() if dim is not None}, env)
+    args = fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    target: Any = node.target
+    try:
+        value = target(*args, **kwargs)
+    except (RuntimeError, ValueError, TypeError) as error:
+        if not split_inputs and not _reads_shard(node):
+            raise
+        raise _Unshardable(str(error).splitlines()[0]) from None
+    if not isinstance(value, Tensor):
+        if split_inputs and not isinstance(value, (tuple, list)):
+            raise _Unshardable("it turns a split value into a number")
+        if isinstance(value, (tuple, list)):
+            dims = {_split_dim(tuple(item.shape), tuple(whole), size)
+                    for item, whole in zip(value, recorded) if isinstance(item, Tensor)}
+            if split_inputs and None in dims:
+                raise _Unshardable("a part of its result is not split as its input was")
+            return value, next(iter(dims), None) if len(dims) == 1 else None
+        return value, None
+    dim = _split_dim(tuple(value.shape), tuple(recorded), size)
+    partial = bool(node.users) and all(user.target is reduce_from_split for user in node.users)  # a row split
+    if dim is None and (split_inputs or _reads_shard(node)) and not partial:
+        raise _Unshardable("it combines the split dimension into a whole result, which needs the other ranks' "
+                           "parts")
+    if dim is not None and not split_inputs and not _reads_shard(node):
+        raise _Unshardable("its result is split though nothing it reads is")
+    return value, dim
+
+
+def _reads_shard(node: fx.Node) -> bool:
+    return any(source.target is local_shard for source in node.all_input_nodes)
+
+
+def _meta_like(recorded: Any) -> Any:
+    if isinstance(recorded, tuple) and all(isinstance(size, int) for size in recorded):
+        return torch.empty(recorded, device="meta")
+    return recorded
+
+
+def _localise_shape_arg(node: fx.Node, dim: int, size: int) -> None:
+    """Rewrites the size a view, reshape or expand gives the split dimension to the shard's."""
+    source = node.all_input_nodes[0]
+    whole_in = _hint(source.meta["val"])
+    whole_out = _hint(node.meta["val"])
+    if node.target is aten.expand.default:
+        target = dim + len(whole_out) - len(whole_in)
+    else:
+        before = math.prod(whole_in[:dim])
+        target = next((d for d in range(len(whole_out))
+                       if math.prod(whole_out[:d]) == before and whole_out[d] != 1), -1)
+        if target < 0:
+            raise _Unshardable(f"it reshapes {list(whole_in)} to {list(whole_out)} across the split dimension {dim}")
+    if whole_out[target] % size:
+        raise _Unshardable(f"its dimension {target} of size {whole_out[target]} (e.g. heads) is not divisible by "
+                           f"{size}")
+    shape = list(node.args[1])  # type: ignore[arg-type]
+    entry = shape[target]
+    if isinstance(entry, int) and entry != -1:
+        shape[target] = entry // size
+        node.args = (node.args[0], shape, *node.args[2:])
+    elif isinstance(entry, fx.Node):
+        raise _Unshardable(f"its dimension {target} has a size computed at run time ({entry.name})")
+
+
+def _refuse_along(node: fx.Node, split_inputs: Mapping[fx.Node, int], env: Mapping[fx.Node, Any]) -> None:
+    """Refuses an op that reduces, slices, splits or attends along a split dimension."""
+    head: Any = node.args[0] if node.args else None
+    if isinstance(head, (list, tuple)):  # cat, stack: a list of tensors and a dim
+        head = next((item for item in head if isinstance(item, fx.Node)), None)
+    if not isinstance(head, fx.Node):
+        return
+    first: fx.Node = head
+    dim = split_inputs.get(first)
+    if node.target in _BATCHED_OPS:
+        ndim = len(env[first].shape)
+        if any(d >= ndim - 2 for d in split_inputs.values()):
+            raise _Unshardable("attention splits along the batch or heads dimension only")
+        return
+    schema = getattr(node.target, "_schema", None)
+    if dim is None or schema is None or node.target in _MOVES_DIMS:
+        return
+    ndim = len(env[first].shape)
+    if node.target is aten.slice.Tensor and _whole_slice(node, first, dim):
+        return
+    for position, argument in enumerate(schema.arguments):
+        if argument.name != "dim":
+            continue
+        given = node.args[position] if position < len(node.args) else node.kwargs.get("dim", argument.default_value)
+        dims = given if isinstance(given, (list, tuple)) else [given]
+        if given is None or any(isinstance(d, int) and d % ndim == dim for d in dims):
+            raise _Unshardable(f"it works along dimension {dim}, the one split across the tp ranks")
+
+
+def _whole_slice(node: fx.Node, source: fx.Node, dim: int) -> bool:
+    """A slice that keeps the whole of the split dimension (``x[:, :, None]`` records ``slice(x, 1, 0, 2**63-1)``)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2], args[3], args[4]
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= _hint(source.meta["val"])[dim])) \
+        and step in (None, 1)
+
+
+# -- which entries a stage's graphs hold -----------------------------------------------------------
+
+
+def plain_modules(partition: nn.Module) -> list[tuple[str, str]]:
+    """``(plain-model name, name in partition)`` of the modules inside the split stages among ``partition``'s
+    children (a split stage's modules carry the plain model's names)."""
+    from pipe.split_stage import SplitStage
+
+    found = []
+    for child_name, child in partition.named_children():
+        if isinstance(child, SplitStage):
+            found += [(name, f"{child_name}.{name}") for name, _ in child.named_modules() if name]
+    return found
+
+
+def apply_to_partition(partition: nn.Module, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh) -> None:
+    """:func:`apply` for each split stage among ``partition``'s children, with the entries that fall in it."""
+    from pipe.split_stage import SplitStage
+
+    for child_name, child in partition.named_children():
+        if isinstance(child, SplitStage):
+            own = {name: style for name, style in plan.items() if _in(child, name)}
+            if own:
+                apply(child, own, mesh)
+
+
+def _in(stage: nn.Module, name: str) -> bool:
+    try:
+        stage.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,245 @@
+"""Tensor parallelism inside the graphs of ``pipe.split`` stages of HuggingFace models, against the plain model.
+
+Each case cuts the model with ``pipe.split``, gives ``DistributedPipe`` the
+standard plan (``hf.tensor_parallel_plan``: q, k, v, gate, up split by
+columns; o, down by rows) and runs 3 AdamW steps on the global batch split
+over the data-parallel ranks, comparing the loss and every gradient with the
+plain model's (1e-5), the weights after (1e-4) and a held-out ``eval_step``;
+then exports with ``hf.save`` and checkpoints with ``state.save``, and loads
+both into pipelines of another layout.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+import pipe.distributed as pd
+from spawn_ranks import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _full(tensor: Tensor) -> Tensor:
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DTensor's note that a 2-D gather takes two all-gathers
+        return tensor.full_tensor()
+
+
+def _sum_count(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    shifted, target = logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(shifted, target, ignore_index=-100, reduction="sum"), \
+        (target != -100).sum()
+
+
+def _model(kind: str) -> nn.Module:
+    from split_models import llama
+
+    if kind == "qwen2":  # q, k and v with biases, an untied head
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                            max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
+    model = llama(layers=4)
+    if kind == "llama untied":
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
+def _steps(piped: pd.DistributedPipe, reference: nn.Module, label: str) -> dict[str, float]:
+    """3 AdamW steps against the plain model; each replica takes its rows of the 8-row global batch."""
+    from split_models import lm_batch
+
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    rows = 8 // piped.topology.data_parallel
+    part = slice(piped.topology.replica * rows, piped.topology.replica * rows + rows)
+    worst = {"loss": 0.0, "gradient": 0.0}
+    for step in range(3):
+        ids, mask, labels = lm_batch(8, 8, seed=step)
+        loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
+        total, counted = _sum_count(reference(ids, attention_mask=mask).logits, labels)
+        (total / counted).backward()
+        assert loss is not None
+        torch.testing.assert_close(loss, (total / counted).detach(), atol=1e-5, rtol=1e-5)
+        worst["loss"] = max(worst["loss"], float((loss - total / counted).abs()))
+        for name, parameter in piped.named_parameters():
+            expected = reference.get_parameter(name).grad
+            torch.testing.assert_close(_full(parameter.grad), expected, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"{label}, step {step} {name}: {m}")
+            worst["gradient"] = max(worst["gradient"], float((_full(parameter.grad) - expected).abs().max()))
+        optimizer.step()
+        expected_optimizer.step()
+        optimizer.zero_grad()
+        expected_optimizer.zero_grad()
+    for name, parameter in piped.named_parameters():
+        torch.testing.assert_close(_full(parameter.detach()), reference.get_parameter(name).detach(), atol=1e-4,
+                                   rtol=1e-4, msg=lambda m: f"{label}, {name} after 3 AdamW steps: {m}")
+    return worst
+
+
+def _held_out(piped: pd.DistributedPipe, reference: nn.Module) -> None:
+    from split_models import lm_batch
+
+    ids, mask, labels = lm_batch(8, 8, seed=7)
+    rows = 8 // piped.topology.data_parallel
+    part = slice(piped.topology.replica * rows, piped.topology.replica * rows + rows)
+    loss = piped.eval_step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
+    with torch.no_grad():
+        total, counted = _sum_count(reference(ids, attention_mask=mask).logits, labels)
+    torch.testing.assert_close(loss, total / counted, atol=1e-5, rtol=1e-5)
+
+
+def _split(model: nn.Module, at: str = "model.layers.2") -> nn.Module:
+    import pipe
+    from split_models import lm_batch
+
+    ids, mask, _ = lm_batch(8, 8)
+    return pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=[at])
+
+
+def _on_meta(kind: str) -> nn.Module:
+    with torch.device("meta"):
+        return _split(_model(kind))
+
+
+def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory: str) -> dict[str, Any]:
+    """Each model at ``layout``: exact steps; then its export and checkpoint loaded at another layout."""
+    from transformers import AutoModelForCausalLM
+
+    from pipe.distributed import hf, state
+
+    other = {"pp": 2, "dp_shard": world // 2}
+    found: dict[str, Any] = {}
+    for kind in ("llama tied", "llama untied", "qwen2") if "dp_shard" not in layout else ("llama tied",):
+        torch.manual_seed(0)
+        model = _model(kind)
+        reference = copy.deepcopy(model)
+        plan = hf.tensor_parallel_plan(model)
+        piped = pd.DistributedPipe(_split(model), chunks=2, schedule="1f1b", mesh=pd.make_mesh(**layout),
+                                   loss_reduction="count", tensor_parallel=plan)
+        split = sorted(name for name, p in piped.named_parameters() if isinstance(p, DTensor)
+                       and "tp" in p.device_mesh.mesh_dim_names
+                       and p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_shard())
+        worst = _steps(piped, reference, kind)
+        _held_out(piped, reference)
+        # Out: a HF directory (each rank writes its slices) and a DCP checkpoint; in: another layout, built on meta.
+        export, checkpoint = f"{directory}/{kind}-hf", f"{directory}/{kind}-dcp"
+        hf.save(export, piped, config=reference.config)
+        state.save(checkpoint, piped)
+        exported = AutoModelForCausalLM.from_pretrained(export)
+        for name, parameter in piped.named_parameters():  # the names this rank holds
+            torch.testing.assert_close(exported.get_parameter(name), _full(parameter.detach()), atol=0, rtol=0,
+                                       msg=f"{kind} export: {name}")
+        for source, load in ((export, hf.load), (checkpoint, state.load)):
+            for mesh in (layout, other):
+                loaded = pd.DistributedPipe(_on_meta(kind), chunks=2, mesh=pd.make_mesh(**mesh),
+                                            loss_reduction="count", init_weights=False,
+                                            tensor_parallel=plan if "tp" in mesh else None)
+                load(source, loaded)
+                for name, parameter in loaded.named_parameters():
+                    torch.testing.assert_close(_full(parameter.detach()), exported.get_parameter(name), atol=0,
+                                               rtol=0, msg=f"{kind} {source} at {mesh}: {name}")
+                _held_out(loaded, exported)
+        found[kind] = {"split": split, **worst}
+    return found
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", [{"pp": 2, "tp": 2}, {"pp": 2, "tp": 2, "dp_shard": 2}],
+                         ids=["pp2-tp2", "pp2-tp2-dp_shard2"])
+def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: dict[str, int]) -> None:
+    """LLaMA (tied and untied) and Qwen2 (q, k, v biases) at (pp 2, tp 2); the tied LLaMA at (pp 2, tp 2,
+    dp_shard 2) on 8 ranks: loss and every gradient within 1e-5 of the plain model's, the weights after 3 AdamW
+    steps within 1e-4, a held-out eval_step; hf.save's export equals the pipeline's weights in from_pretrained,
+    and the export and a state.save checkpoint load bit for bit into pipelines built on meta at the same layout
+    and at (pp 2, dp_shard) without tensor parallelism."""
+    pytest.importorskip("transformers")
+    from split_models import llama
+
+    llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
+    world = 8 if "dp_shard" in layout else 4
+    with tempfile.TemporaryDirectory() as directory:
+        results = run_ranks(_exact_and_reloaded, world, layout, directory, deadline=380.0, timeout=60.0)
+    names = [f"model.layers.{k}.{m}.weight" for k in range(4) for m in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")]
+    for kind, found in results[0].items():
+        # Each rank splits the layers of its stage: the first pipeline rank layers 0-1, the second 2-3.
+        stages = [r[kind]["split"] for r in results]
+        first = [n for n in names if n.startswith(("model.layers.0.", "model.layers.1."))]
+        assert stages[0] == sorted(first + (["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
+                                            "model.layers.0.self_attn.v_proj.bias", "model.layers.1.self_attn.q_proj.bias",
+                                            "model.layers.1.self_attn.k_proj.bias", "model.layers.1.self_attn.v_proj.bias"]
+                                           if kind == "qwen2" else [])), kind
+        assert stages[-1] and all(n.startswith(("model.layers.2.", "model.layers.3.")) for n in stages[-1]), kind
+        assert found["gradient"] < 1e-5, (kind, found)
+
+
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pipe.distributed import hf
+    from split_models import lm_batch, llama
+
+    errors: dict[str, str] = {}
+
+    def refused(label: str, model: nn.Module, plan: Any) -> None:
+        try:
+            pd.DistributedPipe(model, chunks=2, mesh=pd.make_mesh(pp=2, tp=2), tensor_parallel=plan)
+            errors[label] = "no error"
+        except ValueError as error:
+            errors[label] = str(error)
+
+    torch.manual_seed(0)
+    model = llama(layers=4)
+    plan = hf.tensor_parallel_plan(model)
+    one_kv = llama(layers=4)
+    one_kv.config.num_key_value_heads = 1  # the graph was captured for 2 KV heads; the config says what it has
+    refused("kv heads", _split(one_kv), plan)
+    refused("no module", _split(llama(layers=4)), {"model.layers.*.attn.qkv": ColwiseParallel()})
+    refused("sequence parallel", _split(llama(layers=4)), {"model.layers.*.input_layernorm": SequenceParallel()})
+    refused("norm over split features", _split(llama(layers=4)),
+            {"model.layers.*.mlp.down_proj": ColwiseParallel(), "model.layers.*.self_attn.o_proj": RowwiseParallel()})
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64))
+    ids, mask, _ = lm_batch(8, 8)
+    import pipe
+
+    stages = pipe.split(gpt2, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
+    refused("gpt2 fused", stages, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
+    try:
+        hf.tensor_parallel_plan(gpt2)
+        errors["gpt2 plan"] = "no error"
+    except ValueError as error:
+        errors["gpt2 plan"] = str(error)
+    return errors
+
+
+@pytest.mark.timeout(200)
+def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_rank() -> None:
+    pytest.importorskip("transformers")
+    from split_models import llama
+
+    llama()
+    results = run_ranks(_refusals, 4, deadline=180.0, timeout=60.0)
+    for errors in results:
+        assert "num_key_value_heads=1, which 2 does not divide" in errors["kv heads"]
+        assert "matches no module of any stage" in errors["no module"]
+        assert "SequenceParallel" in errors["sequence parallel"] and "ColwiseParallel()" in errors["sequence parallel"]
+        # down_proj split by columns feeds the residual add and the next norm a split value: refused, op named.
+        assert "cannot run on shards split 2 ways" in errors["norm over split features"], errors
+        assert "addmm" in errors["gpt2 fused"] and "not in one aten.linear" in errors["gpt2 fused"]
+        assert "GPT2LMHeadModel has no tensor-parallel plan" in errors["gpt2 plan"]
