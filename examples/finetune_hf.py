@@ -1,4 +1,4 @@
-"""Fine-tune a HuggingFace causal LM on a text file, as a pipeline on any (pp, dp_shard, dp_replicate) mesh.
+"""Fine-tune a HuggingFace causal LM on a text file, as a pipeline on any (pp, dp_shard, dp_replicate, tp) mesh.
 
 The road a pretrained model travels through pipe, with no process ever holding
 the whole model:
@@ -105,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the pipeline")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage (the config's standard "
+                   "plan: attention heads and MLP columns split; LLaMA, Mistral, Qwen2)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zbv"])
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved: 2, zbv: 2)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
@@ -148,7 +150,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name} is required (on the command line or as '{name}:' in --config-file)")
     if args.model is None and args.config is None:
         p.error("give --model (a HF model directory) or --config (a config.json: a random start)")
-    for name in ("steps", "batch_size", "seq_len", "chunks", "pp", "dp_shard", "dp_replicate", "virtual_stages",
+    for name in ("steps", "batch_size", "seq_len", "chunks", "pp", "dp_shard", "dp_replicate", "tp", "virtual_stages",
                  "eval_every", "accumulate"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
@@ -425,15 +427,17 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
     if mixed:  # traced in bf16, the dtype FSDP gives the graphs; the parameters it keeps are fp32
         for parameter in stages.parameters():
             parameter.data = parameter.data.float()
-    if args.pp * args.dp_shard * args.dp_replicate != world:
-        raise SystemExit(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --dp-replicate {args.dp_replicate} != "
-                         f"{world} ranks: launch {args.pp * args.dp_shard * args.dp_replicate} (NPROC=...)")
-    mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate)
+    ranks = args.pp * args.dp_shard * args.dp_replicate * args.tp
+    if ranks != world:
+        raise SystemExit(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --dp-replicate {args.dp_replicate} x --tp "
+                         f"{args.tp} != {world} ranks: launch {ranks} (NPROC=...)")
+    mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp)
+    plan = hf.tensor_parallel_plan(model) if args.tp > 1 else None
     shard = pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
         if mixed else None
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                                virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard,
-                               init_weights=not loaded)
+                               tensor_parallel=plan, init_weights=not loaded)
     log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
              else f"{args.dtype} parameters and compute")
     return piped, config
@@ -649,9 +653,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                  "from sequence %d (pass %d)", args.data, f"{len(data.tokens):,}", data.header["vocab_size"],
                  data.header["tokenizer"], f"{data.sequences:,}", args.seq_len, position % data.sequences,
                  position // data.sequences + 1)
-    log.info("rank %d/%d: stages %s of %d, mesh pp %d x dp_shard %d x dp_replicate %d, %s parameters here",
+    log.info("rank %d/%d: stages %s of %d, mesh pp %d x dp_shard %d x dp_replicate %d x tp %d, %s parameters here",
              env.rank, env.world_size, model.stages, model.schedule.stages, args.pp, args.dp_shard,
-             args.dp_replicate, f"{sum(p.numel() for p in model.parameters()):,}")
+             args.dp_replicate, args.tp, f"{sum(p.numel() for p in model.parameters()):,}")
 
     checkpoints = args.out / "checkpoints"
     metrics = Metrics(args.out, start, write=env.rank == 0)
