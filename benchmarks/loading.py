@@ -2,7 +2,7 @@
 
 A LLaMA-style model (default 0.5B parameters, untied head, fp32) is written
 by ``save_pretrained`` as sharded safetensors into a temporary directory, then
-loaded on 4 gloo ranks at (pp 4), (pp 2, dp_shard 2) and (pp 1, dp_shard 4):
+loaded on 4 gloo ranks at (pp 4), (pp 2, dp_shard 2), (pp 1, dp_shard 4) and (pp 2, tp 2):
 each rank builds the model on ``meta``, cuts it with ``pipe.split``, gives it
 to ``DistributedPipe(..., init_weights=False)`` (which shards the stages on
 ``meta`` and allocates only that rank's shards; ``--init-weights``: whole
@@ -38,7 +38,8 @@ Run:
     python benchmarks/loading.py --step          # and one training step's peak per rank after the load
     python benchmarks/loading.py --step --unit block   # the step with each decoder layer gathered on its own
     python benchmarks/loading.py --step --unit block --reduce micro-batch   # and reduced after each backward
-Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json).
+Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json; some layouts only:
+loading-pp2xtp2.json).
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-LAYOUTS = {"pp 4": {"pp": 4}, "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2}, "pp 1 x dp_shard 4": {"pp": 1, "dp_shard": 4}}
+LAYOUTS = {"pp 4": {"pp": 4}, "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2}, "pp 1 x dp_shard 4": {"pp": 1, "dp_shard": 4},
+           "pp 2 x tp 2": {"pp": 2, "tp": 2}}
 
 
 def _config(quick: bool) -> Any:
@@ -142,8 +144,10 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
     split_s = time.perf_counter() - started
     shard = Shard(unit=args.unit, reduce=args.reduce) if "dp_shard" in LAYOUTS[layout] else None
+    plan = hf.tensor_parallel_plan(model) if "tp" in LAYOUTS[layout] else None
     piped = DistributedPipe(stages, mesh=_mesh(LAYOUTS[layout], args.device), device=torch.device(args.device),
-                            init_weights=args.init_weights, chunks=4, loss_reduction="count", shard=shard)
+                            init_weights=args.init_weights, chunks=4, loss_reduction="count", shard=shard,
+                            tensor_parallel=plan)
     del model, stages
     build_s = time.perf_counter() - started
     before_load = _status("VmRSS")
@@ -368,6 +372,7 @@ def main() -> None:
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
             + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
             + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
+            + ("" if args.layouts == list(LAYOUTS) else "-" + "-".join(l.replace(" ", "") for l in args.layouts))
             + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULTS / name}")
