@@ -61,6 +61,7 @@ the validation loss before and after, and where the export went.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -82,6 +83,8 @@ from tqdm import tqdm
 
 import pipe
 import pipe.distributed as pd
+import pipe.plan
+import pipe.trace
 from pipe.distributed import hf, state
 
 log = logging.getLogger("finetune_hf")
@@ -105,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the pipeline")
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="the peak TFLOP/s of one device (rank), for the MFU in the metrics; 0: no MFU (default)")
+    p.add_argument("--trace-every", type=int, default=0,
+                   help="record every N-th step with pipe.trace (OUT/trace/step-N.RANK.json) and log its bubble "
+                        "fraction; 0: never (default)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage (the config's standard "
                    "plan: attention heads and MLP columns split; LLaMA, Mistral, Qwen2)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zbv"])
@@ -154,9 +162,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                  "eval_every", "accumulate"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
-    for name in ("warmup", "save_every", "keep"):
+    for name in ("warmup", "save_every", "keep", "trace_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 0")
+    if not args.peak_tflops >= 0:
+        p.error(f"--peak-tflops {args.peak_tflops}: give one device's peak in TFLOP/s (> 0), or 0 for no MFU")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         p.error(f"--lr {args.lr} with --min-lr {args.min_lr}: give --lr > 0 and 0 <= --min-lr <= --lr")
     return args
@@ -405,7 +415,7 @@ def cut_points(model: nn.Module, layers: int, stages: int) -> list[str]:
     return [f"{found[0]}.{round(k * layers / stages)}" for k in range(1, stages)]
 
 
-def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.DistributedPipe, Any]:
+def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.DistributedPipe, Any, float]:
     """The pipeline on this rank and the model's config: with ``loaded`` (weights from --model or a checkpoint)
     only the rank's shards are allocated, for the load to fill (``init_weights=False``); else its stage is
     materialised and initialised by the model's own code."""
@@ -419,6 +429,7 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
     torch.manual_seed(args.seed)  # a random start is the same on every rank (a loaded one needs no seed)
     with torch.device("meta"):  # no memory: each rank materialises its own stage only
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    flops = flops_per_token(model, config, args.seq_len)
     virtual = args.virtual_stages
     # One piece per stage; with one stage (--pp 1), two pieces on the one rank: pipe.split needs a cut.
     at = cut_points(model, config.num_hidden_layers, max(args.pp * virtual, 2))
@@ -440,7 +451,17 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
                                tensor_parallel=plan, init_weights=not loaded)
     log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
              else f"{args.dtype} parameters and compute")
-    return piped, config
+    return piped, config, flops
+
+
+def flops_per_token(model: nn.Module, config: Any, seq_len: int) -> float:
+    """A training step's model FLOPs per token (forward and backward, recomputation not counted), as PaLM's
+    appendix and torchtitan count them: 6 per weight outside the input embedding, plus 12 x layers x heads x
+    head dim x sequence length for attention's scores and values."""
+    weights = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 6.0 * weights + 12.0 * config.num_hidden_layers * heads * head_dim * seq_len
 
 
 def evaluate(model: pd.DistributedPipe, data: "TokenStream | TokenFile", args: argparse.Namespace) -> float:
@@ -575,14 +596,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, kB elsewhere
 
 
-def plot(path: Path, losses: list[tuple[int, float]], evals: list[tuple[int, float]]) -> None:
-    """The loss curve (training and held-out) as a PNG."""
+def plot(path: Path, losses: list[tuple[int, float]], evals: list[tuple[int, float]],
+         speeds: list[tuple[int, float]]) -> None:
+    """The loss curve (training and held-out) and the throughput (tokens/s per step) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6, 3.5))
+    figure, (axes, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     if losses:
         axes.plot(*zip(*losses), label="training", linewidth=1)
     if evals:
@@ -590,9 +612,44 @@ def plot(path: Path, losses: list[tuple[int, float]], evals: list[tuple[int, flo
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
     axes.legend()
+    if speeds:
+        right.plot(*zip(*speeds), linewidth=1)
+    right.set_xlabel("step")
+    right.set_ylabel("tokens/s")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def traced(args: argparse.Namespace, step: int) -> bool:
+    """Whether step ``step`` (1-based) is recorded (``--trace-every``)."""
+    return bool(args.trace_every) and step % args.trace_every == 0
+
+
+def tracing(args: argparse.Namespace, rank: int, step: int) -> Any:
+    """``pipe.trace.record`` of this rank's part of step ``step`` into ``OUT/trace``, or nothing."""
+    if not traced(args, step):
+        return contextlib.nullcontext()
+    (args.out / "trace").mkdir(parents=True, exist_ok=True)
+    return pipe.trace.record(str(args.out / "trace" / f"step-{step}.{{rank}}.json"), rank=rank,
+                             schedule=args.schedule, chunks=args.chunks)
+
+
+def bubble(args: argparse.Namespace, env: Any, step: int) -> dict[str, float]:
+    """The recorded step's idle shares on rank 0, from every rank's trace (``pipe.plan.explain``):
+    ``bubble_fraction``, the schedule's own waits over all ranks' wall time; ``idle_fraction``, every idle
+    interval (waits beyond the schedule's and runtime overhead too)."""
+    dist.barrier()  # every rank's file is written
+    if env.rank != 0:
+        return {}
+    files = [str(args.out / "trace" / f"step-{step}.{rank}.json") for rank in range(env.world_size)]
+    explanation = pipe.plan.explain(pipe.trace.merge(files))
+    wall = explanation.wall * len(explanation.rows)
+    if wall <= 0:
+        return {}
+    idle = [explanation.idle_by(row) for row in range(len(explanation.rows))]
+    waits = [explanation.idle_by(row, "bubble") for row in range(len(explanation.rows))]
+    return {"bubble_fraction": sum(waits) / wall, "idle_fraction": sum(idle) / wall}
 
 
 KILL = "FINETUNE_KILL"
@@ -629,7 +686,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if env.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "config.yaml").write_text(yaml.safe_dump(effective_config(args), sort_keys=False))
-    model, config = build(args, env.world_size, loaded=bool(args.model) or resume is not None)
+    model, config, flops = build(args, env.world_size, loaded=bool(args.model) or resume is not None)
     if args.model:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -660,6 +717,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     checkpoints = args.out / "checkpoints"
     metrics = Metrics(args.out, start, write=env.rank == 0)
     losses: list[tuple[int, float]] = []
+    speeds: list[tuple[int, float]] = []
     evals = [(start, evaluate(model, data, args))]
     began = time.perf_counter()
     kill_at = kill_drill(env.rank)
@@ -671,15 +729,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         lr = optimizer.param_groups[0]["lr"]  # this step's
         tick = time.perf_counter()
-        for k in range(args.accumulate):  # the last pass reduces and divides by the sequences of all (pipe's accumulate)
-            if isinstance(data, TokenFile):  # in order: this part's rows of the next --batch-size sequences
-                rows = data.batch(position, args.batch_size, part, parts).to(model.device)
-            else:  # drawn from (--seed, pass)
-                ids = data.batch(step * args.accumulate + k, args.batch_size, args.seed)
-                rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
-            position += args.batch_size
-            last = k == args.accumulate - 1
-            reported = model.step(rows, rows, broadcast_loss=True, accumulate=not last)
+        with tracing(args, env.rank, step + 1):  # --trace-every: every pass of the step, on every rank
+            for k in range(args.accumulate):  # the last pass reduces and divides by the sequences of all (pipe's accumulate)
+                if isinstance(data, TokenFile):  # in order: this part's rows of the next --batch-size sequences
+                    rows = data.batch(position, args.batch_size, part, parts).to(model.device)
+                else:  # drawn from (--seed, pass)
+                    ids = data.batch(step * args.accumulate + k, args.batch_size, args.seed)
+                    rows = ids[part * len(ids) // parts:(part + 1) * len(ids) // parts].to(model.device)
+                position += args.batch_size
+                last = k == args.accumulate - 1
+                reported = model.step(rows, rows, broadcast_loss=True, accumulate=not last)
         loss = float(reported)  # the last pass's: the mean over every pass
         if not math.isfinite(loss):
             raise SystemExit(f"step {step}: the loss is {loss}; lower --lr or check the model and data")
@@ -692,10 +751,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         peak = torch.tensor([peak_memory_bytes(model.device)], device=model.device)
         rank_peak = int(peak.item())
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the highest of every rank's
-        metrics.write({"step": done, "loss": loss, "lr": lr, "tokens_per_s": args.accumulate * args.batch_size * args.seq_len / seconds,
-                       "seconds": seconds, "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item()),
-                       "data_position": position})
+        tokens_per_s = args.accumulate * args.batch_size * args.seq_len / seconds
+        record = {"step": done, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "seconds": seconds,
+                  "peak_memory_bytes": rank_peak, "max_peak_memory_bytes": int(peak.item()),
+                  "data_position": position}
+        if args.peak_tflops:  # the model FLOPs done per second over what the world's devices could do
+            record["mfu"] = flops * tokens_per_s / (args.peak_tflops * 1e12 * env.world_size)
+        if traced(args, done):
+            record.update(bubble(args, env, done))
+        metrics.write(record)
         losses.append((done, loss))
+        speeds.append((done, tokens_per_s))
         bar.set_postfix(loss=f"{loss:.3f}")
         if done % args.eval_every == 0 or done == args.steps:
             evals.append((done, evaluate(model, data, args)))
@@ -711,7 +777,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     hf.save(args.out / "hf", model, config=config)  # every rank writes its own tensors
     if env.rank == 0:
-        plot(args.out / "loss.png", losses, evals)
+        plot(args.out / "loss.png", losses, evals, speeds)
     first = losses[0][1] if losses else float("nan")
     last = losses[-1][1] if losses else float("nan")
     log.info("done: steps %d-%d, loss %.3f -> %.3f, held-out %.3f -> %.3f, %.1f s; exported to %s",

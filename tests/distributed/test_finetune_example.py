@@ -125,13 +125,21 @@ def test_keep_the_last_checkpoints_and_resume_auto_continues_an_interrupted_run_
     flags = ["--model", str(tmp_path / "model"), "--data", str(text), "--out", str(out), "--seq-len", "16",
              "--batch-size", "4", "--chunks", "2", "--eval-every", "3", "--pp", "2", "--steps", "6",
              "--save-every", "1", "--keep", "3", "--lr", "1e-3", "--warmup", "2", "--min-lr", "1e-4",
-             "--async-save", "--accumulate", "2"]  # checkpoints written in the background; 2 passes per step
+             "--async-save", "--accumulate", "2",  # checkpoints written in the background; 2 passes per step
+             "--trace-every", "3", "--peak-tflops", "0.5"]  # steps 3 and 6 recorded; the MFU of a 0.5 TFLOP/s device
     first = _launch(2, flags, "done: steps 0-6")
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000005", "step-00000006"], first
     uninterrupted = _metrics(out)
     assert [record["step"] for record in uninterrupted] == [1, 2, 3, 4, 5, 6], uninterrupted
-    assert all(set(record) == METRICS for record in uninterrupted), uninterrupted[0]
+    traced = {"bubble_fraction", "idle_fraction"}  # every rank's trace of the step, explained on rank 0
+    assert all(set(record) == METRICS | {"mfu"} | (traced if record["step"] % 3 == 0 else set())
+               for record in uninterrupted), uninterrupted
+    assert all(0 < record["mfu"] < 1 for record in uninterrupted)
+    assert all(0 < record["bubble_fraction"] <= record["idle_fraction"] < 1 for record in uninterrupted
+               if record["step"] % 3 == 0), uninterrupted
+    assert sorted(p.name for p in (out / "trace").iterdir()) == ["step-3.0.json", "step-3.1.json", "step-6.0.json",
+                                                                 "step-6.1.json"]
     assert all(record["peak_memory_bytes"] <= record["max_peak_memory_bytes"] for record in uninterrupted)
     assert all(record["peak_memory_bytes"] > 0 and record["tokens_per_s"] > 0 for record in uninterrupted)
     lrs = [record["lr"] for record in uninterrupted]  # 2 steps of warmup, then cosine down to --min-lr
