@@ -404,17 +404,6 @@ def _tokenizer(model_dir: Optional[Path]) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def cut_points(model: nn.Module, layers: int, stages: int) -> list[str]:
-    """Where each stage but the first begins: the decoder layers' module list, cut evenly."""
-    found = [name for name, module in model.named_modules() if isinstance(module, nn.ModuleList) and
-             len(module) == layers]
-    if not found:
-        raise SystemExit(f"no list of {layers} decoder layers in {type(model).__name__}: pass a causal LM")
-    if not 1 <= stages <= layers:
-        raise SystemExit(f"{stages} stages for {layers} decoder layers: use at most {layers} (--pp x virtual stages)")
-    return [f"{found[0]}.{round(k * layers / stages)}" for k in range(1, stages)]
-
-
 def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.DistributedPipe, Any, float]:
     """The pipeline on this rank and the model's config: with ``loaded`` (weights from --model or a checkpoint)
     only the rank's shards are allocated, for the load to fill (``init_weights=False``); else its stage is
@@ -431,10 +420,14 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     flops = flops_per_token(model, config, args.seq_len)
     virtual = args.virtual_stages
-    # One piece per stage; with one stage (--pp 1), two pieces on the one rank: pipe.split needs a cut.
-    at = cut_points(model, config.num_hidden_layers, max(args.pp * virtual, 2))
+    # One piece per stage, cut where the costliest stage's FLOPs (the head's weighed too) are smallest; with one
+    # stage (--pp 1), two pieces on the one rank: pipe.split needs a cut.
+    pieces = max(args.pp * virtual, 2)
+    if pieces > config.num_hidden_layers:
+        raise SystemExit(f"{pieces} stages for {config.num_hidden_layers} decoder layers: use at most "
+                         f"{config.num_hidden_layers} (--pp x --virtual-stages)")
     example = torch.zeros(2, args.seq_len, dtype=torch.long, device="meta")
-    stages = pipe.split(model, (example,), {"use_cache": False}, at=at)
+    stages = pipe.split(model, (example,), {"use_cache": False}, at="auto", stages=pieces)
     if mixed:  # traced in bf16, the dtype FSDP gives the graphs; the parameters it keeps are fp32
         for parameter in stages.parameters():
             parameter.data = parameter.data.float()

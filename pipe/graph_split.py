@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import logging
 from types import MethodType
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipe.core.sequential import PipeSequential
-from pipe.split_blocks import outline_layers
+from pipe.split_blocks import outline_layers, repeated_layers
 from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
 __all__: list[str] = []
@@ -62,7 +62,8 @@ def split(
     example_args: Any,
     example_kwargs: Optional[dict[str, Any]] = None,
     *,
-    at: Sequence[str],
+    at: Union[Sequence[str], str],
+    stages: Optional[int] = None,
 ) -> PipeSequential:
     """Cuts ``model`` before each submodule named in ``at`` into a :class:`pipe.PipeSequential` of stages.
 
@@ -84,7 +85,13 @@ def split(
             the split model; other values (``use_cache=False``) are fixed.
         at: module paths, e.g. ``["transformer.h.2"]``: a new stage begins
             where each of these modules is called. Each must run exactly once
-            per forward.
+            per forward. ``"auto"`` with ``stages=N``: cut before layers of the
+            model's ``nn.ModuleList`` (its decoder layers) into N stages whose
+            largest forward FLOPs on the example batch are smallest, the
+            embedding counted with the first layer and the head with the last
+            (:mod:`pipe.balance.flops`; every rank computes the same cut, on
+            ``meta`` too).
+        stages: with ``at="auto"``, how many stages.
 
     Returns:
         A ``PipeSequential`` of ``len(at) + 1`` stages. It takes the tensor
@@ -94,7 +101,7 @@ def split(
         the model's own objects: training either trains both.
 
     Raises:
-        ValueError, TypeError: bad ``at`` or example inputs (an example batch of 1 row).
+        ValueError, TypeError: bad ``at`` or ``stages``, or example inputs (an example batch of 1 row).
         SplitError: the model cannot be captured as one graph (for example
             data-dependent control flow), see docs/split.md.
     """
@@ -105,28 +112,50 @@ def split(
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict of keyword inputs or None, got {type(example_kwargs).__name__}")
     _refuse_batch_of_one(example_args, example_kwargs or {})
+    if isinstance(at, str):
+        at = _auto_points(model, example_args, example_kwargs or {}, at, stages)
+    elif stages is not None:
+        raise ValueError(f"pipe.split: stages={stages!r} goes with at='auto'; with at={list(at)!r} the stages are "
+                         f"len(at) + 1 = {len(at) + 1}: leave stages out")
     points = _verify_points(model, at)
     program = _export(model, example_args, example_kwargs or {}, points)
     graph_module = program.module()
     model_state = model.state_dict(keep_vars=True)
-    stages = _cut(graph_module, len(points) + 1, {id(t) for t in model_state.values()})
+    pieces = _cut(graph_module, len(points) + 1, {id(t) for t in model_state.values()})
     aliases: dict[int, list[str]] = {}
     for key, tensor in model_state.items():
         aliases.setdefault(id(tensor), []).append(key)
-    used = {id(t) for stage in stages for t in stage.state_dict(keep_vars=True).values()}
+    used = {id(t) for stage in pieces for t in stage.state_dict(keep_vars=True).values()}
     unused = [key for key, tensor in model_state.items() if id(tensor) not in used and aliases[id(tensor)][0] == key]
     for key in unused:  # kept, in the first stage, so that checkpoints still hold every key
-        attach(stages[0], key, model_state[key])
+        attach(pieces[0], key, model_state[key])
     if unused:
         logger.info("pipe.split: forward does not use %s; the first stage keeps them for the state dict", unused[:8])
-    for stage in stages:
+    for stage in pieces:
         adopt_state(stage, model, aliases, tuple(model_state))
         outline_layers(stage, model)
-    result = PipeSequential(*stages)
+    result = PipeSequential(*pieces)
     result.train(model.training)
     keep_original_names(result)
-    logger.info("pipe.split: %s cut at %s into %d stages", type(model).__name__, list(points), len(stages))
+    logger.info("pipe.split: %s cut at %s into %d stages", type(model).__name__, list(points), len(pieces))
     return result
+
+
+def _auto_points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], at: str,
+                 stages: Optional[int]) -> list[str]:
+    if at != "auto":
+        raise TypeError(f"at must be a list of module paths such as ['transformer.h.2'], or 'auto' with stages=N, "
+                        f"got {at!r}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 2:
+        raise ValueError(f"pipe.split(at='auto') needs stages=N, an int >= 2 (how many stages to cut into), got "
+                         f"stages={stages!r}")
+    layers = repeated_layers(model)
+    if not layers:
+        raise ValueError(f"pipe.split(at='auto'): {type(model).__name__} has no nn.ModuleList of layers to cut "
+                         f"between; give the cut by name, at=[...]")
+    from pipe.balance.flops import auto_cut
+
+    return auto_cut(model, args, kwargs, stages, layers)
 
 
 # -- example inputs --------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from pipe.core.original_names import source_model
+
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
@@ -166,8 +168,6 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
 
 def _check_heads(stage: nn.Module, size: int) -> None:
     """Refuses a degree that does not divide the heads a HuggingFace config states."""
-    from pipe.core.original_names import source_model
-
     config = getattr(source_model(stage), "config", None)
     for attr in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, attr, None)
@@ -451,24 +451,26 @@ def _whole_slice(node: fx.Node, source: fx.Node, dim: int) -> bool:
 def plain_modules(partition: nn.Module) -> list[tuple[str, str]]:
     """``(plain-model name, name in partition)`` of the modules inside the split stages among ``partition``'s
     children (a split stage's modules carry the plain model's names)."""
-    from pipe.split_stage import SplitStage
-
     found = []
     for child_name, child in partition.named_children():
-        if isinstance(child, SplitStage):
+        if _is_split_stage(child):
             found += [(name, f"{child_name}.{name}") for name, _ in child.named_modules() if name]
     return found
 
 
 def apply_to_partition(partition: nn.Module, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh) -> None:
     """:func:`apply` for each split stage among ``partition``'s children, with the entries that fall in it."""
-    from pipe.split_stage import SplitStage
-
-    for child_name, child in partition.named_children():
-        if isinstance(child, SplitStage):
+    for child in partition.children():
+        if isinstance(child, fx.GraphModule) and _is_split_stage(child):
             own = {name: style for name, style in plan.items() if _in(child, name)}
             if own:
                 apply(child, own, mesh)
+
+
+def _is_split_stage(module: nn.Module) -> bool:
+    """A stage of ``pipe.split``: a graph that knows the model it was cut from (this runner-level module does
+    not import the front end's class)."""
+    return isinstance(module, fx.GraphModule) and source_model(module) is not None
 
 
 def _in(stage: nn.Module, name: str) -> bool:
