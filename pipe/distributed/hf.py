@@ -225,8 +225,8 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
 def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     """The standard tensor-parallel plan of a HuggingFace model, for ``DistributedPipe(tensor_parallel=...)``.
 
-    Read from the model's config (``base_model_tp_plan``, which transformers ships for LLaMA, Mistral, Qwen2
-    and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
+    Read from the model's config (``base_model_tp_plan``, which transformers ships for LLaMA, Mistral, Qwen2,
+    Qwen3 and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
     features (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), under the plain
     model's names (``"model.layers.*.self_attn.q_proj"``). The embedding and the LM head stay whole on each
     tensor-parallel rank (FSDP can still shard them). Works for the model as built and for its
@@ -257,6 +257,8 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan: dict[str, Any] = {}
     for pattern, kind in entries.items():
+        if kind == "replicated_with_grad_allreduce":  # a whole weight applied to split heads (Qwen3's q_norm):
+            continue  # pipe sums its gradient over the tp ranks wherever the graph combines it with a split value
         if kind not in styles:
             raise ValueError(
                 f"{type(model).__name__}'s tensor-parallel plan splits {pattern!r} as {kind!r}; pipe splits "

@@ -160,7 +160,7 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
     for owner, linears in graphs.items():
         graph_module = _graph(stage, owner)
         _rewrite(graph_module, linears, group_name)
-        _localise_shapes(graph_module, size, owner or type(stage).__name__)
+        _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name)
         graph_module.recompile()
         logger.info("tensor parallel over %d ranks in %s: %d linear layers", size, owner or "the stage",
                     len(linears))
@@ -291,10 +291,12 @@ class _Unshardable(Exception):
     pass
 
 
-def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str) -> None:
-    """Runs the graph on ``meta`` with local weights; rewrites baked shapes; refuses what shards cannot compute."""
+def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str, group_name: str) -> None:
+    """Runs the graph on ``meta`` with local weights; rewrites baked shapes; refuses what shards cannot compute;
+    gives each whole value that an op combines with split ones a gradient summed over the ranks."""
     env: dict[fx.Node, Any] = {}
     split: dict[fx.Node, Optional[int]] = {}  # value -> the dimension it is split on
+    whole_into_split: dict[fx.Node, list[fx.Node]] = {}  # a whole value -> the ops that combine it with split ones
     for node in graph_module.graph.nodes:
         if node.op == "output":
             for source in node.all_input_nodes:
@@ -310,6 +312,19 @@ def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str) -> Non
                 f"tensor_parallel in {where}: {_describe(node)} cannot run on shards split {size} ways: {reason}; "
                 f"leave the modules before it out of the plan, or choose a tp degree that divides the model's "
                 f"heads, KV heads and features, see {DOCS}") from None
+        if node.op == "call_function" and any(split.get(source) is not None for source in node.all_input_nodes):
+            for source in node.all_input_nodes:
+                if split.get(source) is None and isinstance(env.get(source), Tensor) \
+                        and source.target is not local_shard:
+                    whole_into_split.setdefault(source, []).append(node)
+    # Each rank's gradient of such a value (Qwen3's q_norm weight, applied to the rank's heads) is its part of
+    # the whole: summed over the ranks in the backward, as Megatron's copy does for a column split's input.
+    graph = graph_module.graph
+    for source, users in whole_into_split.items():
+        with graph.inserting_after(source):
+            copied = graph.call_function(copy_to_split, (source, group_name))
+        for user in users:
+            user.replace_input_with(source, copied)
 
 
 def _describe(node: fx.Node) -> str:
@@ -353,6 +368,8 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
         if not split_inputs and not _reads_shard(node):
             raise
         raise _Unshardable(str(error).splitlines()[0]) from None
+    if value is None:  # a check (_assert_tensor_metadata: dtype, device, layout; not the shape)
+        return None, None
     if not isinstance(value, Tensor):
         if split_inputs and not isinstance(value, (tuple, list)):
             raise _Unshardable("it turns a split value into a number")

@@ -51,6 +51,12 @@ def _model(kind: str) -> nn.Module:
         return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                             max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
+    if kind == "qwen3":  # q_norm and k_norm: whole weights applied to each rank's heads
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                            max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
     model = llama(layers=4)
     if kind == "llama untied":
         model.config.tie_word_embeddings = False
@@ -123,7 +129,7 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
 
     other = {"pp": 2, "dp_shard": world // 2}
     found: dict[str, Any] = {}
-    for kind in ("llama tied", "llama untied", "qwen2") if "dp_shard" not in layout else ("llama tied",):
+    for kind in ("llama tied", "llama untied", "qwen2", "qwen3") if "dp_shard" not in layout else ("llama tied",):
         torch.manual_seed(0)
         model = _model(kind)
         reference = copy.deepcopy(model)
@@ -163,7 +169,8 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
 @pytest.mark.parametrize("layout", [{"pp": 2, "tp": 2}, {"pp": 2, "tp": 2, "dp_shard": 2}],
                          ids=["pp2-tp2", "pp2-tp2-dp_shard2"])
 def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: dict[str, int]) -> None:
-    """LLaMA (tied and untied) and Qwen2 (q, k, v biases) at (pp 2, tp 2); the tied LLaMA at (pp 2, tp 2,
+    """LLaMA (tied and untied), Qwen2 (q, k, v biases) and Qwen3 (q and k norms over each head, their gradients
+    summed over the tp ranks) at (pp 2, tp 2); the tied LLaMA at (pp 2, tp 2,
     dp_shard 2) on 8 ranks, FSDP gathering a layer at a time (Shard(unit="block", reduce="micro-batch")): loss and every gradient within 1e-5 of the plain model's, the weights after 3 AdamW
     steps within 1e-4, a held-out eval_step; hf.save's export equals the pipeline's weights in from_pretrained,
     and the export and a state.save checkpoint load bit for bit into pipelines built on meta at the same layout
