@@ -222,15 +222,20 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
 # -- what a rank holds ---------------------------------------------------------------------------------
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
+def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[str, Any]:
     """The standard tensor-parallel plan of a HuggingFace model, for ``DistributedPipe(tensor_parallel=...)``.
 
     Read from the model's config (``base_model_tp_plan``, which transformers ships for LLaMA, Mistral, Qwen2,
     Qwen3 and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
     features (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), under the plain
     model's names (``"model.layers.*.self_attn.q_proj"``). The embedding and the LM head stay whole on each
-    tensor-parallel rank (FSDP can still shard them). Works for the model as built and for its
-    ``pipe.split`` stages alike.
+    tensor-parallel rank (FSDP can still shard them) unless ``vocabulary``. Works for the model as built and
+    for its ``pipe.split`` stages alike.
+
+    With ``vocabulary=True`` the input embedding's rows are split too
+    (``RowwiseParallel(input_layouts=Replicate())``: each rank looks up the ids in its part of the vocabulary,
+    the parts summed) and the LM head's output features (``ColwiseParallel(output_layouts=Replicate())``: the
+    logits gathered), as torchtitan splits them; not for a tied embedding and head (refused).
 
     Usage::
 
@@ -239,8 +244,10 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
 
     Raises:
         ValueError: the config has no such plan (GPT-2: its attention computes q, k and v in one fused
-            ``Conv1D``), or an entry splits in a way other than by columns or rows.
+            ``Conv1D``), an entry splits in a way other than by columns or rows, or ``vocabulary`` with tied
+            embeddings.
     """
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
@@ -265,6 +272,16 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
                 f"linear layers by columns or rows only ('colwise', 'rowwise'); give DistributedPipe("
                 f"tensor_parallel=...) a plan of your own without that entry")
         plan[f"{prefix}.{pattern}" if prefix else pattern] = styles[kind]()
+    if vocabulary:
+        names = {id(module): name for name, module in model.named_modules()}
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+        if embedding.weight is head.weight:
+            raise ValueError(
+                f"tensor_parallel_plan({type(model).__name__}, vocabulary=True): its embedding and LM head are one "
+                f"tied weight, whose vocabulary split pipe does not offer yet; use vocabulary=False (the two stay "
+                f"whole on each tp rank, FSDP can shard them)")
+        plan[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate())
+        plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
     return plan
 
 

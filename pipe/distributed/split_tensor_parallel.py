@@ -90,6 +90,22 @@ class _ReduceFromSplit(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromSplit(torch.autograd.Function):
+    """Forward concatenates the ranks' slices of the last dimension; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str) -> Tensor:
+        group = _group(group_name)
+        ctx.rank, ctx.width = dist.get_rank(group), x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None
+
+
 def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
@@ -104,28 +120,53 @@ def reduce_from_split(x: Tensor, group_name: str) -> Tensor:
     return _ReduceFromSplit.apply(x, group_name)
 
 
+def gather_from_split(x: Tensor, group_name: str) -> Tensor:
+    """The output of a column-parallel linear whose whole output is wanted (an LM head's logits; graph op)."""
+    return _GatherFromSplit.apply(x, group_name)
+
+
+def vocab_embedding(weight: Tensor, ids: Tensor, padding_idx: int, group_name: str) -> Tensor:
+    """An embedding whose rows (the vocabulary) are split over the ranks (graph op): each rank looks up the ids
+    in its rows, zeros for the others, and the ranks' results are summed."""
+    group = _group(group_name)
+    rows = weight.shape[0]
+    start = dist.get_rank(group) * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_padding = padding_idx - start if start <= padding_idx < start + rows else -1
+    found = aten.embedding.default(weight, (ids - start).masked_fill(outside, 0), local_padding)
+    return reduce_from_split(found.masked_fill(outside.unsqueeze(-1), 0.0), group_name)
+
+
 def local_shard(tensor: Tensor) -> Tensor:
     """A weight's local shard (graph op; differentiable, its gradient becomes the DTensor's)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_MARKERS = {copy_to_split, reduce_from_split, local_shard}
+_MARKERS = {copy_to_split, reduce_from_split, local_shard, gather_from_split, vocab_embedding}
 
 
 # -- the plan ----------------------------------------------------------------------------------------
 
 
 def kind_of(name: str, style: ParallelStyle) -> str:
-    """``"column"`` or ``"row"`` for the styles a split graph can apply; refuses the others."""
+    """What a split graph does with ``style``: ``"column"`` (``ColwiseParallel()``), ``"column gathered"``
+    (``ColwiseParallel(output_layouts=Replicate())``: an LM head whose logits are gathered), ``"row"``
+    (``RowwiseParallel()``) or ``"vocabulary"`` (``RowwiseParallel(input_layouts=Replicate())`` on an embedding:
+    its rows split); refuses the others."""
     if type(style) is ColwiseParallel and _default(style, Replicate(), Shard(-1)):
         return "column"
+    if type(style) is ColwiseParallel and _default(style, Replicate(), Replicate()):
+        return "column gathered"
     if type(style) is RowwiseParallel and _default(style, Shard(-1), Replicate()):
         return "row"
+    if type(style) is RowwiseParallel and _default(style, Replicate(), Replicate()):
+        return "vocabulary"
     raise ValueError(
         f"tensor_parallel entry {name!r}: {type(style).__name__} with these layouts cannot apply to a stage of "
-        f"pipe.split, whose tensor parallelism splits linear layers only; use ColwiseParallel() or "
-        f"RowwiseParallel() with their default layouts (no sequence parallelism, use_local_output=True), e.g. "
-        f"pipe.distributed.hf.tensor_parallel_plan(model), see {DOCS}")
+        f"pipe.split, whose tensor parallelism splits linear layers and embeddings only; use ColwiseParallel() or "
+        f"RowwiseParallel() with their default layouts (no sequence parallelism, use_local_output=True), "
+        f"RowwiseParallel(input_layouts=Replicate()) for an embedding or ColwiseParallel(output_layouts="
+        f"Replicate()) for an LM head, e.g. pipe.distributed.hf.tensor_parallel_plan(model), see {DOCS}")
 
 
 def _default(style: Any, input_layout: Any, output_layout: Any) -> bool:
@@ -154,7 +195,7 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
         owner = _owner(stage, name)
         graph_module = _graph(stage, owner)
         relative = name[len(owner) + 1:] if owner else name
-        linear = _linear_of(graph_module, relative, name)
+        linear = _op_of(graph_module, relative, name, kind)
         graphs.setdefault(owner, []).append((kind, relative, linear))
         _shard_weights(stage.get_submodule(name), name, kind, mesh)
     for owner, linears in graphs.items():
@@ -187,22 +228,28 @@ def _graph(stage: fx.GraphModule, path: str) -> fx.GraphModule:
 def _owner(stage: nn.Module, name: str) -> str:
     """The path of the innermost graph (an outlined layer, or the stage: "") that runs module ``name``."""
     atoms = name.split(".")
-    for end in range(len(atoms) - 1, 0, -1):
+    for end in range(len(atoms), 0, -1):  # the module itself where it was outlined (an embedding, a head)
         path = ".".join(atoms[:end])
         if isinstance(stage.get_submodule(path), fx.GraphModule):
             return path
     return ""
 
 
-def _linear_of(graph_module: fx.GraphModule, relative: str, name: str) -> fx.Node:
-    reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == f"{relative}.weight"]
+def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str) -> fx.Node:
+    """The one op that reads the weight: an ``aten.linear`` (its second argument), or for ``"vocabulary"`` an
+    ``aten.embedding`` (its first)."""
+    weight = f"{relative}.weight" if relative else "weight"
+    reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == weight]
     users = [user for read in reads for user in read.users]
-    if len(users) != 1 or users[0].target is not aten.linear.default or users[0].args[1] is not reads[0]:
+    op, position = (aten.embedding.default, 0) if kind == "vocabulary" else (aten.linear.default, 1)
+    if len(users) != 1 or users[0].target is not op or users[0].args[position] is not reads[0]:
         found = ", ".join(sorted({str(user.target) for user in users})) or "nothing"
         raise ValueError(
-            f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one "
-            f"aten.linear, so it cannot be split by rows or columns (a module fused or used twice, or not a "
-            f"linear layer: GPT-2's Conv1D runs addmm); leave {name!r} out of the plan, see {DOCS}")
+            f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one {op}, "
+            f"so it cannot be split as {kind} (a module fused or used twice, a tied weight read by another op, or "
+            f"not a linear layer: GPT-2's Conv1D runs addmm); leave {name!r} out of the plan, see {DOCS}")
+    if kind == "vocabulary":
+        return users[0]
     bias = users[0].args[2] if len(users[0].args) > 2 else None
     if isinstance(bias, fx.Node) and len(bias.users) != 1:
         raise ValueError(f"tensor_parallel entry for {name!r}: the split graph reads its bias outside its linear "
@@ -212,14 +259,15 @@ def _linear_of(graph_module: fx.GraphModule, relative: str, name: str) -> fx.Nod
 
 def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh) -> None:
     weight = module.get_parameter("weight")
-    dim = 0 if kind == "column" else 1
+    dim = 1 if kind == "row" else 0
     if weight.shape[dim] % mesh.size():
+        what = {"row": "input features", "vocabulary": "rows (vocabulary entries)"}.get(kind, "output features")
         raise ValueError(
-            f"tensor_parallel: {name!r} has {weight.shape[dim]} {'output' if dim == 0 else 'input'} features, "
-            f"which {mesh.size()} tensor-parallel ranks cannot split evenly; choose a tp degree that divides "
-            f"{weight.shape[dim]} (and the model's heads and KV heads)")
+            f"tensor_parallel: {name!r} has {weight.shape[dim]} {what}, which {mesh.size()} tensor-parallel ranks "
+            f"cannot split evenly; choose a tp degree that divides {weight.shape[dim]} (and the model's heads and "
+            f"KV heads)")
     placements: dict[str, list[Any]] = {"weight": [Shard(dim)]}
-    if kind == "column" and getattr(module, "bias", None) is not None:
+    if kind.startswith("column") and getattr(module, "bias", None) is not None:
         placements["bias"] = [Shard(0)]
     for attr, placement in placements.items():
         tensor = getattr(module, attr)
@@ -240,14 +288,26 @@ def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, str, fx.Node
         return shard
 
     for kind, _, linear in linears:
+        if kind == "vocabulary":  # embedding(weight, ids, padding_idx=-1, ...): the grad options change nothing
+            weight, ids = linear.args[0], linear.args[1]
+            padding = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("padding_idx", -1)
+            assert isinstance(weight, fx.Node)
+            linear.target = vocab_embedding
+            linear.args, linear.kwargs = (local(weight), ids, padding, group_name), {}
+            continue
         x, weight = linear.args[0], linear.args[1]
         bias = linear.args[2] if len(linear.args) > 2 else None
         assert isinstance(x, fx.Node) and isinstance(weight, fx.Node) and (bias is None or isinstance(bias, fx.Node))
-        if kind == "column":
+        if kind.startswith("column"):
             if x not in copies:
                 with graph.inserting_after(x):
                     copies[x] = graph.call_function(copy_to_split, (x, group_name))
             linear.args = (copies[x], local(weight), local(bias))
+            if kind == "column gathered":
+                with graph.inserting_after(linear):
+                    gathered = graph.call_function(gather_from_split, (linear, group_name))
+                linear.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+                gathered.meta["val"] = linear.meta.get("val")
             continue
         linear.args = (x, local(weight))
         with graph.inserting_after(linear):
@@ -354,6 +414,8 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
         return env[inputs[0]], None
     if node.target in (copy_to_split, reduce_from_split):
         return env[inputs[0]], None
+    if node.target in (gather_from_split, vocab_embedding):  # whole results, made by collectives
+        return _meta_like(recorded), None
     first_split = split.get(inputs[0]) if inputs else None
     if node.target in _SHAPE_OPS and first_split is not None:
         _localise_shape_arg(node, first_split, size)

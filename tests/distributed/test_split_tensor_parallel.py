@@ -133,7 +133,8 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
         torch.manual_seed(0)
         model = _model(kind)
         reference = copy.deepcopy(model)
-        plan = hf.tensor_parallel_plan(model)
+        # The untied LLaMA with its vocabulary split too: the embedding's rows, the head's output features.
+        plan = hf.tensor_parallel_plan(model, vocabulary=kind == "llama untied")
         # With FSDP: each decoder layer gathered on its own and its gradients reduced after each backward.
         shard = pd.Shard(unit="block", reduce="micro-batch") if "dp_shard" in layout else None
         piped = pd.DistributedPipe(_split(model), chunks=2, schedule="1f1b", mesh=pd.make_mesh(**layout),
@@ -169,8 +170,8 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
 @pytest.mark.parametrize("layout", [{"pp": 2, "tp": 2}, {"pp": 2, "tp": 2, "dp_shard": 2}],
                          ids=["pp2-tp2", "pp2-tp2-dp_shard2"])
 def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: dict[str, int]) -> None:
-    """LLaMA (tied and untied), Qwen2 (q, k, v biases) and Qwen3 (q and k norms over each head, their gradients
-    summed over the tp ranks) at (pp 2, tp 2); the tied LLaMA at (pp 2, tp 2,
+    """LLaMA (tied, and untied with its vocabulary split: embedding rows, head columns), Qwen2 (q, k, v biases)
+    and Qwen3 (q and k norms over each head, their gradients summed over the tp ranks) at (pp 2, tp 2); the tied LLaMA at (pp 2, tp 2,
     dp_shard 2) on 8 ranks, FSDP gathering a layer at a time (Shard(unit="block", reduce="micro-batch")): loss and every gradient within 1e-5 of the plain model's, the weights after 3 AdamW
     steps within 1e-4, a held-out eval_step; hf.save's export equals the pipeline's weights in from_pretrained,
     and the export and a state.save checkpoint load bit for bit into pipelines built on meta at the same layout
@@ -189,11 +190,13 @@ def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: d
         # Each rank splits the layers of its stage: the first pipeline rank layers 0-1, the second 2-3.
         stages = [r[kind]["split"] for r in results]
         first = [n for n in names if n.startswith(("model.layers.0.", "model.layers.1."))]
-        assert stages[0] == sorted(first + (["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
+        vocabulary = kind == "llama untied"
+        assert stages[0] == sorted(first + (["model.embed_tokens.weight"] if vocabulary else []) + (["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
                                             "model.layers.0.self_attn.v_proj.bias", "model.layers.1.self_attn.q_proj.bias",
                                             "model.layers.1.self_attn.k_proj.bias", "model.layers.1.self_attn.v_proj.bias"]
                                            if kind == "qwen2" else [])), kind
-        assert stages[-1] and all(n.startswith(("model.layers.2.", "model.layers.3.")) for n in stages[-1]), kind
+        assert ("lm_head.weight" in stages[-1]) == vocabulary, kind
+        assert all(n.startswith(("model.layers.2.", "model.layers.3.", "lm_head")) for n in stages[-1]), kind
         assert found["gradient"] < 1e-5, (kind, found)
 
 
@@ -230,6 +233,11 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     stages = pipe.split(gpt2, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
     refused("gpt2 fused", stages, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
     try:
+        hf.tensor_parallel_plan(model, vocabulary=True)
+        errors["tied vocabulary"] = "no error"
+    except ValueError as error:
+        errors["tied vocabulary"] = str(error)
+    try:
         hf.tensor_parallel_plan(gpt2)
         errors["gpt2 plan"] = "no error"
     except ValueError as error:
@@ -252,3 +260,4 @@ def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_ran
         assert "cannot run on shards split 2 ways" in errors["norm over split features"], errors
         assert "addmm" in errors["gpt2 fused"] and "not in one aten.linear" in errors["gpt2 fused"]
         assert "GPT2LMHeadModel has no tensor-parallel plan" in errors["gpt2 plan"]
+        assert "one tied weight" in errors["tied vocabulary"] and "vocabulary=False" in errors["tied vocabulary"]
