@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipe.distributed.connections import recording
+
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
@@ -62,21 +64,22 @@ def forget_reused() -> None:
 atexit.register(forget_reused)
 
 
-def reuse(key: tuple[Any, ...], make: Callable[[], T]) -> T:
+def reuse(key: tuple[Any, ...], make: Callable[[], T], kind: str = "pipeline") -> T:
     """The object made for ``key`` in this process, made now (by ``make``) on first use.
 
     For process groups and meshes: creating one is collective over the world,
     so every rank asks for the same keys in the same order and so gets the same
     answer. Forgotten when the default group is destroyed (a new world starts
     afresh). Two pipelines of a process never communicate at the same time,
-    so they can share their groups.
+    so they can share their groups. The connections ``make`` opens are recorded
+    as groups of ``kind`` (:func:`pipe.distributed.connections.recording`).
     """
     world = dist.group.WORLD
     if _reused["world"] is not world:
         _reused["world"], _reused["objects"] = world, {}
     objects: dict[tuple[Any, ...], Any] = _reused["objects"]
     if key not in objects:
-        objects[key] = make()
+        objects[key] = recording(make, kind)
     made: T = objects[key]
     return made
 
@@ -136,7 +139,8 @@ def make_mesh(pp: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) ->
             f"choose sizes whose product is {world}"
         )
     names = tuple(k for k in MESH_DIMS if sizes[k] > 1 or k == "pp")
-    return init_device_mesh(_device_type(), tuple(sizes[k] for k in names), mesh_dim_names=names)
+    return recording(lambda: init_device_mesh(_device_type(), tuple(sizes[k] for k in names), mesh_dim_names=names),
+                     "pipeline")
 
 
 def replica_mesh(data_parallel: int) -> DeviceMesh:

@@ -36,6 +36,13 @@ a save therefore leaves the previous checkpoint at ``<path>`` intact and the
 partial files in ``<path>.saving``, which :func:`load` names in its error.
 A checkpoint is complete when its folder holds ``.metadata`` (:func:`is_complete`).
 
+A rank that dies, stalls or raises during a save is named on every other rank
+as in a step (``PipelineFailure: rank 0 stopped in state.save because rank 2
+died: ...``, :func:`pipe.distributed.failure.naming_failures`), as fast: on
+gloo, a save's collectives run on a group of their own (:func:`checkpoint_group`),
+whose connections the ranks that named the failure shut down, so that no rank
+waits for the timeout.
+
 ``save(..., asynchronous=True)`` copies the state to host memory and returns;
 DCP's ``async_save`` writes the files in a background thread, over a gloo
 group of its own, while training goes on. The rename that publishes the
@@ -56,6 +63,7 @@ converts it to a single ``torch.save`` file if needed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -64,7 +72,7 @@ import shutil
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional, Union, cast
+from typing import Any, Iterator, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -79,7 +87,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipe.distributed.failure import naming_failures
+from pipe.distributed.group import world_timeout
 from pipe.distributed.materialize import mark_loaded
+from pipe.distributed.mesh import reuse
 
 __all__ = ["save", "wait", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
 
@@ -299,32 +310,33 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     Raises:
         RuntimeError: the save in flight before this one failed (see :func:`wait`).
     """
+    global _writing
     if not isinstance(asynchronous, bool):
         raise TypeError(f"state.save(asynchronous=...) must be True or False, got {asynchronous!r}")
     wait()
-    _, state = _state(module, optimizer)
-    state["extra"] = dict(extra)
     final = os.fspath(path)
     staging = final + STAGING
-    if _coordinator():
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-    _barrier()
-    if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
-                                category=UserWarning)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        if asynchronous:
-            global _writing
-            written = dcp.async_save(state, checkpoint_id=staging, process_group=_background_group(),
-                                     no_dist=not _distributed())
-            # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
-            future = cast("Future[Any]", getattr(written, "upload_completion", written))
-            _writing = _Writing(future, staging, final, len(state["model"]))
-            logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
-            return
-        dcp.save(state, checkpoint_id=staging, no_dist=not _distributed())
-    _publish(staging, final)
+    with saving("state.save") as group:
+        _, state = _state(module, optimizer)
+        state["extra"] = dict(extra)
+        if _coordinator():
+            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        _barrier(group)
+        if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
+                                    category=UserWarning)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            if asynchronous:
+                written = dcp.async_save(state, checkpoint_id=staging, process_group=_background_group(),
+                                         no_dist=not _distributed())
+                # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
+                future = cast("Future[Any]", getattr(written, "upload_completion", written))
+                _writing = _Writing(future, staging, final, len(state["model"]))
+                logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
+                return
+            dcp.save(state, checkpoint_id=staging, no_dist=not _distributed(), process_group=group)
+        _publish(staging, final, group)
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
 
@@ -365,12 +377,12 @@ def wait() -> Optional[pathlib.Path]:
     return pathlib.Path(writing.final)
 
 
-def _publish(staging: str, final: str) -> None:
+def _publish(staging: str, final: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Renames ``staging`` to ``final`` once every rank has written its files (DCP writes the metadata last)."""
-    _barrier()
+    _barrier(group)
     if _coordinator():
         _replace(staging, final)
-    _barrier()
+    _barrier(group)
 
 
 def _coordinator() -> bool:
@@ -560,9 +572,44 @@ def prune(directory: Path, keep: int) -> list[pathlib.Path]:
     return doomed
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+_failed_saves = 0  # saves that failed in this process: each failure shut its group's connections down
+
+
+def checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """The group a save's collectives run on: on gloo a group of its own, else the default group (None).
+
+    Its connections are shut down when a save fails
+    (:func:`pipe.distributed.failure.naming_failures`), which the default group's
+    must never be (a rebuilt pipeline agrees over it); the next save makes a
+    new one. Made on first use (collective: every rank saves alike).
+    """
+    if not _distributed() or dist.get_backend() != "gloo":
+        return None
+    timeout = world_timeout()
+    return reuse(("checkpoints", _failed_saves), lambda: dist.new_group(backend="gloo", timeout=timeout),
+                 "checkpoints")
+
+
+@contextlib.contextmanager
+def saving(where: str) -> Iterator[Optional[dist.ProcessGroup]]:
+    """The block of a save (``where``: ``"state.save"``, ``"hf.save"``) on :func:`checkpoint_group`, which it
+    gives; a failure in it is named on every rank as in a step, and the next save gets a new group."""
+    global _failed_saves
+    if not _distributed():
+        yield None
+        return
+    group = checkpoint_group()
+    try:
+        with naming_failures(where, world_timeout().total_seconds()):
+            yield group
+    except BaseException:
+        _failed_saves += 1
+        raise
 
 
 def _replace(staging: str, final: str) -> None:
