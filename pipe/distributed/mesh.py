@@ -95,9 +95,48 @@ def spoil_reused() -> None:
 
 
 def agree_on_reuse(spoiled_anywhere: bool) -> None:
-    """Forgets every reused group and mesh if any rank's were spoiled (every rank calls it alike)."""
+    """Forgets every reused group and mesh if any rank's were spoiled (every rank calls it alike).
+
+    What torch cached for the old meshes is forgotten too (:func:`forget_cached_meshes`): it would put the
+    next pipeline's collectives on the spoiled groups.
+    """
     if spoiled_anywhere:
         _reused["objects"], _reused["spoiled"] = {}, False
+        forget_cached_meshes()
+
+
+def forget_cached_meshes() -> None:
+    """Clears what torch cached for earlier meshes, so that a new mesh's tensors and graphs use its own groups.
+
+    A ``DeviceMesh`` compares equal to, and hashes as, any other mesh of the
+    same ranks, shape and dimension names, whatever its process groups. So a
+    mesh made after a failed step, with new groups, is taken for the old one:
+
+    - DTensor caches each op's output layout by its inputs' layouts (meshes
+      included), in Python and in C++, per thread; a cached layout names the
+      old mesh object. ``parallelize_module`` on the new mesh made parameters
+      whose ``device_mesh`` was the old one (their ``detach`` hit the cache),
+      and every tensor-parallel collective then ran on the old groups.
+    - A graph compiled for a stage (``compile=``) names its collectives'
+      groups; the new pipeline's stages passed its guards and ran it.
+
+    The old groups' connections were shut down
+    (:func:`pipe.distributed.connections.abort`), so the new pipeline's first
+    tensor-parallel collective failed ("Connection closed by peer"). Cleared
+    here, the layouts are computed and the graphs compiled again for the new
+    mesh. DTensor's caches are cleared in the calling thread, which builds and
+    steps a pipeline (pipe runs a step's forward and backward there; on the CPU
+    the autograd engine runs the backward in the caller's thread).
+    ``torch.compiler.reset()`` drops every graph compiled in the process: the
+    process's other compiled functions compile again on their next call.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without DTensor's debug module: no layout cache of ours to clear
+        logger.debug("torch.distributed.tensor.debug._clear_sharding_prop_cache not found; DTensor layouts kept")
+    else:
+        _clear_sharding_prop_cache()
+    torch.compiler.reset()
 
 
 def reuse_spoiled() -> bool:
