@@ -17,7 +17,9 @@ Faults, in the forward of a layer of rank 2 at step 2 (the third): ``exit``
 long before step 2, between steps, while the others begin it. Or in a save
 (:data:`SAVES`): ``dcp-exit``, ``dcp-kill`` (rank 2 ends once it wrote its
 files in ``pipe.distributed.state.save`` of step 2, after a complete save of
-step 1) and ``hf-exit``, ``hf-kill`` (in ``pipe.distributed.hf.save``, as it
+step 1), ``async-exit``, ``async-kill`` (the same, in the background write of
+``state.save(..., asynchronous=True)``, which ``state.wait()`` then waits for)
+and ``hf-exit``, ``hf-kill`` (in ``pipe.distributed.hf.save``, as it
 opens the files to write its tensors). Each survivor reports ``(message,
 seconds from the start of step 2, or of the failed save, to its error,
 what the checkpoint folder holds after it)``; under torchrun the agent may
@@ -48,7 +50,7 @@ VICTIM, AT_STEP = 2, 2
 STALL = 60.0
 LAYOUTS = ("fsdp", "hsdp", "tp", "replicas")
 FAULTS = ("exit", "kill", "raise", "stall")
-SAVES = ("dcp-exit", "dcp-kill", "hf-exit", "hf-kill")
+SAVES = ("dcp-exit", "dcp-kill", "async-exit", "async-kill", "hf-exit", "hf-kill")
 
 
 class Mix(nn.Module):
@@ -107,10 +109,10 @@ def _die(how: str) -> None:
 
 
 def _arm_save_fault(how: str) -> None:
-    """Makes rank :data:`VICTIM` die in its next save of the kind ``how`` names (``dcp-...`` or ``hf-...``)."""
+    """Makes rank :data:`VICTIM` die in its next save of the kind ``how`` names (``dcp-``, ``async-``, ``hf-...``)."""
     if dist.get_rank() != VICTIM:
         return
-    if how.startswith("dcp"):
+    if how.startswith(("dcp", "async")):  # an asynchronous save's write runs in DCP's thread: it dies there
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
         write_data = FileSystemWriter.write_data
@@ -139,6 +141,9 @@ def _arm_save_fault(how: str) -> None:
 def _save(how: str, path: str, piped: pd.DistributedPipe) -> None:
     if how.startswith("dcp"):
         pd.state.save(path, piped)
+    elif how.startswith("async"):
+        pd.state.save(path, piped, asynchronous=True)
+        pd.state.wait()
     else:
         pd.hf.save(path, piped)
 

@@ -16,10 +16,12 @@ ranks (``run_ranks``' default on the CPU), "forkserver" starts them from a fork 
 prints the table of seconds and the rank named.
 
 Rank 2 may also die in a save (:data:`fault_ranks.SAVES`: ``state.save``,
-DCP, or ``hf.save``, after a complete save of the step before): every
-survivor names it as in a step (``PipelineFailure: rank 0 stopped in
-state.save because rank 2 died``), and the interrupted save leaves the last
-complete checkpoint the newest (``state.latest``) and itself incomplete.
+DCP, synchronous or in the background write of an asynchronous save, or
+``hf.save``, after a complete save of the step before): every survivor names
+it as in a step (``PipelineFailure: rank 0 stopped in state.save because rank
+2 died``; ``in state.wait`` for the asynchronous one), and the interrupted save
+leaves the last complete checkpoint the newest (``state.latest``) and itself
+incomplete.
 
 Where rank 2 died or raised, no survivor may have waited for the timeout:
 each one's own error (``(here: ...)``) must be a lost connection (rank 2's,
@@ -64,7 +66,7 @@ NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed i
          "pause": "rank 2 stalled", **{how: "rank 2 died" for how in SAVES}}
 STATUS = {"exit": 3, "kill": -9, "raise": 1, "stall": STALLED_EXIT, "pause": STALLED_EXIT,
           **{how: 3 if how.endswith("exit") else -9 for how in SAVES}}  # rank 2's exit status
-WHERE = {"dcp": "state.save", "hf": "hf.save"}
+WHERE = {"dcp": "state.save", "async": "state.wait", "hf": "hf.save"}
 EXIT_MARGIN = 30.0  # what any process may take beyond the timeout to end, the stalled one included: the survivors'
 # evidence settles in a few seconds and the watchdog acts within 3 s of the headline, but an interpreter that imported
 # torch takes 2-4 s of CPU to exit, and 8-20 s were seen on the 2-core machine loaded by other work. Still far below
@@ -72,7 +74,7 @@ EXIT_MARGIN = 30.0  # what any process may take beyond the timeout to end, the s
 CI = {("fsdp", "stall", "spawn"), ("hsdp", "stall", "spawn"), ("tp", "kill", "spawn"), ("replicas", "raise", "spawn"),
       ("fsdp", "exit", "spawn"), ("hsdp", "exit", "torchrun")}
 CI |= {("fsdp", "kill", "forkserver"), ("fsdp", "dcp-exit", "spawn"), ("hsdp", "hf-kill", "spawn"),
-       ("hsdp", "kill", "spawn")}
+       ("hsdp", "kill", "spawn"), ("hsdp", "async-kill", "spawn")}
 LAUNCHERS = ("spawn", "torchrun", "forkserver")
 SAVE_LAYOUTS = ("fsdp", "hsdp")  # a sharded save, and one of shards and replicas
 KINDS = [(layout, how) for layout in LAYOUTS for how in FAULTS] + [(layout, how) for layout in SAVE_LAYOUTS
@@ -150,7 +152,7 @@ def check(layout: str, how: str, reports: dict[int, Report]) -> None:
                                       "rank 2 died"), (rank, message)
             # The interrupted save is no checkpoint (its files stay in .saving); the one before it is still the
             # newest complete one (an export of hf.save has no DCP metadata: latest finds none there).
-            newest = "step-00000001" if kind == "dcp" else "None"
+            newest = "step-00000001" if kind in ("dcp", "async") else "None"
             assert kept == f"latest {newest}; complete False; folders step-00000001 step-00000002.saving", \
                 (rank, kept)
 
@@ -182,7 +184,7 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
 STALLS = ("stall", "pause")  # rank 2 sleeps in a forward of step 2, or before it (between steps)
 ENDS = ("exit", "kill", "raise")  # rank 2 dies or raises in a forward of step 2
 AGENTLESS_CI = {("fsdp", "stall"), ("replicas", "pause"), ("hsdp", "kill"), ("tp", "raise"), ("fsdp", "dcp-kill"),
-                ("hsdp", "hf-exit")}
+                ("hsdp", "hf-exit"), ("fsdp", "async-exit")}
 STALL_KINDS = [(layout, how) for layout in LAYOUTS for how in STALLS]
 END_KINDS = [(layout, how) for layout in LAYOUTS for how in ENDS] + [(layout, how) for layout in SAVE_LAYOUTS
                                                                      for how in SAVES]
