@@ -2,12 +2,13 @@
 
 Every case asserts that each survivor's error names rank 2 (and how it
 failed: ``failed in`` for a raise, ``died`` for an exit or a kill, ``stalled``
-for a stall) and that each survivor ends within :data:`TIMEOUT` seconds plus
-a bounded margin of the start of the faulty step; under torchrun, that the
-job ends so and the agent's root cause is rank 2 (a stalled rank 2 is ended
-by its watchdog, exit status 75). The stalled rank sleeps
-:data:`fault_ranks.STALL` seconds (60): the job must not wait for it (the
-mesh's groups used to keep torch's 30-minute default).
+for a stall) and what ended each survivor's own wait; under torchrun, that the
+job ends and the agent's root cause is rank 2 (a stalled rank 2 is ended
+by its watchdog, exit status 75). No case asserts a speed: the one time bound,
+:data:`UNWAITED`, tells the mechanisms apart from their absence. The stalled
+rank sleeps :data:`fault_ranks.STALL` seconds (60): a survivor or a job that
+waited for it would take that long (and a mesh's groups used to keep torch's
+30-minute default).
 
 A representative subset runs in CI (every layout, every fault, each
 launcher at least once); the full product is ``slow`` (``pytest -m slow``). "spawn" forks the
@@ -35,9 +36,9 @@ watchdog (:mod:`pipe.distributed.watchdog`) must, once the survivors agreed
 that it stalled. There every process's end and exit status are asserted, rank
 2's included, with rank 2 stalling inside a step (``stall``) or between steps
 (``pause``), dying or raising in a step, or dying in a save: each process
-ends, within a bound far above what any machine needs (the survivors'
-waits are ended by the shut-down connections, not by the timeout or by
-rank 2's 60 s sleep).
+ends (the survivors' waits are ended by the shut-down connections, not by the
+timeout or by rank 2's 60 s sleep), each survivor with its raised failure
+(exit status 1), rank 2 as its fault says.
 """
 from __future__ import annotations
 
@@ -61,16 +62,15 @@ from pipe.distributed.watchdog import STALLED_EXIT
 from spawn_ranks import free_port, run_ranks
 
 TIMEOUT = 4.0  # the job's process-group timeout, in seconds
-MARGIN = 6.0  # what a survivor may take beyond the timeout (evidence settles in at most 4 s; a loaded CI)
+UNWAITED = fault_ranks.STALL  # no survivor's error, process end or job end may take this long: that would be a wait
+# for the stalled rank's sleep. Not a speed: a survivor names the failure within seconds of the timeout (its evidence
+# settles in at most 4 s) and a process ends seconds later, but 8-20 s to end were seen on the 2-core machine loaded by
+# other work, where an interpreter that imported torch takes seconds of CPU to exit.
 NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled",
          "pause": "rank 2 stalled", **{how: "rank 2 died" for how in SAVES}}
 STATUS = {"exit": 3, "kill": -9, "raise": 1, "stall": STALLED_EXIT, "pause": STALLED_EXIT,
           **{how: 3 if how.endswith("exit") else -9 for how in SAVES}}  # rank 2's exit status
 WHERE = {"dcp": "state.save", "async": "state.wait", "hf": "hf.save"}
-EXIT_MARGIN = 30.0  # what any process may take beyond the timeout to end, the stalled one included: the survivors'
-# evidence settles in a few seconds and the watchdog acts within 3 s of the headline, but an interpreter that imported
-# torch takes 2-4 s of CPU to exit, and 8-20 s were seen on the 2-core machine loaded by other work. Still far below
-# fault_ranks.STALL (60 s), when a rank 2 that nothing ended would end.
 CI = {("fsdp", "stall", "spawn"), ("hsdp", "stall", "spawn"), ("tp", "kill", "spawn"), ("replicas", "raise", "spawn"),
       ("fsdp", "exit", "spawn"), ("hsdp", "exit", "torchrun")}
 CI |= {("fsdp", "kill", "forkserver"), ("fsdp", "dcp-exit", "spawn"), ("hsdp", "hf-kill", "spawn"),
@@ -143,7 +143,7 @@ def check(layout: str, how: str, reports: dict[int, Report]) -> None:
         if rank == VICTIM:
             continue
         assert headline(message).startswith(NAMED[how]), (rank, message)
-        assert seconds < TIMEOUT + MARGIN, (rank, seconds, message)
+        assert seconds < UNWAITED, (rank, seconds, message)
         if how not in ("stall", "pause"):  # released by a closed connection, not by the timeout
             assert "timed out" not in here(message).lower() and "timeout" not in here(message).lower(), (rank, message)
         if how in SAVES:
@@ -176,9 +176,8 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
     if how == "stall":
         assert {0, 1, 3} <= set(heard), (heard, out[-3000:])
         assert f"exitcode  : {STALLED_EXIT}" in summary and "rank 2 ended itself" in summary, out[-3000:]
-    # The job: + up to 15 s for the processes to end (gloo's groups are destroyed, then the interpreter's own
-    # finalization: seconds of CPU, many more under load) and torchrun to notice, on a loaded 2-core machine.
-    assert seconds < TIMEOUT + MARGIN + 15.0, (seconds, out[-3000:])
+    # The job ended without waiting for a stalled rank 2's sleep (its processes' ends take seconds of CPU each).
+    assert seconds < UNWAITED, (seconds, out[-3000:])
 
 
 STALLS = ("stall", "pause")  # rank 2 sleeps in a forward of step 2, or before it (between steps)
@@ -260,13 +259,13 @@ def _plain_processes(layout: str, how: str) -> tuple[dict[str, str], dict[int, f
 
 
 def check_exits(layout: str, how: str) -> tuple[dict[int, Report], dict[int, str]]:
-    """Every process ended (within a bound no machine misses), each survivor after raising its named failure
+    """Every process ended (before a stalled rank 2's sleep would have), each survivor after raising its named failure
     (exit status 1), rank 2 as its fault says (:data:`STATUS`)."""
     reports, exits, outs = unattended(layout, how)
     assert set(reports) == {0, 1, 3}, (reports, outs)
     check(layout, how, reports)
     for rank, (seconds, status) in exits.items():
-        assert seconds < TIMEOUT + EXIT_MARGIN, (rank, seconds, status, outs[rank][-3000:])
+        assert seconds < UNWAITED, (rank, seconds, status, outs[rank][-3000:])
         if rank != VICTIM:
             assert status == 1, (rank, status, outs[rank][-3000:])  # raised its PipelineFailure
     assert exits[VICTIM][1] == STATUS[how], (exits[VICTIM], outs[VICTIM][-3000:])
