@@ -12,7 +12,7 @@ of a death elsewhere only at the timeout.
 
 So pipe records, for each group it makes (:func:`recording`: a pipeline's
 channels, the mesh of :func:`pipe.distributed.make_mesh`, the checkpoints'
-group), the TCP connections that gloo opened for it (the process's sockets
+groups: a save's, and the one asynchronous saves write over), the TCP connections that gloo opened for it (the process's sockets
 before and after, read from ``/proc/self/fd`` and ``/proc/self/net/tcp``),
 and publishes in the job's store which rank holds each connection's end
 (``pipe/endpoint/<address>:<port>`` -> rank) the address each group listens
@@ -110,7 +110,7 @@ def recording(make: Callable[[], T], kind: str) -> T:
 
     For calls that make gloo process groups (every member connects to every
     other as the group is made). ``kind``: ``"pipeline"`` (a pipeline's
-    channels and mesh) or ``"checkpoints"`` (the group saves run on). Each
+    channels and mesh) or ``"checkpoints"`` (the groups saves and their background writes run on). Each
     connection's end is published as this rank's (:func:`rank_at`).
     """
     before = set(_socket_fds())

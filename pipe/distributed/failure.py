@@ -459,7 +459,7 @@ def naming_failures(where: str, timeout: float) -> Iterator[None]:
     (``PipelineFailure: rank 0 stopped in state.save because rank 2 died: ...``),
     as fast as in a step: the evidence goes to a namespace of this call in
     the store, and once a rank has named the failure it shuts down the
-    connections of the checkpoints' group (:func:`pipe.distributed.connections.abort`),
+    connections of the checkpoints' groups (:func:`pipe.distributed.connections.abort`),
     so that no partner waits for the timeout. Every rank of the job calls it
     alike (the namespaces are numbered in call order).
 
