@@ -1,9 +1,9 @@
 """Failures across ranks: every rank's headline names the root cause, agreed through the store.
 
 When a layer raises on one rank, its peers are blocked in receives that will
-never complete. Nothing can interrupt a blocked gloo or NCCL wait from the
-outside, but the wait ends when the failed process exits (its connections
-close) or when the process group's timeout expires. A rank may also die
+never complete. No torch call interrupts a blocked gloo or NCCL wait from the
+outside, but the wait ends when the failed process exits or shuts its
+connections down (they close) or when the process group's timeout expires. A rank may also die
 without raising (killed, ``os._exit``) or stop (``SIGSTOP``, a hang). Each rank
 that fails leaves evidence in the job's key-value store (the
 ``torch.distributed`` store, hosted by torchrun's agent), under a namespace of
@@ -38,6 +38,16 @@ root-cause rank's exit first and its summary points at that rank.
 The stalled rank itself ends once the others agreed that it stalled: its
 process's watchdog (:mod:`pipe.distributed.watchdog`) reads the headline and
 ends the process, whoever started the ranks.
+
+Once a rank has its verdict (its own error published, or the agreed
+headline), it shuts down the connections of the failed groups
+(:mod:`pipe.distributed.connections`): the partners still blocked on it in a
+receive or a collective are released at once ("Connection closed by peer"),
+read the headline and raise it, and no wait is left running to hold a
+process at exit. A collective's lost connection names its peer's address,
+which leads to the peer's rank. A save runs under the same bookkeeping
+(:func:`naming_failures`): a rank that dies in ``state.save`` or ``hf.save`` is
+named as in a step (``rank 0 stopped in state.save because rank 2 died``).
 """
 from __future__ import annotations
 
@@ -47,11 +57,12 @@ import os
 import signal
 import socket
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from pipe.distributed import watchdog
+from pipe.distributed import connections, watchdog
 from pipe.distributed.mesh import spoil_reused
 from pipe.distributed.transport import PeerError
 
@@ -72,10 +83,7 @@ class PipelineFailure(RuntimeError):
 
 
 def _store() -> Optional[dist.Store]:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
+    return connections.job_store()
 
 
 def _process_identity() -> str:
@@ -112,18 +120,21 @@ def _gone(pid: int, start: str) -> bool:
 
 
 class Failures:
-    """The failure evidence and verdicts of one pipeline (one per ``Runtime``), step by step.
+    """The failure evidence and verdicts of one pipeline (one per ``Runtime``), step by step, or of one save.
 
     Args:
         rank: this rank's global rank.
         world: the number of ranks.
         timeout: the process group's timeout in seconds (named in verdicts about stalls).
+        kind: whose groups a failure shuts down (:func:`pipe.distributed.connections.abort`): ``"pipeline"``
+            (a step's), or ``"checkpoints"`` (a save's, :func:`naming_failures`).
     """
 
-    def __init__(self, rank: int, world: int, timeout: float) -> None:
+    def __init__(self, rank: int, world: int, timeout: float, kind: str = "pipeline") -> None:
         self.rank = rank
         self.world = world
         self.timeout = timeout
+        self.kind = kind
         self.instance = next(_instances)
         self.step = 0
         self.broken: Optional[str] = None  # the headline of the failure that broke the pipeline
@@ -143,8 +154,9 @@ class Failures:
             raise PipelineFailure(
                 f"this DistributedPipe is broken: step {self.step} failed ({self.broken}). Its ranks are out of "
                 "step and messages of the failed step may still be in flight, so it runs no further step. "
-                "To go on, build a new DistributedPipe on every rank (its messages have tags of their own) and load the last "
-                "checkpoint into it (pipe.distributed.state.load), or restart the job"
+                "To go on, build a new DistributedPipe on every rank (its messages have tags of their own; give it "
+                "a new mesh from make_mesh if it had one: the failed step's groups were shut down) and load the "
+                "last checkpoint into it (pipe.distributed.state.load), or restart the job"
             )
         self.step += 1
         self.running = True
@@ -236,7 +248,13 @@ class Failures:
         self.reporting = True  # the watchdog leaves this rank to raise, whatever the headline
         result = self._verdict(where, error)
         self.broken = str(result).splitlines()[0] if str(result) else type(result).__name__
-        spoil_reused()  # the next pipeline of this job starts on new groups
+        # The verdict is published: the partners still blocked on this rank (a posted receive, a collective)
+        # are released now, read it and raise it too, and no wait is left to hold this process at exit.
+        connections.abort(self.kind)
+        if self.kind == "pipeline":
+            spoil_reused()  # the next pipeline of this job starts on new groups
+        if isinstance(result, PipelineFailure) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            time.sleep(AGENT_GRACE)  # let the agent see the root-cause rank's exit first
         return result
 
     def _verdict(self, where: str, error: BaseException) -> BaseException:
@@ -273,8 +291,6 @@ class Failures:
         failure = PipelineFailure(f"{text} (here: {type(error).__name__}: {first_line})")
         failure.__cause__ = error
         logger.error("%s", failure)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            time.sleep(AGENT_GRACE)  # let the agent see the root-cause rank's exit first
         return failure
 
     def _raised(self, where: str, error: BaseException) -> BaseException:
@@ -337,21 +353,29 @@ class Failures:
             blamed = self._follow(peer if peer is not None else self._only_silent())
             if blamed is not None and (time.monotonic() >= deadline or not timed_out or peer is None):
                 if blamed[1]:  # a stall, unless a silent rank's process ended: that explains every wait (the
-                    return self._dead_silent(where) or self._describe(*blamed)  # rank blamed may wait on it)
+                    return self._dead_silent(where, True) or self._describe(*blamed)  # rank blamed may wait on it)
                 return self._describe(*blamed)
+            if peer is None and not timed_out:  # a collective lost a connection: a process ended; if it is a
+                dead = self._dead_silent(where, False)  # silent rank's on this machine, that is the verdict now
+                if dead is not None:
+                    return dead
             if time.monotonic() >= deadline:
-                return self._dead_silent(where)
+                return self._dead_silent(where, timed_out)
             time.sleep(_POLL)
 
-    def _dead_silent(self, where: str) -> Optional[str]:
-        """``"rank P died ..."`` if exactly one other rank published nothing and its process here has ended."""
+    def _dead_silent(self, where: str, timed_out: bool) -> Optional[str]:
+        """``"rank P died ..."`` if exactly one other rank published nothing and its process here has ended.
+
+        ``timed_out``: how this rank's wait in ``where`` ended (timed out, or lost a connection).
+        """
         dead = [(rank, local[0]) for rank in self._silent()
                 if (local := self._local_process(rank)) is not None and _gone(*local)]
         if len(dead) != 1:
             return None
         rank, pid = dead[0]
+        how = "timed out" if timed_out else "lost a connection"
         return (f"rank {rank} died: its process (pid {pid} on this machine) ended without raising an error "
-                f"(found when rank {self.rank}'s wait in {where} timed out)")
+                f"(found when rank {self.rank}'s wait in {where} {how})")
 
     def _local_process(self, rank: int) -> Optional[tuple[int, str]]:
         """``(pid, start time)`` of ``rank``'s process if it runs on this machine (as written at construction)."""
@@ -426,12 +450,46 @@ class Failures:
                 f"(seen by {seen}){stopped}")
 
 
+@contextmanager
+def naming_failures(where: str, timeout: float) -> Iterator[None]:
+    """Runs a collective operation of every rank (a save) so that a failure in it is named as in a step.
+
+    A rank that dies, stalls or raises inside the block is named on every
+    other rank with the step's words and exception type
+    (``PipelineFailure: rank 0 stopped in state.save because rank 2 died: ...``),
+    as fast as in a step: the evidence goes to a namespace of this call in
+    the store, and once a rank has named the failure it shuts down the
+    connections of the checkpoints' groups (:func:`pipe.distributed.connections.abort`),
+    so that no partner waits for the timeout. Every rank of the job calls it
+    alike (the namespaces are numbered in call order).
+
+    Args:
+        where: what the block does, named in the verdicts (``"state.save"``).
+        timeout: the job's timeout in seconds.
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    failures = Failures(dist.get_rank(), dist.get_world_size(), timeout, kind="checkpoints")
+    failures.begin_step()
+    try:
+        yield
+    except BaseException as error:
+        raise failures.failure_from(where, error) from None
+    finally:
+        failures.end_step()
+
+
 _CLOSED = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused",
            "end of file")  # gloo's words for a peer whose process ended (its sockets closed)
 
 
 def _peer_of(error: BaseException) -> Optional[tuple[Optional[int], bool]]:
-    """``(peer, timed out)`` if ``error`` is a lost connection or a timeout, else None (the peer None if not known)."""
+    """``(peer, timed out)`` if ``error`` is a lost connection or a timeout, else None (the peer None if not known).
+
+    A collective's lost connection names the peer's address, which leads to
+    its rank where pipe made the group (:func:`pipe.distributed.connections.rank_at`).
+    """
     if isinstance(error, PeerError):
         return error.peer, error.timed_out
     backend_error = getattr(dist, "DistBackendError", None)
@@ -439,5 +497,5 @@ def _peer_of(error: BaseException) -> Optional[tuple[Optional[int], bool]]:
     timed_out = "timed out" in text or "timeout" in text
     if (backend_error is not None and isinstance(error, backend_error)) or (
             isinstance(error, RuntimeError) and (timed_out or any(words in text for words in _CLOSED))):
-        return None, timed_out
+        return (None if timed_out else connections.rank_at(error)), timed_out
     return None

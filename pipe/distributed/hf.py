@@ -17,10 +17,12 @@ several ranks hold (a replica, a tied embedding and LM head) is written once,
 under the name ``from_pretrained`` expects (the first the plain model gives
 it: ``model.embed_tokens.weight``, not ``lm_head.weight``). Like
 :func:`pipe.distributed.state.save`, the export goes to ``<path>.saving`` and
-is renamed to ``path`` once complete.
+is renamed to ``path`` once complete, and a rank that dies, stalls or raises
+during it is named on every other rank as in a step.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -39,7 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from pipe.distributed import safetensors_files as files
 from pipe.distributed.materialize import mark_loaded
-from pipe.distributed.state import STAGING, _replace, tensor_groups
+from pipe.distributed.state import STAGING, _replace, saving, tensor_groups
 from pipe.split_stage import SplitStage
 
 __all__ = ["load", "save", "tensor_parallel_plan", "LoadStats", "last_load"]
@@ -181,40 +183,41 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
         config = getattr(model, "config", None)
     collective = _collective(model)
     rank = dist.get_rank() if collective else 0
-    mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
-    pieces = []
-    for aliases, tensor in tensor_groups(model):
-        local, offset = _local(tensor, aliases[0])
-        mine[aliases[0], offset] = local
-        pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
-    layout, writers = _layout(_gather(pieces, collective), _model_order(model), limit)
     final = os.fspath(path)
     staging = final + STAGING
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted export left
-        os.makedirs(staging)
-        _write_headers(staging, layout, config)
-    _barrier(collective)
-    entries = {key: entry for name, tensors in layout.items()
-               for key, entry in files.create(os.path.join(staging, name), tensors, write=False).items()}
-    written = 0
-    opened: dict[str, int] = {}
-    try:
-        for (key, offset), local in mine.items():
-            if writers[key, offset] == rank:
-                entry = entries[key]
-                if entry.file not in opened:
-                    opened[entry.file] = os.open(entry.file, os.O_WRONLY)
-                written += files.write_slice(entry, offset, local, opened[entry.file])
-        for fd in opened.values():
-            os.fsync(fd)  # on disk before the rename publishes the export
-    finally:
-        for fd in opened.values():
-            os.close(fd)
-    _barrier(collective)
-    if rank == 0:
-        _replace(staging, final)
-    _barrier(collective)
+    with saving("hf.save") if collective else contextlib.nullcontext() as group:
+        mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+        pieces = []
+        for aliases, tensor in tensor_groups(model):
+            local, offset = _local(tensor, aliases[0])
+            mine[aliases[0], offset] = local
+            pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
+        layout, writers = _layout(_gather(pieces, collective, group), _model_order(model), limit)
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted export left
+            os.makedirs(staging)
+            _write_headers(staging, layout, config)
+        _barrier(collective, group)
+        entries = {key: entry for name, tensors in layout.items()
+                   for key, entry in files.create(os.path.join(staging, name), tensors, write=False).items()}
+        written = 0
+        opened: dict[str, int] = {}
+        try:
+            for (key, offset), local in mine.items():
+                if writers[key, offset] == rank:
+                    entry = entries[key]
+                    if entry.file not in opened:
+                        opened[entry.file] = os.open(entry.file, os.O_WRONLY)
+                    written += files.write_slice(entry, offset, local, opened[entry.file])
+            for fd in opened.values():
+                os.fsync(fd)  # on disk before the rename publishes the export
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+        _barrier(collective, group)
+        if rank == 0:
+            _replace(staging, final)
+        _barrier(collective, group)
     logger.info("exported %d bytes of the model to %s (%d tensors in %d files)", written, final, len(entries),
                 len(layout))
 
@@ -313,17 +316,17 @@ def _model_order(model: nn.Module) -> dict[str, int]:
     return {key: i for i, key in enumerate(stage.model_keys)} if stage is not None else {}
 
 
-def _gather(value: Any, collective: bool) -> list[Any]:
+def _gather(value: Any, collective: bool, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
     if not collective:
         return [value]
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
+    dist.all_gather_object(every, value, group=group)
     return every
 
 
-def _barrier(collective: bool) -> None:
+def _barrier(collective: bool, group: Optional[dist.ProcessGroup] = None) -> None:
     if collective:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _convert(model: nn.Module, dtype: torch.dtype) -> None:

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipe.distributed.connections import recording
+
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
@@ -62,21 +64,22 @@ def forget_reused() -> None:
 atexit.register(forget_reused)
 
 
-def reuse(key: tuple[Any, ...], make: Callable[[], T]) -> T:
+def reuse(key: tuple[Any, ...], make: Callable[[], T], kind: str = "pipeline") -> T:
     """The object made for ``key`` in this process, made now (by ``make``) on first use.
 
     For process groups and meshes: creating one is collective over the world,
     so every rank asks for the same keys in the same order and so gets the same
     answer. Forgotten when the default group is destroyed (a new world starts
     afresh). Two pipelines of a process never communicate at the same time,
-    so they can share their groups.
+    so they can share their groups. The connections ``make`` opens are recorded
+    as groups of ``kind`` (:func:`pipe.distributed.connections.recording`).
     """
     world = dist.group.WORLD
     if _reused["world"] is not world:
         _reused["world"], _reused["objects"] = world, {}
     objects: dict[tuple[Any, ...], Any] = _reused["objects"]
     if key not in objects:
-        objects[key] = make()
+        objects[key] = recording(make, kind)
     made: T = objects[key]
     return made
 
@@ -92,9 +95,48 @@ def spoil_reused() -> None:
 
 
 def agree_on_reuse(spoiled_anywhere: bool) -> None:
-    """Forgets every reused group and mesh if any rank's were spoiled (every rank calls it alike)."""
+    """Forgets every reused group and mesh if any rank's were spoiled (every rank calls it alike).
+
+    What torch cached for the old meshes is forgotten too (:func:`forget_cached_meshes`): it would put the
+    next pipeline's collectives on the spoiled groups.
+    """
     if spoiled_anywhere:
         _reused["objects"], _reused["spoiled"] = {}, False
+        forget_cached_meshes()
+
+
+def forget_cached_meshes() -> None:
+    """Clears what torch cached for earlier meshes, so that a new mesh's tensors and graphs use its own groups.
+
+    A ``DeviceMesh`` compares equal to, and hashes as, any other mesh of the
+    same ranks, shape and dimension names, whatever its process groups. So a
+    mesh made after a failed step, with new groups, is taken for the old one:
+
+    - DTensor caches each op's output layout by its inputs' layouts (meshes
+      included), in Python and in C++, per thread; a cached layout names the
+      old mesh object. ``parallelize_module`` on the new mesh made parameters
+      whose ``device_mesh`` was the old one (their ``detach`` hit the cache),
+      and every tensor-parallel collective then ran on the old groups.
+    - A graph compiled for a stage (``compile=``) names its collectives'
+      groups; the new pipeline's stages passed its guards and ran it.
+
+    The old groups' connections were shut down
+    (:func:`pipe.distributed.connections.abort`), so the new pipeline's first
+    tensor-parallel collective failed ("Connection closed by peer"). Cleared
+    here, the layouts are computed and the graphs compiled again for the new
+    mesh. DTensor's caches are cleared in the calling thread, which builds and
+    steps a pipeline (pipe runs a step's forward and backward there; on the CPU
+    the autograd engine runs the backward in the caller's thread).
+    ``torch.compiler.reset()`` drops every graph compiled in the process: the
+    process's other compiled functions compile again on their next call.
+    """
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without DTensor's debug module: no layout cache of ours to clear
+        logger.debug("torch.distributed.tensor.debug._clear_sharding_prop_cache not found; DTensor layouts kept")
+    else:
+        _clear_sharding_prop_cache()
+    torch.compiler.reset()
 
 
 def reuse_spoiled() -> bool:
@@ -136,7 +178,8 @@ def make_mesh(pp: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) ->
             f"choose sizes whose product is {world}"
         )
     names = tuple(k for k in MESH_DIMS if sizes[k] > 1 or k == "pp")
-    return init_device_mesh(_device_type(), tuple(sizes[k] for k in names), mesh_dim_names=names)
+    return recording(lambda: init_device_mesh(_device_type(), tuple(sizes[k] for k in names), mesh_dim_names=names),
+                     "pipeline")
 
 
 def replica_mesh(data_parallel: int) -> DeviceMesh:

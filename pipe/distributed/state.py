@@ -36,6 +36,13 @@ a save therefore leaves the previous checkpoint at ``<path>`` intact and the
 partial files in ``<path>.saving``, which :func:`load` names in its error.
 A checkpoint is complete when its folder holds ``.metadata`` (:func:`is_complete`).
 
+A rank that dies, stalls or raises during a save is named on every other rank
+as in a step (``PipelineFailure: rank 0 stopped in state.save because rank 2
+died: ...``, :func:`pipe.distributed.failure.naming_failures`), as fast: on
+gloo, a save's collectives run on a group of their own (:func:`checkpoint_group`),
+whose connections the ranks that named the failure shut down, so that no rank
+waits for the timeout.
+
 ``save(..., asynchronous=True)`` copies the state to host memory and returns;
 DCP's ``async_save`` writes the files in a background thread, over a gloo
 group of its own, while training goes on. The rename that publishes the
@@ -43,7 +50,11 @@ checkpoint waits for every rank's write: :func:`wait`, which the next
 :func:`save` and :func:`load` call first, and a run calls before it ends.
 Until then the checkpoint is ``<path>.saving``, which :func:`latest` and
 :func:`prune` pass over, so a rank that dies mid-write leaves the newest
-published checkpoint the one to resume from.
+published checkpoint the one to resume from. The background writes' group is
+recorded as the checkpoints' too, and :func:`wait` is named as a save is
+(``PipelineFailure: rank 0 stopped in state.wait because rank 2 died``): a
+failure named there or in a save shuts the background group's connections
+down as well, releasing a write still waiting on a lost rank.
 
 A run that saves every N steps keeps its checkpoints as ``step-<8 digits>``
 folders of one directory (:func:`step_path`): :func:`latest` finds the newest
@@ -56,6 +67,7 @@ converts it to a single ``torch.save`` file if needed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -64,7 +76,7 @@ import shutil
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional, Union, cast
+from typing import Any, Iterator, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -79,7 +91,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipe.distributed.failure import naming_failures
+from pipe.distributed.group import world_timeout
 from pipe.distributed.materialize import mark_loaded
+from pipe.distributed.mesh import reuse
 
 __all__ = ["save", "wait", "load", "load_module", "model_state_dict", "is_complete", "step_path", "latest", "prune"]
 
@@ -260,12 +275,11 @@ class _Writing:
     staging: str
     final: str
     tensors: int
+    group: Optional[dist.ProcessGroup]  # the group it writes over (:func:`_background_group`), which wait() uses
 
 
 _writing: Optional[_Writing] = None
 """The asynchronous save of this process still being written (at most one: a save waits for the one before)."""
-_save_group: Optional[tuple[Any, dist.ProcessGroup]] = None
-"""(the default process group, a gloo group of the same ranks) for the writes in the background."""
 
 
 def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -299,32 +313,34 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     Raises:
         RuntimeError: the save in flight before this one failed (see :func:`wait`).
     """
+    global _writing
     if not isinstance(asynchronous, bool):
         raise TypeError(f"state.save(asynchronous=...) must be True or False, got {asynchronous!r}")
     wait()
-    _, state = _state(module, optimizer)
-    state["extra"] = dict(extra)
     final = os.fspath(path)
     staging = final + STAGING
-    if _coordinator():
-        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-    _barrier()
-    if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
-                                category=UserWarning)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        if asynchronous:
-            global _writing
-            written = dcp.async_save(state, checkpoint_id=staging, process_group=_background_group(),
-                                     no_dist=not _distributed())
-            # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
-            future = cast("Future[Any]", getattr(written, "upload_completion", written))
-            _writing = _Writing(future, staging, final, len(state["model"]))
-            logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
-            return
-        dcp.save(state, checkpoint_id=staging, no_dist=not _distributed())
-    _publish(staging, final)
+    with saving("state.save") as group:
+        _, state = _state(module, optimizer)
+        state["extra"] = dict(extra)
+        if _coordinator():
+            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        _barrier(group)
+        if asynchronous and not _distributed():  # DCP's thread warns after the scope below: one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled.*to save in a single process",
+                                    category=UserWarning)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            if asynchronous:
+                background = _background_group()
+                written = dcp.async_save(state, checkpoint_id=staging, process_group=background,
+                                         no_dist=not _distributed())
+                # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
+                future = cast("Future[Any]", getattr(written, "upload_completion", written))
+                _writing = _Writing(future, staging, final, len(state["model"]), background)
+                logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
+                return
+            dcp.save(state, checkpoint_id=staging, no_dist=not _distributed(), process_group=group)
+        _publish(staging, final, group)
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
 
@@ -343,34 +359,37 @@ def wait() -> Optional[pathlib.Path]:
         RuntimeError: the write failed on a rank (named, with DCP's error); the
             partial files stay in ``<path>.saving``, never published, and the
             checkpoints published before are untouched.
+        PipelineFailure: a rank died or stalled meanwhile (named as in a save:
+            ``rank 0 stopped in state.wait because rank 2 died``); nothing is published.
     """
     global _writing
     writing, _writing = _writing, None
     if writing is None:
         return None
-    error: Optional[BaseException] = None
-    try:
-        writing.future.result()
-    except (Exception, dcp.CheckpointException) as failure:  # (a BaseException) reported on every rank below
-        error = failure
-    failed = _failed_ranks(error)
-    if failed:
-        raise RuntimeError(
-            f"the asynchronous save to {writing.final!r} failed on rank(s) {sorted(failed)}: "
-            f"{'; '.join(f'rank {rank}: {why}' for rank, why in sorted(failed.items()))}; it was not published "
-            f"(its partial files are in {writing.staging!r}) and the checkpoints saved before it are untouched: "
-            f"resume from the newest of them (state.latest)") from error
-    _publish(writing.staging, writing.final)
+    with saving("state.wait"):
+        error: Optional[BaseException] = None
+        try:
+            writing.future.result()
+        except (Exception, dcp.CheckpointException) as failure:  # (a BaseException) reported on every rank below
+            error = failure
+        failed = _failed_ranks(error, writing.group)
+        if failed:
+            raise RuntimeError(
+                f"the asynchronous save to {writing.final!r} failed on rank(s) {sorted(failed)}: "
+                f"{'; '.join(f'rank {rank}: {why}' for rank, why in sorted(failed.items()))}; it was not published "
+                f"(its partial files are in {writing.staging!r}) and the checkpoints saved before it are untouched: "
+                f"resume from the newest of them (state.latest)") from error
+        _publish(writing.staging, writing.final, writing.group)
     logger.info("saved %d tensors of the model to %s (written in the background)", writing.tensors, writing.final)
     return pathlib.Path(writing.final)
 
 
-def _publish(staging: str, final: str) -> None:
+def _publish(staging: str, final: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Renames ``staging`` to ``final`` once every rank has written its files (DCP writes the metadata last)."""
-    _barrier()
+    _barrier(group)
     if _coordinator():
         _replace(staging, final)
-    _barrier()
+    _barrier(group)
 
 
 def _coordinator() -> bool:
@@ -378,20 +397,20 @@ def _coordinator() -> bool:
 
 
 def _background_group() -> Optional[dist.ProcessGroup]:
-    """A gloo group of every rank for asynchronous saves (made once per default group; collective), or None."""
-    global _save_group
+    """A gloo group of every rank for the writes of asynchronous saves, or None in one process.
+
+    Not :func:`checkpoint_group`: ``hf.save`` may run on that one while a write
+    is in flight. Its connections are recorded as the checkpoints' (a failure
+    named in a save or in :func:`wait` shuts them down); the next asynchronous
+    save after a failed one gets a new group. Made on first use (collective).
+    """
     if not _distributed():
         return None
-    default = dist.group.WORLD
-    if _save_group is None or _save_group[0] is not default:
-        group = dist.new_group(backend="gloo")
-        assert group is not None, "dist.new_group of every rank returned no group on a member"
-        _save_group = (default, group)
-    return _save_group[1]
+    return reuse(("checkpoints", "background", _failed_saves), lambda: dist.new_group(backend="gloo"), "checkpoints")
 
 
-def _failed_ranks(error: Optional[BaseException]) -> dict[int, str]:
-    """The ranks whose write failed and why, on every rank (one all-gather over the save's gloo group).
+def _failed_ranks(error: Optional[BaseException], group: Optional[dist.ProcessGroup]) -> dict[int, str]:
+    """The ranks whose write failed and why, on every rank (one all-gather over the save's ``group``).
 
     DCP reports a rank's failed write on every rank (a ``CheckpointException`` naming the ranks); any other
     error names the rank that raised it.
@@ -407,7 +426,7 @@ def _failed_ranks(error: Optional[BaseException]) -> dict[int, str]:
     if not _distributed():
         return local
     gathered: list[Optional[dict[int, str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local, group=_background_group())
+    dist.all_gather_object(gathered, local, group=group)
     return {failed: why for part in gathered if part for failed, why in part.items()}
 
 
@@ -560,9 +579,44 @@ def prune(directory: Path, keep: int) -> list[pathlib.Path]:
     return doomed
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+_failed_saves = 0  # saves that failed in this process: each failure shut its group's connections down
+
+
+def checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """The group a save's collectives run on: on gloo a group of its own, else the default group (None).
+
+    Its connections are shut down when a save fails
+    (:func:`pipe.distributed.failure.naming_failures`), which the default group's
+    must never be (a rebuilt pipeline agrees over it); the next save makes a
+    new one. Made on first use (collective: every rank saves alike).
+    """
+    if not _distributed() or dist.get_backend() != "gloo":
+        return None
+    timeout = world_timeout()
+    return reuse(("checkpoints", _failed_saves), lambda: dist.new_group(backend="gloo", timeout=timeout),
+                 "checkpoints")
+
+
+@contextlib.contextmanager
+def saving(where: str) -> Iterator[Optional[dist.ProcessGroup]]:
+    """The block of a save (``where``: ``"state.save"``, ``"hf.save"``) on :func:`checkpoint_group`, which it
+    gives; a failure in it is named on every rank as in a step, and the next save gets a new group."""
+    global _failed_saves
+    if not _distributed():
+        yield None
+        return
+    group = checkpoint_group()
+    try:
+        with naming_failures(where, world_timeout().total_seconds()):
+            yield group
+    except BaseException:
+        _failed_saves += 1
+        raise
 
 
 def _replace(staging: str, final: str) -> None:

@@ -172,6 +172,57 @@ def test_tensor_parallel_stages_against_the_plain_model() -> None:
     assert {kind for r in results for kind in r[-1]["popped"]} == {"DTensor"}
 
 
+def _refused_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    raise ValueError("this loss refuses every step")
+
+
+def _after_a_failed_step(rank: int, world: int) -> dict[str, Any]:
+    """A compiled tensor-parallel pipeline trains, a step fails (its groups shut down), then new pipelines on new
+    meshes train: one eager (its DTensors on the new mesh's groups?), one compiled (its graphs recompiled?)."""
+    compiled = {"backend": "aot_eager"}
+
+    def pipeline(model: nn.Module, **options: Any) -> tuple[DistributedPipe, Any]:
+        mesh = make_mesh(pp=2, tp=2)
+        return DistributedPipe(model, chunks=2, mesh=mesh, tensor_parallel=tensor_parallel_plan(True), **options), mesh
+
+    model = decoder(0)
+    reference = copy.deepcopy(model)
+    train_against(pipeline(model, compile=compiled)[0], reference, "before the failure", steps=1)
+    failing, _ = pipeline(decoder(0))
+    x, y = lm_data(0)
+    try:
+        failing.step(x, y, _refused_loss)
+        failed = "no error"
+    except Exception as error:  # the last stage's ranks raise it, the others name them
+        failed = str(error)
+    model = decoder(0)
+    reference = copy.deepcopy(model)
+    eager, mesh = pipeline(model)
+    groups = {p.device_mesh.get_group().group_name for p in eager.parameters() if isinstance(p, DTensor)}
+    worst = train_against(eager, reference, "eager after the failure", steps=2)["worst"]
+    model = decoder(0)
+    reference = copy.deepcopy(model)
+    worst = max(worst, train_against(pipeline(model, compile=compiled)[0], reference, "compiled after the failure",
+                                     steps=1)["worst"])
+    return {"failed": failed, "groups": sorted(groups), "tp group": mesh.get_group("tp").group_name, "worst": worst}
+
+
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13", reason="compile= needs torch 2.13")
+def test_a_tensor_parallel_pipeline_after_a_failed_step_trains_on_its_new_mesh() -> None:
+    """Regression: after a failed step, the tensor-parallel pipelines built next in the process train.
+
+    The failure shuts down the failed pipeline's connections (pipe.distributed.connections.abort). A new mesh
+    of the same shape compares equal to the old one, and both DTensor's cached layouts and the graphs compiled
+    for the old mesh used to put the new pipeline's collectives on the old groups: its first one failed with
+    "Connection closed by peer" (pipe.distributed.mesh.forget_cached_meshes).
+    """
+    results = run_ranks(_after_a_failed_step, 4, deadline=240)
+    for rank, r in enumerate(results):
+        assert "this loss refuses every step" in r["failed"], (rank, r["failed"])
+        assert r["groups"] == [r["tp group"]], (rank, r)  # every DTensor parameter on the new mesh's "tp" group
+        assert r["worst"] <= 1e-5, (rank, r)
+
+
 def test_plan_names_resolve_per_stage_and_overlaps_are_refused() -> None:
     stages = [decoder(0)[:2], decoder(0)[2:]]
     plan = tensor_parallel_plan(False)
