@@ -89,10 +89,19 @@ Report = tuple[str, float, str]  # a survivor's message, seconds to it, what the
 def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[int, Report]:
     """Each survivor's report with ranks started by ``run_ranks`` (the store in rank 0):
     forked (the default on the CPU), or from a fork server (``start_method="forkserver"``)."""
-    with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
-        results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=TIMEOUT, barrier=False,
-                            expect_missing=(VICTIM,), deadline=90, start_method=start_method)
-    return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
+            try:
+                results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=TIMEOUT, barrier=False,
+                                    expect_missing=(VICTIM,), deadline=90, start_method=start_method)
+            except AssertionError as error:
+                # A rank that failed while building the pipeline (connecting within the 4 s timeout on a loaded
+                # machine) never reached the fault, which is armed at step 2: started once more, as launched() does.
+                if attempt or "in _pipe\n" not in str(error):
+                    raise
+                continue
+        return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
+    raise AssertionError("unreachable")
 
 
 def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
