@@ -89,7 +89,7 @@ Report = tuple[str, float, str]  # a survivor's message, seconds to it, what the
 def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[int, Report]:
     """Each survivor's report with ranks started by ``run_ranks`` (the store in rank 0):
     forked (the default on the CPU), or from a fork server (``start_method="forkserver"``)."""
-    for attempt in range(2):
+    for attempt in range(3):
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
             try:
                 results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=TIMEOUT, barrier=False,
@@ -97,7 +97,7 @@ def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[i
             except AssertionError as error:
                 # A rank that failed while building the pipeline (connecting within the 4 s timeout on a loaded
                 # machine) never reached the fault, which is armed at step 2: started once more, as launched() does.
-                if attempt or "in _pipe\n" not in str(error):
+                if attempt == 2 or "in _pipe\n" not in str(error):
                     raise
                 continue
         return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
@@ -114,8 +114,8 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
     script = str(Path(fault_ranks.__file__).resolve())
     reports: dict[int, Any] = {}
     began: list[float] = []
-    for _ in range(2):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
-        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:  # machine) is launched once more
+    for _ in range(3):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
+        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:  # machine) is launched again
             env["FAULT_REPORTS"] = folder
             done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=150, env=env,
                                 start_new_session=True)
@@ -177,11 +177,15 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
     check(layout, how, reports)
     heard = logged(out)
     assert all(cause.startswith(NAMED[how]) for cause in heard.values()), (heard, out[-3000:])
-    # Rank 2's process ends first, the agent's root cause; the agent ends the others at once (SIGTERM), after a
-    # death often before they noticed anything. A stalled rank 2 is ended by its watchdog once every survivor
-    # gave up on it after the timeout and named it (the survivors wait 1 s before raising, the watchdog 0.5 s).
+    # The agent's root cause is the first process it saw end: rank 2, or, when rank 2 raised and the others,
+    # released by its closed connections, raised as fast, a survivor that named rank 2 (which of them ends first
+    # is a race of process exits). The agent ends the others at once (SIGTERM). A stalled rank 2 is ended by its
+    # watchdog once every survivor gave up on it after the timeout and named it (the survivors wait 1 s before
+    # raising, the watchdog 0.5 s).
     summary = out.split("Root Cause (first observed failure):", 1)[1].split("=====", 1)[0]
-    assert f"rank      : {VICTIM} (local_rank: {VICTIM})" in summary, out[-3000:]
+    root = re.search(r"rank      : (\d+) \(local_rank", summary)
+    assert root is not None, out[-3000:]
+    assert int(root.group(1)) == VICTIM or (how == "raise" and int(root.group(1)) in heard), (heard, out[-3000:])
     if how == "stall":
         assert {0, 1, 3} <= set(heard), (heard, out[-3000:])
         assert f"exitcode  : {STALLED_EXIT}" in summary and "rank 2 ended itself" in summary, out[-3000:]
@@ -209,7 +213,7 @@ def unattended(layout: str, how: str) -> tuple[dict[int, Report], dict[int, tupl
     """Four ranks started as plain processes (``python fault_ranks.py``) with the store in this process, as
     torchrun's agent would host it, but no agent to end them: each survivor's ``(message, seconds)``, each
     process's ``(seconds from the start of the faulty step to its end, exit status)`` and each one's output."""
-    for _ in range(2):  # a launch whose ranks did not reach the faulty step (a loaded machine) is launched once more
+    for _ in range(3):  # a launch whose ranks did not reach the faulty step (a loaded machine) is launched again
         files, ended, statuses = _plain_processes(layout, how)
         began = [float(text) for name, text in files.items() if name.startswith("began")]
         if began:
