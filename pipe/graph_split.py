@@ -38,6 +38,7 @@ from torch.export import Dim, ShapesCollection
 
 from pipe.core.sequential import PipeSequential
 from pipe.split_blocks import outline_layers, repeated_layers
+from pipe.split_repeat import capture as repeated
 from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
 __all__: list[str] = []
@@ -64,6 +65,7 @@ def split(
     *,
     at: Union[Sequence[str], str],
     stages: Optional[int] = None,
+    repeat: bool = True,
 ) -> PipeSequential:
     """Cuts ``model`` before each submodule named in ``at`` into a :class:`pipe.PipeSequential` of stages.
 
@@ -92,6 +94,11 @@ def split(
             (:mod:`pipe.balance.flops`; every rank computes the same cut, on
             ``meta`` too).
         stages: with ``at="auto"``, how many stages.
+        repeat: capture two of the model's alike layers and repeat the
+            second's graph for the others (:mod:`pipe.split_repeat`: the same
+            graph, in a fraction of the time). ``False`` exports every layer:
+            for a forward that branches on a layer's index in Python without
+            the layers differing in their settings.
 
     Returns:
         A ``PipeSequential`` of ``len(at) + 1`` stages. It takes the tensor
@@ -118,8 +125,11 @@ def split(
         raise ValueError(f"pipe.split: stages={stages!r} goes with at='auto'; with at={list(at)!r} the stages are "
                          f"len(at) + 1 = {len(at) + 1}: leave stages out")
     points = _verify_points(model, at)
-    program = _export(model, example_args, example_kwargs or {}, points)
-    graph_module = program.module()
+    if not isinstance(repeat, bool):
+        raise TypeError(f"pipe.split: repeat must be True or False, got {repeat!r}")
+    graph_module = repeated(model, example_args, example_kwargs or {}, points, _export) if repeat else None
+    if graph_module is None:
+        graph_module = _export(model, example_args, example_kwargs or {}, points).module()
     model_state = model.state_dict(keep_vars=True)
     pieces = _cut(graph_module, len(points) + 1, {id(t) for t in model_state.values()})
     aliases: dict[int, list[str]] = {}
