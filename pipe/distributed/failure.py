@@ -271,8 +271,8 @@ class Failures:
             agreed = self._get(self._key("root"))
             if agreed is not None:
                 headline = agreed
-            elif peer_rank is not None:  # no store to agree through: what this rank saw
-                headline = self._describe(peer_rank, timed_out, f"rank {self.rank} in {where}")
+            elif peer_rank is not None and not self._gave_up(peer_rank):  # no store to agree through: what
+                headline = self._describe(peer_rank, timed_out, f"rank {self.rank} in {where}")  # this rank saw
             else:
                 silent = self._silent()
                 suspects = f"; ranks that reported nothing: {', '.join(map(str, silent))}" if silent else ""
@@ -317,6 +317,12 @@ class Failures:
             except Exception:
                 logger.debug("could not count this rank's report", exc_info=True)
 
+    def _gave_up(self, peer: int) -> bool:
+        """Whether ``peer`` published that it lost a collective's peer, not knowing which: it is a survivor whose
+        wait ended (it closed its connections as it raised), not the failed rank, which the others' reports find."""
+        record = self._get(self._key(f"lost/{peer}"))
+        return record is not None and record.startswith("? ")
+
     def _reported(self) -> int:
         store = _store()
         try:
@@ -340,8 +346,8 @@ class Failures:
         if _store() is None:
             return None
         settle = min(_SETTLE, self.timeout) if timed_out else 0.0
-        if peer is None:  # the others' waits end within the timeout: then only the failed rank is silent
-            settle = self.timeout + _SETTLE
+        if peer is None or self._gave_up(peer):  # the others' waits end within the timeout: then only the
+            settle = self.timeout + _SETTLE       # failed rank is silent
         deadline = time.monotonic() + settle
         while True:
             raised = self._raised_by_others()
