@@ -165,6 +165,33 @@ class Failures:
         """The step ended (completed or raised): until the next, the watchdog looks at the next step's headline."""
         self.running = False
 
+    def require_same(self, name: str, value: bool) -> None:
+        """Raises if another rank passed the other ``value`` of ``name`` in this step (call inside the step).
+
+        Each rank counts its value in the store, then reads the other value's
+        count: of two ranks that disagree, the later one sees the earlier one's
+        count and raises, which names it on every rank as any raise in a step
+        does, at once, where the ranks would otherwise wait on each other for
+        the whole timeout. Two small store requests per step.
+
+        Raises:
+            ValueError: ranks disagree on ``name``.
+        """
+        store = _store()
+        if store is None:
+            return
+        try:
+            store.add(self._key(f"{name}/{value}"), 1)
+            others = int(store.add(self._key(f"{name}/{not value}"), 0))
+        except Exception:  # the store may be gone with its host: the step's own waits find that
+            logger.debug("could not compare %s with the other ranks", name, exc_info=True)
+            return
+        if others:
+            raise ValueError(
+                f"step({name}={value}) on rank {self.rank}, but {others} other rank(s) passed {name}={not value} "
+                f"in the same step: every rank must pass the same value (an optimizer step's passes are the same "
+                f"on every rank; the ranks would wait on each other until the timeout)")
+
     # -- the watchdog's questions ---------------------------------------------------------------
 
     def _watched_key(self, name: str) -> str:

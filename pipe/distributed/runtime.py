@@ -196,6 +196,8 @@ class Runtime:
         step: Optional[Step] = None
         executors = self.executors
         try:
+            if training:
+                self.failures.require_same("accumulate", not reduce)
             if self.sharding is not None:
                 self.sharding.begin_step()
             for step in self.lowered(training, checkpoint_stop, reduce):

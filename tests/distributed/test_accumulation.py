@@ -19,10 +19,12 @@ accumulating.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -181,3 +183,30 @@ def test_accumulation_equals_plain_model() -> None:
             assert reports_of_rank[label]["reduce_scatters"][2] > 0, (label, reports_of_rank[label])
         assert reports_of_rank["replicas count float32"]["reduce_scatters"] == [0, 0, 0]
         assert all(count > 0 for count in reports_of_rank["fsdp by layer count float32"]["reduce_scatters"])
+
+
+def _disagreeing(rank: int, world: int) -> str:
+    """Ranks 0 and 1 pass accumulate=True, ranks 2 and 3 False, in the same step: what each raises."""
+    piped = pd.DistributedPipe(lm(tied=False), chunks=2, mesh=pd.make_mesh(pp=2, dp_replicate=2),
+                               loss_reduction="count")
+    ids, labels = data(0, 4, 3, VOCAB)
+    part = rows_of(piped, 4)
+    try:
+        piped.step(ids[part], labels[part], token_sum, accumulate=rank < 2)
+        message = "no error"
+    except Exception as error:
+        message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    store = dist.distributed_c10d._get_default_store()  # hosted by rank 0: kept until every rank has its verdict
+    store.add("verdicts", 1)
+    while rank == 0 and int(store.add("verdicts", 0)) < world:
+        time.sleep(0.05)
+    return message
+
+
+def test_ranks_that_disagree_on_accumulate_are_refused_on_every_rank_without_waiting_out_the_timeout() -> None:
+    # Without the check, the ranks that reduce wait on those that do not until the timeout, and are told of a
+    # stalled rank; with it, the rank that comes later raises and every rank names its error.
+    reports = run_ranks(_disagreeing, 4, timeout=30.0, deadline=120.0, barrier=False)
+    for rank, message in enumerate(reports):
+        assert "accumulate=" in message and "every rank must pass the same value" in message, (rank, message)
+        assert "stalled" not in message, (rank, message)
