@@ -132,7 +132,8 @@ def bound(profiles: dict[str, list[Any]], runs: dict[str, list[list[dict[str, fl
     schedule: whatever a runtime saves, the compute and the fill and drain stay.
     """
     from pipe.core.program_time import time_schedule
-    from pipe.core.schedule import Phase, Schedule
+    from pipe.core.action import Phase
+    from pipe.core.schedule import Schedule
 
     schedule = Schedule("1f1b", ranks=2, microbatches=microbatches)
     ideal = {}

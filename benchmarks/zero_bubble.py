@@ -137,8 +137,7 @@ def _pipe_step(rank: int, full: nn.Sequential, args: argparse.Namespace, x: Tens
         from pipe.core.schedule_table import TableSchedule
         from pipe.core.zero_bubble import _v_rule
 
-        schedule = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
-                                             for program in _v_rule(args.ranks, args.microbatches)], name="zbv-rule")
+        schedule = TableSchedule.from_table(_v_rule(args.ranks, args.microbatches), name="zbv-rule")
     elif args.schedule in ("auto", "auto-layers"):
         schedule, balance, chosen, costs = _auto(full, args, x, y)
     pipe = DistributedPipe(full, chunks=args.microbatches, checkpoint=args.checkpoint, schedule=schedule,

@@ -41,7 +41,7 @@ Python branches on a layer's index without storing anything on the layer;
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed.pipelining  # noqa: F401  (registers the cut marker op, torch.ops.pippy._pipe_split)
@@ -218,7 +218,7 @@ def _repeat(graph_module: fx.GraphModule, paths: list[str]) -> str:
             if arg.op == "get_attr" and str(arg.target).startswith(prefixes[k]):
                 return _Ref("weight", str(arg.target)[len(prefixes[k]):])
             return _Ref("outside", arg)
-        return fx.node.map_arg((node.target, node.args, node.kwargs), token)
+        return node.target, fx.node.map_arg(cast(Any, (node.args, node.kwargs)), cast(Any, token))
 
     carried: dict[fx.Node, fx.Node] = {}  # what layer 0 reads from before it -> the value of layer 0 layer 1 reads
     for first, second in zip(*ops):

@@ -37,10 +37,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from pipe.core.greedy_order import Rule, Step, Stuck, greedy_programs, polish
+from pipe.core.greedy_order import Rule, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.program_time import time_schedule
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
 
@@ -114,11 +115,12 @@ class StageCosts:
     def stages(self) -> int:
         return len(self.forward)
 
-    def cost(self, phase: str, stage: int) -> float:
-        """Seconds of ``phase`` (``"F"``, ``"I"``, ``"W"``, ``"B"``, or ``"R"``, a recompute: the forward again)."""
-        table = {"F": self.forward, "R": self.forward, "I": self.input_grad, "W": self.weight_grad,
-                 "B": self.backward}
-        return table[phase][stage] + (self.overhead if phase != "R" else 0.0)
+    def cost(self, phase: Union[Phase, str], stage: int) -> float:
+        """Seconds of ``phase`` (F, I, W, B, or R, a recompute: the forward again; a :class:`Phase` or its letter)."""
+        phase = Phase(phase)
+        table = {Phase.FORWARD: self.forward, Phase.RECOMPUTE: self.forward, Phase.INPUT: self.input_grad,
+                 Phase.WEIGHT: self.weight_grad, Phase.BACKWARD: self.backward}
+        return table[phase][stage] + (self.overhead if phase is not Phase.RECOMPUTE else 0.0)
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def cost_functions(schedule: Schedule, costs: StageCosts
     last = schedule.stages - 1
 
     def duration(action: Action) -> float:
-        return costs.cost(action.phase.value, action.stage)
+        return costs.cost(action.phase, action.stage)
 
     def transfer(action: Action) -> float:
         s, here = action.stage, schedule.rank_of(action.stage)
@@ -303,14 +305,12 @@ def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placem
             except Stuck as stuck:
                 logger.debug("%s", stuck)
                 continue
-            judge(f"auto {where} ({rule})", TableSchedule.from_table(
-                [[f"{phase}{i}@{s}" for phase, i, s in program] for program in programs], name="auto"))
+            judge(f"auto {where} ({rule})", TableSchedule.from_table(programs, name="auto"))
         mine = [c for c in found if c.fits and c.schedule.placement == tuple(rank_of)]
         if mine and budget > 0:  # the fastest order of this placement, its neighbouring actions swapped
             start = min(mine, key=lambda c: c.step)
             shape = (ranks, microbatches, start.schedule.virtual_stages, tuple(rank_of))
-            programs, step = polish([[(a.phase.value, a.microbatch, a.stage) for a in p]
-                                     for p in start.schedule.programs],
+            programs, step = polish([list(p) for p in start.schedule.programs],
                                     lambda p: _judged(p, shape, costs, checkpoint, limit), budget)
             if step is not None and step < start.step - 1e-12:
                 judge(f"auto {where} ({start.name.partition('(')[2].rstrip(')') or start.name}, polished)",
@@ -318,13 +318,13 @@ def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placem
     return found
 
 
-def _judged(programs: list[list[Step]], shape: tuple[int, int, int, tuple[int, ...]], costs: StageCosts,
+def _judged(programs: list[list[Action]], shape: tuple[int, int, int, tuple[int, ...]], costs: StageCosts,
             checkpoint: str, limit: float) -> Optional[float]:
     """The simulated step of ``programs`` (unchecked: :func:`polish` keeps each cell's order), None where they
     deadlock or hold more than ``limit``."""
     ranks, microbatches, per_rank, placement = shape
     table = TableSchedule("table", ranks, microbatches, per_rank,
-                          tuple(tuple(Action(Phase(p), i, s) for p, i, s in program) for program in programs),
+                          tuple(tuple(program) for program in programs),
                           placement, "polish")
     if max(peak_held(table, costs.activation)) > limit + 1e-9:
         return None

@@ -28,10 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from pipe.core.action import Action, Phase
+
 __all__: list[str] = []
 
-#: An action as ``(phase letter, micro-batch, stage)``.
-Step = tuple[str, int, int]
+F, I, W, B = Phase.FORWARD, Phase.INPUT, Phase.WEIGHT, Phase.BACKWARD
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,15 @@ class Stuck(RuntimeError):
 
 
 def greedy_programs(
-    ranks: int, microbatches: int, rank_of: Sequence[int], cost: Callable[[str, int], float],
+    ranks: int, microbatches: int, rank_of: Sequence[int], cost: Callable[[Phase, int], float],
     transfer: Sequence[float], weights: Sequence[float], limit: float, rule: Rule, recompute: bool,
-) -> list[list[Step]]:
+) -> list[list[Action]]:
     """Each rank's program, built by playing the pipeline out with ``rule`` (see the module docstring).
 
     Args:
         ranks, microbatches: the pipeline's size.
         rank_of: the rank of each stage.
-        cost: seconds of ``(phase letter, stage)``, phases ``"F"``, ``"I"``, ``"W"``, ``"B"``.
+        cost: seconds of ``(phase, stage)``, phases F, I, W and B.
         transfer: seconds of the message across each stage boundary (``stages - 1`` entries).
         weights, limit: each stage's cell weight and the most weight a rank holds.
         rule: the priorities.
@@ -88,40 +89,40 @@ def greedy_programs(
     later = [max([weights[t] for t in mine[rank_of[s]] if t > s], default=0.0) for s in range(stages)]
     least = [sum(weights[s] for s in mine[r]) for r in range(ranks)]  # one micro-batch through every stage
     limits = [max(limit - rule.taper * r, least[r]) for r in range(ranks)]
-    back = "I" if rule.split else "B"
-    ends: dict[Step, float] = {}
+    back = I if rule.split else B
+    ends: dict[Action, float] = {}
     free = [0.0] * ranks
     held = [0.0] * ranks
     next_f, next_i = [0] * stages, [0] * stages
     weights_due: list[collections.deque[tuple[int, int]]] = [collections.deque() for _ in range(ranks)]
-    programs: list[list[Step]] = [[] for _ in range(ranks)]
+    programs: list[list[Action]] = [[] for _ in range(ranks)]
     left = [len(mine[r]) * microbatches * (3 if rule.split else 2) for r in range(ranks)]
     waiting: set[int] = set()
 
-    def arrival(step: Step, boundary: int, here: int) -> float | None:
-        """When the input ``step`` produced reaches rank ``here`` (None: not yet scheduled)."""
-        end = ends.get(step)
+    def arrival(action: Action, boundary: int, here: int) -> float | None:
+        """When the input ``action`` produced reaches rank ``here`` (None: not yet scheduled)."""
+        end = ends.get(action)
         if end is None:
             return None
-        remote = 0 <= boundary < len(transfer) and rank_of[step[2]] != here
+        remote = 0 <= boundary < len(transfer) and rank_of[action.stage] != here
         return end + (transfer[boundary] if remote else 0.0)
 
-    def run(rank: int, step: Step, start: float) -> None:
-        phase, i, s = step
-        if phase == "F":
+    def run(rank: int, action: Action, start: float) -> None:
+        phase, i, s = action.phase, action.microbatch, action.stage
+        if phase is F:
             held[rank] += weights[s]
             next_f[s] += 1
-        elif phase in ("I", "B"):
+        elif phase in (I, B):
             next_i[s] += 1
-            if phase == "I":
+            if phase is I:
                 weights_due[rank].append((i, s))
             else:
                 held[rank] -= weights[s]
         else:
             held[rank] -= weights[s]
-        redo = cost("F", s) if recompute and phase in ("I", "B") else 0.0
-        ends[step] = free[rank] = max(start, free[rank] + redo) + cost(phase, s)
-        programs[rank].append(step)
+        redo = cost(F, s) if recompute and phase in (I, B) else 0.0
+        ends[action] = free[rank] = max(start, free[rank] + redo) + cost(phase, s)
+        programs[rank].append(action)
         left[rank] -= 1
         waiting.clear()
 
@@ -137,18 +138,18 @@ def greedy_programs(
         for s in mine[rank]:
             i = next_i[s]
             if i < next_f[s]:
-                ready = arrival(("F", i, s), -1, rank) if s == last else arrival((back, i, s + 1), s, rank)
+                ready = arrival(Action(F, i, s), -1, rank) if s == last else arrival(Action(back, i, s + 1), s, rank)
                 if ready is not None:
                     inputs.append((ready, i, -s, 0))
             i = next_f[s]
             if i < microbatches and held[rank] + weights[s] + later[s] <= limits[rank] + 1e-9:
-                ready = 0.0 if s == 0 else arrival(("F", i, s - 1), s - 1, rank)
+                ready = 0.0 if s == 0 else arrival(Action(F, i, s - 1), s - 1, rank)
                 if ready is not None:
                     forwards.append((ready, i, s))
-        redo = {s: cost("F", s) if recompute else 0.0 for s in mine[rank]}
+        redo = {s: cost(F, s) if recompute else 0.0 for s in mine[rank]}
         ready_i = [x for x in inputs if x[0] <= now + redo[-x[2]] + 1e-12]
         ready_f = [x for x in forwards if x[0] <= now + 1e-12]
-        chosen: Step | None = None
+        chosen: Action | None = None
         pick_i = min(ready_i, key=lambda x: (x[1], x[2])) if ready_i else None
         if rule.stage == "late":
             pick_f = min(ready_f, key=lambda x: (-x[2], x[1])) if ready_f else None
@@ -157,18 +158,18 @@ def greedy_programs(
         else:
             pick_f = min(ready_f, key=lambda x: (x[1], -x[2])) if ready_f else None
         if pick_i is not None and (rule.first == "I" or pick_f is None):
-            chosen = (back, pick_i[1], -pick_i[2])
+            chosen = Action(back, pick_i[1], -pick_i[2])
         elif pick_f is not None:
-            chosen = ("F", pick_f[1], pick_f[2])
+            chosen = Action(F, pick_f[1], pick_f[2])
         if chosen is not None:
             run(rank, chosen, now)
             continue
         upcoming = min([x[0] for x in inputs] + [x[0] for x in forwards], default=math.inf)
         if weights_due[rank]:
             i, s = weights_due[rank][0]
-            if rule.fill == "always" or now + cost("W", s) <= upcoming + 1e-12 or upcoming == math.inf:
+            if rule.fill == "always" or now + cost(W, s) <= upcoming + 1e-12 or upcoming == math.inf:
                 weights_due[rank].popleft()
-                run(rank, ("W", i, s), now)
+                run(rank, Action(W, i, s), now)
                 continue
         ahead = min([free[r] for r in range(ranks) if r != rank and left[r] and free[r] > now], default=math.inf)
         wake = min(upcoming, ahead)
@@ -179,8 +180,8 @@ def greedy_programs(
     return programs
 
 
-def polish(programs: list[list[Step]], evaluate: Callable[[list[list[Step]]], float | None], budget: int
-           ) -> tuple[list[list[Step]], float | None]:
+def polish(programs: list[list[Action]], evaluate: Callable[[list[list[Action]]], float | None], budget: int
+           ) -> tuple[list[list[Action]], float | None]:
     """Swaps neighbouring actions of one rank while the step gets shorter: first improvement, at most ``budget``
     evaluations. ``evaluate`` gives a program's step, or None where it cannot run or holds too much.
 
@@ -197,7 +198,8 @@ def polish(programs: list[list[Step]], evaluate: Callable[[list[list[Step]]], fl
         for rank, program in enumerate(current):
             for k in range(len(program) - 1):
                 a, b = program[k], program[k + 1]
-                if a[1:] == b[1:] or (a[0], a[2]) == (b[0], b[2]) or budget <= 0:
+                if (a.microbatch, a.stage) == (b.microbatch, b.stage) or (a.phase, a.stage) == (b.phase, b.stage) \
+                        or budget <= 0:
                     continue
                 program[k], program[k + 1] = b, a
                 budget -= 1

@@ -45,7 +45,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from pipe.core.schedule import Action, Phase
+from pipe.core.action import Action, Phase
 
 __all__: list[str] = []
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
-from pipe.core.schedule import Action, Phase, Schedule, TimedAction
+from pipe.core.action import Action, Phase, TimedAction
+from pipe.core.schedule import Schedule
 
 __all__: list[str] = []
 

@@ -18,55 +18,15 @@ Example:
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 
+from pipe.core.action import Action, Phase, TimedAction
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
 
 __all__: list[str] = []
 
 SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
-
-
-class Phase(str, enum.Enum):
-    """What an action does to one micro-batch on one stage."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    RECOMPUTE = "R"  # only in simulated timelines, when checkpointing
-    INPUT = "I"  # the input-gradient half of a backward (zero-bubble schedules)
-    WEIGHT = "W"  # the weight-gradient half, run later on the same rank
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's program: run ``phase`` of ``microbatch`` on ``stage``.
-
-    ``stage`` is the model stage (a model chunk, or "virtual stage" in the
-    interleaved schedule), not the rank that runs it; see ``Schedule.rank_of``.
-    """
-
-    phase: Phase
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.phase.value}{self.microbatch}@{self.stage}"
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    """An action placed on the simulated timeline of ``rank``, from ``start`` to ``end``."""
-
-    action: Action
-    rank: int
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 def _one_forward_one_backward(
@@ -199,8 +159,7 @@ class Schedule:
         self._check_rank(rank)
         m = self.microbatches
         if self.splits_backward:
-            return [Action(Phase(phase), i, s)
-                    for phase, i, s in zero_bubble_programs(self.kind, self.ranks, m)[rank]]
+            return list(zero_bubble_programs(self.kind, self.ranks, m)[rank])
         if self.kind == "gpipe":
             # Fill, then drain; backward in reverse micro-batch order, as autograd runs it.
             return [Action(Phase.FORWARD, i, rank) for i in range(m)] + [

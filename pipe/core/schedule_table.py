@@ -11,7 +11,7 @@ many actions ahead the rank posts its receives (:meth:`TableSchedule.with_posts`
 chosen from costs by :func:`pipe.core.cost_order.choose_posts`).
 
 The Python form: a list per rank of actions, each ``"F3@1"`` (phase,
-micro-batch, ``@`` stage, as :class:`~pipe.core.schedule.Action` prints),
+micro-batch, ``@`` stage, as :class:`~pipe.core.action.Action` prints),
 a ``(phase, micro-batch, stage)`` tuple or an ``Action``::
 
     TableSchedule.from_table([["F0@0", "F1@0", "B0@0", "B1@0"],
@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 from pipe.core.program_time import time_schedule
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import Schedule
 
 if TYPE_CHECKING:
     from os import PathLike

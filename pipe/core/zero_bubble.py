@@ -68,13 +68,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from pipe.core.action import Action, Phase
+
 __all__: list[str] = []
 
 #: Schedule kinds whose backward is split in I and W.
 ZERO_BUBBLE_KINDS: tuple[str, ...] = ("zb-h1", "zbv")
 
-#: An action as ``(phase letter, micro-batch, stage)``; :mod:`pipe.core.schedule` wraps them.
-Step = tuple[str, int, int]
+_F, _I, _W = Phase.FORWARD, Phase.INPUT, Phase.WEIGHT
 
 
 def v_rank_of(stage: int, ranks: int) -> int:
@@ -88,7 +89,7 @@ def v_stages_of(rank: int, ranks: int) -> list[int]:
 
 
 @lru_cache(maxsize=256)
-def zero_bubble_programs(kind: str, ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
+def zero_bubble_programs(kind: str, ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """The program of every rank for a zero-bubble ``kind``.
 
     Args:
@@ -97,8 +98,7 @@ def zero_bubble_programs(kind: str, ranks: int, microbatches: int) -> tuple[tupl
         microbatches: micro-batches per step (M).
 
     Returns:
-        One tuple of ``(phase, micro-batch, stage)`` per rank, phases
-        ``"F"``, ``"I"``, ``"W"``.
+        One tuple of actions per rank, phases F, I and W.
 
     Raises:
         ValueError: ``kind`` is not a zero-bubble kind.
@@ -110,24 +110,24 @@ def zero_bubble_programs(kind: str, ranks: int, microbatches: int) -> tuple[tupl
     raise ValueError(f"{kind!r} is not a zero-bubble schedule; expected one of {ZERO_BUBBLE_KINDS}")
 
 
-def _zb_h1(rank: int, ranks: int, microbatches: int) -> tuple[Step, ...]:
+def _zb_h1(rank: int, ranks: int, microbatches: int) -> tuple[Action, ...]:
     """1F1B with each rank's W's deferred by ``rank`` pairs (see the module docstring)."""
     m = microbatches
     warmup = min(ranks - rank - 1, m)
-    program: list[Step] = [("F", i, rank) for i in range(warmup)]
+    program = [Action(_F, i, rank) for i in range(warmup)]
     weights = 0
     for k in range(m):
         if warmup + k < m:
-            program.append(("F", warmup + k, rank))
-        program.append(("I", k, rank))
+            program.append(Action(_F, warmup + k, rank))
+        program.append(Action(_I, k, rank))
         if k >= rank or warmup + k >= m:  # steady state past the deferral, or cool-down
-            program.append(("W", weights, rank))
+            program.append(Action(_W, weights, rank))
             weights += 1
-    program += [("W", i, rank) for i in range(weights, m)]
+    program += [Action(_W, i, rank) for i in range(weights, m)]
     return tuple(program)
 
 
-def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
+def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """ZB-V's programs by the pattern or by the rule of thumb, whichever ends first on the reference clock.
 
     The reference clock gives every phase of every stage one unit, except the
@@ -136,14 +136,12 @@ def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
     kept: it idles less on a clock of equal phases where the V cannot fill.
     """
     from pipe.core.program_time import time_schedule  # imported here: pipe.core.schedule imports this module
-    from pipe.core.schedule import Phase
     from pipe.core.schedule_table import TableSchedule
 
-    def makespan(programs: tuple[tuple[Step, ...], ...]) -> float:
-        table = TableSchedule.from_table([[f"{phase}{i}@{stage}" for phase, i, stage in program]
-                                          for program in programs], name="zbv")
+    def makespan(programs: tuple[tuple[Action, ...], ...]) -> float:
+        table = TableSchedule.from_table(programs, name="zbv")
         timed = time_schedule(table, lambda action: (
-            {Phase.INPUT: 0.0, Phase.WEIGHT: 2.0}.get(action.phase, 1.0) if action.stage == 0 else 1.0))
+            {_I: 0.0, _W: 2.0}.get(action.phase, 1.0) if action.stage == 0 else 1.0))
         return max(t.end for t in timed)
 
     pattern = tuple(_v_pattern(rank, ranks, microbatches) for rank in range(ranks))
@@ -151,7 +149,7 @@ def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
     return pattern if makespan(pattern) < makespan(rule) else rule
 
 
-def _v_pattern(rank: int, ranks: int, microbatches: int) -> tuple[Step, ...]:
+def _v_pattern(rank: int, ranks: int, microbatches: int) -> tuple[Action, ...]:
     """ZB-V's program on ``rank`` by the pattern of the module docstring.
 
     The pattern is written for ``max(M, 2p - 1)`` micro-batches, the fewest
@@ -161,83 +159,82 @@ def _v_pattern(rank: int, ranks: int, microbatches: int) -> tuple[Step, ...]:
     """
     down, up = v_stages_of(rank, ranks)
     filled = max(microbatches, 2 * ranks - 1)
-    program: list[Step] = []
-    count = {(phase, stage): 0 for phase in "FIW" for stage in (down, up)}
+    program: list[Action] = []
+    count = {(phase, stage): 0 for phase in (_F, _I, _W) for stage in (down, up)}
 
-    def run(phase: str, stage: int) -> None:
-        program.append((phase, count[phase, stage], stage))
+    def run(phase: Phase, stage: int) -> None:
+        program.append(Action(phase, count[phase, stage], stage))
         count[phase, stage] += 1
 
     for _ in range(2 * (ranks - rank) - 1):  # 1. fill the way down
-        run("F", down)
+        run(_F, down)
     for _ in range(rank):  # 2. the way up starts
-        run("F", up)
-        run("F", down)
+        run(_F, up)
+        run(_F, down)
     for _ in range(ranks - rank):  # 3. the first gradients turn around
-        for phase in "FIW":
+        for phase in (_F, _I, _W):
             run(phase, up)
-    while count["F", down] < filled or count["F", up] < count["F", down]:  # 4. steady: F I W on each stage
-        if count["F", down] < filled:
-            run("F", down)
-        run("I", down)
-        run("W", down)
-        for phase in "FIW":
+    while count[_F, down] < filled or count[_F, up] < count[_F, down]:  # 4. steady: F I W on each stage
+        if count[_F, down] < filled:
+            run(_F, down)
+        run(_I, down)
+        run(_W, down)
+        for phase in (_F, _I, _W):
             run(phase, up)
     for _ in range(rank):  # 5. drain: input gradients first, their W's later
-        run("I", down)
-        run("I", up)
+        run(_I, down)
+        run(_I, up)
     for _ in range(ranks - rank):
-        run("I", down)
-        run("W", down)
+        run(_I, down)
+        run(_W, down)
     for stage in (up, down):
-        while count["W", stage] < count["I", stage]:
-            run("W", stage)
-    return tuple(step for step in program if step[1] < microbatches)
+        while count[_W, stage] < count[_I, stage]:
+            run(_W, stage)
+    return tuple(action for action in program if action.microbatch < microbatches)
 
 
-def _v_rule(ranks: int, microbatches: int) -> tuple[tuple[Step, ...], ...]:
+def _v_rule(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """ZB-V by the rule of thumb (see the module docstring), played out on a unit-time clock."""
     m, last = microbatches, 2 * ranks - 1
     limit = 2 * ranks
     owned = [v_stages_of(r, ranks) for r in range(ranks)]
-    ends: dict[Step, int] = {}  # what has run, and when it ended
-    programs: list[list[Step]] = [[] for _ in range(ranks)]
+    ends: dict[Action, int] = {}  # what has run, and when it ended
+    programs: list[list[Action]] = [[] for _ in range(ranks)]
     held = [0] * ranks
-    weights: list[list[Step]] = [[] for _ in range(ranks)]  # pending W's, oldest first
+    weights: list[list[Action]] = [[] for _ in range(ranks)]  # pending W's, oldest first
     forwards = [dict.fromkeys(stages, 0) for stages in owned]  # per stage: the next micro-batch
     inputs = [dict.fromkeys(stages, 0) for stages in owned]
     total, now = 3 * 2 * ranks * m, 0  # F, I and W of every (micro-batch, stage)
 
-    def arrived(step: Step) -> bool:
-        return ends.get(step, now + 1) <= now
+    def arrived(action: Action) -> bool:
+        return ends.get(action, now + 1) <= now
 
     while len(ends) < total:
         for rank in range(ranks):
             if programs[rank] and ends[programs[rank][-1]] > now:
                 continue  # busy
-            choice: Step | None = None
+            choice: Action | None = None
             ready = [(i, -s) for s, i in inputs[rank].items() if i < min(m, forwards[rank][s])
-                     and arrived(("F", i, last) if s == last else ("I", i, s + 1))]
+                     and arrived(Action(_F, i, last) if s == last else Action(_I, i, s + 1))]
             if ready:
                 i, s = min(ready)
-                choice = ("I", i, -s)
-                weights[rank].append(("W", i, -s))
+                choice = Action(_I, i, -s)
+                weights[rank].append(Action(_W, i, -s))
             if choice is None and held[rank] < limit:
-                ready = [(i, -s) for s, i in forwards[rank].items() if i < m and (s == 0 or arrived(("F", i, s - 1)))]
+                ready = [(i, -s) for s, i in forwards[rank].items() if i < m and (s == 0 or arrived(Action(_F, i, s - 1)))]
                 if ready:
                     i, s = min(ready)
-                    choice = ("F", i, -s)
+                    choice = Action(_F, i, -s)
                     held[rank] += 1
             if choice is None and weights[rank]:
                 choice = weights[rank].pop(0)
                 held[rank] -= 1
             if choice is None:
                 continue
-            phase, i, s = choice
-            if phase == "F":
-                forwards[rank][s] += 1
-            elif phase == "I":
-                inputs[rank][s] += 1
+            if choice.phase is _F:
+                forwards[rank][choice.stage] += 1
+            elif choice.phase is _I:
+                inputs[rank][choice.stage] += 1
             programs[rank].append(choice)
             ends[choice] = now + 1
         now += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from pipe.core.schedule import Phase
+from pipe.core.action import Phase
 from pipe.viz.idle import Explanation, explain_timeline
 from pipe.viz.timeline import Span, Timeline
 

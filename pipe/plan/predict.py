@@ -21,7 +21,8 @@ from typing import Optional
 
 from pipe.core.options import checkpoint_stop
 from pipe.core.program_time import time_schedule
-from pipe.core.schedule import Action, Phase, Schedule, TimedAction
+from pipe.core.action import Action, Phase, TimedAction
+from pipe.core.schedule import Schedule
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.candidate import Candidate

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pipe.core.lowering import gather_events
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import Schedule
 from pipe.core.units import format_bytes
 from pipe.plan.cost import Costs
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pipe.core.schedule import Action, TimedAction
+    from pipe.core.action import Action, TimedAction
     from pipe.plan.cost import Costs
     from pipe.plan.candidate import Candidate
 

@@ -38,7 +38,8 @@ from pipe.core.dependency import depend
 from pipe.core.inplace import InputGuard, describe_partition
 from pipe.core.microbatch import Batch
 from pipe.core.rng import GeneratorLocks, RandomnessGuard, cell_seed, draw_base_seed
-from pipe.core.schedule import Phase, Schedule
+from pipe.core.action import Phase
+from pipe.core.schedule import Schedule
 from pipe.core.stream import AbstractStream, current_stream, new_stream, use_device
 from pipe.skip.layout import SkipLayout
 from pipe.skip.tracker import SkipTrackerThroughPortals, partition_function

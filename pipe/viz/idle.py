@@ -38,7 +38,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from pipe.core.program_time import time_schedule
-from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import SCHEDULE_KINDS, Schedule
 from pipe.viz.timeline import COMPUTE, Span, Timeline
 
 __all__: list[str] = []

@@ -12,7 +12,8 @@ from torch import nn
 from pipe.balance import LayerTimes, auto_schedule, traced_step
 from pipe.balance.traced import calibrated_times
 from pipe.core.cost_order import StageCosts, lowered_step
-from pipe.core.schedule import Phase, Schedule
+from pipe.core.action import Phase
+from pipe.core.schedule import Schedule
 from pipe.trace import TraceError, complete_event
 
 KIND = {Phase.FORWARD: "forward", Phase.INPUT: "input", Phase.WEIGHT: "weight", Phase.BACKWARD: "backward"}

@@ -9,7 +9,8 @@ import pytest
 
 from pipe.core.lowering import COMPUTE, Kind, Routes, Step, gather_events, lower
 from pipe.core.program_time import check, simulate
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule
 
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped-bfs", 2), ("zb-h1", 1), ("zbv", 1)]

@@ -14,7 +14,8 @@ import pytest
 import pipe.core.schedule
 from helpers import without_lowering_cache
 from pipe.core.program_time import phase_durations, time_schedule
-from pipe.core.schedule import SCHEDULE_KINDS, Action, Phase, Schedule, TimedAction
+from pipe.core.action import Action, Phase, TimedAction
+from pipe.core.schedule import SCHEDULE_KINDS, Schedule
 
 F, B, R = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
 I, W = Phase.INPUT, Phase.WEIGHT

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pipe.core.program_time import time_schedule
-from pipe.core.schedule import Action, Phase, Schedule
+from pipe.core.action import Action, Phase
+from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule, torch_order
 from pipe.viz.cli import main as pipe_viz
 

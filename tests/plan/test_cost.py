@@ -117,14 +117,16 @@ def test_a_stages_halves_are_its_one_split_shared_out_not_each_layers_split_alon
     from pipe.balance import timing
 
     # A runner splits a stage's backward once (one I call, one W call): the layers' halves are their shares
-    # of their window's split, in proportion to their halves alone.
+    # of their window's split, in proportion to their halves alone (given here: timing them would make the
+    # test depend on the machine's load).
     monkeypatch.setattr(timing, "_cell_split", lambda layers, batch, device: (0.004 * len(layers), 0.006 * len(layers)))
+    alone = {0: (1.0, 0.0, 2.0), 1: (1.0, 1.0, 1.0), 2: (1.0, 3.0, 1.0)}  # layer 0's input needs no gradient
+    monkeypatch.setattr(timing, "_alone", lambda layer, batch, device, k, split=False: alone[k % 3])
     measured = timing.time_layers(mlp(6), {4: torch.randn(4, WIDTH)}, torch.device("cpu"), rounds=1, split=True,
                                   window=3)
     for first in (0, 3):
-        assert sum(measured.input_grad[4][first:first + 3]) == pytest.approx(0.012)
-        assert sum(measured.weight_grad[4][first:first + 3]) == pytest.approx(0.018)
-    assert measured.input_grad[4][0] < measured.input_grad[4][1]  # the mini-batch needs no gradient: ~no share
+        assert measured.input_grad[4][first:first + 3] == pytest.approx([0.0, 0.003, 0.009])
+        assert measured.weight_grad[4][first:first + 3] == pytest.approx([0.009, 0.0045, 0.0045])
 
 
 def test_a_stage_split_as_one_cell_is_charged_its_cells_halves_not_its_layers_alone(

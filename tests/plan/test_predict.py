@@ -128,7 +128,7 @@ def test_ranks_sharing_cores_compute_at_the_cores_speed() -> None:
 
 
 def test_shared_stretch_is_the_mean_number_running_per_core() -> None:
-    from pipe.core.schedule import Action, Phase, TimedAction
+    from pipe.core.action import Action, Phase, TimedAction
     from pipe.plan.timing import shared_stretch
 
     a, b = Action(Phase.FORWARD, 0, 0), Action(Phase.FORWARD, 0, 1)
