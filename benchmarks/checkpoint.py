@@ -56,7 +56,6 @@ def _rank(rank: int, world: int, args: argparse.Namespace, directory: str) -> di
 
     import pipe
     import pipe.distributed as pd
-    from finetune_hf import cut_points
     from loading import _config
     from pipe.distributed import state
 
@@ -65,8 +64,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, directory: str) -> di
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     example = torch.zeros(2, args.seq_len, dtype=torch.long, device="meta")
-    stages = pipe.split(model, (example,), {"use_cache": False},
-                        at=cut_points(model, config.num_hidden_layers, world))
+    stages = pipe.split(model, (example,), {"use_cache": False}, at="auto", stages=world)
     piped = pd.DistributedPipe(stages, chunks=args.chunks, schedule="1f1b", loss_fn=_loss)
     optimizer = torch.optim.AdamW(piped.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0))
