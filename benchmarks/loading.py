@@ -2,7 +2,8 @@
 
 A LLaMA-style model (default 0.5B parameters, untied head, fp32) is written
 by ``save_pretrained`` as sharded safetensors into a temporary directory, then
-loaded on 4 gloo ranks at (pp 4), (pp 2, dp_shard 2), (pp 1, dp_shard 4) and (pp 2, tp 2):
+loaded on 4 gloo ranks at (pp 4), (pp 2, dp_shard 2), (pp 1, dp_shard 4) and (pp 2, tp 2), and on 8 at
+(pp 2, tp 2, dp_shard 2), the 3-D layout (``--layouts "pp 2 x tp 2 x dp_shard 2"``, not in the default run):
 each rank builds the model on ``meta``, cuts it with ``pipe.split``, gives it
 to ``DistributedPipe(..., init_weights=False)`` (which shards the stages on
 ``meta`` and allocates only that rank's shards; ``--init-weights``: whole
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -62,7 +64,12 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 LAYOUTS = {"pp 4": {"pp": 4}, "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2}, "pp 1 x dp_shard 4": {"pp": 1, "dp_shard": 4},
-           "pp 2 x tp 2": {"pp": 2, "tp": 2}}
+           "pp 2 x tp 2": {"pp": 2, "tp": 2}, "pp 2 x tp 2 x dp_shard 2": {"pp": 2, "tp": 2, "dp_shard": 2}}
+DEFAULT_LAYOUTS = ["pp 4", "pp 2 x dp_shard 2", "pp 1 x dp_shard 4", "pp 2 x tp 2"]
+
+
+def _world(layout: str) -> int:
+    return math.prod(LAYOUTS[layout].values())
 
 
 def _config(quick: bool) -> Any:
@@ -116,9 +123,10 @@ def _rank(rank: int, port: int, layout: str, directory: str, export: str, args: 
 
 def _measure(rank: int, port: int, layout: str, directory: str, export: str,
              args: argparse.Namespace) -> dict[str, Any]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
+    world = _world(layout)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=1800))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
     import pipe
     from pipe.distributed import DistributedPipe, Shard, hf
     from pipe.distributed import safetensors_files
@@ -289,8 +297,8 @@ def main() -> None:
     parser.add_argument("--reduce", default="step", choices=["step", "micro-batch"],
                         help="with --unit block: Shard(reduce=...), reduce-scatter each layer's gradients once a step "
                              "(default) or after each of its backwards")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
-                        help=f"the layouts to load into (default: all of {list(LAYOUTS)})")
+    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS), metavar="LAYOUT",
+                        help=f"the layouts to load into (default: {DEFAULT_LAYOUTS}; of {list(LAYOUTS)})")
     args = parser.parse_args()
     from forked_ranks import run_forked_ranks
 
@@ -313,7 +321,7 @@ def main() -> None:
         failed: dict[str, list[str]] = {}
         for layout in args.layouts:
             ranks = run_forked_ranks(_rank, layout, source, os.path.join(root, "export-" + layout.replace(" ", "")),
-                                     args, ranks=4, timeout=3600)
+                                     args, ranks=_world(layout), timeout=3600)
             errors = [r["error"] for r in ranks if "error" in r]
             if errors:  # recorded, and the other layouts still measured
                 failed[layout] = errors
@@ -372,7 +380,7 @@ def main() -> None:
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
             + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
             + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
-            + ("" if args.layouts == list(LAYOUTS) else "-" + "-".join(l.replace(" ", "") for l in args.layouts))
+            + ("" if args.layouts == DEFAULT_LAYOUTS else "-" + "-".join(l.replace(" ", "") for l in args.layouts))
             + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULTS / name}")
