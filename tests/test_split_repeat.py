@@ -173,3 +173,33 @@ def test_a_config_that_sets_the_layers_apart_is_named() -> None:
     mixed = qwen2(layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=2)
     assert "layer_types" in _per_layer_settings(mixed.config, 4)
     assert _per_layer_settings(qwen2(layers=4).config, 4) == ""
+
+
+ARCHITECTURES = {  # name: (config class, model class, config settings, whether the layers are alike)
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, True),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}, True),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, True),  # fused qkv and gate-up projections
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, True),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, True),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8}, False),  # sliding and full layers alternate
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_other_architectures_split_to_the_whole_export_s_graph(name: str, exported_layers: list[int]) -> None:
+    import transformers
+
+    config_class, model_class, settings, alike = ARCHITECTURES[name]
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name != "gpt_neox":
+        sizes["num_key_value_heads"] = 2
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes, **settings)).eval()
+    at = ["gpt_neox.layers.2" if name == "gpt_neox" else "model.layers.2"]
+    repeated, whole = split(model, at), split(model, at, repeat=False)
+    assert exported_layers == [2 if alike else 4, 4]
+    assert graphs(repeated) == graphs(whole)
+    ids, mask, _ = lm_batch(4, 8, seed=1)
+    torch.testing.assert_close(repeated(ids, mask), model(ids, attention_mask=mask).logits, rtol=0, atol=0)
