@@ -39,6 +39,7 @@ Run:
     python benchmarks/loading.py --step          # and one training step's peak per rank after the load
     python benchmarks/loading.py --step --unit block   # the step with each decoder layer gathered on its own
     python benchmarks/loading.py --step --unit block --reduce micro-batch   # and reduced after each backward
+    python benchmarks/loading.py --step --return-freed   # peaks with freed tensors returned to the system
 Results: benchmarks/results/loading.json (loading-quick.json, loading-cuda.json; some layouts only:
 loading-pp2xtp2.json).
 """
@@ -123,6 +124,9 @@ def _rank(rank: int, port: int, layout: str, directory: str, export: str, args: 
 
 def _measure(rank: int, port: int, layout: str, directory: str, export: str,
              args: argparse.Namespace) -> dict[str, Any]:
+    if args.return_freed:  # blocks of 1 MiB and more mmapped, so a freed tensor leaves VmRSS (glibc's mallopt)
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; also stops glibc raising it itself
     world = _world(layout)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -297,6 +301,10 @@ def main() -> None:
     parser.add_argument("--reduce", default="step", choices=["step", "micro-batch"],
                         help="with --unit block: Shard(reduce=...), reduce-scatter each layer's gradients once a step "
                              "(default) or after each of its backwards")
+    parser.add_argument("--return-freed", action="store_true",
+                        help="each rank has glibc mmap every block of 1 MiB or more (mallopt M_MMAP_THRESHOLD), so "
+                             "freed tensors go back to the system and the resident peaks (VmHWM) are closer to what "
+                             "was live; by default glibc may keep freed memory for reuse, which VmHWM counts")
     parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"the layouts to load into (default: {DEFAULT_LAYOUTS}; of {list(LAYOUTS)})")
     args = parser.parse_args()
@@ -354,7 +362,8 @@ def main() -> None:
         exact = bool(roundtrip["export_exact"]) and all(v["export_exact_per_rank"] for v in layouts.values())
         result = {
             "config": {"parameters": reference["parameters"], "model_bytes": reference["model_bytes"],
-                       "dtype": "float32", "device": args.device, "quick": args.quick, "ranks": 4,
+                       "dtype": "float32", "device": args.device, "quick": args.quick,
+                       "ranks": sorted({_world(layout) for layout in args.layouts}), "return_freed": args.return_freed,
                        "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB",
                        "unit": args.unit, "reduce": args.reduce},
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
@@ -380,6 +389,7 @@ def main() -> None:
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
             + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
             + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
+            + ("-return-freed" if args.return_freed else "")
             + ("" if args.layouts == DEFAULT_LAYOUTS else "-" + "-".join(l.replace(" ", "") for l in args.layouts))
             + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
