@@ -195,7 +195,8 @@ def _training_step(piped: Any, config: Any, share: int, baseline: int, args: arg
     """One training step after the load (1F1B, 4 micro-batches of 1 x 64 tokens per pipeline; ZeRO-3 where the
     mesh shards): the peak the rank gains over its share, and what it holds after; beside them the parts of the
     bound a per-layer ZeRO-3 step would reach, without the activations: the share, the stage's gradients
-    unsharded until the step's one reduce-scatter, and the two largest decoder layers gathered."""
+    unsharded until the step's one reduce-scatter, and the two largest units gathered (decoder layers, or the
+    embedding or head where larger)."""
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
@@ -206,12 +207,12 @@ def _training_step(piped: Any, config: Any, share: int, baseline: int, args: arg
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (4, 64), generator=generator)
     stage_bytes = sum(p.numel() * p.element_size() for p in piped.parameters())  # full sizes, DTensors too
-    layers = {}
+    units: dict[str, int] = {}  # what FSDP gathers at a time by layer: a decoder layer, the embedding, the head, ...
     for name, p in piped.named_parameters():
-        if ".layers." in name:
-            layer = name.split(".layers.")[1].split(".")[0]
-            layers[layer] = layers.get(layer, 0) + p.numel() * p.element_size()
-    largest = sorted(layers.values(), reverse=True)[:2]
+        head, _, rest = name.partition(".layers.")
+        unit = f"{head}.layers.{rest.split('.')[0]}" if rest else name.rpartition(".")[0]
+        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
+    largest = sorted(units.values(), reverse=True)[:2]
     gc_collect()
     dist.barrier()
     _reset_peak()
