@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # The planner's model: costs, candidates, prediction over a schedule, search; no torch (checked below).
     ("planner model", PLANNER_MODEL),
     ("front ends", ["pipe", "pipe.pipe", "pipe.graph_split", "pipe.split_stage", "pipe.split_blocks",
+                    "pipe.split_repeat",
                     "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
                     "pipe.distributed.calibrated",

@@ -23,14 +23,16 @@ first GPU run spawned, and its suite outran its time limit.)
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any, Callable, Collection, Optional
 
 import torch
+import torch.distributed as dist
 
 from pipe.distributed.local_ranks import CRASHED, RankFailure, free_port, run_local_ranks
 
-__all__ = ["CRASHED", "DEADLINE", "free_port", "run_ranks"]
+__all__ = ["CRASHED", "DEADLINE", "free_port", "hold_the_store", "run_ranks"]
 
 DEADLINE = 90.0  # seconds for a whole spawn; a hang fails the test instead of blocking CI
 
@@ -67,3 +69,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
                 continue
             raise AssertionError(str(error)) from None
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def hold_the_store(rank: int, world: int) -> None:
+    """Call last in a rank function run with ``barrier=False``: rank 0, whose process hosts the store of ranks
+    started by :func:`run_ranks`, returns only once every rank has called it, so that no rank's last store request
+    meets a store whose host has exited (``Connection reset by peer``)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test/returning", 1)
+    while rank == 0 and int(store.add("test/returning", 0)) < world:
+        time.sleep(0.05)

@@ -19,18 +19,16 @@ accumulating.
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import pipe.distributed as pd
 from decoder import decoder, full, tensor_parallel_plan
-from spawn_ranks import run_ranks
+from spawn_ranks import hold_the_store, run_ranks
 from test_fsdp_ranks import Collectives, lm
 
 VOCAB = 11  # test_fsdp_ranks.lm's; the decoder's is 32
@@ -196,10 +194,7 @@ def _disagreeing(rank: int, world: int) -> str:
         message = "no error"
     except Exception as error:
         message = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    store = dist.distributed_c10d._get_default_store()  # hosted by rank 0: kept until every rank has its verdict
-    store.add("verdicts", 1)
-    while rank == 0 and int(store.add("verdicts", 0)) < world:
-        time.sleep(0.05)
+    hold_the_store(rank, world)  # every rank's verdict read the store, which rank 0 hosts
     return message
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipe.distributed import connections
-from spawn_ranks import run_ranks
+from spawn_ranks import hold_the_store, run_ranks
 
 
 def _released_by_shutdown(rank: int, world: int) -> dict[str, object]:
@@ -29,8 +29,7 @@ def _released_by_shutdown(rank: int, world: int) -> dict[str, object]:
     except RuntimeError as error:
         seen["error"] = str(error)
         seen["peer"] = connections.rank_at(error)
-    store.set(f"done/{rank}", "yes")
-    store.wait(["done/0", "done/1"], datetime.timedelta(seconds=30))
+    hold_the_store(rank, world)
     return seen
 
 
