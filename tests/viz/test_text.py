@@ -28,10 +28,14 @@ def test_later_chunks_are_lower_case() -> None:
 
 
 def test_measured_timeline_fits_the_width(pipe_trace: dict[str, Any]) -> None:
-    text = render_text([from_trace(pipe_trace)], width=80)
+    timeline = from_trace(pipe_trace)
+    text = render_text([timeline], width=80)
     rows = [line for line in text.splitlines() if line.startswith("stage ") and "|" in line]
     assert len(rows) == 2 and all(len(line) <= len("stage 0 | ") + 80 for line in rows)
-    assert all(letter in rows[0] for letter in "FBR")
+    # Which letters fit in 80 columns depends on the measured durations (a short recompute may take no column on
+    # a busy machine): the kinds are checked in the timeline, the drawing by a letter that always has room.
+    assert {"forward", "backward", "recompute"} <= {c.kind for c in timeline.cells if c.row == 0}
+    assert "F" in rows[0] or "B" in rows[0]
     assert "ms | 0" in text
 
 
