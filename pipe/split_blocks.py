@@ -87,7 +87,9 @@ def outline_layers(stage: fx.GraphModule, model: nn.Module) -> list[str]:
     return done
 
 
-def _runs_in(node: fx.Node, path: str) -> bool:
+def runs_in(node: fx.Node, path: str) -> bool:
+    """Whether the op ``node`` ran inside the module at ``path`` (its ``nn_module_stack``, as ``torch.export``
+    records it)."""
     stack = node.meta.get("nn_module_stack") or {}
     return any(entry[0] == path for entry in stack.values())
 
@@ -110,7 +112,7 @@ def outline(stage: fx.GraphModule, path: str, class_name: str = "SplitBlock") ->
     nodes = list(graph.nodes)
     prefix = f"{path}."
     weights = [n for n in nodes if n.op == "get_attr" and str(n.target).startswith(prefix)]
-    body = [n for n in nodes if n.op == "call_function" and _runs_in(n, path)]
+    body = [n for n in nodes if n.op == "call_function" and runs_in(n, path)]
     if not weights or not body:
         return False
     inside = set(body) | set(weights)

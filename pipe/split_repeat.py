@@ -48,7 +48,7 @@ import torch.distributed.pipelining  # noqa: F401  (registers the cut marker op,
 from torch import fx, nn
 from torch.utils import _pytree
 
-from pipe.split_blocks import _runs_in
+from pipe.split_blocks import runs_in
 from pipe.split_stage import attach
 
 __all__: list[str] = []
@@ -100,7 +100,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], poi
         return None
     nodes = list(graph_module.graph.nodes)
     for point in marked:
-        first = next(node for node in nodes if node.op == "call_function" and _runs_in(node, point))
+        first = next(node for node in nodes if node.op == "call_function" and runs_in(node, point))
         with graph_module.graph.inserting_before(first):
             graph_module.graph.call_function(torch.ops.pippy._pipe_split.default, ())
     graph_module.graph.lint()
@@ -198,7 +198,7 @@ def _repeat(graph_module: fx.GraphModule, paths: list[str]) -> str:
     """Writes the ops of layer ``paths[1]`` again for each of ``paths[2:]``; why it cannot ('' when done)."""
     graph = graph_module.graph
     nodes = list(graph.nodes)
-    ops = [[n for n in nodes if n.op == "call_function" and _runs_in(n, p)] for p in paths[:2]]
+    ops = [[n for n in nodes if n.op == "call_function" and runs_in(n, p)] for p in paths[:2]]
     if not ops[0] or len(ops[0]) != len(ops[1]):
         return "the two exported layers do not run the same number of ops"
     position = {node: i for i, node in enumerate(nodes)}
