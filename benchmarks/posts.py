@@ -53,7 +53,8 @@ class Wide(nn.Module):
 def _rank(rank: int, port: int, args: argparse.Namespace, link: tuple[float, float], results: Any) -> None:
     from pipe import trace
     from pipe.balance import traced_step
-    from pipe.core.cost_order import choose_posts, lowered_step
+    from pipe.core.cost_order import choose_posts
+    from pipe.core.stage_costs import lowered_step
     from pipe.core.message import HEADER_BYTES
     from pipe.core.schedule import Schedule
     from pipe.core.schedule_table import TableSchedule

@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # type checkers see the names; the interpreter loads them on 
     from pipe.graph_split import SplitError, split
     from pipe.threads.call import PipeClosedError
     from pipe.compile import CompileError
-    from pipe.core.cost_order import StageCosts, schedule_from_costs
+    from pipe.core.cost_order import schedule_from_costs
+    from pipe.core.stage_costs import StageCosts
 
 __all__ = ["Pipe", "PipeSequential", "NoChunk", "split", "is_checkpointing", "is_recomputing", "balance", "skip",
            "PipeClosedError", "SplitError", "CompileError", "schedule_from_costs", "StageCosts"]
@@ -55,7 +56,7 @@ _NAMES = {
     "SplitError": ("pipe.graph_split", "SplitError"),
     "CompileError": ("pipe.compile", "CompileError"),
     "schedule_from_costs": ("pipe.core.cost_order", "schedule_from_costs"),
-    "StageCosts": ("pipe.core.cost_order", "StageCosts"),
+    "StageCosts": ("pipe.core.stage_costs", "StageCosts"),
 }
 _SUBMODULES = {"balance", "skip", "recompute", "distributed", "trace", "viz", "batchnorm", "core", "threads",
                "plan"}

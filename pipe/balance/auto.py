@@ -25,9 +25,10 @@ from torch import nn
 from pipe.balance.solver import solve
 from pipe.balance.timing import LayerTimes, time_layers
 from pipe.balance.traced import TracedStep, calibrated_times
-from pipe.core.cost_order import Candidate, StageCosts, busy_bound, candidate_orders, fastest
+from pipe.core.cost_order import JudgedOrder, candidate_orders, fastest
+from pipe.core.stage_costs import StageCosts, busy_bound
 from pipe.core.microbatch import scatter
-from pipe.core.options import CHECKPOINT_MODES, positive_int
+from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop, positive_int
 from pipe.core.partition import verify_module
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.zero_bubble import v_rank_of
@@ -47,7 +48,7 @@ class AutoSchedule:
         step: the simulated step in seconds (compute, the runner's overhead per action, and messages: their
             bytes move once sent and their receive posted, where each rank posts it).
         costs: the per-stage costs it was ordered by.
-        bound: the busiest rank's own compute in seconds: no order beats it.
+        bound: the busiest rank's own work in seconds (:func:`pipe.core.stage_costs.busy_bound`): no order beats it.
         times: the layer times it cut and ordered by (scaled by ``measured=`` where given); pass them back as
             ``times=`` to order again without timing again.
         measured: the recorded step its costs were scaled to (``measured=``), or None.
@@ -189,7 +190,7 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     if not options:
         raise ValueError(f"placement={placement!r} needs {2 * ranks} layers or more for {ranks} ranks "
                          f"(2 stages per rank); the model has {len(module)}: use placement='looped'")
-    best: Optional[tuple[Candidate, list[int], StageCosts]] = None
+    best: Optional[tuple[JudgedOrder, list[int], StageCosts]] = None
     for where, stages in options:
         rank_of = [v_rank_of(s, ranks) if where == "v" else s % ranks for s in range(stages)]
         for balance in cut_for_ranks(totals, stages, rank_of, ranks):
@@ -207,7 +208,7 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
         raise ValueError(f"no order of {len(module)} layers on {ranks} ranks fits in_flight={in_flight!r} / "
                          f"memory_limit={memory_limit!r}; raise it (one micro-batch of a rank's layers at least)")
     candidate, balance, costs = best
-    where = "v" if candidate.schedule.placement != tuple(s % ranks for s in range(costs.stages)) else "looped"
     logger.info("auto schedule: %s, balance %s, simulated step %.4g s", candidate.name, balance, candidate.step)
     return AutoSchedule(balance, candidate.schedule, candidate.step, costs,
-                        busy_bound(costs, ranks, chunks, where, checkpoint), times, measured)
+                        busy_bound(costs, candidate.schedule.placement, chunks, checkpoint_stop(checkpoint, chunks)),
+                        times, measured)

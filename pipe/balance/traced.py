@@ -12,7 +12,7 @@ the measured one; from a recorded step's medians it came within 3%.
 ``pipe.trace.record``), and returns each stage's median F, I, W (or fused B)
 and the runner's own time per action: everything a rank spent that was
 neither compute nor waiting for a message. :meth:`TracedStep.costs` gives the
-:class:`~pipe.core.cost_order.StageCosts` of the cut that ran, and
+:class:`~pipe.core.stage_costs.StageCosts` of the cut that ran, and
 :func:`pipe.balance.auto_schedule` (``measured=``) scales its layer times by
 them, so that it can also cut anew::
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence, Union
 
 from pipe.balance.timing import LayerTimes
-from pipe.core.cost_order import StageCosts
+from pipe.core.stage_costs import StageCosts
 from pipe.trace.events import TraceError, load, merge
 
 __all__: list[str] = []

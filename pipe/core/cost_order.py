@@ -4,7 +4,7 @@ Every fixed schedule (1F1B, ZB-H1, ZB-V, interleaved, GPipe; torch's too) is
 written for equal costs: F = I = W on every stage, messages free. On a real
 model they are not (W can take twice an I; the first and the last stage carry
 the embedding, the head and the loss), and the ranks wait. Given the costs of
-each stage, :func:`schedule_from_costs` plays the pipeline out with a greedy
+each stage (:class:`~pipe.core.stage_costs.StageCosts`), :func:`schedule_from_costs` plays the pipeline out with a greedy
 list scheduler under a memory limit (:mod:`pipe.core.greedy_order`), with a
 few variants of its priority rule, for the looped placement (stage s on rank
 ``s % ranks``) and the V (rank r runs stages r and ``2 * ranks - 1 - r``),
@@ -35,14 +35,14 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from pipe.core.greedy_order import Rule, Stuck, greedy_programs, polish
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
-from pipe.core.program_time import time_schedule
 from pipe.core.action import Action, Phase
 from pipe.core.schedule import Schedule
 from pipe.core.schedule_table import TableSchedule
+from pipe.core.stage_costs import StageCosts, lowered_step
 from pipe.core.zero_bubble import v_rank_of
 
 __all__: list[str] = []
@@ -51,80 +51,10 @@ logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("looped", "v", "best")
 POST_CHOICES = (1, 2, 3, 4)  # actions ahead a rank may post its receives (0, just before the wait, is never faster)
-Number = Union[int, float]
-
-
-def _numbers(name: str, values: Union[Number, Sequence[Number]], count: int, positive: bool = False) -> tuple[float, ...]:
-    """``values`` (one number, or ``count`` numbers) as floats, checked finite and >= 0 (> 0 if ``positive``)."""
-    listed: list[Any] = [values] * count if isinstance(values, (int, float)) else list(values)
-    if len(listed) != count:
-        raise ValueError(f"{name} needs {count} entries (one per stage{' boundary' if name == 'transfer' else ''}), "
-                         f"got {len(listed)}: {listed!r}")
-    for k, value in enumerate(listed):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value < 0 or (positive and value == 0):
-            raise ValueError(f"{name}[{k}] = {value!r}: costs must be finite numbers "
-                             f"{'> 0' if positive else '>= 0'} (seconds, or any one unit)")
-    return tuple(float(v) for v in listed)
 
 
 @dataclass(frozen=True)
-class StageCosts:
-    """What each stage's actions cost, for one micro-batch; build it with :meth:`of` (which checks it).
-
-    Attributes:
-        forward, input_grad, weight_grad: seconds of F, I and W of each stage.
-        backward: seconds of a whole backward (B) of each stage; ``I + W`` unless measured.
-        transfer: seconds of the message (an activation forward, its gradient back) across each of
-            the ``stages - 1`` boundaries between stages on different ranks.
-        activation: what a cell of each stage holds from its F to its W (bytes, or 1 per cell).
-        overhead: seconds the runner adds to every F, I, W or B action (dispatch, message headers): a
-            split backward pays it twice, a B once.
-    """
-
-    forward: tuple[float, ...]
-    input_grad: tuple[float, ...]
-    weight_grad: tuple[float, ...]
-    backward: tuple[float, ...]
-    transfer: tuple[float, ...]
-    activation: tuple[float, ...]
-    overhead: float = 0.0
-
-    @classmethod
-    def of(cls, forward: Sequence[Number], input_grad: Sequence[Number], weight_grad: Sequence[Number], *,
-           backward: Optional[Sequence[Number]] = None, transfer: Union[Number, Sequence[Number]] = 0.0,
-           activation: Union[Number, Sequence[Number]] = 1.0, overhead: Number = 0.0) -> "StageCosts":
-        """The costs of ``len(forward)`` stages, checked.
-
-        Raises:
-            ValueError: a list of the wrong length, or a cost that is not a finite number >= 0.
-        """
-        if isinstance(forward, (int, float)) or not len(forward):
-            raise ValueError(f"forward needs one cost per stage (a non-empty list), got {forward!r}")
-        n = len(forward)
-        f = _numbers("forward", forward, n)
-        i, w = _numbers("input_grad", input_grad, n), _numbers("weight_grad", weight_grad, n)
-        b = _numbers("backward", backward, n) if backward is not None else tuple(x + y for x, y in zip(i, w))
-        for k in range(n):
-            if f[k] + i[k] + w[k] <= 0:
-                raise ValueError(f"stage {k} costs nothing (F, I and W all 0); give it its measured times")
-        return cls(f, i, w, b, _numbers("transfer", transfer, n - 1), _numbers("activation", activation, n, True),
-                   _numbers("overhead", overhead, 1)[0])
-
-    @property
-    def stages(self) -> int:
-        return len(self.forward)
-
-    def cost(self, phase: Union[Phase, str], stage: int) -> float:
-        """Seconds of ``phase`` (F, I, W, B, or R, a recompute: the forward again; a :class:`Phase` or its letter)."""
-        phase = Phase(phase)
-        table = {Phase.FORWARD: self.forward, Phase.RECOMPUTE: self.forward, Phase.INPUT: self.input_grad,
-                 Phase.WEIGHT: self.weight_grad, Phase.BACKWARD: self.backward}
-        return table[phase][stage] + (self.overhead if phase is not Phase.RECOMPUTE else 0.0)
-
-
-@dataclass(frozen=True)
-class Candidate:
+class JudgedOrder:
     """One order judged under the costs: its name, table, simulated step, weight held per rank, and the
     memory limit of its placement (:func:`schedule_from_costs`'s ``in_flight`` or ``memory_limit``)."""
 
@@ -184,34 +114,6 @@ def peak_held(schedule: Schedule, activation: Sequence[float]) -> tuple[float, .
     return tuple(peaks)
 
 
-def cost_functions(schedule: Schedule, costs: StageCosts
-                   ) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
-    """``(duration, transfer)`` of an action under ``costs``, for :func:`pipe.core.program_time.time_schedule`:
-    its own seconds, and those of the message it waits for (its boundary's transfer where the neighbouring
-    stage runs on another rank)."""
-    last = schedule.stages - 1
-
-    def duration(action: Action) -> float:
-        return costs.cost(action.phase, action.stage)
-
-    def transfer(action: Action) -> float:
-        s, here = action.stage, schedule.rank_of(action.stage)
-        if action.phase is Phase.FORWARD:
-            return costs.transfer[s - 1] if s > 0 and schedule.rank_of(s - 1) != here else 0.0
-        if action.phase in (Phase.INPUT, Phase.BACKWARD):
-            return costs.transfer[s] if s < last and schedule.rank_of(s + 1) != here else 0.0
-        return 0.0
-
-    return duration, transfer
-
-
-def lowered_step(schedule: Schedule, costs: StageCosts, stop: int = 0) -> float:
-    """The step of ``schedule``'s lowered programs (:func:`pipe.core.program_time.time_schedule`) under
-    ``costs``, micro-batches ``i < stop`` recomputed: receives posted where each rank posts them, a message's
-    bytes moving once both its send and its receive are posted."""
-    return max(t.end for t in time_schedule(schedule, *cost_functions(schedule, costs), stop))
-
-
 def choose_posts(schedule: TableSchedule, costs: StageCosts, checkpoint: str = "never"
                  ) -> tuple[TableSchedule, float]:
     """Where each rank posts its receives (:data:`POST_CHOICES` actions ahead), and the lowered step it gives.
@@ -234,7 +136,7 @@ def choose_posts(schedule: TableSchedule, costs: StageCosts, checkpoint: str = "
     return schedule.with_posts(posts), best
 
 
-def fastest(found: Sequence[Candidate], costs: StageCosts, checkpoint: str = "never", top: int = 4) -> Candidate:
+def fastest(found: Sequence[JudgedOrder], costs: StageCosts, checkpoint: str = "never", top: int = 4) -> JudgedOrder:
     """The fastest fitting candidate once each rank's receive posts are chosen (:func:`choose_posts`) for the
     ``top`` fastest and every fixed schedule, so that none of those is faster with its own posts. Without
     transfer costs posts change nothing: the fastest candidate as it is.
@@ -250,18 +152,8 @@ def fastest(found: Sequence[Candidate], costs: StageCosts, checkpoint: str = "ne
     chosen = []
     for candidate in ranked[:top] + [c for c in ranked[top:] if not c.name.startswith("auto")]:
         table, step = choose_posts(candidate.schedule, costs, checkpoint)
-        chosen.append(Candidate(candidate.name, table, step, candidate.peak, candidate.limit))
+        chosen.append(JudgedOrder(candidate.name, table, step, candidate.peak, candidate.limit))
     return min(chosen, key=lambda c: c.step)
-
-
-def busy_bound(costs: StageCosts, ranks: int, microbatches: int, placement: str = "looped",
-               checkpoint: str = "never") -> float:
-    """The step no order can beat: the busiest rank's own compute (F, the cheaper of B and I + W, recomputes),
-    no waits."""
-    rank_of = _rank_of(placement, costs.stages, ranks)
-    redo = checkpoint_stop(checkpoint, microbatches)
-    return max(sum(microbatches * (costs.cost("F", s) + min(costs.cost("B", s), costs.cost("I", s) + costs.cost("W", s)))
-                   + redo * costs.forward[s] for s in range(costs.stages) if rank_of[s] == r) for r in range(ranks))
 
 
 def _rules(costs: StageCosts) -> list[Rule]:
@@ -274,13 +166,13 @@ def _rules(costs: StageCosts) -> list[Rule]:
 
 def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placement: str = "best",
                      in_flight: Optional[float] = None, memory_limit: Optional[float] = None,
-                     checkpoint: str = "never", budget: int = 100) -> list[Candidate]:
+                     checkpoint: str = "never", budget: int = 100) -> list[JudgedOrder]:
     """Every order :func:`schedule_from_costs` weighs, fixed and greedy, each with its simulated step and
     peak (arguments as there); orders the greedy rule could not finish under the limit are left out.
     The fastest of each placement is then polished (:func:`pipe.core.greedy_order.polish`) with at most
     ``budget`` simulations."""
     given, placements = _check(costs, ranks, microbatches, placement, in_flight, memory_limit, checkpoint)
-    found: list[Candidate] = []
+    found: list[JudgedOrder] = []
     seen: set[tuple[tuple[Action, ...], ...]] = set()
 
     def judge(name: str, schedule: Schedule) -> None:
@@ -288,7 +180,7 @@ def candidate_orders(costs: StageCosts, *, ranks: int, microbatches: int, placem
         if table.programs in seen:
             return
         seen.add(table.programs)
-        found.append(Candidate(name, table, lowered_step(table, costs, checkpoint_stop(checkpoint, microbatches)),
+        found.append(JudgedOrder(name, table, lowered_step(table, costs, checkpoint_stop(checkpoint, microbatches)),
                                peak_held(table, costs.activation), limit))
 
     for where in placements:

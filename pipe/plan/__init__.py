@@ -39,7 +39,7 @@ The front ends never import the planner.
 """
 from __future__ import annotations
 
-from pipe.plan.cost import Costs, StageMemory, StageTime
+from pipe.plan.cost import Costs, StageMemory
 from pipe.plan.profile import profile_costs
 from pipe.plan.explain import Explanation, explain, explain_prediction
 from pipe.viz.idle import Idle
@@ -53,6 +53,6 @@ from pipe.plan.apply import planned_distributed, planned_pipe
 from pipe.core.units import format_bytes, parse_bytes
 
 __all__ = ["Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
-           "StageTime", "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "planned_distributed",
+           "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "planned_distributed",
            "planned_pipe", "predict",
            "profile_costs", "search"]

@@ -154,7 +154,7 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     """``candidate`` (checkpoint "never", no marks) with the fewest seconds of host copies per stage that
     fit ``budget``: each over-budget rank's stages offload one more of their first layers at a time
     (:func:`pipe.recompute.offload`, prefetched one layer ahead), where it saves the most bytes per
-    second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_time`).
+    second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_costs`).
 
     None when the costs measured no host copy (the CPU: offloading saves nothing there), for the
     zero-bubble schedules (not planned), when offloading every layer does not fit, or when the plan
@@ -171,8 +171,8 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     bounds = [(sum(candidate.balance[:s]), sum(candidate.balance[:s + 1])) for s in range(len(candidate.balance))]
 
     def seconds(s: int, offloaded: int) -> float:  # one micro-batch's forward and backward on stage s
-        t = view.stage_time(*bounds[s], candidate.chunks, offloaded=offloaded)
-        return t.forward + t.backward
+        t = view.stage_costs([bounds[s]], candidate.chunks, offloaded=[offloaded])
+        return t.forward[0] + t.backward[0]
 
     def peak_of(counts: list[int], rank: int) -> int:
         return predict_memory(costs, replace(candidate, offload=tuple(counts)), runner=runner, ranks=[rank])[0][rank]

@@ -3,8 +3,10 @@
 The planner compares plans it has not run, so it needs, for any stage (a
 contiguous range of layers) and micro-batch size, how long the forward, the
 backward and the recomputation take, and how many bytes the stage holds.
-:class:`Costs` answers both: times are per layer and added up over a stage's
-layers; bytes are per stage, from a function that counts them (measured by
+:class:`Costs` answers both: times are per layer, added up over a cut's stages
+into its :class:`~pipe.core.stage_costs.StageCosts` (:meth:`Costs.stage_costs`,
+the one per-stage time type every simulation of a schedule reads); bytes are
+per stage, from a function that counts them (measured by
 :func:`pipe.plan.profile.profile_costs`, or from tables).
 
 Parameter memory (weights, gradients and optimiser state) is static:
@@ -17,10 +19,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
+from pipe.core.message import HEADER_BYTES
+from pipe.core.stage_costs import StageCosts
 from pipe.plan.host_copy import HostCopy
 from pipe.recompute.defaults import DEFAULT_SELECT
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pipe.plan.timing import Link
 
 __all__: list[str] = []
 
@@ -55,28 +62,6 @@ class StageMemory:
     after_input: int = 0
     weight_peak: int = 0
     fetched: int = 0
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """Seconds of one micro-batch on one stage.
-
-    Attributes:
-        forward, backward: the stage's layers (a backward includes the replay
-            of layers marked for recompute).
-        recompute: replaying the whole stage (a checkpointed cell): its forward and
-            the checkpoint's own work (:attr:`Costs.checkpoint_overhead`).
-        input_grad, weight_grad: ``backward`` as a zero-bubble schedule runs it,
-            apart (I, then W; together longer than ``backward``). On the first
-            stage, whose input (the mini-batch) needs no gradient, I is empty and
-            W is the plain backward, as :class:`pipe.core.iw_backward.IWBackward` runs it.
-    """
-
-    forward: float
-    backward: float
-    recompute: float
-    input_grad: float = 0.0
-    weight_grad: float = 0.0
 
 
 MemoryFn = Callable[..., StageMemory]
@@ -202,20 +187,41 @@ class Costs:
             )
         return rows
 
-    def stage_time(self, first: int, stop: int, chunks: int, recomputed: int = 0, selected: int = 0,
-                   offloaded: int = 0) -> StageTime:
-        """Seconds of one micro-batch on layers ``first:stop``, the first ``recomputed``
-        of them replayed in backward (marked for recompute), and the next ones up to
-        ``selected`` replayed in part (marked for selective recompute); or its first
-        ``offloaded`` layers offloading to host memory.
+    def stage_costs(self, bounds: Sequence[tuple[int, int]], chunks: int, recomputed: Sequence[int] = (),
+                    selected: Sequence[int] = (), offloaded: Sequence[int] = (), *, link: Optional["Link"] = None,
+                    overhead: float = 0.0) -> StageCosts:
+        """The :class:`~pipe.core.stage_costs.StageCosts` of the stages ``bounds`` (``(first, stop)`` layers of
+        each) for one micro-batch of ``chunks``: F, B, I, W and R of each, its messages over ``link`` (free
+        without one) and ``overhead`` seconds per action. Per stage (one entry each, or none: 0),
+        ``recomputed``: its first layers replayed in backward (marked for recompute); ``selected``: its
+        layers from there up to this count replayed in part (marked for selective recompute);
+        ``offloaded``: its first layers offloading to host memory.
 
-        An offloading stage's copies run on one side stream beside its compute:
-        the copies out start once its first layer's forward has saved something,
-        and its first layer's backward waits for the last copy back, so a forward
-        takes at least ``forward[first] + copies out`` and a backward at least
-        ``copies back + backward[first]`` (:meth:`offload_seconds`).
+        A backward includes the replay of the layers marked for recompute; R is a checkpointed cell's
+        replay: the stage's forward and the checkpoint's own work (:attr:`checkpoint_overhead`). On the
+        first stage, whose input (the mini-batch) needs no gradient, I is only the replay and W the plain
+        backward, as :class:`pipe.core.iw_backward.IWBackward` runs it. An offloading stage's copies run
+        on one side stream beside its compute: the copies out start once its first layer's forward has
+        saved something, and its first layer's backward waits for the last copy back, so a forward takes
+        at least ``forward[first] + copies out`` and a backward at least ``copies back + backward[first]``
+        (:meth:`offload_seconds`).
         """
         rows = self.rows(chunks)
+        times = [self._stage(first, stop, rows, chunks, recomputed[s] if recomputed else 0,
+                             selected[s] if selected else 0, offloaded[s] if offloaded else 0)
+                 for s, (first, stop) in enumerate(bounds)]
+        sent: list[float] = []
+        back: list[float] = []
+        sizes, grads = self.output_bytes.get(rows, []), self.grad_bytes.get(rows, [])
+        for _, stop in bounds[:-1]:  # the message across the boundary after layer stop - 1
+            sent.append(link.cost(HEADER_BYTES + sizes[stop - 1]) if link is not None and sizes else 0.0)
+            back.append(link.cost(HEADER_BYTES + grads[stop - 1]) if link is not None and sizes else 0.0)
+        f, b, r, i, w = (tuple(column) for column in zip(*times))
+        return StageCosts(f, i, w, b, tuple(sent), (1.0,) * len(bounds), overhead, r, tuple(back))
+
+    def _stage(self, first: int, stop: int, rows: int, chunks: int, recomputed: int, selected: int,
+               offloaded: int) -> tuple[float, float, float, float, float]:
+        """``(F, B, R, I, W)`` of layers ``first:stop`` (:meth:`stage_costs`)."""
         forward = math.fsum(self.forward[rows][first:stop])
         replay = math.fsum(self.replay[rows][first:first + recomputed])
         if self.selective(recomputed, selected):
@@ -228,10 +234,10 @@ class Costs:
             forward = max(forward, self.forward[rows][first] + copies)
             backward = max(backward, copies + self.backward[rows][first])
         if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
-            return StageTime(forward, backward + replay, recompute, replay, backward)
+            return forward, backward + replay, recompute, replay, backward
         input_grad = math.fsum(self.input_grad[rows][first:stop])
         weight_grad = math.fsum(self.weight_grad[rows][first:stop])
-        return StageTime(forward, backward + replay, recompute, input_grad + replay, weight_grad)
+        return forward, backward + replay, recompute, input_grad + replay, weight_grad
 
     def offload_seconds(self, first: int, stop: int, chunks: int) -> float:
         """Seconds of the host copies one way (out in forward, or back in backward) of layers ``first:stop``

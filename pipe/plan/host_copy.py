@@ -7,7 +7,7 @@ copies queue behind each other: ``copies x latency + bytes x per_byte`` each
 way (:meth:`HostCopy.seconds`). :func:`pipe.plan.profile.measure_host_copy`
 times copies of several sizes each way with CUDA events on such a stream and
 fits that line (:func:`pipe.plan.link.fit_line`); the planner charges it to
-the stages that offload (:meth:`pipe.plan.cost.Costs.stage_time`). This module
+the stages that offload (:meth:`pipe.plan.cost.Costs.stage_costs`). This module
 is the planner's model (no torch); the measurement is the driver's.
 
 On the CPU there is nothing to measure: offloading to host memory saves no

@@ -21,6 +21,8 @@ from typing import Optional
 
 from pipe.core.options import checkpoint_stop
 from pipe.core.program_time import time_schedule
+from pipe.core.stage_costs import StageCosts, message_cost
+from pipe.core.stage_costs import busy_bound as stage_busy_bound
 from pipe.core.action import Action, Phase, TimedAction
 from pipe.core.schedule import Schedule
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
@@ -91,9 +93,8 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     model = model or TimeModel()
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
-    times = [costs.stage_time(first, last, candidate.chunks, candidate.recomputed(s), candidate.selected(s),
-                              candidate.offloaded(s)) for s, (first, last) in enumerate(bounds)]
-    scale, overhead = model.contention, model.action_overhead
+    times = stage_costs(costs, candidate, model)
+    scale = model.contention
     collectives: dict[Action, float] = {}
     for rank in range(schedule.ranks):  # FSDP's or the averager's collectives, on the actions that issue them
         collectives.update(collective_seconds(costs, schedule, rank, bounds, candidate, model.link))
@@ -107,27 +108,12 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     stretch: dict[Action, float] = {}  # compute slowed by the ranks sharing cores (model.cores)
 
     def duration(action: Action) -> float:
-        t = times[action.stage]
+        seconds = times.cost(action.phase, action.stage, scale * stretch.get(action, 1.0))
         if action.phase is Phase.RECOMPUTE:
-            return t.recompute * scale * stretch.get(action, 1.0)
-        seconds = {Phase.FORWARD: t.forward, Phase.BACKWARD: t.backward, Phase.INPUT: t.input_grad,
-                   Phase.WEIGHT: t.weight_grad}[action.phase]
-        return (seconds * scale * stretch.get(action, 1.0) + overhead + model.message_overhead * messages(action)
-                + collectives.get(action, 0.0))
+            return seconds
+        return seconds + model.message_overhead * messages(action) + collectives.get(action, 0.0)
 
-    rows = costs.rows(candidate.chunks)
-    sizes = costs.output_bytes.get(rows, [])
-    grads = costs.grad_bytes.get(rows, [])
-    link = model.link
-
-    def transfer(action: Action) -> float:  # the awaited message: an activation, or a gradient of one
-        if link is None or not sizes or action.phase is Phase.WEIGHT:
-            return 0.0
-        s, here = action.stage, schedule.rank_of(action.stage)
-        if action.phase is Phase.FORWARD:
-            return link.cost(HEADER_BYTES + sizes[bounds[s][0] - 1]) if _remote(schedule, s - 1, here) else 0.0
-        return link.cost(HEADER_BYTES + grads[bounds[s][1] - 1]) if _remote(schedule, s + 1, here) else 0.0
-
+    transfer = message_cost(schedule, times)
     simulated = time_schedule(schedule, duration, transfer, stop)
     cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
     if cores is not None and cores < schedule.ranks:
@@ -204,39 +190,32 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
     return peaks, static
 
 
-def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> float:
-    """A lower bound of the predicted step time, without simulating.
+def stage_costs(costs: Costs, candidate: Candidate, model: TimeModel) -> StageCosts:
+    """The :class:`~pipe.core.stage_costs.StageCosts` of ``candidate``'s cut and marks (``costs`` already a
+    pipeline's share of the batch: :func:`pipe.plan.sharding.replica_costs`): messages over ``model``'s link,
+    its overhead per action."""
+    n = len(candidate.balance)
+    return costs.stage_costs(_bounds(candidate.balance), candidate.chunks,
+                             [candidate.recomputed(s) for s in range(n)], [candidate.selected(s) for s in range(n)],
+                             [candidate.offloaded(s) for s in range(n)], link=model.link,
+                             overhead=model.action_overhead)
 
-    For each rank: its compute and overhead (no waiting), plus the forwards of
-    one micro-batch on the stages before its first stage (it cannot start
-    earlier) and, outside the zero-bubble schedules (whose last action may be
-    a W nobody waits for), the backwards of one micro-batch on those stages
-    (its last backward is followed by theirs). :func:`pipe.plan.search.search`
-    visits candidates in the order of this bound and stops once it exceeds the
-    plans already found, so most candidates are never simulated.
+
+def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> float:
+    """A lower bound of the predicted step time, without simulating: :func:`pipe.core.stage_costs.busy_bound`
+    of the candidate's stage costs, its compute slowed by ``model.contention``, each rank's collectives
+    added. :func:`pipe.plan.search.search` visits candidates in the order of this bound and stops once it
+    exceeds the plans already found, so most candidates are never simulated.
     """
     model = model or TimeModel()
     costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
-    stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
-    m = candidate.chunks
-    times = [costs.stage_time(*bounds[s], m, candidate.recomputed(s), candidate.selected(s), candidate.offloaded(s))
-             for s in range(len(bounds))]
-    busiest = 0.0
-    for rank in range(schedule.ranks):
-        mine = schedule.stages_of(rank)
-        total = sum(collective_seconds(costs, schedule, rank, bounds, candidate, model.link).values())
-        for s in mine:
-            t = times[s]
-            total += m * (t.forward + t.backward) * model.contention + min(stop, m) * t.recompute * model.contention
-            total += m * (3 if schedule.splits_backward else 2) * model.action_overhead
-        before = range(min(mine))
-        total += math.fsum(times[s].forward for s in before) * model.contention
-        if not schedule.splits_backward:
-            total += math.fsum(times[s].backward for s in before) * model.contention
-        busiest = max(busiest, total)
-    return busiest
+    collectives = [math.fsum(collective_seconds(costs, schedule, rank, bounds, candidate, model.link).values())
+                   for rank in range(schedule.ranks)]
+    return stage_busy_bound(stage_costs(costs, candidate, model), [schedule.rank_of(s) for s in range(schedule.stages)],
+                            candidate.chunks, checkpoint_stop(candidate.checkpoint, candidate.chunks),
+                            splits=schedule.splits_backward, contention=model.contention, besides=collectives)
 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],

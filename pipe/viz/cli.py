@@ -239,7 +239,7 @@ def _communication(args: argparse.Namespace) -> Optional[Communication]:
 def _costs(path: str) -> Any:
     """The ``StageCosts`` of a JSON file of ``StageCosts.of``'s arguments; ValueError naming what is wrong."""
 
-    from pipe.core.cost_order import StageCosts
+    from pipe.core.stage_costs import StageCosts
 
     try:
         with open(path) as file:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pipe.core.cost_order import StageCosts, cost_functions
+from pipe.core.stage_costs import StageCosts, message_cost
 from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind
 from pipe.core.program_time import lowered_programs, phase_durations, simulate, step_cost
@@ -112,7 +112,7 @@ def lay_out(
 
     ``split`` gives the I and W durations of a zero-bubble schedule (default:
     half the backward each); ``costs`` instead gives every stage its own
-    (:class:`pipe.core.cost_order.StageCosts`, messages included). The title is a
+    (:class:`pipe.core.stage_costs.StageCosts`, messages included). The title is a
     plain description; :func:`schedule_timeline` and the trace renderer add to it.
     """
     input_grad, weight_grad = split if split is not None else (backward / 2, backward / 2)
@@ -124,7 +124,7 @@ def lay_out(
         if costs.stages != schedule.stages:
             raise ValueError(f"costs of {costs.stages} stages for a schedule of {schedule.stages}: give one cost "
                              f"per stage of the schedule")
-        duration, transfer = cost_functions(schedule, costs)
+        duration, transfer = (lambda action: costs.cost(action.phase, action.stage)), message_cost(schedule, costs)
     else:
         duration = phase_durations(forward, backward, recompute if stop > 0 else 0.0, input_grad=input_grad,
                                    weight_grad=weight_grad)

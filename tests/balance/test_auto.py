@@ -8,7 +8,7 @@ from torch import nn
 
 from pipe.balance import LayerTimes, auto_schedule, stage_costs
 from pipe.balance.auto import cut_for_ranks
-from pipe.core.cost_order import lowered_step
+from pipe.core.stage_costs import lowered_step
 
 
 def _times(forward: list[float], input_grad: list[float], weight_grad: list[float]) -> LayerTimes:

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipe.balance import LayerTimes, auto_schedule, traced_step
 from pipe.balance.traced import calibrated_times
-from pipe.core.cost_order import StageCosts, lowered_step
+from pipe.core.stage_costs import StageCosts, lowered_step
 from pipe.core.action import Phase
 from pipe.core.schedule import Schedule
 from pipe.trace import TraceError, complete_event

@@ -40,13 +40,13 @@ def test_a_marked_layer_costs_its_measured_replay_in_backward() -> None:
     for rows in (4, 16):
         # Timed marked (a checkpoint replayed in backward) less the plain times: at least the forward again.
         assert all(r >= f > 0 for r, f in zip(costs.replay[rows], costs.forward[rows]))
-    plain, marked = costs.stage_time(0, 4, 4), costs.stage_time(0, 4, 4, recomputed=2)
+    plain, marked = costs.stage_costs([(0, 4)], 4), costs.stage_costs([(0, 4)], 4, recomputed=[2])
     assert marked.forward == plain.forward
-    assert marked.backward == pytest.approx(plain.backward + sum(costs.replay[4][:2]))
+    assert marked.backward[0] == pytest.approx(plain.backward[0] + sum(costs.replay[4][:2]))
     # Tabled costs have no timing of their own: a replay costs the layer's forward.
     tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
     assert tabled.replay == tabled.forward
-    assert tabled.stage_time(0, 3, 2, recomputed=1).backward == pytest.approx(3 * 8e-3 + 4e-3)
+    assert tabled.stage_costs([(0, 3)], 2, recomputed=[1]).backward[0] == pytest.approx(3 * 8e-3 + 4e-3)
 
 
 def test_a_checkpointed_cell_costs_its_forward_again_and_the_checkpoints_own_work(
@@ -71,12 +71,12 @@ def test_a_checkpointed_cell_costs_its_forward_again_and_the_checkpoints_own_wor
     costs = profile_costs(mlp(), torch.randn(16, WIDTH), (1, 4), stages=2)
     assert 0.004 < costs.checkpoint_overhead < 0.1  # the wait, and the checkpoint's little own work
     for chunks in (4, 1):  # per call: the same at every micro-batch size
-        t = costs.stage_time(2, 4, chunks)
-        assert t.recompute == pytest.approx(t.forward + costs.checkpoint_overhead)
+        t = costs.stage_costs([(2, 4)], chunks)
+        assert t.recompute[0] == pytest.approx(t.forward[0] + costs.checkpoint_overhead)
     assert replica_costs(costs, 4).checkpoint_overhead == costs.checkpoint_overhead
     # Tabled costs measured nothing: a checkpointed cell replays its forward.
     tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
-    assert tabled.stage_time(0, 3, 2).recompute == tabled.stage_time(0, 3, 2).forward
+    assert tabled.stage_costs([(0, 3)], 2).recompute == tabled.stage_costs([(0, 3)], 2).forward
 
 
 def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,15 +101,15 @@ def test_zero_bubble_halves_are_timed_as_the_runners_split_them(monkeypatch: pyt
     assert calls == {"input": 4 * 3 + 2 * 2, "weight": 4 * 3 + 2 * 2}
     assert costs.input_grad[4][0] < costs.input_grad[4][1]  # the first layer's input needs no gradient: I is ~empty
     assert all(w > 0 for w in costs.weight_grad[4])
-    stage = costs.stage_time(1, 4, 4)
-    assert stage.input_grad == pytest.approx(sum(costs.input_grad[4][1:]))
-    assert stage.weight_grad == pytest.approx(sum(costs.weight_grad[4][1:]))
+    stage = costs.stage_costs([(1, 4)], 4)
+    assert stage.input_grad[0] == pytest.approx(sum(costs.input_grad[4][1:]))
+    assert stage.weight_grad[0] == pytest.approx(sum(costs.weight_grad[4][1:]))
     # The first stage's input (the mini-batch) needs no gradient: I is empty, W the plain backward.
-    first = costs.stage_time(0, 2, 4)
-    assert first.input_grad == 0 and first.weight_grad == first.backward == pytest.approx(sum(costs.backward[4][:2]))
+    first = costs.stage_costs([(0, 2)], 4)
+    assert first.input_grad[0] == 0 and first.weight_grad[0] == first.backward[0] == pytest.approx(sum(costs.backward[4][:2]))
     # Tabled costs split each backward in halves.
     tabled = Costs.from_table(8, [1e-3] * 3, [2e-3] * 3, [100] * 3, [10] * 3, chunks=(2,))
-    assert tabled.stage_time(1, 3, 2).weight_grad == pytest.approx(2 * 4e-3)
+    assert tabled.stage_costs([(1, 3)], 2).weight_grad[0] == pytest.approx(2 * 4e-3)
 
 
 def test_a_stages_halves_are_its_one_split_shared_out_not_each_layers_split_alone(
@@ -353,13 +353,13 @@ def test_selective_recompute_is_timed_and_counted_per_layer() -> None:
     # Layer 1 selective, layer 2 full: full wins on a layer marked both, as in a recompute config.
     mixed = costs.stage_memory(1, 3, 4, False, recomputed=1, selected=2)
     assert full.kept < mixed.kept < selective.kept
-    timed = costs.stage_time(0, 4, 4, recomputed=1, selected=3)
-    assert timed.backward == pytest.approx(costs.stage_time(0, 4, 4).backward + costs.replay[4][0]
+    timed = costs.stage_costs([(0, 4)], 4, recomputed=[1], selected=[3])
+    assert timed.backward[0] == pytest.approx(costs.stage_costs([(0, 4)], 4).backward[0] + costs.replay[4][0]
                                            + sum(costs.select_replay[4][1:3]))
     # Without selective costs (select=()), a selective plan is refused with the fix.
     quiet = profile_costs(ffn(), torch.randn(16, WIDTH), (4,), select=())
     with pytest.raises(ValueError, match=r"profile_costs\(select="):
-        quiet.stage_time(0, 4, 4, selected=1)
+        quiet.stage_costs([(0, 4)], 4, selected=[1])
     with pytest.raises(ValueError, match="select_names"):
         predict(costs, Candidate("1f1b", 4, (2, 2), "never", select=(1, 0)))
     with pytest.raises(ValueError, match="between 0 and the stage's layers"):

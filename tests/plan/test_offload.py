@@ -62,12 +62,12 @@ def test_copies_beyond_what_the_stage_computes_meanwhile_lengthen_its_actions() 
     slow = HostCopy(latency=0.0, per_byte=1e-9)
     costs = Costs.from_table(1, [1e-3] * 4, [2e-3] * 4, [10**6] * 4, [10**5] * 4, chunks=(1,), host_copy=slow)
     for offloaded, forward, backward in ((0, 4e-3, 8e-3), (1, 4e-3, 8e-3), (3, 4e-3, 8e-3), (4, 5e-3, 8e-3)):
-        t = costs.stage_time(0, 4, 1, offloaded=offloaded)  # out: first layer + copies; back: copies + its backward
-        assert (t.forward, t.backward) == pytest.approx((forward, backward))
+        t = costs.stage_costs([(0, 4)], 1, offloaded=[offloaded])  # out: first layer + copies; back: copies + its backward
+        assert (t.forward[0], t.backward[0]) == pytest.approx((forward, backward))
     slower = HostCopy(latency=1e-4, per_byte=3e-9)  # 3 ms per layer each way, and 0.1 ms per copy
     costs = Costs.from_table(1, [1e-3] * 4, [2e-3] * 4, [10**6] * 4, [10**5] * 4, chunks=(1,), host_copy=slower)
-    t = costs.stage_time(0, 4, 1, offloaded=2)
-    assert (t.forward, t.backward) == pytest.approx((1e-3 + 6.2e-3, 6.2e-3 + 2e-3))
+    t = costs.stage_costs([(0, 4)], 1, offloaded=[2])
+    assert (t.forward[0], t.backward[0]) == pytest.approx((1e-3 + 6.2e-3, 6.2e-3 + 2e-3))
     assert predict(costs, Candidate("gpipe", 1, (4,), "never", offload=(2,))).step_time == pytest.approx(15.4e-3)
 
 

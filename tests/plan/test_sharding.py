@@ -39,7 +39,7 @@ def test_candidates_cover_every_divisor_split_in_both_zero_modes() -> None:
     # dp_shard S runs chunks c on B / (S c) rows: the profile of chunks S c (8 samples, chunks up to 8).
     assert {c.chunks for c in found if c.dp_shard == 4} == {1, 2}
     assert {c.chunks for c in found if c.dp_shard == 1} == {1, 2, 4, 8}
-    assert replica_costs(table(batch=8), 4).stage_time(0, 1, 2) == table(batch=8).stage_time(0, 1, 8)
+    assert replica_costs(table(batch=8), 4).stage_costs([(0, 1)], 2) == table(batch=8).stage_costs([(0, 1)], 8)
 
 
 def test_a_tight_budget_pipelines_and_a_loose_one_shards() -> None:
