@@ -2,7 +2,8 @@
 
 ``Pipe(..., compile=True)`` and ``DistributedPipe(..., compile=True)`` call
 :func:`compile_stages` on their partitions once, at construction. Each layer
-of a partition (a block: a transformer layer, a stage of ``pipe.split``) gets
+of a partition (a block: a transformer layer; in a stage of ``pipe.split``,
+each layer it runs as a module of its own, :mod:`pipe.split_blocks`) gets
 its ``forward`` replaced by a compiled one, in place, so that
 
 * parameters, buffers and state-dict keys stay the layer's own (no
@@ -10,7 +11,10 @@ its ``forward`` replaced by a compiled one, in place, so that
 * forward hooks (tied copies, recompute and offload policies, ``pipe.split``'s
   mode and buffer checks) stay eager around the compiled body;
 * identical blocks share one compiled graph: dynamo inlines ``nn.Module`` and
-  guards on the structure, not on the module's identity;
+  guards on the structure and the class, not on the module's identity (a split
+  model's alike layers share one class for this);
+* a split stage's own ops between its layers (rotary tables, masks) run eagerly,
+  so its first step compiles one layer of each kind, whatever the stage's depth;
 * checkpointing works unchanged: a checkpointed block runs its first forward
   under ``no_grad`` (an inference graph) and its one recomputation with grad
   (the training graph), each compiled once; the random state is restored
@@ -43,7 +47,7 @@ import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 __all__: list[str] = []
 
@@ -159,10 +163,24 @@ def compile_stages(partitions: Iterable[nn.Module], options: Optional[dict[str, 
                               "dynamo cannot trace, so it stays eager (compile={'exclude': [...]} says so "
                               "without this warning)", stacklevel=3)
                 continue
-            layer.forward = _compiled_forward(layer, name, kwargs)
-            done.append(name)
+            for unit_name, unit in _units(name, layer):
+                if unit_name not in options["exclude"] and not _is_compiled(unit):
+                    unit.forward = _compiled_forward(unit, unit_name, kwargs)
+                    done.append(unit_name)
     logger.info("compiled %d layers with %s", len(done), kwargs)
     return done
+
+
+def _units(name: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What of ``layer`` compiles as one: the layer, or in a stage of ``pipe.split`` whose layers were outlined
+    (graph modules inside a graph module: :mod:`pipe.split_blocks`) each of those layers, named by its path.
+    Alike layers share one class, so one compile serves them all; the stage's own ops between them (rotary
+    tables, masks) run eagerly."""
+    if not isinstance(layer, fx.GraphModule):
+        return [(name, layer)]
+    inner: list[tuple[str, nn.Module]] = [(f"{name}.{path}", module) for path, module in layer.named_modules()
+                                          if path and isinstance(module, fx.GraphModule)]
+    return inner or [(name, layer)]
 
 
 def compiled_layers(module: nn.Module) -> list[str]:
@@ -213,21 +231,23 @@ def _compiled_forward(layer: nn.Module, name: str, kwargs: dict[str, Any]) -> Ca
     bound method keeps one code object per class: identical blocks reuse one
     graph, and dynamo's per-code recompile limit counts variants, not layers.
     """
-    import torch._functorch.config
-
     _keep_graphs()
-    key = (type(layer), kwargs["backend"] if isinstance(kwargs["backend"], str) else id(kwargs["backend"]),
-           kwargs["mode"], repr(sorted((kwargs["options"] or {}).items())), kwargs["fullgraph"], kwargs["dynamic"])
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compile_fn: Any = torch.compile  # recompile_limit= is missing from its typed overloads
-        compiled = _COMPILED[key] = compile_fn(type(layer).forward, recompile_limit=_RECOMPILE_LIMIT, **kwargs)
+    settings = (kwargs["backend"] if isinstance(kwargs["backend"], str) else id(kwargs["backend"]),
+                kwargs["mode"], repr(sorted((kwargs["options"] or {}).items())), kwargs["fullgraph"], kwargs["dynamic"])
     described = f"layer {name!r} ({type(layer).__name__})"
+
+    def compiled() -> Callable[..., Any]:  # looked up at each call: a graph module's class changes as its code does
+        key = (type(layer), *settings)
+        found = _COMPILED.get(key)
+        if found is None:
+            compile_fn: Any = torch.compile  # recompile_limit= is missing from its typed overloads
+            found = _COMPILED[key] = compile_fn(type(layer).forward, recompile_limit=_RECOMPILE_LIMIT, **kwargs)
+        return found
 
     @functools.wraps(type(layer).forward)
     def forward(*args: Any, **inputs: Any) -> Any:
         try:
-            return compiled(layer, *args, **inputs)
+            return compiled()(layer, *args, **inputs)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CompileError(f"compiling {described} failed: {first}; {_FIXES}") from error

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 from typing import Any
 
 from torch import fx, nn
@@ -37,11 +38,36 @@ logger = logging.getLogger(__name__)
 class SplitBlock(fx.GraphModule):
     """One layer of a split stage: the graph of the ops it ran, over its own parameters.
 
+    Alike layers share one class. ``fx.GraphModule`` gives each module a class
+    of its own (its code is the class's ``forward``), and ``torch.compile``
+    guards on the class, so every layer would compile again. A block's values
+    are named by their place in the layer (:func:`outline`), so alike layers
+    have the same code, and a block takes the class of the first block with
+    its code (:func:`_share`). A block whose graph changes later (a
+    recompile: tensor parallelism's head counts, a device) leaves that class
+    for one of its own first, then joins the class of its new code; so does
+    a recompile after FSDP has given the blocks its class over theirs.
+
     Attributes:
         path: the layer's path in the model (``"model.layers.3"``).
     """
 
     path: str
+
+    def recompile(self) -> Any:
+        # The new code goes to a class of its own (others may share this one: alike blocks, or FSDP's class
+        # over theirs), which then joins the class of the blocks with that code.
+        cls = type(self)
+        own = type(cls.__name__, cls.__bases__, {"__qualname__": cls.__qualname__})
+        wrapped = getattr(cls, "_wrapped_call", None)
+        if wrapped is not None and issubclass(own, wrapped.cls):
+            # A class over another graph module's class (FSDP's): call through that one's wrapper. fx would
+            # make a wrapper that calls the base's __call__, which calls this wrapper again, without end.
+            own._wrapped_call = wrapped  # type: ignore[attr-defined]
+        self.__class__ = own
+        code = super().recompile()
+        _share(self)
+        return code
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SplitBlock":
         """A copy that is a block too (``GraphModule``'s copy keeps the graph, the tensors and the class only)."""
@@ -50,6 +76,19 @@ class SplitBlock(fx.GraphModule):
         result.__dict__["path"] = self.path
         type(result).__name__ = name
         return result  # type: ignore[return-value]
+
+
+# (the bases of a block's class, its code) -> the class the blocks with that code share
+_SHARED: dict[tuple[tuple[type, ...], str], type] = {}
+
+
+def _share(block: SplitBlock) -> None:
+    """Moves ``block`` to the class of the blocks with its code and bases, or makes its class that class."""
+    cls = type(block)
+    key = (cls.__bases__, block.code)
+    shared = _SHARED.setdefault(key, cls)
+    if shared is not cls:
+        block.__class__ = shared
 
 
 def repeated_layers(model: nn.Module) -> list[str]:
@@ -136,16 +175,24 @@ def outline(stage: fx.GraphModule, path: str, class_name: str = "SplitBlock") ->
                 inputs.append(source)
     outputs = [node for node in body if any(user not in inside for user in node.users)]
 
+    # Values are named by their place in the layer (input_0, ..., mul_0, mul_1, ...), not by the stage's
+    # numbering: alike layers then have the same code, which torch.compile compiles once (pipe.compile).
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = sub.placeholder(node.name)
+    for k, node in enumerate(inputs):
+        env[node] = sub.placeholder(f"input_{k}")
         env[node].meta = dict(node.meta)
     for node in weights:
         env[node] = sub.get_attr(str(node.target)[len(prefix):])
         env[node].meta = dict(node.meta)
+    counts: dict[str, int] = {}
     for node in body:
-        env[node] = sub.node_copy(node, env.__getitem__)
+        base = re.sub(r"(_\d+)+$", "", node.name)
+        counts[base] = counts.get(base, -1) + 1
+        env[node] = sub.create_node(node.op, node.target, fx.map_arg(node.args, env.__getitem__),
+                                    fx.map_arg(node.kwargs, env.__getitem__), name=f"{base}_{counts[base]}",
+                                    type_expr=node.type)
+        env[node].meta = dict(node.meta)
     results = [env[node] for node in outputs]
     sub.output(results[0] if len(results) == 1 else tuple(results))
     sub.lint()

@@ -25,6 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import pipe
 from pipe import Pipe
 from pipe.compile import CompileError, compiled_layers, verify_compile
+from pipe.split_blocks import blocks_of
 from helpers import assert_same_grads
 from split_models import VOCAB, assert_same_lm_step, gpt2, lm_batch, tied_model
 
@@ -139,24 +140,33 @@ def test_tied_weights() -> None:
 
 
 @pytest.mark.slow
-def test_split_gpt2_compiles_per_stage() -> None:
+def test_split_gpt2_compiles_each_layer_once_whatever_the_depth() -> None:
+    """A stage of pipe.split compiles its outlined layers, not the whole stage: alike layers share one class and
+    one compile, so a model twice as deep compiles as many graphs."""
     pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = gpt2()
-    ids, mask, labels = lm_batch(8, 8)
-    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
-    reference = copy.deepcopy(model)
-    counter = CompileCounterWithBackend("aot_eager")
-    piped = Pipe(stages, chunks=4, checkpoint="except_last", balance=[1, 1], compile={"backend": counter})
-    assert piped.compiled_layers == list(stages._modules)
-    for step in range(2):
-        ids, mask, labels = lm_batch(8, 8, seed=step)
-        model.zero_grad()
-        reference.zero_grad()
-        assert_same_lm_step(piped, model, reference, ids, mask, labels)
-        if step == 0:
-            first = counter.frame_count
-    assert counter.frame_count == first
+    frames = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        model = gpt2(layers=layers)
+        ids, mask, labels = lm_batch(8, 8)
+        stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False},
+                            at=[f"transformer.h.{layers // 2}"])
+        reference = copy.deepcopy(model)
+        counter = CompileCounterWithBackend("aot_eager")
+        piped = Pipe(stages, chunks=4, checkpoint="except_last", balance=[1, 1], compile={"backend": counter})
+        assert piped.compiled_layers == [f"{name}.{block.path}" for name, stage in stages.named_children()
+                                         for block in blocks_of(stage)]
+        assert f"1.transformer.h.{layers - 1}" in piped.compiled_layers
+        for step in range(2):
+            ids, mask, labels = lm_batch(8, 8, seed=step)
+            model.zero_grad()
+            reference.zero_grad()
+            assert_same_lm_step(piped, model, reference, ids, mask, labels)
+            if step == 0:
+                first = counter.frame_count
+        assert counter.frame_count == first  # the second step compiles nothing
+        frames[layers] = first
+    assert frames[4] == frames[2], frames
 
 
 class Breaks(nn.Module):

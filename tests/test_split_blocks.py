@@ -132,3 +132,35 @@ def test_each_layer_of_a_split_model_can_be_recomputed_on_its_own() -> None:
     logits, kept_with_recompute = saved_elements()
     assert kept_with_recompute < kept / 4  # 144 768 -> 11 904 elements here
     assert_exact(logits, model, reference, ids, mask)
+
+
+def _first_add_eps(block: SplitBlock) -> torch.fx.Node:
+    return next(node for node in block.graph.nodes if node.op == "call_function"
+                and node.target is torch.ops.aten.add.Tensor and isinstance(node.args[1], float))
+
+
+def test_alike_layers_share_one_class_and_a_changed_layer_leaves_it() -> None:
+    """torch.compile guards on a module's class: alike layers share one, so that they compile once
+    (tests/test_compile.py); a layer whose graph changes gets a class of its own, the others run as before."""
+    torch.manual_seed(0)
+    model = llama(layers=4)
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.2"])
+    layers = [block for stage in stages for block in blocks_of(stage) if ".layers." in block.path]
+    assert len(layers) == 4 and len({type(block) for block in layers}) == 1
+    assert len({block.code for block in layers}) == 1  # values named by their place in the layer
+    expected = stages(ids, mask)
+    layers[1].recompile()  # the same code: back in the shared class
+    assert len({type(block) for block in layers}) == 1
+    copied = copy.deepcopy(stages)
+    assert {type(block) for block in blocks_of(copied[0])} & {type(layers[0])}
+    node = _first_add_eps(layers[1])
+    node.update_arg(1, 0.5)  # another epsilon in one layer's first norm
+    layers[1].recompile()
+    assert type(layers[1]) is not type(layers[0]) and type(layers[0]) is type(layers[2]) is type(layers[3])
+    assert isinstance(layers[1], SplitBlock) and type(layers[1]).__name__ == type(layers[0]).__name__
+    assert not torch.equal(stages(ids, mask), expected)
+    assert torch.equal(copied(ids, mask), expected)  # the copy and the other layers run their own code
+    node.update_arg(1, model.config.rms_norm_eps)
+    layers[1].recompile()
+    assert type(layers[1]) is type(layers[0]) and torch.equal(stages(ids, mask), expected)

@@ -113,3 +113,33 @@ def _cnn(rank: int, world: int) -> int:
 
 def test_cnn_over_two_ranks() -> None:
     assert all(count > 0 for count in run_ranks(_cnn, 2, deadline=180))
+
+
+def _recompiled_after_fsdp(rank: int, world: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pipe.split_blocks import blocks_of
+
+    torch.manual_seed(0)
+    model = llama(layers=4)
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.2"])
+    expected = stages[0](ids, attention_mask=mask)
+    layers = blocks_of(stages[0])
+    for block in layers:
+        fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+    shared = type(layers[0])  # FSDP's class over the blocks' shared one
+    assert all(type(block) is shared for block in layers)
+    layers[1].recompile()  # fx's call wrapper must not call FSDP's class again (it recursed without end)
+    assert type(layers[0]) is shared and isinstance(layers[1], type(layers[0]).__mro__[1])
+    got = stages[0](ids, attention_mask=mask)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    got[-1].float().square().mean().backward()
+    return all(p.grad is not None for block in layers for p in block.parameters())
+
+
+def test_a_layer_recompiles_after_fsdp_has_given_it_its_class() -> None:
+    """A split layer's graph may change after fully_shard (its class then FSDP's over the layers' shared one):
+    the layer recompiles into a class of its own, runs and back-propagates as before."""
+    assert run_ranks(_recompiled_after_fsdp, 1, deadline=120) == [True]
