@@ -24,13 +24,28 @@ import collections
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Optional, Protocol, Sequence
 
 from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
 from pipe.core.action import Action, Phase, TimedAction
-from pipe.core.schedule import Schedule
 
 __all__: list[str] = []
+
+
+class Schedule(Hashable, Protocol):
+    """What this module times: each rank's program of actions and where it posts its receives
+    (:class:`pipe.core.schedule.Schedule` and its tables). Frozen and hashable: lowered programs are cached
+    per schedule."""
+
+    @property
+    def ranks(self) -> int: ...
+
+    @property
+    def stages(self) -> int: ...
+
+    def actions(self, rank: int) -> Sequence[Action]: ...
+
+    def post_ahead(self, rank: int) -> int: ...
 
 #: The lane each kind of step is drawn on (steps of no lane take no time of their own).
 LANES: dict[Kind, str] = {**{kind: "compute" for kind in COMPUTE}, Kind.RECOMPUTE: "compute",

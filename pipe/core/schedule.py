@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from pipe.core.action import Action, Phase, TimedAction
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
@@ -283,11 +284,108 @@ class Schedule:
         stage, forward first (then I, then W); 1F1B keeps at most ``ranks -
         rank`` micro-batches in flight, ZB-H1 at most ``ranks``, ZB-V ``2 *
         ranks`` half stages; the ranks never wait forever
-        (:func:`pipe.core.schedule_table.check_programs`).
+        (:func:`check_programs`).
 
         Raises:
             ValueError: naming the first violation found.
         """
-        from pipe.core.schedule_table import check_programs
-
         check_programs(self)
+
+
+def check_programs(schedule: Schedule) -> None:
+    """Checks that ``schedule``'s programs can run, naming the first action that breaks them.
+
+    Each (micro-batch, stage) has one F and one B (or one I and one W), on the
+    rank that owns the stage, F first (then I, then W); nothing is missing; the
+    built-in kinds keep their in-flight bounds; and the ranks do not wait
+    forever: an action waiting for one its own rank runs later can never run,
+    and ranks waiting for each other deadlock.
+
+    Raises:
+        ValueError: naming the first violation found.
+    """
+    programs = [schedule.actions(rank) for rank in range(schedule.ranks)]
+    # The schedule's own classes (pipe.core.schedule loaded as a file, without the package, has its own).
+    sample = next((a for program in programs for a in program), None)
+    A: Any = type(sample) if sample is not None else Action
+    P: Any = type(sample.phase) if sample is not None else Phase
+    phases = (P("F"), P("I"), P("W")) if schedule.splits_backward else (P("F"), P("B"))
+    seen: dict[Action, int] = {}
+    for rank, program in enumerate(programs):
+        position: dict[Action, int] = {}
+        for index, action in enumerate(program):
+            if action.phase not in phases:
+                raise ValueError(
+                    f"{schedule}: rank {rank} has {action}; programs hold only "
+                    + ("forwards, input and weight gradients (a B runs as I and W)" if schedule.splits_backward
+                       else "forwards and backwards"))
+            if not 0 <= action.stage < schedule.stages or schedule.rank_of(action.stage) != rank:
+                owner = f"rank {schedule.rank_of(action.stage)}" if 0 <= action.stage < schedule.stages \
+                    else f"no rank (the schedule has {schedule.stages} stages)"
+                raise ValueError(f"{schedule}: {action} is on rank {rank} but stage {action.stage} belongs to {owner}")
+            if action in seen:
+                raise ValueError(f"{schedule}: {action} appears more than once")
+            seen[action] = rank
+            position[action] = index
+        for action, index in position.items():
+            if action.phase is not P("F"):
+                twin = A(phases[phases.index(action.phase) - 1], action.microbatch, action.stage)
+                if twin not in position and twin not in seen:
+                    raise ValueError(f"{schedule}: {twin} is missing (rank {rank} runs {action})")
+                if position.get(twin, len(program)) > index:
+                    raise ValueError(f"{schedule}: rank {rank} runs {action} before {twin}")
+    for rank, program in enumerate(programs):  # in program order: the first action left without its W
+        for action in program:
+            if action.phase is P("I") and A(P("W"), action.microbatch, action.stage) not in seen:
+                raise ValueError(f"{schedule}: rank {rank} runs {action} but never its W "
+                                 f"(W{action.microbatch}@{action.stage}): its weight gradient would be lost")
+    for stage in range(schedule.stages):
+        for i in range(schedule.microbatches):
+            for phase in phases:
+                if A(phase, i, stage) not in seen:
+                    raise ValueError(f"{schedule}: {A(phase, i, stage)} is missing")
+    if len(seen) != len(phases) * schedule.stages * schedule.microbatches:
+        extra = sorted(str(a) for a in seen if a.microbatch not in range(schedule.microbatches))
+        raise ValueError(f"{schedule}: actions for unknown micro-batches: {', '.join(extra)}")
+    bounds = {"1f1b": ("1F1B", "ranks - rank", lambda r: schedule.ranks - r),
+              "zb-h1": ("ZB-H1", "ranks", lambda r: schedule.ranks),
+              "zbv": ("ZB-V", "2 * ranks", lambda r: 2 * schedule.ranks)}
+    if schedule.kind in bounds:
+        name, formula, bound = bounds[schedule.kind]
+        for rank, peak in enumerate(schedule.peak_inflight()):
+            if peak > bound(rank):
+                raise ValueError(f"{schedule}: rank {rank} holds {peak} micro-batches in flight; "
+                                 f"{name} allows at most {formula} = {bound(rank)}")
+    from pipe.core.program_time import time_schedule  # it times what this module defines
+
+    try:
+        time_schedule(schedule)
+    except RuntimeError:
+        raise ValueError(_stuck(schedule, programs)) from None
+
+
+def _stuck(schedule: Schedule, programs: list[list[Action]]) -> str:
+    """Why the simulation stopped: the first stuck action, and whether its wait can never end or is a deadlock."""
+    done: set[Action] = set()
+    cursor = [0] * schedule.ranks
+    moved = True
+    while moved:  # run every rank as far as it goes, with unit durations
+        moved = False
+        for rank, program in enumerate(programs):
+            while cursor[rank] < len(program):
+                needed = schedule._dependency(program[cursor[rank]])
+                if needed is not None and needed not in done:
+                    break
+                done.add(program[cursor[rank]])
+                cursor[rank] += 1
+                moved = True
+    waits = [(rank, programs[rank][cursor[rank]]) for rank in range(schedule.ranks) if cursor[rank] < len(programs[rank])]
+    for rank, action in waits:
+        needed = schedule._dependency(action)
+        assert needed is not None
+        if schedule.rank_of(needed.stage) == rank:
+            return (f"{schedule}: rank {rank} runs {action} before {needed}, which it waits for: "
+                    "this dependency can never be met (move it after)")
+    described = "; ".join(f"rank {rank} at {action} (waits for {schedule._dependency(action)})"
+                          for rank, action in waits)
+    return f"{schedule} deadlocks: {described}: the ranks wait for each other, first at {waits[0][1]}"

@@ -66,9 +66,11 @@ The module imports no torch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from pipe.core.action import Action, Phase
+from pipe.core.program_time import time_schedule
 
 __all__: list[str] = []
 
@@ -127,6 +129,24 @@ def _zb_h1(rank: int, ranks: int, microbatches: int) -> tuple[Action, ...]:
     return tuple(program)
 
 
+@dataclass(frozen=True)
+class _Programs:
+    """Programs as :func:`pipe.core.program_time.time_schedule` times them, before they are a schedule."""
+
+    programs: tuple[tuple[Action, ...], ...]
+    stages: int
+
+    @property
+    def ranks(self) -> int:
+        return len(self.programs)
+
+    def actions(self, rank: int) -> tuple[Action, ...]:
+        return self.programs[rank]
+
+    def post_ahead(self, rank: int) -> int:
+        return 1
+
+
 def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """ZB-V's programs by the pattern or by the rule of thumb, whichever ends first on the reference clock.
 
@@ -135,12 +155,8 @@ def _faster_v(ranks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     W does the whole backward (0 and 2 units). On a tie the rule of thumb is
     kept: it idles less on a clock of equal phases where the V cannot fill.
     """
-    from pipe.core.program_time import time_schedule  # imported here: pipe.core.schedule imports this module
-    from pipe.core.schedule_table import TableSchedule
-
     def makespan(programs: tuple[tuple[Action, ...], ...]) -> float:
-        table = TableSchedule.from_table(programs, name="zbv")
-        timed = time_schedule(table, lambda action: (
+        timed = time_schedule(_Programs(programs, 2 * ranks), lambda action: (
             {_I: 0.0, _W: 2.0}.get(action.phase, 1.0) if action.stage == 0 else 1.0))
         return max(t.end for t in timed)
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from pipe.core.message import HEADER_BYTES
 from pipe.core.stage_costs import StageCosts
 from pipe.plan.host_copy import HostCopy
 from pipe.recompute.defaults import DEFAULT_SELECT
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pipe.plan.timing import Link
 
 __all__: list[str] = []
 
@@ -188,11 +185,12 @@ class Costs:
         return rows
 
     def stage_costs(self, bounds: Sequence[tuple[int, int]], chunks: int, recomputed: Sequence[int] = (),
-                    selected: Sequence[int] = (), offloaded: Sequence[int] = (), *, link: Optional["Link"] = None,
-                    overhead: float = 0.0) -> StageCosts:
+                    selected: Sequence[int] = (), offloaded: Sequence[int] = (), *,
+                    message: Optional[Callable[[int], float]] = None, overhead: float = 0.0) -> StageCosts:
         """The :class:`~pipe.core.stage_costs.StageCosts` of the stages ``bounds`` (``(first, stop)`` layers of
-        each) for one micro-batch of ``chunks``: F, B, I, W and R of each, its messages over ``link`` (free
-        without one) and ``overhead`` seconds per action. Per stage (one entry each, or none: 0),
+        each) for one micro-batch of ``chunks``: F, B, I, W and R of each, its messages (``message(bytes)``
+        seconds each, a link's :meth:`~pipe.plan.timing.Link.cost`; free without it) and ``overhead`` seconds
+        per action. Per stage (one entry each, or none: 0),
         ``recomputed``: its first layers replayed in backward (marked for recompute); ``selected``: its
         layers from there up to this count replayed in part (marked for selective recompute);
         ``offloaded``: its first layers offloading to host memory.
@@ -214,8 +212,8 @@ class Costs:
         back: list[float] = []
         sizes, grads = self.output_bytes.get(rows, []), self.grad_bytes.get(rows, [])
         for _, stop in bounds[:-1]:  # the message across the boundary after layer stop - 1
-            sent.append(link.cost(HEADER_BYTES + sizes[stop - 1]) if link is not None and sizes else 0.0)
-            back.append(link.cost(HEADER_BYTES + grads[stop - 1]) if link is not None and sizes else 0.0)
+            sent.append(message(HEADER_BYTES + sizes[stop - 1]) if message is not None and sizes else 0.0)
+            back.append(message(HEADER_BYTES + grads[stop - 1]) if message is not None and sizes else 0.0)
         f, b, r, i, w = (tuple(column) for column in zip(*times))
         return StageCosts(f, i, w, b, tuple(sent), (1.0,) * len(bounds), overhead, r, tuple(back))
 

@@ -197,7 +197,8 @@ def stage_costs(costs: Costs, candidate: Candidate, model: TimeModel) -> StageCo
     n = len(candidate.balance)
     return costs.stage_costs(_bounds(candidate.balance), candidate.chunks,
                              [candidate.recomputed(s) for s in range(n)], [candidate.selected(s) for s in range(n)],
-                             [candidate.offloaded(s) for s in range(n)], link=model.link,
+                             [candidate.offloaded(s) for s in range(n)],
+                             message=model.link.cost if model.link is not None else None,
                              overhead=model.action_overhead)
 
 
