@@ -1,10 +1,11 @@
 """Compiling a split model's stage a layer at a time against the whole stage at once: the first step's time.
 
 ``compile=`` on a stage of ``pipe.split`` compiles each of its outlined layers
-(``pipe.split_blocks``); alike layers share one class, so one compile serves
-them all, and the first step's cost no longer grows with the stage's depth.
-Compiling the whole stage as one graph (what ``compile=`` did before) traces
-and compiles every layer again. This measures both on a LLaMA built from a
+(``pipe.split_blocks``; ``unit="block"``, the default); alike layers share one
+class, so one compile serves them all, and the first step's cost no longer
+grows with the stage's depth. Compiling the whole stage as one graph
+(``unit="stage"``, what ``compile=`` did before) traces and compiles every
+layer again. This measures both on a LLaMA built from a
 config (width 256, 4 heads, vocabulary 1024; random weights), cut into two
 stages, in ``Pipe`` with 2 micro-batches of 4 x 64 tokens, ``checkpoint="never"``:
 
@@ -42,8 +43,6 @@ def one(layers: int, unit: str, backend: str) -> dict[str, Any]:
 
     import pipe
     from pipe import Pipe
-    from pipe.compile import _compiled_forward, verify_compile
-
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=4, vocab_size=1024, max_position_embeddings=128)
@@ -52,16 +51,8 @@ def one(layers: int, unit: str, backend: str) -> dict[str, Any]:
     mask = torch.ones_like(ids)
     stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False},
                         at=[f"model.layers.{layers // 2}"])
-    options = {"backend": backend}
-    if unit == "layer":
-        piped = Pipe(stages, chunks=2, checkpoint="never", balance=[1, 1], compile=options)
-    else:  # the whole stage as one graph, as compile= did before
-        piped = Pipe(stages, chunks=2, checkpoint="never", balance=[1, 1])
-        settings = verify_compile(options)
-        assert settings is not None
-        kwargs = {key: settings[key] for key in ("backend", "mode", "options", "fullgraph", "dynamic")}
-        for name, stage in stages.named_children():
-            stage.forward = _compiled_forward(stage, name, kwargs)
+    piped = Pipe(stages, chunks=2, checkpoint="never", balance=[1, 1],
+                 compile={"backend": backend, "unit": "block" if unit == "layer" else "stage"})
 
     def step() -> float:
         start = time.perf_counter()

@@ -167,6 +167,16 @@ def test_split_gpt2_compiles_each_layer_once_whatever_the_depth() -> None:
         assert counter.frame_count == first  # the second step compiles nothing
         frames[layers] = first
     assert frames[4] == frames[2], frames
+    # unit="stage": each stage as one graph (what compile= did before), as exact.
+    torch.manual_seed(0)
+    model = gpt2(layers=4)
+    ids, mask, labels = lm_batch(8, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.2"])
+    reference = copy.deepcopy(model)
+    piped = Pipe(stages, chunks=4, checkpoint="except_last", balance=[1, 1],
+                 compile={"backend": "aot_eager", "unit": "stage"})
+    assert piped.compiled_layers == ["0", "1"]
+    assert_same_lm_step(piped, model, reference, ids, mask, labels)
 
 
 class Breaks(nn.Module):
@@ -193,6 +203,8 @@ def test_errors_name_the_layer_and_the_fix() -> None:
         Pipe(nn.Sequential(nn.Linear(2, 2)), compile="yes")
     with pytest.raises(TypeError, match=r"compile\['fullgraph'\] must be True or False"):
         verify_compile({"fullgraph": 1})
+    with pytest.raises(ValueError, match=r"compile\['unit'\] must be one of \('block', 'stage'\).*'layer'"):
+        verify_compile({"unit": "layer"})
     # Tensor-parallel stages compile with static shapes: torch 2.13 fails on DTensors with symbolic ones.
     assert verify_compile({"backend": "aot_eager"})["dynamic"] is True  # type: ignore[index]
     assert verify_compile({"backend": "aot_eager"}, tensor_parallel=True)["dynamic"] is False  # type: ignore[index]
