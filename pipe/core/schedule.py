@@ -94,12 +94,7 @@ class Schedule:
         if self.kind not in SCHEDULE_KINDS:
             expected = ", ".join(repr(k) for k in SCHEDULE_KINDS)
             raise ValueError(f"unknown schedule kind {self.kind!r}; expected one of {expected}")
-        for name in ("ranks", "microbatches", "virtual_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be a positive integer (got {value!r}); pass an int >= 1"
-                )
+        self._check_sizes()
         if self.kind == "zbv" and self.virtual_stages in (1, 2):
             object.__setattr__(self, "virtual_stages", 2)  # the V: two stages per rank
         elif self.kind == "zbv":
@@ -120,6 +115,15 @@ class Schedule:
                 f"(got microbatches={self.microbatches}, ranks={self.ranks}); "
                 f"use a multiple of {self.ranks}, such as {lower} or {upper}"
             )
+
+    def _check_sizes(self) -> None:
+        """Ranks, micro-batches and stages per rank are positive ints (every schedule's, tables' too)."""
+        for name in ("ranks", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (got {value!r}); pass an int >= 1"
+                )
 
     @property
     def stages(self) -> int:

@@ -73,7 +73,18 @@ class TableSchedule(Schedule):
     posts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        pass  # from_table derives and checks every field
+        """The sizes, as every schedule's, and the fields agreeing with them: one program and one post count
+        per rank, a rank per stage, as many stages on the busiest rank as ``virtual_stages``. Whether the
+        programs can run is :meth:`validate`'s (``from_table`` calls it)."""
+        self._check_sizes()
+        if len(self.programs) != self.ranks or (self.posts and len(self.posts) != self.ranks):
+            raise ValueError(f"table {self.name!r}: {len(self.programs)} programs and {len(self.posts)} post counts "
+                             f"for {self.ranks} ranks; build tables with TableSchedule.from_table")
+        if not self.placement or any(not 0 <= r < self.ranks for r in self.placement) or self.virtual_stages != max(
+                self.placement.count(r) for r in range(self.ranks)):
+            raise ValueError(f"table {self.name!r}: placement {list(self.placement)} does not put each stage on one "
+                             f"of {self.ranks} ranks with at most virtual_stages={self.virtual_stages} each; build "
+                             f"tables with TableSchedule.from_table")
 
     @classmethod
     def from_table(cls, table: Sequence[Iterable[ActionLike]], name: str = "table") -> "TableSchedule":

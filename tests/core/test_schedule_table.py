@@ -63,6 +63,20 @@ def test_invalid_tables_name_their_first_bad_action(table: list[list[str]], mess
         TableSchedule.from_table(table)
 
 
+def test_a_table_built_by_hand_is_checked_as_every_schedule_is() -> None:
+    """A table's fields are checked when it is made, not only by from_table: the sizes as any schedule's, and
+    programs, posts and placement agreeing with them."""
+    table = TableSchedule.from_table([["F0@0", "B0@0"]])
+    programs, placement = table.programs, table.placement
+    with pytest.raises(ValueError, match="microbatches must be a positive integer"):
+        TableSchedule("table", 1, 0, 1, programs, placement)
+    with pytest.raises(ValueError, match="2 programs and 0 post counts for 1 ranks"):
+        TableSchedule("table", 1, 1, 1, programs * 2, placement)
+    with pytest.raises(ValueError, match=r"placement \[3\] does not put each stage on one of 1 ranks"):
+        TableSchedule("table", 1, 1, 1, programs, (3,))
+    assert TableSchedule("table", 1, 1, 1, programs, placement) == table
+
+
 def test_unmeetable_dependency_on_one_rank() -> None:
     # Rank 0 holds stages 0 and 3 of a V: its I0@3 needs its own F0@3, which comes later.
     table = [["F0@0", "I0@3", "F0@3", "W0@3", "I0@0", "W0@0"], ["F0@1", "F0@2", "I0@2", "W0@2", "I0@1", "W0@1"]]
