@@ -261,3 +261,39 @@ def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_ran
         assert "addmm" in errors["gpt2 fused"] and "not in one aten.linear" in errors["gpt2 fused"]
         assert "GPT2LMHeadModel has no tensor-parallel plan" in errors["gpt2 plan"]
         assert "one tied weight" in errors["tied vocabulary"] and "vocabulary=False" in errors["tied vocabulary"]
+
+
+def _compiled(rank: int, world: int) -> dict[str, Any]:
+    """The tied LLaMA at (pp 2, tp 2), compiled a layer at a time: tensor parallelism rewrites the layers' graphs
+    after compile= has wrapped them, so each call must run the layer's current code."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from pipe.distributed import hf
+    from pipe.split_blocks import blocks_of
+
+    torch.manual_seed(0)
+    model = _model("llama tied")
+    reference = copy.deepcopy(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    piped = pd.DistributedPipe(_split(model), chunks=2, schedule="1f1b", mesh=pd.make_mesh(pp=2, tp=2),
+                               loss_reduction="count", tensor_parallel=hf.tensor_parallel_plan(model),
+                               compile={"backend": counter})
+    layers = [block for stage in piped.partitions.values() for block in blocks_of(stage) if ".layers." in block.path]
+    worst = _steps(piped, reference, "compiled")
+    return {"worst": worst, "compiled": piped.compiled_layers, "classes": len({type(b) for b in layers}),
+            "frames": counter.frame_count}
+
+
+@pytest.mark.timeout(300)
+def test_split_layers_compiled_with_tensor_parallelism_match_the_plain_model() -> None:
+    pytest.importorskip("transformers")
+    from split_models import llama
+
+    llama()
+    results = run_ranks(_compiled, 4, deadline=280.0, timeout=60.0)
+    for rank, found in enumerate(results):
+        assert found["worst"]["gradient"] < 1e-5, found
+        first = rank // 2 == 0  # the first pipeline rank's stage holds layers 0-1, the second's 2-3 and the head
+        layers = ("model.layers.0", "model.layers.1") if first else ("model.layers.2", "model.layers.3")
+        assert [name.partition(".")[2] for name in found["compiled"] if ".layers." in name] == list(layers), found
+        assert found["classes"] == 1 and found["frames"] > 0, found  # the rewritten layers share one class
