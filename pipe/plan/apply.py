@@ -190,7 +190,8 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
         raise ValueError(
             f"pipe.plan.planned_distributed() plans the built-in schedules, not a schedule given as a "
             f"table ({type(given.schedule).__name__}); pass schedule= by name (\"gpipe\", \"1f1b\", "
-            f"\"interleaved\", \"zb-h1\", \"zbv\"), or build DistributedPipe yourself, unplanned")
+            f"\"interleaved\", \"zb-h1\", \"zbv\"; \"auto\" or \"auto-v\": an order the planner builds from "
+            f"the costs), or build DistributedPipe yourself, unplanned")
     if given.virtual_stages is not None and given.virtual_stages != (2 if given.schedule in ("interleaved", "zbv")
                                                                      else 1):
         raise ValueError(

@@ -5,9 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pipe.core.schedule import Schedule
 from pipe.plan.sharding import split_text
 
 __all__: list[str] = []
+
+AUTO = "auto"
+AUTO_V = "auto-v"
+AUTO_KINDS = (AUTO, AUTO_V)
+"""The planner's schedule kinds for an order built from a plan's own stage costs: stage s on rank
+``s % ranks`` (one or two stages per rank), or two stages per rank in a V (rank r: r and ``2 ranks - 1 - r``)."""
 
 
 @dataclass(frozen=True)
@@ -16,7 +23,12 @@ class Candidate:
 
     Attributes:
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"`` or
-            ``"zbv"`` (``Pipe`` runs GPipe).
+            ``"zbv"`` (``Pipe`` runs GPipe); or ``"auto"`` / ``"auto-v"``: each
+            rank's order built from this plan's own stage costs
+            (:func:`pipe.schedule_from_costs`, with 1F1B's in-flight bound), its
+            stages placed as interleaved places them (``"auto"``) or in a V like
+            ZB-V's (``"auto-v"``), which :func:`pipe.plan.predict.predict` builds
+            and times (``Prediction.schedule``).
         chunks: micro-batches per mini-batch.
         balance: layers per stage (``ranks x virtual_stages`` entries).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"``.
@@ -60,6 +72,14 @@ class Candidate:
     select_names: tuple[str, ...] = ()
     dp_replicate: int = 1
     offload: tuple[int, ...] = ()
+
+    def layout(self) -> Schedule:
+        """A schedule that places this plan's stages on its ranks as it runs them: its own, or for an order
+        built from the costs (:attr:`Prediction.schedule <pipe.plan.predict.Prediction>`) a fixed one with
+        its placement (1F1B's, looped BFS's, ZB-V's)."""
+        kind = {AUTO: "1f1b" if self.virtual_stages == 1 else "looped-bfs", AUTO_V: "zbv"}.get(
+            self.schedule, self.schedule)
+        return Schedule(kind, self.ranks, self.chunks, self.virtual_stages)
 
     @property
     def ranks(self) -> int:

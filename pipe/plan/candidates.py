@@ -13,15 +13,19 @@ from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.schedule import Schedule
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.plan.cost import Costs
-from pipe.plan.candidate import Candidate
+from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import predict_memory
 from pipe.plan.sharding import replica_costs
 
 __all__: list[str] = []
 
-#: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``).
+#: Which front end runs the plan: threads (``Pipe``, GPipe) or processes (``DistributedPipe``), and the
+#: schedules it plans by default.
 RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
                                        "processes": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")}
+#: Schedules planned only when asked for (``schedules=``): ``"auto"`` and ``"auto-v"``, each candidate's order
+#: built from its own stage costs (:func:`pipe.schedule_from_costs`), a greedy search per candidate visited.
+ON_REQUEST: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
 
 
 def _compositions(layers: int, parts: int) -> Iterable[tuple[int, ...]]:
@@ -64,10 +68,10 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
                          f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
     kinds = tuple(schedules) if schedules is not None else RUNNERS[runner]
-    unknown = [k for k in kinds if k not in RUNNERS[runner]]
+    unknown = [k for k in kinds if k not in RUNNERS[runner] + ON_REQUEST[runner]]
     if unknown:
         raise ValueError(f"schedules {unknown} cannot run with runner={runner!r}; "
-                         f"choose from {list(RUNNERS[runner])}")
+                         f"choose from {list(RUNNERS[runner] + ON_REQUEST[runner])}")
     bad = [c for c in checkpoints if c not in CHECKPOINT_MODES]
     if bad:
         raise ValueError(f"unknown checkpoint modes {bad}; choose from {list(CHECKPOINT_MODES)}")
@@ -75,9 +79,10 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         raise ValueError(f"cannot split {costs.layers} layers over {ranks} stages; stages must be "
                          f"between 1 and {costs.layers}")
     found = []
-    for kind in kinds:
-        virtual = 2 if kind in ("interleaved", "zbv") else 1
-        if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1):
+    for kind, virtual in [(k, v) for k in kinds for v in ((1, 2) if k == "auto" else (2,) if k in (
+            "interleaved", "zbv", "auto-v") else (1,))]:
+        if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1) or (kind == "auto" and virtual == 2
+                                                                                          and ranks == 1):
             continue
         if balances is not None:
             options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
@@ -112,9 +117,9 @@ def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], r
     Zero-bubble schedules are left out: a layer's mark would replay it in I and again in W; so are plans
     that offload (:func:`per_stage_offload`): a layer recomputes or offloads.
     """
-    if candidate.checkpoint != "never" or candidate.schedule in ZERO_BUBBLE_KINDS or any(candidate.offload):
+    if candidate.checkpoint != "never" or candidate.schedule in (*ZERO_BUBBLE_KINDS, *AUTO_KINDS) or any(candidate.offload):
         return None
-    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    schedule = candidate.layout()
     view = replica_costs(costs, candidate.parts)  # each pipeline's share of the batch
     rows = view.rows(candidate.chunks)
     peaks, _ = predict_memory(costs, candidate, runner=runner)
@@ -161,9 +166,9 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     already fits without it.
     """
     if (not costs.offloads or candidate.checkpoint != "never" or candidate.recompute or candidate.selective()
-            or candidate.schedule in ZERO_BUBBLE_KINDS):
+            or candidate.schedule in (*ZERO_BUBBLE_KINDS, *AUTO_KINDS)):
         return None
-    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    schedule = candidate.layout()
     peaks, _ = predict_memory(costs, candidate, runner=runner)
     if all(p <= b for p, b in zip(peaks, budget)):
         return None

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                         help="micro-batch counts to consider (default: 1 2 4 8 16 32)")
     parser.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
-                        help="only these schedules (processes: gpipe 1f1b interleaved zb-h1 zbv; threads: gpipe); "
-                             "default: all the runner runs")
+                        help="only these schedules (processes: gpipe 1f1b interleaved zb-h1 zbv, and on request auto "
+                             "auto-v: orders built from each plan's costs; threads: gpipe); default: the fixed "
+                             "schedules the runner runs")
     parser.add_argument("--checkpoints", nargs="+", choices=["never", "except_last", "always"],
                         default=["never", "except_last", "always"],
                         help="only these checkpoint modes (default: all three)")
@@ -259,6 +260,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if dp_shard is not None or dp_replicate is not None:
         front = f"mesh = make_mesh({', '.join(f'{k}={v}' for k, v in chosen.mesh_kwargs().items())})\n{front}"
         kwargs = {**kwargs, "mesh": _Name("mesh")}
+    table = kwargs.get("schedule")
+    if table is not None and not isinstance(table, str):  # an order built from the costs: its CSV, to read back
+        front = f"table = TableSchedule.from_csv(io.StringIO({table.to_csv()!r}))\n{front}"
+        kwargs = {**kwargs, "schedule": _Name("table")}
     sys.stdout.write(f"\n{front}(model, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")\n")
     if args.explain:
         sys.stdout.write("\n" + explain_prediction(chosen.best).table() + "\n")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pipe.core.message import HEADER_BYTES
 from pipe.core.stage_costs import StageCosts
@@ -153,6 +153,7 @@ class Costs:
         self.output_bytes = output_bytes or {}
         self.grad_bytes = grad_bytes or self.output_bytes
         self._replicas: dict[int, "Costs"] = {}  # pipe.plan.sharding.replica_costs: the costs of B / dp_shard
+        self._orders: dict[Any, Any] = {}  # pipe.plan.predict: the "auto" order of each candidate and time model
         tables: list[tuple[int, Sequence[float]]] = [
             *forward.items(), *backward.items(), *self.input_grad.items(), *self.weight_grad.items(),
             *self.replay.items(), *(select_replay or {}).items(), *(offload_bytes or {}).items(),

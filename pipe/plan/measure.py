@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -135,7 +135,8 @@ def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
 
 
 def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidates: "list[Candidate]",
-                inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int) -> "list[Measured]":
+                inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int,
+                tables: "list[Any]") -> "list[Measured]":
     """One rank of :func:`run_plans` (its process group made by :func:`pipe.distributed.local_ranks.run_local_ranks`)."""
     from pipe.core.microbatch import scatter
     from pipe.distributed import DistributedPipe, make_mesh
@@ -144,6 +145,8 @@ def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidate
     for sweep in range(sweeps):  # the plans in turn, each sweep: a burst of load slows one sweep, not one plan
         for k, candidate in enumerate(candidates):
             kwargs = candidate.distributed_kwargs()
+            if tables[k] is not None:  # an order built from the costs ("auto"), as the prediction timed it
+                kwargs["schedule"] = tables[k]
             if candidate.parts > 1:
                 kwargs = dict(kwargs, mesh=make_mesh(**candidate.mesh_kwargs()))
             torch.manual_seed(0)  # partners start alike (DistributedPipe checks it), whatever build() seeds
@@ -164,14 +167,15 @@ def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidate
 
 def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]", inputs: Any, target: Any,
               loss_fn: Callable[..., Any], *, repeat: int = 3, sweeps: int = 1,
-              timeout: float = 300.0) -> "list[list[Measured]]":
+              timeout: float = 300.0, tables: "Optional[Sequence[Any]]" = None) -> "list[list[Measured]]":
     """Runs each of ``candidates`` (runner ``"processes"``, all on as many ranks) on local gloo processes, one
     process per rank, and measures its step (:func:`measure_step`); per candidate, one :class:`Measured` per rank
     (the counted activation peak, without the static bytes).
 
     A ``pp x dp_replicate x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
     ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
-    its fastest step. ``build()`` returns a fresh model. The ranks are started by
+    its fastest step. ``tables``: per candidate, the schedule it runs where it is an order built from the costs
+    (``"auto"``: :attr:`pipe.plan.Prediction.schedule`), else None. ``build()`` returns a fresh model. The ranks are started by
     :func:`pipe.distributed.local_ranks.run_local_ranks`: forked (any function works) where no GPU is visible;
     where one is, fresh interpreters, so ``build``, ``loss_fn`` and the data must pickle (a function at module
     level): a child forked from this process can use neither CUDA once this process has, nor autograd once
@@ -201,6 +205,7 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
                 "loss_fn must be functions at module level and the data must pickle") from None
     try:
         results = run_local_ranks(_plans_rank, world, build, list(candidates), inputs, target, loss_fn, repeat, sweeps,
+                                  list(tables) if tables is not None else [None] * len(candidates),
                                   timeout=120.0, deadline=timeout)
     except RankFailure as error:
         raise RuntimeError(f"running {len(candidates)} plan(s) on {world} processes failed (or took more than "
@@ -218,5 +223,7 @@ def verify_plan(build: Callable[[], nn.Module], plan: "Plan", inputs: Any, targe
         RuntimeError: a rank failed (the message says which and why) or took longer than ``timeout`` seconds.
         TypeError: a GPU is visible and ``build``, ``loss_fn`` or the data do not pickle.
     """
-    measured = run_plans(build, [plan.candidate], inputs, target, loss_fn, repeat=repeat, timeout=timeout)[0]
+    table = plan.distributed_kwargs()["schedule"]
+    measured = run_plans(build, [plan.candidate], inputs, target, loss_fn, repeat=repeat, timeout=timeout,
+                         tables=[table if not isinstance(table, str) else None])[0]
     return [replace(m, activation_peak=m.activation_peak + plan.best.static[m.pipeline_rank]) for m in measured]

@@ -27,7 +27,8 @@ from pipe.core.action import Action, Phase, TimedAction
 from pipe.core.schedule import Schedule
 from pipe.core.message import HEADER_BYTES, sent_copy_bytes
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
-from pipe.plan.candidate import Candidate
+from pipe.core.cost_order import schedule_from_costs
+from pipe.plan.candidate import AUTO_KINDS, AUTO_V, Candidate
 from pipe.plan.cost import Costs
 from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held_by_fsdp, replica_costs,
                                 sharded_static)
@@ -50,6 +51,8 @@ class Prediction:
         peaks: bytes per rank at its high-water mark (static + activations).
         static: bytes per rank of parameters, gradients and optimiser state.
         timeline: the simulated timed actions (seconds).
+        schedule: the schedule timed; for ``"auto"`` the order built from the candidate's costs, which
+            ``DistributedPipe(schedule=...)`` runs (:meth:`pipe.plan.Plan.distributed_kwargs` passes it).
     """
 
     candidate: Candidate
@@ -57,6 +60,7 @@ class Prediction:
     peaks: list[int]
     static: list[int]
     timeline: list[TimedAction] = field(repr=False, default_factory=list)
+    schedule: Optional[Schedule] = field(repr=False, default=None)
 
     @property
     def peak(self) -> int:
@@ -87,10 +91,10 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         ValueError: the candidate does not fit the model (its balance does not
             cover the layers, or a schedule argument is out of range).
     """
-    peaks_static = memory or predict_memory(costs, candidate, runner=runner)
-    costs = replica_costs(costs, candidate.parts)
-    schedule = _schedule(costs, candidate)
     model = model or TimeModel()
+    peaks_static = memory or predict_memory(costs, candidate, runner=runner, model=model)
+    costs = replica_costs(costs, candidate.parts)
+    schedule = _schedule(costs, candidate, model)
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     times = stage_costs(costs, candidate, model)
@@ -122,7 +126,7 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
             simulated = time_schedule(schedule, duration, transfer, stop)
     step_time = max(t.end for t in simulated)
     peaks, static = peaks_static
-    return Prediction(candidate, step_time, peaks, static, simulated if timeline else [])
+    return Prediction(candidate, step_time, peaks, static, simulated if timeline else [], schedule)
 
 
 def _remote(schedule: Schedule, stage: int, rank: int) -> bool:
@@ -130,9 +134,11 @@ def _remote(schedule: Schedule, stage: int, rank: int) -> bool:
     return 0 <= stage < schedule.stages and schedule.rank_of(stage) != rank
 
 
-def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
-    schedule = Schedule(candidate.schedule, ranks=candidate.ranks, microbatches=candidate.chunks,
-                        virtual_stages=candidate.virtual_stages)
+def _schedule(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> Schedule:
+    """The schedule ``candidate`` runs (``costs`` a pipeline's share: :func:`pipe.plan.sharding.replica_costs`),
+    checked against the costs: for ``"auto"`` the order built from its stage costs under ``model``, else its
+    kind's. With ``model=None``, only where each stage runs (:meth:`Candidate.layout`)."""
+    schedule = candidate.layout()
     if sum(candidate.balance) != costs.layers or min(candidate.balance) < 1:
         raise ValueError(f"balance {list(candidate.balance)} does not split {costs.layers} layers into non-empty "
                          f"stages; its entries must be >= 1 and sum to {costs.layers}")
@@ -147,8 +153,10 @@ def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
             raise ValueError(f"offload={list(candidate.offload)} is planned with checkpoint='never' and no recompute "
                              f"marks (got checkpoint={candidate.checkpoint!r}, recompute={list(candidate.recompute)}, "
                              f"select={list(candidate.select)}): a layer either offloads or recomputes")
-        if candidate.schedule in ZERO_BUBBLE_KINDS:
-            raise ValueError(f"offload={list(candidate.offload)} is not planned with the zero-bubble schedule "
+        if candidate.schedule in (*ZERO_BUBBLE_KINDS, *AUTO_KINDS):
+            which = "the zero-bubble schedule" if candidate.schedule in ZERO_BUBBLE_KINDS else \
+                "the order built from the costs"
+            raise ValueError(f"offload={list(candidate.offload)} is not planned with {which} "
                              f"{candidate.schedule!r}; plan it with 'gpipe', '1f1b' or 'interleaved'")
         if not costs.offloads:
             raise ValueError(f"offload={list(candidate.offload)} needs costs that measured offload (the bytes each "
@@ -156,18 +164,30 @@ def _schedule(costs: Costs, candidate: Candidate) -> Schedule:
     if candidate.selective() and not candidate.select_names:
         raise ValueError(f"select={list(candidate.select)} needs select_names, the name regexes to mark with "
                          f"(the profile's Costs.select)")
-    return schedule
+    if candidate.schedule not in AUTO_KINDS or model is None:
+        return schedule
+    if candidate.schedule == AUTO_V and candidate.virtual_stages != 2 or candidate.virtual_stages > 2:
+        raise ValueError(f"schedule={candidate.schedule!r} is planned with {'two stages' if candidate.schedule == AUTO_V else 'one or two stages'} "
+                         f"per rank, got virtual_stages={candidate.virtual_stages}")
+    key = (candidate, model)
+    if key not in costs._orders:  # the same costs, cut, marks and model always give the same order
+        costs._orders[key] = schedule_from_costs(stage_costs(costs, candidate, model), ranks=candidate.ranks,
+                                                 microbatches=candidate.chunks,
+                                                 placement="v" if candidate.schedule == AUTO_V else "looped",
+                                                 checkpoint=candidate.checkpoint)
+    return costs._orders[key]
 
 
 def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads",
-                   ranks: Optional[list[int]] = None) -> tuple[list[int], list[int]]:
+                   ranks: Optional[list[int]] = None, model: Optional[TimeModel] = None) -> tuple[list[int], list[int]]:
     """``(peaks, static)``: bytes per rank at its high-water mark, and of its parameters, gradients and
     optimiser state; only ``ranks`` (the others get 0) when given. A sharded candidate (``dp_shard > 1``)
     holds shards of the static bytes, and FSDP's unsharded parameters and gradients during the step
     (:func:`pipe.plan.sharding.held_by_fsdp`); a replicated one (``dp_replicate > 1``, unsharded) the
-    averager's flat gradient copies (:func:`pipe.plan.sharding.held_by_averager`)."""
+    averager's flat gradient copies (:func:`pipe.plan.sharding.held_by_averager`). ``model``: the time
+    model an ``"auto"`` order is built under (default: layer times alone)."""
     costs = replica_costs(costs, candidate.parts)
-    schedule = _schedule(costs, candidate)
+    schedule = _schedule(costs, candidate, model or TimeModel())
     bounds = _bounds(candidate.balance)
     stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
     peaks, static = [], []
@@ -212,11 +232,14 @@ def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = 
     costs = replica_costs(costs, candidate.parts)
     schedule = _schedule(costs, candidate)
     bounds = _bounds(candidate.balance)
-    collectives = [math.fsum(collective_seconds(costs, schedule, rank, bounds, candidate, model.link).values())
-                   for rank in range(schedule.ranks)]
+    auto = candidate.schedule in AUTO_KINDS  # its order, and so its backward and its collectives, not built yet
+    collectives = None if auto else [
+        math.fsum(collective_seconds(costs, schedule, rank, bounds, candidate, model.link).values())
+        for rank in range(schedule.ranks)]
     return stage_busy_bound(stage_costs(costs, candidate, model), [schedule.rank_of(s) for s in range(schedule.stages)],
                             candidate.chunks, checkpoint_stop(candidate.checkpoint, candidate.chunks),
-                            splits=schedule.splits_backward, contention=model.contention, besides=collectives)
+                            splits=None if auto else schedule.splits_backward, contention=model.contention,
+                            besides=collectives)
 
 
 def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]],

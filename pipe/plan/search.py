@@ -20,11 +20,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from pipe.core.schedule import Schedule
 from pipe.core.units import format_bytes, parse_bytes
 from pipe.plan.candidates import candidates, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
-from pipe.plan.candidate import Candidate
+from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
 from pipe.plan.sharding import DpShard, split_candidates, split_summary, split_text
 from pipe.plan.timing import TimeModel
@@ -99,7 +98,10 @@ class Plan:
         """Arguments of ``DistributedPipe(model, **kwargs)`` (:meth:`Candidate.distributed_kwargs`); a sharded
         or replicated plan needs ``mesh=make_mesh(**plan.mesh_kwargs())`` too (built under torch.distributed, on
         every rank)."""
-        return self.candidate.distributed_kwargs()
+        kwargs = self.candidate.distributed_kwargs()
+        if self.candidate.schedule in AUTO_KINDS:  # the order built from the plan's costs, a TableSchedule
+            kwargs["schedule"] = self.best.schedule
+        return kwargs
 
     def mesh_kwargs(self) -> dict[str, int]:
         """Arguments of ``pipe.distributed.make_mesh(**kwargs)`` for the plan's ``pp x dp_replicate x dp_shard`` split
@@ -203,7 +205,7 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
 
     def fits(c: Candidate) -> bool:
         if c not in memory:
-            memory[c] = predict_memory(costs, c, runner=runner)
+            memory[c] = predict_memory(costs, c, runner=runner, model=model)
         return all(peak <= b for peak, b in zip(memory[c][0], budget))
 
     # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
@@ -238,6 +240,12 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
         raise PlanError(_nothing_fits(costs, options, memory, budget))
     predictions.sort(key=lambda p: (p.step_time, p.peak))
     fit = [p for p in predictions if fits(p.candidate)]
+    if fit[0].candidate.schedule in AUTO_KINDS:  # within rounding of a fixed schedule (often the same order)
+        same = [p for p in fit if p.candidate.schedule not in AUTO_KINDS and p.peak <= fit[0].peak
+                and p.step_time <= fit[0].step_time * (1 + 1e-9)]
+        if same:
+            fit.remove(same[0])
+            fit.insert(0, same[0])
     best = fit[0]
     rejected_ = [(p, _why(p, budget, best)) for p in predictions[:predictions.index(best)] if not fits(p.candidate)]
     ups = [(p, f"slower by {p.step_time / best.step_time - 1:+.1%}") for p in fit[1:1 + runners_up]]
@@ -273,7 +281,7 @@ def _rank_text(candidate: Candidate) -> str:
 
 
 def _stages_text(candidate: Candidate, rank: int) -> str:
-    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    schedule = candidate.layout()
     parts = []
     for s in schedule.stages_of(rank):
         first = sum(candidate.balance[:s])

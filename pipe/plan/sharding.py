@@ -390,7 +390,7 @@ def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
     if not costs.tied:
         return False
     stage_of = [s for s, n in enumerate(candidate.balance) for _ in range(n)]
-    schedule = Schedule(candidate.schedule, candidate.ranks, candidate.chunks, candidate.virtual_stages)
+    schedule = candidate.layout()
     return any(len({stage_of[k] for k in layers if schedule.rank_of(stage_of[k]) == rank}) > 1
                for layers, _ in costs.tied for rank in range(schedule.ranks))
 

@@ -141,9 +141,19 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     for name, param in reference.named_parameters():
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
+    # schedule="auto": the order built from the plan's own stage costs, as a table every rank runs.
+    auto = planned_distributed(mlp(), x, memory_budget="1GiB", target=y, loss_fn=nn.functional.mse_loss,
+                               schedule="auto")
+    auto.step(x, y)
+    reference = mlp()
+    nn.functional.mse_loss(reference(x), y).backward()
+    mine = dict(auto.named_parameters())
+    exact = all(torch.allclose(mine[name].grad, param.grad, atol=1e-6) for name, param in reference.named_parameters()
+                if name in mine)
     return {"peak": static + measured.activation_peak, "refused": refused, "parallelized": parallelized,
             "refusals": refusals, "kept": (kept.schedule.kind, kept.chunks), "profiled_on": profiled_on,
-            "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind)}
+            "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind),
+            "auto": (auto.schedule.kind, auto.schedule.programs, exact and bool(mine))}
 
 
 def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
@@ -162,6 +172,8 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     assert [r["profiled_on"] for r in results] == [["cpu"], []], results  # rank 0 alone plans, on the device
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
+    assert all(r["auto"][0] == "table" and r["auto"][2] for r in results), [r["auto"] for r in results]
+    assert results[0]["auto"][1] == results[1]["auto"][1]  # rank 0's order, on every rank
 
 
 def _replicated_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tight: int,

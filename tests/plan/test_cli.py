@@ -1,6 +1,7 @@
 """``pipe-plan`` and ``pipe-viz trace --explain``."""
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from pipe import Pipe, trace
+from pipe.core.schedule_table import TableSchedule
 from pipe.plan.cli import main as plan_main
 from pipe.recompute import DEFAULT_SELECT
 from pipe.viz.cli import main as viz_main
@@ -155,6 +157,22 @@ def test_pipe_plan_verify_prints_measured_beside_predicted(factory: str, capsys:
         assert "the fastest of 5 steps; median" in out, out  # the machine's own spread beside the figure
         assert ("rank 1 peak  predicted" in out) == (runner == "processes"), out
         assert "next best that fit:" in out and "slower by" in out
+
+
+def test_pipe_plan_plans_orders_built_from_the_costs_on_request(factory: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--schedules auto: the order built from the plan's own costs; the suggested call reads its table back from
+    CSV, and --verify runs that table on the ranks."""
+    status = plan_main(["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2",
+                        "--chunks", "2", "--runner", "processes", "--link", "none", "--schedules", "auto",
+                        "--verify"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "* auto " in out and "table = TableSchedule.from_csv(io.StringIO(" in out, out
+    assert "schedule=table" in out and "rank 1 peak  predicted" in out, out
+    csv = out.split("io.StringIO(")[1].split("))")[0]
+    table = TableSchedule.from_csv(io.StringIO(eval(csv)))  # the literal printed  # noqa: S307
+    assert (table.ranks, table.microbatches) == (2, 2)
 
 
 def test_pipe_plan_splits_ranks_between_pipeline_sharding_and_replicas(factory: str,

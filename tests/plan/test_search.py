@@ -1,9 +1,12 @@
 """The search: the fastest plan that fits, on cost tables whose best plan is known."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from pipe.plan import Candidate, Costs, PlanError, parse_bytes, predict, search
+from pipe.core.schedule_table import TableSchedule
+from pipe.plan import Candidate, Costs, Link, PlanError, TimeModel, parse_bytes, predict, search
 from pipe.core.units import format_bytes
 from pipe.plan.candidates import candidates
 from pipe.recompute import DEFAULT_SELECT
@@ -159,3 +162,61 @@ def test_zero_bubble_schedules_are_planned_for_processes() -> None:
     zb = predict(costs, Candidate("zb-h1", 8, (2, 2), "never"), runner="processes")
     one = predict(costs, Candidate("1f1b", 8, (2, 2), "never"), runner="processes")
     assert zb.step_time < one.step_time  # W fills the bubble
+
+
+def _uneven(seed: int) -> Costs:
+    """4 layers of uneven costs whose backward splits unevenly into I and W (a W up to 4 times an I)."""
+    rng = random.Random(seed)
+    forward = [rng.uniform(0.5e-3, 2e-3) for _ in range(4)]
+    costs = Costs.from_table(8, forward, [2 * f for f in forward], [1000] * 4, [4000] * 4, param_bytes=[100] * 4)
+    share = rng.uniform(0.2, 0.5)
+    for rows, times in costs.backward.items():
+        costs.input_grad[rows] = [share * t for t in times]
+        costs.weight_grad[rows] = [(1 - share) * t for t in times]
+    return costs
+
+
+LINK = TimeModel(link=Link(2e-4, 1e-8), action_overhead=1e-4)
+FIXED = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_orders_built_from_the_costs_are_planned_on_request_and_never_slower(seed: int) -> None:
+    """schedules=[..., "auto", "auto-v"]: each candidate's order built from its own stage costs joins the fixed
+    schedules; the plan is never slower in simulation, and the order it runs is the one it timed."""
+    costs = _uneven(seed)
+    fixed = search(costs, 2, "1GiB", runner="processes", model=LINK)
+    chosen = search(costs, 2, "1GiB", runner="processes", model=LINK, schedules=FIXED + ["auto", "auto-v"])
+    assert chosen.best.step_time <= fixed.best.step_time
+    if chosen.candidate.schedule in ("auto", "auto-v"):
+        assert chosen.best.step_time < fixed.best.step_time  # at a tie the fixed schedule is kept
+        table = chosen.distributed_kwargs()["schedule"]
+        assert isinstance(table, TableSchedule) and table is chosen.best.schedule
+        assert (table.ranks, table.microbatches, table.stages) == (2, chosen.candidate.chunks,
+                                                                   len(chosen.candidate.balance))
+        table.validate()
+        again = predict(costs, chosen.candidate, runner="processes", model=LINK)
+        assert again.step_time == chosen.best.step_time and again.schedule == table  # one order per plan
+        v = chosen.candidate.schedule == "auto-v"
+        assert [table.rank_of(s) for s in range(table.stages)] == ([0, 1, 1, 0] if v else [
+            s % 2 for s in range(table.stages)])
+
+
+def test_some_order_built_from_the_costs_beats_every_fixed_schedule() -> None:
+    gains = []
+    for seed in range(12):
+        costs = _uneven(seed)
+        fixed = search(costs, 2, "1GiB", runner="processes", model=LINK).best.step_time
+        auto = search(costs, 2, "1GiB", runner="processes", model=LINK, schedules=FIXED + ["auto", "auto-v"])
+        gains.append(1 - auto.best.step_time / fixed)
+    assert max(gains) > 0.01 and min(gains) >= 0, gains
+
+
+def test_orders_built_from_the_costs_are_refused_where_they_cannot_run() -> None:
+    costs = table([1e-3] * 4)
+    with pytest.raises(ValueError, match=r"schedules \['auto'\] cannot run with runner='threads'"):
+        search(costs, 2, "1GiB", schedules=["auto"])
+    with pytest.raises(ValueError, match="offload=.* is not planned with the order built from the costs 'auto'"):
+        predict(costs, Candidate("auto", 2, (2, 2), "never", offload=(1, 0)), runner="processes")
+    with pytest.raises(ValueError, match="'auto-v' is planned with two stages per rank, got virtual_stages=1"):
+        predict(costs, Candidate("auto-v", 2, (2, 2), "never"), runner="processes")
