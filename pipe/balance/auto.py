@@ -90,10 +90,12 @@ def stage_costs(times: LayerTimes, rows: int, balance: Sequence[int], *, seconds
     i = [math.fsum(times.input_grad[rows][k] for k in b) for b in bounds]
     w = [math.fsum(times.weight_grad[rows][k] for k in b) for b in bounds]
     w[0], i[0] = w[0] + i[0], 0.0
+    # A whole backward (B) as measured: run fused it is cheaper than its halves apart (W replays part of the graph).
+    b = [math.fsum(times.backward[rows][k] for k in bound) for bound in bounds] if rows in times.backward else None
     sizes = times.output_bytes.get(rows, [0] * layers)
     transfer = [message_seconds + seconds_per_byte * sizes[b[-1]] for b in bounds[:-1]]
     activation = [float(max(1, sum(sizes[k] for k in b))) for b in bounds] if activation_bytes else 1.0
-    return StageCosts.of(f, i, w, transfer=transfer, activation=activation, overhead=action_seconds)
+    return StageCosts.of(f, i, w, backward=b, transfer=transfer, activation=activation, overhead=action_seconds)
 
 
 def _rank_loads(totals: Sequence[float], balance: Sequence[int], rank_of: Sequence[int], ranks: int

@@ -201,7 +201,8 @@ def calibrated_times(times: LayerTimes, rows: int, step: TracedStep) -> LayerTim
     """``times`` with each stage's layers scaled so that they add up to the
     recorded step's medians: per stage, F by the forward's ratio, and I and W by their own ratios (the first
     stage's I and W together, its input needs no gradient; a fused backward scales both by B's ratio over
-    the layers' fused backward). Layers keep their shares within the stage, so a new cut can be costed.
+    the layers' fused backward). The fused backward B is scaled by its own ratio where the step ran B, else
+    by that of I and W together. Layers keep their shares within the stage, so a new cut can be costed.
 
     Raises:
         ValueError: ``step.balance`` does not cover the timed layers.
@@ -211,6 +212,7 @@ def calibrated_times(times: LayerTimes, rows: int, step: TracedStep) -> LayerTim
         raise ValueError(f"the recorded step's balance {list(step.balance)} covers {sum(step.balance)} layers; "
                          f"the timed model has {layers}: record the same model")
     forward, inputs, weights = list(times.forward[rows]), list(times.input_grad[rows]), list(times.weight_grad[rows])
+    fused = list(times.backward[rows])
     start = 0
     for stage, count in enumerate(step.balance):
         span = range(start, start + count)
@@ -218,13 +220,15 @@ def calibrated_times(times: LayerTimes, rows: int, step: TracedStep) -> LayerTim
 
         f = _ratio(step.forward[stage], math.fsum(forward[k] for k in span))
         if not step.split:
-            i = w = _ratio(step.backward[stage], math.fsum(times.backward[rows][k] for k in span))
-        elif stage == 0:  # I does nothing there: W is the whole backward
-            i = w = _ratio(step.input_grad[0] + step.weight_grad[0], math.fsum(inputs[k] + weights[k] for k in span))
+            i = w = b = _ratio(step.backward[stage], math.fsum(fused[k] for k in span))
         else:
-            i = _ratio(step.input_grad[stage], math.fsum(inputs[k] for k in span))
-            w = _ratio(step.weight_grad[stage], math.fsum(weights[k] for k in span))
+            b = _ratio(step.input_grad[stage] + step.weight_grad[stage], math.fsum(inputs[k] + weights[k] for k in span))
+            if stage == 0:  # I does nothing there: W is the whole backward
+                i = w = b
+            else:
+                i = _ratio(step.input_grad[stage], math.fsum(inputs[k] for k in span))
+                w = _ratio(step.weight_grad[stage], math.fsum(weights[k] for k in span))
         for k in span:
-            forward[k], inputs[k], weights[k] = forward[k] * f, inputs[k] * i, weights[k] * w
+            forward[k], inputs[k], weights[k], fused[k] = forward[k] * f, inputs[k] * i, weights[k] * w, fused[k] * b
     return replace(times, forward={**times.forward, rows: forward}, input_grad={**times.input_grad, rows: inputs},
-                   weight_grad={**times.weight_grad, rows: weights})
+                   weight_grad={**times.weight_grad, rows: weights}, backward={**times.backward, rows: fused})

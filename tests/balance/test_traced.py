@@ -120,6 +120,11 @@ def test_layer_times_are_scaled_to_the_recorded_medians_keeping_their_shares() -
         if stage:
             assert sum(times.input_grad[4][a:b]) == pytest.approx(step.input_grad[stage])
             assert sum(times.weight_grad[4][a:b]) == pytest.approx(step.weight_grad[stage])
+        # The fused backward (not run in a split step) scales as I and W together do.
+        timed = _times(8)
+        together = sum(timed.input_grad[4][a:b]) + sum(timed.weight_grad[4][a:b])
+        assert sum(times.backward[4][a:b]) == pytest.approx(
+            sum(timed.backward[4][a:b]) * (step.input_grad[stage] + step.weight_grad[stage]) / together)
     assert times.forward[4][6] / times.forward[4][5] == pytest.approx(7 / 6)  # shares within a stage kept
     with pytest.raises(ValueError, match="covers 8 layers; the timed model has 6"):
         calibrated_times(_times(6), 4, step)
