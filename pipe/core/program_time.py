@@ -32,7 +32,7 @@ from pipe.core.action import Action, Phase, TimedAction
 __all__: list[str] = []
 
 
-class Schedule(Hashable, Protocol):
+class Programs(Hashable, Protocol):
     """What this module times: each rank's program of actions and where it posts its receives
     (:class:`pipe.core.schedule.Schedule` and its tables). Frozen and hashable: lowered programs are cached
     per schedule."""
@@ -180,7 +180,7 @@ def _run(programs: _Ready, cost: Callable[[Step], float]) -> list[tuple[float, i
     return timeline
 
 
-def lowered_programs(schedule: Schedule, checkpoint_stop: int, zero3: Optional[bool] = None
+def lowered_programs(schedule: Programs, checkpoint_stop: int, zero3: Optional[bool] = None
                      ) -> tuple[tuple[Step, ...], ...]:
     """Every rank's lowered program (:mod:`pipe.core.lowering`), the one the process runner executes; FSDP
     stages with ``zero3`` (see :func:`pipe.core.lowering.lower`)."""
@@ -188,7 +188,7 @@ def lowered_programs(schedule: Schedule, checkpoint_stop: int, zero3: Optional[b
 
 
 @functools.lru_cache(maxsize=128)
-def _lowered(schedule: Schedule, checkpoint_stop: int, zero3: Optional[bool]
+def _lowered(schedule: Programs, checkpoint_stop: int, zero3: Optional[bool]
              ) -> tuple[tuple[tuple[Step, ...], ...], _Ready]:
     """The lowered programs and their form for :func:`_run`, cached per schedule, stop and ``zero3`` (a
     schedule is frozen, its actions a function of its fields): the planner times one table under many costs,
@@ -222,7 +222,7 @@ def step_cost(duration: Callable[[Action], float], transfer: Optional[Callable[[
     return cost
 
 
-def time_schedule(schedule: Schedule, duration: Optional[Callable[[Action], float]] = None,
+def time_schedule(schedule: Programs, duration: Optional[Callable[[Action], float]] = None,
                   transfer: Optional[Callable[[Action], float]] = None, checkpoint_stop: int = 0
                   ) -> list[TimedAction]:
     """``schedule`` timed: its ranks' lowered programs (:func:`lowered_programs`, micro-batches ``i <

@@ -4,7 +4,7 @@ A :class:`TableSchedule` is a :class:`~pipe.core.schedule.Schedule` whose
 programs are data: one list of actions per rank, in the order the rank runs
 them. The stages a rank runs are those its actions name; the micro-batches
 are those the table covers. It is validated when built (:meth:`Schedule.validate`,
-which ``Schedule.validate`` shares), simulated and drawn like any schedule
+as every schedule is), simulated and drawn like any schedule
 (``pipe-viz plan --table FILE.csv``), and run by the process runner
 (``DistributedPipe(schedule=table)``). A table may also say, per rank, how
 many actions ahead the rank posts its receives (:meth:`TableSchedule.with_posts`,

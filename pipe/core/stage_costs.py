@@ -120,6 +120,12 @@ _FIELD = {Phase.FORWARD: "forward", Phase.RECOMPUTE: "recompute", Phase.INPUT: "
           Phase.WEIGHT: "weight_grad", Phase.BACKWARD: "backward"}
 
 
+def action_costs(schedule: Schedule, costs: StageCosts) -> tuple[Callable[[Action], float], Callable[[Action], float]]:
+    """``(duration, transfer)`` of an action under ``costs``, for :func:`pipe.core.program_time.time_schedule`:
+    its own seconds (:meth:`StageCosts.cost`) and those of the message it waits for (:func:`message_cost`)."""
+    return (lambda action: costs.cost(action.phase, action.stage)), message_cost(schedule, costs)
+
+
 def message_cost(schedule: Schedule, costs: StageCosts) -> Callable[[Action], float]:
     """Seconds of the message an action waits for under ``costs``: its boundary's transfer (F) or gradient
     (I, B) where the neighbouring stage runs on another rank; nothing for W and R."""
@@ -140,8 +146,7 @@ def lowered_step(schedule: Schedule, costs: StageCosts, stop: int = 0) -> float:
     """The step of ``schedule``'s lowered programs (:func:`pipe.core.program_time.time_schedule`) under
     ``costs``, micro-batches ``i < stop`` recomputed: receives posted where each rank posts them, a message's
     bytes moving once both its send and its receive are posted."""
-    timed = time_schedule(schedule, lambda action: costs.cost(action.phase, action.stage),
-                          message_cost(schedule, costs), stop)
+    timed = time_schedule(schedule, *action_costs(schedule, costs), stop)
     return max(t.end for t in timed)
 
 

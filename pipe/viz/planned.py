@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pipe.core.stage_costs import StageCosts, message_cost
+from pipe.core.stage_costs import StageCosts, action_costs
 from pipe.core.options import checkpoint_stop, verify_checkpoint
 from pipe.core.lowering import COMPUTE, TRACE_KINDS, Kind
 from pipe.core.program_time import lowered_programs, phase_durations, simulate, step_cost
@@ -124,7 +124,7 @@ def lay_out(
         if costs.stages != schedule.stages:
             raise ValueError(f"costs of {costs.stages} stages for a schedule of {schedule.stages}: give one cost "
                              f"per stage of the schedule")
-        duration, transfer = (lambda action: costs.cost(action.phase, action.stage)), message_cost(schedule, costs)
+        duration, transfer = action_costs(schedule, costs)
     else:
         duration = phase_durations(forward, backward, recompute if stop > 0 else 0.0, input_grad=input_grad,
                                    weight_grad=weight_grad)
