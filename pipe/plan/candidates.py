@@ -27,6 +27,9 @@ RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
 #: built from its own stage costs (:func:`pipe.schedule_from_costs`), a greedy search per candidate visited.
 ON_REQUEST: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
 
+#: Stages per rank each schedule is planned with (1 where not listed).
+VIRTUAL_STAGES: dict[str, tuple[int, ...]] = {"interleaved": (2,), "zbv": (2,), "auto": (1, 2), "auto-v": (2,)}
+
 
 def _compositions(layers: int, parts: int) -> Iterable[tuple[int, ...]]:
     for cuts in itertools.combinations(range(1, layers), parts - 1):
@@ -79,11 +82,9 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         raise ValueError(f"cannot split {costs.layers} layers over {ranks} stages; stages must be "
                          f"between 1 and {costs.layers}")
     found = []
-    for kind, virtual in [(k, v) for k in kinds for v in ((1, 2) if k == "auto" else (2,) if k in (
-            "interleaved", "zbv", "auto-v") else (1,))]:
-        if ranks * virtual > costs.layers or (kind == "interleaved" and ranks == 1) or (kind == "auto" and virtual == 2
-                                                                                          and ranks == 1):
-            continue
+    for kind, virtual in [(k, v) for k in kinds for v in VIRTUAL_STAGES.get(k, (1,))]:
+        if ranks * virtual > costs.layers or (virtual > 1 and kind != "zbv" and kind != "auto-v" and ranks == 1):
+            continue  # two stages on one rank are one stage, except in a V
         if balances is not None:
             options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
         else:
