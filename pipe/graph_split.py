@@ -37,7 +37,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipe.core.sequential import PipeSequential
-from pipe.split_blocks import outline_layers, repeated_layers
+from pipe.split_blocks import other_holders, outline_layers, repeated_layers
 from pipe.split_repeat import capture as repeated
 from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
 
@@ -92,8 +92,12 @@ def split(
             largest forward FLOPs on the example batch are smallest, the
             embedding counted with the first layer and the head with the last
             (:mod:`pipe.balance.flops`; every rank computes the same cut, on
-            ``meta`` too).
-        stages: with ``at="auto"``, how many stages.
+            ``meta`` too). ``"layers"``: cut before every such layer and before
+            the first module with parameters after them (the final norm), so
+            the embedding, each layer and the norm with the head are pieces of
+            their own, for :func:`pipe.plan.plan` (or ``balance=``) to group
+            into stages by measured cost.
+        stages: with ``at="auto"``, how many stages (``at="layers"``: one per layer, plus two).
         repeat: capture two of the model's alike layers and repeat the
             second's graph for the others (:mod:`pipe.split_repeat`: the same
             graph, in a fraction of the time). ``False`` exports every layer:
@@ -153,19 +157,32 @@ def split(
 
 def _auto_points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], at: str,
                  stages: Optional[int]) -> list[str]:
-    if at != "auto":
-        raise TypeError(f"at must be a list of module paths such as ['transformer.h.2'], or 'auto' with stages=N, "
-                        f"got {at!r}")
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 2:
+    if at not in ("auto", "layers"):
+        raise TypeError(f"at must be a list of module paths such as ['transformer.h.2'], 'auto' with stages=N, or "
+                        f"'layers', got {at!r}")
+    if at == "layers" and stages is not None:
+        raise ValueError(f"pipe.split(at='layers') cuts before every layer, so it takes no stages= (got "
+                         f"stages={stages!r}); leave it out, or pass at='auto', stages={stages!r}")
+    if at == "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 2):
         raise ValueError(f"pipe.split(at='auto') needs stages=N, an int >= 2 (how many stages to cut into), got "
                          f"stages={stages!r}")
     layers = repeated_layers(model)
     if not layers:
-        raise ValueError(f"pipe.split(at='auto'): {type(model).__name__} has no nn.ModuleList of layers to cut "
+        raise ValueError(f"pipe.split(at={at!r}): {type(model).__name__} has no nn.ModuleList of layers to cut "
                          f"between; give the cut by name, at=[...]")
+    if at == "layers":
+        return layers + _after_layers(model, layers)[:1]
     from pipe.balance.flops import auto_cut
 
     return auto_cut(model, args, kwargs, stages, layers)
+
+
+def _after_layers(model: nn.Module, layers: list[str]) -> list[str]:
+    """The modules with parameters of their own registered after the last of ``layers`` (a decoder's final norm,
+    then its head), in the model's order."""
+    order = [name for name, _ in model.named_modules()]
+    last = order.index(layers[-1])
+    return [name for name in other_holders(model, layers) if order.index(name) > last]
 
 
 # -- example inputs --------------------------------------------------------------------------------
