@@ -96,6 +96,13 @@ class Shard:
             ``unit="block"``): after each backward of the block, added to the
             sharded gradient, so no unsharded gradient outlives its block's
             backward (least memory; a reduce-scatter per block per micro-batch).
+        reshard_after_backward: with ``unit="block"`` and ``reduce="step"``:
+            ``True`` (default) frees a block's full parameters after each of
+            its backwards; ``False`` keeps them from its first backward of the
+            step until the stage's reduce, as torch's ``PipelineStage`` does
+            under FSDP2: its later backwards gather nothing (a forward between
+            them still gathers and frees), for the stage's full parameters
+            held through the backwards.
     """
 
     reshard_after_forward: bool = True
@@ -103,6 +110,7 @@ class Shard:
     blocks: Optional[BlockPolicy] = None
     unit: str = "stage"
     reduce: str = "step"
+    reshard_after_backward: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
@@ -123,6 +131,16 @@ class Shard:
                 f"Shard(reduce='micro-batch') needs unit='block' (got unit={self.unit!r}): a stage gathered whole "
                 f"keeps its gradients unsharded until its last backward anyway; pass Shard(unit='block', "
                 f"reduce='micro-batch') to reduce each layer's gradients after each of its backwards"
+            )
+        if not isinstance(self.reshard_after_backward, bool):
+            raise TypeError(f"Shard(reshard_after_backward=...) must be True or False, got "
+                            f"{self.reshard_after_backward!r}")
+        if not self.reshard_after_backward and (self.unit != "block" or self.reduce != "step"):
+            raise ValueError(
+                f"Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got "
+                f"unit={self.unit!r}, reduce={self.reduce!r}): a stage gathered whole stays gathered through its "
+                f"run of actions anyway, and reducing after each backward reshards the block then; pass "
+                f"Shard(unit='block', reshard_after_backward=False)"
             )
         if self.unit == "block" and not self.reshard_after_forward:
             raise ValueError(
@@ -280,10 +298,11 @@ class StageSharding:
         """
         for s, modules in self.modules.items():
             for module in modules:
-                # A block gathered by its hooks is resharded after each backward, its gradient kept unsharded
-                # until the stage's reduce, or reduce-scattered then (reduce="micro-batch").
+                # A block gathered by its hooks is resharded after each backward (unless reshard_after_backward
+                # is off: then at the stage's reduce), its gradient kept unsharded until the stage's reduce, or
+                # reduce-scattered then (reduce="micro-batch").
                 by_block = any(module is b for b in self.by_block[s])
-                module.set_reshard_after_backward(by_block, recurse=False)
+                module.set_reshard_after_backward(by_block and self.config.reshard_after_backward, recurse=False)
                 module.set_requires_gradient_sync(by_block and self.config.reduce == "micro-batch", recurse=False)
                 module.set_is_last_backward(False)
 
@@ -393,4 +412,5 @@ def describe_shard(shard: Optional[Shard]) -> Optional[str]:
         return None
     blocks = getattr(shard.blocks, "__qualname__", repr(shard.blocks)) if shard.blocks else None
     return (f"Shard(reshard_after_forward={shard.reshard_after_forward}, mp_policy={shard.mp_policy!r}, "
-            f"blocks={blocks}, unit={shard.unit!r}, reduce={shard.reduce!r})")
+            f"blocks={blocks}, unit={shard.unit!r}, reduce={shard.reduce!r}, "
+            f"reshard_after_backward={shard.reshard_after_backward})")

@@ -386,7 +386,8 @@ def test_split_gpt2_sharded_matches_the_plain_model() -> None:
     assert all(r == results[0] for r in results)  # the tied embedding equal on every rank and shard
 
 
-def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str], reduce: str) -> dict[str, Any]:
+def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str], reduce: str,
+                   keep: bool) -> dict[str, Any]:
     """A tied HuggingFace LLaMA of 6 decoder layers cut by pipe.split at (pp 2, dp_shard 2), 3 layers a stage,
     ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps and a
     held-out loss (eval_step). Before each layer's forward (and its recomputation) the hook counts the stage's
@@ -411,7 +412,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         refused = str(error.value)
     piped = pd.DistributedPipe(stages, chunks=2, checkpoint="except_last", schedule=schedule,
                                mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count",
-                               shard=pd.Shard(unit=unit, reduce=reduce))
+                               shard=pd.Shard(unit=unit, reduce=reduce, reshard_after_backward=not keep))
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
     in_layers = {id(p) for block in layers for p in block.parameters()}
     own_groups = sum(any(id(p) not in in_layers for p in stage.parameters()) for stage in piped.partitions.values())
@@ -436,21 +437,24 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("unit, schedule, reduce", [("block", "1f1b", "step"), ("block", "1f1b", "micro-batch"),
-                                                    ("stage", "1f1b", "step"), ("stage", "zbv", "step")])
+@pytest.mark.parametrize("unit, schedule, reduce, keep", [
+    ("block", "1f1b", "step", False), ("block", "1f1b", "micro-batch", False), ("block", "1f1b", "step", True),
+    ("stage", "1f1b", "step", False), ("stage", "zbv", "step", False)])
 def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str,
-                                                                           reduce: str) -> None:
+                                                                           reduce: str, keep: bool) -> None:
     """Shard(unit="block"): each decoder layer of a split stage is an FSDP unit gathered by its own hooks, so at
     most two (this one and the prefetched next) are gathered when a layer runs; unit="stage" gathers all three,
     under ZB-V (two stages a rank) too, where unit="block" is refused (its backward is split in two).
-    reduce="micro-batch" reduce-scatters each layer's gradients after each of its backwards: as exact."""
+    reduce="micro-batch" reduce-scatters each layer's gradients after each of its backwards: as exact.
+    reshard_after_backward=False (keep) leaves each layer gathered from its first backward to the stage's
+    reduce: the last stage's second forward (after its first backward, in 1F1B) finds all three gathered."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import llama
 
     llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
     at = ["model.layers.3"] if schedule == "1f1b" else ["model.layers.2", "model.layers.3", "model.layers.5"]
-    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, deadline=240.0, timeout=60.0)
+    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, keep, deadline=240.0, timeout=60.0)
     # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's; the
     # final norm and the head are modules of their own, and so is the embedding where it is untied (under ZB-V).
     tail = ["model.norm", "lm_head"]
@@ -468,7 +472,12 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
         if schedule == "1f1b":  # 3 steps x 2 micro-batches, the checkpointed micro-batch's replay, eval's 2
             assert len(result["gathered"]) == (3 * 3 + 2) * len(modules)
         if unit == "block":
-            assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
+            if keep:  # the first pipeline rank runs no forward after a backward (F0 F1 B0 B1); the second's F1
+                # (F0 B0 F1 B1) finds every layer of the stage kept gathered since B0
+                assert (max(result["gathered"]) <= 2 if rank < 2 else max(result["gathered"]) == len(modules)), \
+                    result["gathered"]
+            else:
+                assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
             # Per step: the stage's own group once (where it has parameters outside its modules: the tied
             # embedding's), and each module once or once per micro-batch (2).
             each = 2 if reduce == "micro-batch" else 1

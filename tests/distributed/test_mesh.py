@@ -160,10 +160,16 @@ def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_bac
     ({"reduce": "micro-batch"}, ValueError, "Shard(reduce='micro-batch') needs unit='block' (got unit='stage')"),
     ({"unit": "block", "reshard_after_forward": False}, ValueError,
      "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered"),
+    ({"reshard_after_backward": False}, ValueError,
+     "Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got unit='stage'"),
+    ({"unit": "block", "reduce": "micro-batch", "reshard_after_backward": False}, ValueError,
+     "Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got unit='block', "
+     "reduce='micro-batch')"),
+    ({"reshard_after_backward": 0}, TypeError, "Shard(reshard_after_backward=...) must be True or False, got 0"),
 ])
 def test_a_bad_unit_or_reduce_is_refused_naming_the_value_and_the_fix(arguments: dict[str, Any], error: type,
                                                                        message: str) -> None:
     with pytest.raises(error) as raised:
         pd.Shard(**arguments)
     assert str(raised.value).startswith(message), raised.value
-    assert "pass" in str(raised.value) or "must be one of" in str(raised.value)  # the fix, or the values allowed
+    assert any(fix in str(raised.value) for fix in ("pass", "must be one of", "must be True or False"))

@@ -1,0 +1,366 @@
+"""A ZeRO-3 training step of a HF LLaMA: pipe's peak against its bound and against torch's pipelining.
+
+Both engines train the 0.5B LLaMA-style model of ``benchmarks/loading.py``
+(fp32, untied head; ``--quick``: 6M parameters), loaded from the same
+``save_pretrained`` directory, on 4 gloo ranks at (pp 2, dp_shard 2), each
+pipeline a 1F1B step of 4 micro-batches of 1 x ``--tokens`` tokens, FSDP2
+gathering one decoder layer at a time and resharding after each forward
+(ZeRO-3), gradients reduce-scattered once, at the step's last backward:
+
+* ``pipe``: ``pipe.split`` of the model on ``meta`` at the middle layer,
+  ``DistributedPipe(..., checkpoint="never", shard=Shard(unit="block"))``
+  (no recomputation, as torch's schedule), ``hf.load``;
+* ``pipe-keep``: the same with ``Shard(unit="block", reshard_after_backward=False)``:
+  each layer stays gathered from its first backward to the stage's reduce, as
+  torch's ``PipelineStage`` keeps FSDP2 blocks (fewer gathers, more memory);
+* ``torch``: torchtitan's layout with torch's own pieces: each rank keeps its
+  stage's HF modules (the embedding on the first, the norm and head on the
+  last), ``fully_shard`` on each decoder layer, the embedding, the head and
+  the stage (``reshard_after_forward=True``: ZeRO-3; torchtitan keeps
+  gathered weights through a pipelined step by default, which is ZeRO-2),
+  ``to_empty``, ``dcp.load`` through DCP's ``HuggingFaceStorageReader``, and
+  ``torch.distributed.pipelining``'s ``PipelineStage`` and ``Schedule1F1B``.
+
+Per rank and step (two steps; the gradients set to None between them, as
+an optimizer's ``zero_grad`` does), over the bytes of the shards the rank
+holds (its share):
+
+* ``peak``: the resident memory gained (VmHWM) over the rank's memory before
+  it built the model. Every rank has glibc map each block of 1 MiB or more on
+  its own (``mallopt(M_MMAP_THRESHOLD)``), so a freed tensor leaves the
+  resident set at once and the peak is close to what was live;
+* ``activations``: the most bytes autograd held for backward at once (saved
+  tensors other than parameters, each storage once), counted by
+  ``torch.autograd.graph.saved_tensors_hooks``;
+* ``bound``: what a per-layer ZeRO-3 step needs: the share, the stage's
+  gradients unsharded until the step's one reduce-scatter, the two largest
+  units gathered, and the activations held;
+* ``after``: what stays resident after the step and ``zero_grad``;
+* the step's time, and the loss (the engines must agree: same weights, same
+  tokens).
+
+The engines run in fresh processes, alternating, ``--runs`` times; the script
+prints each run and the spread, and saves ``benchmarks/results/step_memory.json``.
+
+Run:
+    python benchmarks/step_memory.py             # 0.5B, 3 runs of the 3 engines: about 25 minutes
+    python benchmarks/step_memory.py --quick --runs 1   # 6M: about a minute
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SIZES = {"pp": 2, "dp_shard": 2}
+CHUNKS = 4
+ENGINES = ["pipe", "pipe-keep", "torch"]
+
+
+class SavedBytes:
+    """The bytes autograd holds for backward, live and at most, each storage counted once; parameters (and
+    views of them, such as a transposed weight) are the share or a gathered unit, counted apart."""
+
+    def __init__(self) -> None:
+        self.users: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(base, nn.Parameter) or tensor.device.type == "meta":
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.users:
+            self.users[key] = 0
+            self.sizes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.users[key] += 1
+        holder = _Held(tensor)
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _release(self, key: int) -> None:
+        self.users[key] -= 1
+        if not self.users[key]:
+            del self.users[key]
+            self.live -= self.sizes.pop(key)
+
+
+class _Held:
+    """A saved tensor as autograd keeps it: freed with the graph that holds it."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _loading() -> Any:
+    sys.path.insert(0, str(HERE))
+    import loading
+    return loading
+
+
+def _tokens(config: Any, tokens: int) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (CHUNKS, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def _units(named: Any) -> list[int]:
+    """The bytes of each unit FSDP gathers at a time (a decoder layer, the embedding, the norm, the head)."""
+    units: dict[str, int] = {}
+    for name, p in named:
+        head, _, rest = name.partition(".layers.")
+        unit = f"{head}.layers.{rest.split('.')[0]}" if rest else name.rpartition(".")[0]
+        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
+    return sorted(units.values(), reverse=True)
+
+
+def _pipe_engine(config: Any, directory: str, mesh: Any, tokens: int,
+                 keep: bool = False) -> tuple[Any, Callable[[], Any]]:
+    import pipe
+    from pipe.distributed import DistributedPipe, Shard, hf
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    stages = pipe.split(model, (ids,), {"use_cache": False}, at=[f"model.layers.{config.num_hidden_layers // 2}"])
+    piped = DistributedPipe(stages, mesh=mesh, init_weights=False, chunks=CHUNKS, loss_reduction="count",
+                            checkpoint="never",  # as torch's schedule: no micro-batch recomputed
+                            shard=Shard(unit="block", reshard_after_backward=not keep))
+    hf.load(directory, piped)
+    batch = _tokens(config, tokens)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        flat = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat, reduction="sum"), flat.numel()
+
+    def step() -> Any:
+        return piped.step(batch, batch, loss_fn)
+    return piped, step
+
+
+class _HFStage(nn.Module):
+    """torchtitan's pipeline layout on a HF LLaMA: the stage's own decoder layers under their HF names, the
+    embedding on the first stage, the final norm and the head on the last."""
+
+    def __init__(self, model: Any, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.model = nn.Module()
+        self.model.embed_tokens = model.model.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        self.model.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.rotary = LlamaRotaryEmbedding(model.config)  # built on the CPU: its buffer is not in the checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1]).unsqueeze(0)
+        rotary = self.rotary(h, positions)
+        for layer in self.model.layers.values():  # no mask: the attention is causal by itself
+            h = layer(h, position_ids=positions, position_embeddings=rotary)
+        return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
+
+
+def _torch_engine(config: Any, directory: str, mesh: Any, tokens: int) -> tuple[Any, Callable[[], Any]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    index, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    layers = config.num_hidden_layers
+    module = _HFStage(model, range(layers * index // stages, layers * (index + 1) // stages), index == 0,
+                      index == stages - 1)
+    shards = mesh["dp_shard"]
+    for unit in [module.model.embed_tokens, *module.model.layers.values(), module.lm_head]:
+        if unit is not None:
+            fully_shard(unit, mesh=shards, reshard_after_forward=True)
+    fully_shard(module, mesh=shards, reshard_after_forward=True)
+    rotary = {name: b.clone() for name, b in module.rotary.named_buffers()}
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, b in module.rotary.named_buffers():
+            b.copy_(rotary[name])
+    dcp.load(module.state_dict(), storage_reader=HuggingFaceStorageReader(directory))
+    stage = PipelineStage(module, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+    count = CHUNKS * (tokens - 1)  # each micro-batch's sum over the pipeline's tokens: the mean, as pipe's
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        flat = labels[:, 1:].reshape(-1)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat, reduction="sum") / count
+
+    schedule = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn, scale_grads=False)
+    batch = _tokens(config, tokens)
+
+    def step() -> Any:
+        if index == 0:
+            schedule.step(batch)
+            return None
+        losses: list[torch.Tensor] = []
+        schedule.step(target=batch, losses=losses)
+        return sum(losses)
+    return module, step
+
+
+def _rank(rank: int, port: int, engine: str, directory: str, args: argparse.Namespace,
+          results: "multiprocessing.Queue[Any]") -> None:
+    try:
+        results.put(_measure(rank, port, engine, directory, args))
+    except BaseException as error:  # report instead of leaving the parent waiting
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        raise
+
+
+def _measure(rank: int, port: int, engine: str, directory: str, args: argparse.Namespace) -> dict[str, Any]:
+    import ctypes
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: a freed block of 1 MiB or more leaves VmRSS
+    loading = _loading()
+    world = SIZES["pp"] * SIZES["dp_shard"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    from pipe.distributed import make_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = make_mesh(**SIZES)
+    config = loading._config(args.quick)
+    baseline = loading._status("VmRSS")
+    if engine == "torch":
+        module, step = _torch_engine(config, directory, mesh, args.tokens)
+    else:
+        module, step = _pipe_engine(config, directory, mesh, args.tokens, keep=engine == "pipe-keep")
+    share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                for p in module.parameters())
+    stage_bytes = sum(p.numel() * p.element_size() for p in module.parameters())  # full sizes
+    largest = _units(module.named_parameters())[:2]
+    steps = []
+    for _ in range(2):
+        import gc
+        gc.collect()
+        dist.barrier()
+        loading._reset_peak()
+        saved = SavedBytes()
+        started = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            loss = step()
+        seconds = time.perf_counter() - started
+        peak = loading._status("VmHWM") - baseline
+        for p in module.parameters():
+            p.grad = None
+        gc.collect()
+        after = loading._status("VmRSS") - baseline
+        bound = share + stage_bytes + sum(largest) + saved.peak
+        steps.append({"step_s": seconds, "loss": None if loss is None else float(loss.detach()),
+                      "peak_over_share": peak / share, "activations_over_share": saved.peak / share,
+                      "bound_over_share": bound / share, "peak_over_bound": peak / bound,
+                      "after_over_share": after / share})
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "share_bytes": share, "stage_bytes": stage_bytes, "largest_units": largest, "steps": steps}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the 6M-parameter model")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each engine, alternating (default 3)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch of one row (default 256)")
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    args = parser.parse_args()
+    if not 2 <= args.tokens <= 256:
+        raise SystemExit(f"--tokens {args.tokens}: give 2 to 256 (the model's max_position_embeddings)")
+    loading = _loading()
+    from forked_ranks import run_forked_ranks
+
+    root = tempfile.mkdtemp(prefix="pipe-step-memory-", dir=args.dir)
+    runs: dict[str, list[Any]] = {engine: [] for engine in args.engines}
+    try:
+        source = os.path.join(root, "source")
+        writer = multiprocessing.get_context("fork").Process(target=loading._write_checkpoint,
+                                                             args=(source, args.quick))
+        writer.start()
+        writer.join()
+        if writer.exitcode != 0:
+            raise SystemExit("writing the checkpoint failed")
+        for run in range(args.runs):
+            for engine in args.engines:
+                ranks = run_forked_ranks(_rank, engine, source, args, ranks=4, timeout=3600)
+                errors = [r["error"] for r in ranks if "error" in r]
+                if errors:
+                    raise SystemExit(f"{engine}: {errors}")
+                runs[engine].append(ranks)
+                for i, name in enumerate(["first", "second"]):
+                    per_rank = [r["steps"][i] for r in ranks]
+                    losses = [s["loss"] for s in per_rank if s["loss"] is not None]
+                    print(f"run {run + 1} {engine:5s} {name} step {max(s['step_s'] for s in per_rank):6.2f} s, "
+                          f"loss {losses}, peak/share {[round(s['peak_over_share'], 2) for s in per_rank]}, "
+                          f"bound/share {[round(s['bound_over_share'], 2) for s in per_rank]} (activations "
+                          f"{[round(s['activations_over_share'], 2) for s in per_rank]}), after "
+                          f"{[round(s['after_over_share'], 2) for s in per_rank]}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary: dict[str, Any] = {}
+    for engine, results in runs.items():  # each run: the largest over ranks, then the spread over runs
+        second = [[r["steps"][1] for r in ranks] for ranks in results]
+        summary[engine] = {key: _spread([max(s[key] for s in steps) for steps in second])
+                           for key in ("step_s", "peak_over_share", "peak_over_bound", "activations_over_share",
+                                       "bound_over_share", "after_over_share")}
+    for engine in ("pipe", "pipe-keep"):  # each run against torch's in the same round
+        if engine in summary and "torch" in summary:
+            pairs = list(zip(runs[engine], runs["torch"]))
+            summary[f"{engine}_over_torch"] = {
+                key: _spread([max(r["steps"][1][key] for r in ours) / max(r["steps"][1][key] for r in theirs)
+                              for ours, theirs in pairs]) for key in ("peak_over_share", "step_s")}
+    for key, value in summary.items():
+        print(key, json.dumps(value))
+    result = {"config": {"model": "6M" if args.quick else "0.5B", "layout": SIZES, "micro_batches": CHUNKS,
+                         "tokens_per_micro_batch": args.tokens, "schedule": "1F1B", "zero": 3, "backend": "gloo",
+                         "runs": args.runs},
+              "summary": summary, "runs": runs, "targets": {"peak_over_bound": 1.1, "over_torch": {"peak_over_share": 1.0, "step_s": 1.0}},
+              "load_average": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=HERE).stdout.strip()}
+    RESULTS.mkdir(exist_ok=True)
+    name = "step_memory" + ("-quick" if args.quick else "") + ".json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {RESULTS / name}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
