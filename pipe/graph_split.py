@@ -163,15 +163,15 @@ def _auto_points(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if at == "layers" and stages is not None:
         raise ValueError(f"pipe.split(at='layers') cuts before every layer, so it takes no stages= (got "
                          f"stages={stages!r}); leave it out, or pass at='auto', stages={stages!r}")
-    if at == "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 2):
-        raise ValueError(f"pipe.split(at='auto') needs stages=N, an int >= 2 (how many stages to cut into), got "
-                         f"stages={stages!r}")
     layers = repeated_layers(model)
     if not layers:
         raise ValueError(f"pipe.split(at={at!r}): {type(model).__name__} has no nn.ModuleList of layers to cut "
                          f"between; give the cut by name, at=[...]")
     if at == "layers":
         return layers + _after_layers(model, layers)[:1]
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 2:
+        raise ValueError(f"pipe.split(at='auto') needs stages=N, an int >= 2 (how many stages to cut into), got "
+                         f"stages={stages!r}")
     from pipe.balance.flops import auto_cut
 
     return auto_cut(model, args, kwargs, stages, layers)
