@@ -108,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the pipeline")
+    p.add_argument("--fsdp-unit", default="stage", choices=["stage", "layer"],
+                   help="with --dp-shard > 1, what FSDP2 gathers at a time: a stage whole (least traffic; the "
+                        "default) or each decoder layer around its forward and backward (least memory)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="with --fsdp-unit layer: keep each layer gathered from its first backward to the step's "
+                        "reduce, as torch's PipelineStage does (fewer gathers, more memory)")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="the peak TFLOP/s of one device (rank), for the MFU in the metrics; 0: no MFU (default)")
     p.add_argument("--trace-every", type=int, default=0,
@@ -165,6 +171,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for name in ("warmup", "save_every", "keep", "trace_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 0")
+    if args.fsdp_unit == "layer" and args.dp_shard == 1:
+        p.error("--fsdp-unit layer gathers the layers FSDP2 shards: give --dp-shard > 1 too, or leave it out")
+    if args.keep_gathered and args.fsdp_unit != "layer":
+        p.error("--keep-gathered keeps each layer gathered through the backwards: it goes with --fsdp-unit layer")
     if not args.peak_tflops >= 0:
         p.error(f"--peak-tflops {args.peak_tflops}: give one device's peak in TFLOP/s (> 0), or 0 for no MFU")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
@@ -437,8 +447,13 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
                          f"{args.tp} != {world} ranks: launch {ranks} (NPROC=...)")
     mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp)
     plan = hf.tensor_parallel_plan(model) if args.tp > 1 else None
-    shard = pd.Shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
-        if mixed else None
+    shard = None
+    if args.dp_shard > 1:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        shard = pd.Shard(mp_policy=policy, unit="block" if args.fsdp_unit == "layer" else "stage",
+                         reshard_after_backward=not args.keep_gathered)
+        log.info("FSDP2 gathers %s", "a stage at a time" if args.fsdp_unit == "stage" else
+                 "a layer at a time" + (", kept from its first backward to the reduce" if args.keep_gathered else ""))
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                                virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard,
                                tensor_parallel=plan, init_weights=not loaded)
