@@ -207,12 +207,7 @@ def _training_step(piped: Any, config: Any, share: int, baseline: int, args: arg
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (4, 64), generator=generator)
     stage_bytes = sum(p.numel() * p.element_size() for p in piped.parameters())  # full sizes, DTensors too
-    units: dict[str, int] = {}  # what FSDP gathers at a time by layer: a decoder layer, the embedding, the head, ...
-    for name, p in piped.named_parameters():
-        head, _, rest = name.partition(".layers.")
-        unit = f"{head}.layers.{rest.split('.')[0]}" if rest else name.rpartition(".")[0]
-        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
-    largest = sorted(units.values(), reverse=True)[:2]
+    largest = unit_bytes(piped.named_parameters())[:2]
     gc_collect()
     dist.barrier()
     _reset_peak()
@@ -227,6 +222,17 @@ def _training_step(piped: Any, config: Any, share: int, baseline: int, args: arg
     return {"step_s": step_s, "step_peak_over_share": peak / share, "after_step_over_share": after / share,
             "step_added_over_share": (_status("VmHWM") - before) / share,
             "step_bound_without_activations_over_share": bound / share}
+
+
+def unit_bytes(named: Any) -> list[int]:
+    """The bytes of each unit FSDP gathers at a time by layer (a decoder layer, the embedding, the norm, the
+    head), largest first, from ``named_parameters()`` (full sizes, DTensors too)."""
+    units: dict[str, int] = {}
+    for name, p in named:
+        head, _, rest = name.partition(".layers.")
+        unit = f"{head}.layers.{rest.split('.')[0]}" if rest else name.rpartition(".")[0]
+        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
+    return sorted(units.values(), reverse=True)
 
 
 def gc_collect() -> None:

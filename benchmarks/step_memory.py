@@ -130,16 +130,6 @@ def _tokens(config: Any, tokens: int) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (CHUNKS, tokens), generator=torch.Generator().manual_seed(1))
 
 
-def _units(named: Any) -> list[int]:
-    """The bytes of each unit FSDP gathers at a time (a decoder layer, the embedding, the norm, the head)."""
-    units: dict[str, int] = {}
-    for name, p in named:
-        head, _, rest = name.partition(".layers.")
-        unit = f"{head}.layers.{rest.split('.')[0]}" if rest else name.rpartition(".")[0]
-        units[unit] = units.get(unit, 0) + p.numel() * p.element_size()
-    return sorted(units.values(), reverse=True)
-
-
 def _pipe_engine(config: Any, directory: str, mesh: Any, tokens: int,
                  keep: bool = False) -> tuple[Any, Callable[[], Any]]:
     import pipe
@@ -263,7 +253,7 @@ def _measure(rank: int, port: int, engine: str, directory: str, args: argparse.N
     share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                 for p in module.parameters())
     stage_bytes = sum(p.numel() * p.element_size() for p in module.parameters())  # full sizes
-    largest = _units(module.named_parameters())[:2]
+    largest = loading.unit_bytes(module.named_parameters())[:2]
     steps = []
     for _ in range(2):
         import gc
