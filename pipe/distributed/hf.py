@@ -245,20 +245,23 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
         stages = pipe.split(model, (ids,), {"use_cache": False}, at=["model.layers.12"])
         piped = DistributedPipe(stages, mesh=make_mesh(pp=2, tp=2), tensor_parallel=hf.tensor_parallel_plan(model))
 
+    GPT-2's config ships no plan; pipe's splits the same way: ``c_attn`` (q, k and v in one ``Conv1D``, each
+    rank taking its heads of all three) and ``mlp.c_fc`` by output features, the two ``c_proj`` by input
+    features.
+
     Raises:
-        ValueError: the config has no such plan (GPT-2: its attention computes q, k and v in one fused
-            ``Conv1D``), an entry splits in a way other than by columns or rows, or ``vocabulary`` with tied
-            embeddings.
+        ValueError: the config has no such plan and pipe has none for its ``model_type``, an entry splits in a
+            way other than by columns or rows, or ``vocabulary`` with tied embeddings.
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
-    entries = getattr(config, "base_model_tp_plan", None)
+    entries = getattr(config, "base_model_tp_plan", None) or _PLANS.get(getattr(config, "model_type", None))
     if not entries:
         raise ValueError(
-            f"{type(model).__name__} has no tensor-parallel plan in its config (base_model_tp_plan); GPT-2 has "
-            f"none: its attention computes q, k and v in one fused Conv1D, which columns cannot split into heads. "
+            f"{type(model).__name__} has no tensor-parallel plan in its config (base_model_tp_plan), and pipe has "
+            f"none for model_type {getattr(config, 'model_type', None)!r} (it has: {', '.join(sorted(_PLANS))}). "
             f"Give DistributedPipe(tensor_parallel=...) a plan of your own: {{module name pattern: "
             f"ColwiseParallel() or RowwiseParallel()}}")
     prefix = getattr(model, "base_model_prefix", "")
@@ -286,6 +289,13 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
         plan[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate())
         plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+# Plans for the model types whose config ships none, in base_model_tp_plan's form (under the base model).
+_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
+             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
+}
 
 
 def _collective(model: nn.Module) -> bool:

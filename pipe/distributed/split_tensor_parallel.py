@@ -12,8 +12,9 @@ or in the stage). Here a plan by plain-model names
   input features), as ``parallelize_module`` would make it, so that FSDP, the
   checkpoints and the optimizer see what they see for any tensor-parallel
   model;
-- the ``aten.linear`` that reads it runs on the local shard, with Megatron's
-  two collectives around the split region::
+- the ``aten.linear`` that reads it (or the ``aten.addmm`` of GPT-2's
+  ``Conv1D``, whose weight is stored transposed) runs on the local shard, with
+  Megatron's two collectives around the split region::
 
       x ─ copy (fwd: identity, bwd: all-reduce) ─ linear(x, W_rows) ─ ... ─ linear(·, W_cols) ─ reduce (fwd: all-reduce, bwd: identity) ─ + bias
 
@@ -21,11 +22,15 @@ or in the stage). Here a plan by plain-model names
   ``repeat_kv``'s ``expand`` and ``reshape``: ``[b, 8, 4, s, 64]``) are rewritten
   to the local shard's, found by running the graph once on ``meta`` tensors:
   each value is compared with the shape the export recorded, which tells the
-  one dimension it is split on (heads, features).
+  one dimension it is split on (heads, features);
+- a column layer whose output the graph splits into equal parts (GPT-2's
+  ``c_attn``: q, k and v in one weight, ``split(n_embd, dim=-1)``) gives each
+  rank its share of every part (``_StridedShard(dim, split_factor=parts)``:
+  rank r holds q, k and v of its heads), and the split takes the local parts.
 
 The same run refuses what local shards cannot compute exactly, naming the op
 and the fix: an op that reduces, slices or splits along the split dimension
-(a fused ``qkv`` split by ``split``/``chunk``, a norm over split features), a
+(a fused ``qkv`` split into unequal parts, a norm over split features), a
 split value that leaves the layer, a degree that does not divide a size
 (heads, KV heads, features).
 """
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor, fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from pipe.core.original_names import source_model
@@ -56,6 +62,8 @@ aten = torch.ops.aten
 _SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _BATCHED_OPS = {aten.scaled_dot_product_attention.default}  # split only along a batch dimension (batch, heads)
 _MOVES_DIMS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}  # take a dim without working along it
+_MATMULS = {aten.linear.default: 1, aten.addmm.default: 2}  # a layer's op -> the position of its weight
+_FUSED = "pipe_tp_parts"  # node.meta key: a split that takes a fused column layer's equal parts
 
 
 # -- the collectives around a split region ---------------------------------------------------------
@@ -142,7 +150,13 @@ def local_shard(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_MARKERS = {copy_to_split, reduce_from_split, local_shard, gather_from_split, vocab_embedding}
+def take_parts(whole: Tensor, parts: int, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s share (of ``size``) of each of the ``parts`` equal parts of ``whole``, a fused layer's bias
+    (graph op: the bias stays whole on each rank, its gradient summed over them)."""
+    return whole.view(parts, size, -1)[:, rank].reshape(-1)
+
+
+_MARKERS = {copy_to_split, reduce_from_split, local_shard, gather_from_split, vocab_embedding, take_parts}
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -189,18 +203,19 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
     size = mesh.size()
     _check_heads(stage, size)
     group_name = mesh.get_group().group_name
-    graphs: dict[str, list[tuple[str, str, fx.Node]]] = {}
+    graphs: dict[str, list[tuple[str, fx.Node, int]]] = {}
     for name, style in plan.items():
         kind = kind_of(name, style)
         owner = _owner(stage, name)
         graph_module = _graph(stage, owner)
         relative = name[len(owner) + 1:] if owner else name
         linear = _op_of(graph_module, relative, name, kind)
-        graphs.setdefault(owner, []).append((kind, relative, linear))
-        _shard_weights(stage.get_submodule(name), name, kind, mesh)
+        parts = _fused_parts(linear, name, size) if kind == "column" else 1
+        graphs.setdefault(owner, []).append((kind, linear, parts))
+        _shard_weights(stage.get_submodule(name), name, kind, mesh, linear.target is aten.addmm.default, parts)
     for owner, linears in graphs.items():
         graph_module = _graph(stage, owner)
-        _rewrite(graph_module, linears, group_name)
+        _rewrite(graph_module, linears, group_name, mesh.get_local_rank(), size)
         _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name)
         graph_module.recompile()
         logger.info("tensor parallel over %d ranks in %s: %d linear layers", size, owner or "the stage",
@@ -236,38 +251,82 @@ def _owner(stage: nn.Module, name: str) -> str:
 
 
 def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str) -> fx.Node:
-    """The one op that reads the weight: an ``aten.linear`` (its second argument), or for ``"vocabulary"`` an
-    ``aten.embedding`` (its first)."""
+    """The one op that reads the weight: an ``aten.linear`` (its second argument) or ``aten.addmm`` (a ``Conv1D``:
+    its third), or for ``"vocabulary"`` an ``aten.embedding`` (its first)."""
     weight = f"{relative}.weight" if relative else "weight"
     reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == weight]
     users = [user for read in reads for user in read.users]
-    op, position = (aten.embedding.default, 0) if kind == "vocabulary" else (aten.linear.default, 1)
-    if len(users) != 1 or users[0].target is not op or users[0].args[position] is not reads[0]:
+    ops = {aten.embedding.default: 0} if kind == "vocabulary" else _MATMULS
+    if len(users) != 1 or users[0].target not in ops or users[0].args[ops[users[0].target]] is not reads[0]:
         found = ", ".join(sorted({str(user.target) for user in users})) or "nothing"
+        wanted = " or ".join(str(op) for op in ops)
         raise ValueError(
-            f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one {op}, "
+            f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one {wanted}, "
             f"so it cannot be split as {kind} (a module fused or used twice, a tied weight read by another op, or "
-            f"not a linear layer: GPT-2's Conv1D runs addmm); leave {name!r} out of the plan, see {DOCS}")
+            f"not a linear layer); leave {name!r} out of the plan, see {DOCS}")
     if kind == "vocabulary":
         return users[0]
-    bias = users[0].args[2] if len(users[0].args) > 2 else None
+    bias = _bias_of(users[0])
     if isinstance(bias, fx.Node) and len(bias.users) != 1:
         raise ValueError(f"tensor_parallel entry for {name!r}: the split graph reads its bias outside its linear "
                          f"layer, so it cannot be split; leave {name!r} out of the plan, see {DOCS}")
     return users[0]
 
 
-def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh) -> None:
+def _bias_of(op: fx.Node) -> Any:
+    """``linear(x, weight, bias)``'s bias; ``addmm(bias, x, weight)``'s first argument."""
+    if op.target is aten.addmm.default:
+        return op.args[0]
+    return op.args[2] if len(op.args) > 2 else None
+
+
+def _fused_parts(op: fx.Node, name: str, size: int) -> int:
+    """Into how many equal parts the graph splits the output features of the column layer ``op`` (through
+    views that keep them last): GPT-2's ``c_attn`` is q, k and v, ``split(n_embd, dim=-1)``; 1 where it does
+    not. Each part is then split over the ranks on its own, and the split is marked to take local parts."""
+    node = op
+    features = _hint(op.meta["val"])[-1]
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target not in _SHAPE_OPS - {aten.expand.default} or _hint(user.meta["val"])[-1] != features:
+            break
+        node = user
+    splits = [user for user in node.users if user.target is aten.split.Tensor]
+    if len(node.users) != 1 or not splits:
+        return 1
+    split = splits[0]
+    ndim = len(_hint(node.meta["val"]))
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    chunk = split.args[1]
+    if not isinstance(dim, int) or dim % ndim != ndim - 1 or not isinstance(chunk, int) or features % chunk:
+        return 1
+    if chunk % size:
+        raise ValueError(
+            f"tensor_parallel entry for {name!r}: its output features are {features // chunk} parts of {chunk} "
+            f"(q, k, v), and {size} tensor-parallel ranks cannot split a part of {chunk} evenly; choose a tp "
+            f"degree that divides {chunk} and the model's heads, see {DOCS}")
+    split.meta[_FUSED] = features // chunk
+    return features // chunk
+
+
+def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh, transposed: bool,
+                   parts: int) -> None:
+    """Splits ``module``'s weight (and a column layer's bias) over ``mesh``. A ``Conv1D`` (``transposed``)
+    stores its weight as (input, output) features; a fused layer's ``parts`` are split each on its own."""
     weight = module.get_parameter("weight")
-    dim = 1 if kind == "row" else 0
+    dim = 1 if (kind == "row") != transposed else 0
+    if kind == "vocabulary":
+        dim = 0
     if weight.shape[dim] % mesh.size():
         what = {"row": "input features", "vocabulary": "rows (vocabulary entries)"}.get(kind, "output features")
         raise ValueError(
             f"tensor_parallel: {name!r} has {weight.shape[dim]} {what}, which {mesh.size()} tensor-parallel ranks "
             f"cannot split evenly; choose a tp degree that divides {weight.shape[dim]} (and the model's heads and "
             f"KV heads)")
-    placements: dict[str, list[Any]] = {"weight": [Shard(dim)]}
-    if kind.startswith("column") and getattr(module, "bias", None) is not None:
+
+    split = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+    placements: dict[str, list[Any]] = {"weight": [split]}
+    if kind.startswith("column") and parts == 1 and getattr(module, "bias", None) is not None:
         placements["bias"] = [Shard(0)]
     for attr, placement in placements.items():
         tensor = getattr(module, attr)
@@ -275,8 +334,10 @@ def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh) ->
                                                      requires_grad=tensor.requires_grad))
 
 
-def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, str, fx.Node]], group_name: str) -> None:
-    """Puts the collectives around the split linears and reads their weights as local shards."""
+def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, fx.Node, int]], group_name: str, rank: int,
+             size: int) -> None:
+    """Puts the collectives around the split linears and reads their weights as local shards (a fused layer's
+    whole bias as this ``rank``'s parts)."""
     graph = graph_module.graph
     copies: dict[fx.Node, fx.Node] = {}
 
@@ -287,7 +348,17 @@ def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, str, fx.Node
             shard = graph.call_function(local_shard, (node,))
         return shard
 
-    for kind, _, linear in linears:
+    def parts_of(bias: Optional[fx.Node], parts: int) -> Optional[fx.Node]:
+        if bias is None:
+            return None
+        with graph.inserting_after(bias):
+            summed = graph.call_function(copy_to_split, (bias, group_name))
+        with graph.inserting_after(summed):
+            taken = graph.call_function(take_parts, (summed, parts, rank, size))
+        summed.meta["val"] = taken.meta["val"] = bias.meta.get("val")
+        return taken
+
+    for kind, linear, parts in linears:
         if kind == "vocabulary":  # embedding(weight, ids, padding_idx=-1, ...): the grad options change nothing
             weight, ids = linear.args[0], linear.args[1]
             padding = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("padding_idx", -1)
@@ -295,21 +366,26 @@ def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, str, fx.Node
             linear.target = vocab_embedding
             linear.args, linear.kwargs = (local(weight), ids, padding, group_name), {}
             continue
-        x, weight = linear.args[0], linear.args[1]
-        bias = linear.args[2] if len(linear.args) > 2 else None
+        conv1d = linear.target is aten.addmm.default  # addmm(bias, x, weight): GPT-2's Conv1D
+        x, weight = (linear.args[1], linear.args[2]) if conv1d else (linear.args[0], linear.args[1])
+        bias = _bias_of(linear)
         assert isinstance(x, fx.Node) and isinstance(weight, fx.Node) and (bias is None or isinstance(bias, fx.Node))
         if kind.startswith("column"):
             if x not in copies:
                 with graph.inserting_after(x):
                     copies[x] = graph.call_function(copy_to_split, (x, group_name))
-            linear.args = (copies[x], local(weight), local(bias))
+            own_bias = parts_of(bias, parts) if parts > 1 else local(bias)
+            linear.args = (own_bias, copies[x], local(weight)) if conv1d else (copies[x], local(weight), own_bias)
             if kind == "column gathered":
                 with graph.inserting_after(linear):
                     gathered = graph.call_function(gather_from_split, (linear, group_name))
                 linear.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
                 gathered.meta["val"] = linear.meta.get("val")
             continue
-        linear.args = (x, local(weight))
+        if conv1d:  # the bias is added once, after the partial products are summed
+            linear.target, linear.args, linear.kwargs = aten.mm.default, (x, local(weight)), {}
+        else:
+            linear.args = (x, local(weight))
         with graph.inserting_after(linear):
             reduced = graph.call_function(reduce_from_split, (linear, group_name))
         last = reduced
@@ -412,6 +488,8 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
         return _meta_like(recorded), None
     if node.target is local_shard:
         return env[inputs[0]], None
+    if node.target is take_parts:  # a shard, as local_shard's: the ops that read it are split by their shapes
+        return node.target(*fx.node.map_arg(node.args, env.__getitem__)), None
     if node.target in (copy_to_split, reduce_from_split):
         return env[inputs[0]], None
     if node.target in (gather_from_split, vocab_embedding):  # whole results, made by collectives
@@ -419,7 +497,11 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
     first_split = split.get(inputs[0]) if inputs else None
     if node.target in _SHAPE_OPS and first_split is not None:
         _localise_shape_arg(node, first_split, size)
-    if split_inputs:
+    if node.meta.get(_FUSED) and first_split is not None:  # q, k, v of a fused layer: each rank's parts
+        chunk = node.args[1]
+        assert isinstance(chunk, int)  # _fused_parts marked it so
+        node.args = (node.args[0], chunk // size, *node.args[2:])
+    elif split_inputs:
         _refuse_along(node, {source: dim for source, dim in split_inputs.items() if dim is not None}, env)
     args = fx.node.map_arg(node.args, env.__getitem__)
     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -453,7 +535,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
 
 
 def _reads_shard(node: fx.Node) -> bool:
-    return any(source.target is local_shard for source in node.all_input_nodes)
+    return any(source.target in (local_shard, take_parts) for source in node.all_input_nodes)
 
 
 def _meta_like(recorded: Any) -> Any:

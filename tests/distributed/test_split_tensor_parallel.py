@@ -65,11 +65,14 @@ def _model(kind: str) -> nn.Module:
 
 
 def _steps(piped: pd.DistributedPipe, reference: nn.Module, label: str) -> dict[str, float]:
-    """3 AdamW steps against the plain model; each replica takes its rows of the 8-row global batch."""
+    """3 AdamW steps against the plain model; each replica takes its rows of the 8-row global batch.
+
+    AdamW's ``eps`` is 1e-6: with the default 1e-8 an entry whose gradient is rounding noise (~1e-8; GPT-2's
+    ``mlp.c_fc`` has such) steps by up to ``lr`` in a direction that noise sets, in either engine."""
     from split_models import lm_batch
 
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01, eps=1e-6)
+    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
     rows = 8 // piped.topology.data_parallel
     part = slice(piped.topology.replica * rows, piped.topology.replica * rows + rows)
     worst = {"loss": 0.0, "gradient": 0.0}
