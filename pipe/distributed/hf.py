@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pipe.distributed import safetensors_files as files
+from pipe.distributed.local_pieces import pieces
 from pipe.distributed.materialize import mark_loaded
 from pipe.distributed.state import STAGING, _replace, saving, tensor_groups
 from pipe.split_stage import SplitStage
@@ -139,9 +139,9 @@ def load(path: Path, model: nn.Module, *, dtype: Optional[torch.dtype] = None) -
     read = held = 0
     with torch.no_grad():
         for key, entry, tensor in plan:
-            local, offset = _local(tensor, key)
-            read += files.read_into(entry, offset, local)
-            held += local.numel() * local.element_size()
+            for local, offset in pieces(tensor):
+                read += files.read_into(entry, offset, local)
+                held += local.numel() * local.element_size()
     mark_loaded(model)
     _last = LoadStats(len(plan), read, held, time.perf_counter() - started)
     logger.info("loaded %d tensors (%d bytes read for %d bytes held) from %s", len(plan), read, held, directory)
@@ -187,12 +187,12 @@ def save(path: Path, model: nn.Module, *, config: Any = None, max_shard_size: Un
     staging = final + STAGING
     with saving("hf.save") if collective else contextlib.nullcontext() as group:
         mine: dict[tuple[str, tuple[int, ...]], Tensor] = {}
-        pieces = []
+        held: list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
         for aliases, tensor in tensor_groups(model):
-            local, offset = _local(tensor, aliases[0])
-            mine[aliases[0], offset] = local
-            pieces.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
-        layout, writers = _layout(_gather(pieces, collective, group), _model_order(model), limit)
+            for local, offset in pieces(tensor):
+                mine[aliases[0], offset] = local
+                held.append((aliases[0], str(tensor.dtype), tuple(tensor.shape), offset, tuple(local.shape)))
+        layout, writers = _layout(_gather(held, collective, group), _model_order(model), limit)
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)  # what an interrupted export left
             os.makedirs(staging)
@@ -257,7 +257,7 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
-    entries = getattr(config, "base_model_tp_plan", None) or _PLANS.get(getattr(config, "model_type", None))
+    entries = getattr(config, "base_model_tp_plan", None) or _PLANS.get(str(getattr(config, "model_type", "")))
     if not entries:
         raise ValueError(
             f"{type(model).__name__} has no tensor-parallel plan in its config (base_model_tp_plan), and pipe has "
@@ -302,18 +302,6 @@ def _collective(model: nn.Module) -> bool:
     from pipe.distributed.distributed_pipe import DistributedPipe
 
     return isinstance(model, DistributedPipe) and dist.is_available() and dist.is_initialized()
-
-
-def _local(tensor: Tensor, name: str) -> tuple[Tensor, tuple[int, ...]]:
-    """This rank's slice of ``tensor`` (its memory, to fill or write) and the slice's offset in the whole."""
-    if isinstance(tensor, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        local = tensor.to_local()
-        if tuple(local.shape) != tuple(shape):
-            raise ValueError(f"a DTensor of shape {list(tensor.shape)} with placements {tensor.placements} holds a "
-                             f"local tensor of shape {list(local.shape)}, not {list(shape)}: not an even slice")
-        return local, tuple(offset)
-    return tensor.detach(), (0,) * tensor.dim()
 
 
 def _model_order(model: nn.Module) -> dict[str, int]:
@@ -379,7 +367,7 @@ def _layout(every: Sequence[Pieces], order: dict[str, int], limit: int
     for key, (_, shape) in tensors.items():
         if covered[key] != math.prod(shape):
             raise ValueError(f"the ranks' slices of {key!r} cover {covered[key]} of its {math.prod(shape)} elements; "
-                             "hf.save writes slices of DTensors sharded evenly (Shard placements)")
+                             "hf.save writes the blocks of DTensors sharded evenly")
     keys = sorted(tensors, key=lambda key: (order.get(key, len(order)), first[key]))
     chunks: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
     size = 0
