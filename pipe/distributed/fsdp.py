@@ -166,6 +166,21 @@ def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
             )
 
 
+def _refuse_strided_first_dim(param: nn.Parameter, name: str) -> None:
+    """Refuses a weight that tensor parallelism split part by part along dimension 0 (a fused q, k, v
+    ``nn.Linear``), which FSDP2 would shard along dimension 0 again: DTensor cannot describe the result."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim % param.dim() == 0
+                                          for p in param.placements):
+        raise ValueError(
+            f"parameter {name!r} is split by tensor parallelism part by part along its first dimension (a fused "
+            f"q, k, v linear layer), and FSDP2 shards the first dimension too: DTensor cannot describe the result, "
+            f"so its checkpoints would be wrong; leave it out of the tensor-parallel plan, or train this model "
+            f"without dp_shard")
+
+
 def _default_blocks(stage: nn.Module, unit: str) -> BlockPolicy:
     """Each layer of the stage with parameters; by block, the modules a graph of the stage calls where it has
     such (a split stage's outlined decoder layers, :mod:`pipe.split_blocks`)."""
@@ -223,6 +238,7 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
                     )
                 owner.setdefault(id(param), (f"{block_name}.{pname}", block_name))
         for pname, param in stage.named_parameters():
+            _refuse_strided_first_dim(param, partition_name(stage, pname))
             other = stage_of.setdefault(id(param), (s, partition_name(stage, pname)))
             if other[0] != s:
                 raise ValueError(

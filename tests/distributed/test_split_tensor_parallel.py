@@ -251,17 +251,20 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     import pipe
 
     stages = pipe.split(gpt2, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
-    refused("gpt2 fused", stages, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
+    # c_attn split without c_proj: the heads' split values reach a whole Conv1D.
+    refused("gpt2 c_attn alone", stages, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
     try:
         hf.tensor_parallel_plan(model, vocabulary=True)
         errors["tied vocabulary"] = "no error"
     except ValueError as error:
         errors["tied vocabulary"] = str(error)
+    planless = llama(layers=2)
+    planless.config.base_model_tp_plan = None  # as a model type whose config ships none, and pipe has none
     try:
-        hf.tensor_parallel_plan(gpt2)
-        errors["gpt2 plan"] = "no error"
+        hf.tensor_parallel_plan(planless)
+        errors["no plan"] = "no error"
     except ValueError as error:
-        errors["gpt2 plan"] = str(error)
+        errors["no plan"] = str(error)
     return errors
 
 
@@ -278,8 +281,10 @@ def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_ran
         assert "SequenceParallel" in errors["sequence parallel"] and "ColwiseParallel()" in errors["sequence parallel"]
         # down_proj split by columns feeds the residual add and the next norm a split value: refused, op named.
         assert "cannot run on shards split 2 ways" in errors["norm over split features"], errors
-        assert "addmm" in errors["gpt2 fused"] and "not in one aten.linear" in errors["gpt2 fused"]
-        assert "GPT2LMHeadModel has no tensor-parallel plan" in errors["gpt2 plan"]
+        assert "cannot run on shards split 2 ways" in errors["gpt2 c_attn alone"], errors
+        assert "addmm" in errors["gpt2 c_attn alone"] and "attn.c_proj)" in errors["gpt2 c_attn alone"], errors
+        assert "LlamaForCausalLM has no tensor-parallel plan" in errors["no plan"], errors
+        assert "pipe has none for model_type 'llama'" in errors["no plan"], errors
         assert "one tied weight" in errors["tied vocabulary"] and "vocabulary=False" in errors["tied vocabulary"]
 
 
