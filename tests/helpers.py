@@ -8,6 +8,8 @@ import pytest
 if TYPE_CHECKING:
     from torch import nn
 
+    from pipe.plan import Costs
+
 
 def without_lowering_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lower schedules afresh for the rest of the test (:mod:`pipe.core.program_time` caches lowered programs
@@ -107,3 +109,35 @@ def ticking(module: "nn.Module", clock: FakeClock, forward: float, backward: flo
 
     module.register_forward_hook(hook)
     return module
+
+
+def tabled_times(costs: "Costs", forward: float = 1e-5, backward: Optional[float] = None) -> "Costs":
+    """``costs`` (changed in place, and returned) with its measured layer times replaced by a table, its counted
+    bytes kept: every layer ``forward`` seconds per sample, its backward ``backward`` (default twice that), I and
+    W half of it each, a recompute mark's replay its forward again, a selective mark's a tenth of it (where it
+    could be measured), no checkpoint overhead. For a test of what a real model's bytes let a plan do: planned
+    on its measured times, the choice would depend on how busy the machine was (tests never time things)."""
+    import math
+
+    backward = 2 * forward if backward is None else backward
+
+    def table(seconds: float) -> dict[int, list[float]]:
+        return {rows: [seconds * rows] * costs.layers for rows in costs.forward}
+
+    costs.forward, costs.backward = table(forward), table(backward)
+    costs.input_grad, costs.weight_grad = table(backward / 2), table(backward / 2)
+    costs.replay = table(forward)
+    if costs.select_replay is not None:  # a layer that fails so marked stays unmarkable
+        costs.select_replay = {rows: [math.inf if math.isinf(t) else forward / 10 * rows for t in times]
+                               for rows, times in costs.select_replay.items()}
+    costs.checkpoint_overhead = 0.0
+    return costs
+
+
+def plan_tabled_times(monkeypatch: pytest.MonkeyPatch, forward: float = 1e-5) -> None:
+    """For the rest of the test, ``pipe.plan.plan`` (and what calls it: ``planned_pipe``, ``pipe-plan``) plans the
+    costs it profiles with :func:`tabled_times`: the model's bytes as counted, its times from the table."""
+    import pipe.plan.planning as planning
+
+    real = planning.profile_costs
+    monkeypatch.setattr(planning, "profile_costs", lambda *args, **kwargs: tabled_times(real(*args, **kwargs), forward))
