@@ -11,14 +11,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_resnet_skip_runs() -> None:
+    # The limits catch a hang, not a slow machine: the run takes 4 s on 2 idle cores and took 96 s on the same
+    # cores at a load average of 10 (another session's tests), close to the 110 s this limit was.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "resnet_skip.py"), "--steps", "2", "--batch", "16",
          "--profile-seconds", "0.05", "--checkpoint", "always"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]

@@ -3,13 +3,13 @@ module is left as it was (parameters, gradients, training flag, BatchNorm statis
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import fake_layer_clock, ticking
 from pipe import Pipe
 from pipe.balance import balance_by_params, balance_by_size, balance_by_time, balance_cost
 from pipe.balance.profile import profile_params, profile_sizes
@@ -34,12 +34,16 @@ def state(module: nn.Module) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("balancer", ["time", "size", "params"])
-def test_heavy_layer_gets_its_own_partition(balancer: str) -> None:
+def test_heavy_layer_gets_its_own_partition(balancer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = heavy_model()
     if balancer == "time":
-        # On the CPU, as the module says: on a GPU these small layers are launch-bound, and the heavy one
-        # weighs its five kernels' launches, not its work.
-        balance = balance_by_time(3, model, SAMPLE, timeout=0.2, device="cpu")
+        # Timed by a fake clock that only the layers move, each charged its cost (the heavy one 30x a light
+        # one's): timed by the wall clock, a loaded machine pausing the light layers' timings moved the balance.
+        # On the CPU, where the layers are timed by that clock (on CUDA by events).
+        clock = fake_layer_clock(monkeypatch)
+        for k, layer in enumerate(model):
+            ticking(layer, clock, *((30e-3, 60e-3) if k == 2 else (1e-3, 2e-3)))
+        balance = balance_by_time(3, model, SAMPLE, timeout=0.01, device="cpu")
     elif balancer == "size":
         balance = balance_by_size(3, model, SAMPLE, chunks=4)
     else:
@@ -153,42 +157,21 @@ class _BadBackward(nn.Linear):
         return _FailsInBackward.apply(super().forward(x))
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Waits in backward: a share of the backward that no busy machine can take from this layer or give to
-    another (a wait takes no core, so a loaded machine cannot shorten it, and the light layers would need to be
-    paused for longer than it in every round to outweigh it)."""
-
-    SECONDS = 0.1
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(_SlowBackward.SECONDS)
-        return grad
-
-
-class _WaitsInBackward(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackward.apply(super().forward(x))
-
-
-def test_one_backward_is_shared_out_to_the_layers_that_ran_it() -> None:
+def test_one_backward_is_shared_out_to_the_layers_that_ran_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward runs as one call, as a stage runs it; each layer's share is timed between the moments the
     gradients of its output and of its input are ready. The slow layer's share lands on the slow layer, not on
-    its neighbours. (A wait, not work: under the suite's load, light layers' timings were paused by 25 ms each
-    while a heavy layer's work took 3 ms, so the test timed the machine, not the attribution.)"""
+    its neighbours. (Timed by a fake clock that only the slow layer's backward moves: by the wall clock, under
+    the suite's load, light layers' timings were paused by 25 ms each while a heavy layer's work took 3 ms, so
+    the test timed the machine, not the attribution.)"""
     from pipe.balance import time_layers
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), _WaitsInBackward(16, 16), nn.Linear(16, 16),
-                          nn.BatchNorm1d(16), nn.Linear(16, 16))
-    backward = time_layers(model, {64: SAMPLE}, torch.device("cpu"), rounds=2, timeout=0).backward[64]
-    assert backward[2] >= _SlowBackward.SECONDS, backward
-    assert backward.index(max(backward)) == 2, backward
-    assert all(t < _SlowBackward.SECONDS for k, t in enumerate(backward) if k != 2), backward
+    clock = fake_layer_clock(monkeypatch)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), ticking(nn.Linear(16, 16), clock, 0.0, 0.1),
+                          nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 16))
+    times = time_layers(model, {64: SAMPLE}, torch.device("cpu"), rounds=2, timeout=0)
+    assert times.backward[64] == pytest.approx([0.0, 0.0, 0.1, 0.0, 0.0, 0.0], abs=1e-12), times.backward
+    assert times.forward[64] == pytest.approx([0.0] * 6, abs=1e-12), times.forward  # the wait is the backward's
 
 
 def test_a_layer_whose_output_needs_no_gradient_still_times_the_layers_before_it() -> None:

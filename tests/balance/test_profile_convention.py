@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from helpers import fake_layer_clock, ticking
 from pipe import Pipe, PipeSequential
 from pipe.balance import balance_by_params, balance_by_size, balance_by_time
 
@@ -32,8 +33,7 @@ class Head(nn.Module):
 
 
 def heavy_model() -> PipeSequential:
-    """Six layers taking ``(x, mask)``; layer 2 costs far more than the others together (about 30x, so that
-    a layer slowed by a busy machine cannot outweigh it)."""
+    """Six layers taking ``(x, mask)``; layer 2 costs far more than the others together."""
     torch.manual_seed(0)
     heavy = nn.Sequential(nn.Linear(16, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 16))
     return PipeSequential(Masked(nn.Linear(16, 16)), Masked(nn.ReLU()), Masked(heavy), Masked(nn.Linear(16, 16)),
@@ -44,11 +44,16 @@ SAMPLE = (torch.randn(64, 16), (torch.rand(64, 1) > 0.2).float())
 
 
 @pytest.mark.parametrize("balancer", ["time", "size", "params"])
-def test_balancers_on_pipe_sequential(balancer: str) -> None:
+def test_balancers_on_pipe_sequential(balancer: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = heavy_model()
     before = [t.clone() for t in model.state_dict().values()]
     if balancer == "time":
-        balance = balance_by_time(3, model, SAMPLE, timeout=1.0)  # more rounds: a stall on a busy machine fades
+        # Timed on the CPU by a fake clock that only the layers move, each charged its cost (the heavy one 30x a
+        # light one's): by the wall clock, a stall on a busy machine could outweigh a layer and move the balance.
+        clock = fake_layer_clock(monkeypatch)
+        for k, layer in enumerate(model):
+            ticking(layer, clock, *((30e-3, 60e-3) if k == 2 else (1e-3, 2e-3)))
+        balance = balance_by_time(3, model, SAMPLE, timeout=0.01, device="cpu")
     elif balancer == "size":
         balance = balance_by_size(3, model, SAMPLE, chunks=4)
     else:

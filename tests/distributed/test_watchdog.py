@@ -129,8 +129,18 @@ def test_a_store_gone_with_its_host_is_read_once_and_no_more(ended: Ended, monke
             raise RuntimeError("Broken pipe")
 
     monkeypatch.setattr(failure, "_store", lambda: Gone())
+    dog, looks, looked = watchdog._watchdog, [], threading.Event()
+    real = dog.reason
+
+    def reason() -> object:  # counts the watchdog's looks (a thread's pace is not the test's to time)
+        looks.append(1)
+        if len(looks) >= 30:
+            looked.set()
+        return real()
+
+    monkeypatch.setattr(dog, "reason", reason)
     failures = failure.Failures(rank=2, world=4, timeout=4.0)
     failures.begin_step()
-    time.sleep(0.3)  # some 30 looks
+    assert looked.wait(WAIT), f"the watchdog looked {len(looks)} times"  # some 30 looks
     assert len(reads) == 1 and not reasons
     assert not watchdog._watchdog.pipelines

@@ -124,14 +124,6 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
             refusals.append(str(error))
     import pipe.plan.apply as apply
 
-    profiled_on: list[str] = []  # rank 0 profiles on the ranks' device (the GPU under NCCL), not always the CPU
-    search = apply.plan
-    apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
-    try:
-        kept = planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss,
-                               schedule="zb-h1", chunks=2, device=torch.device("cpu"))
-    finally:
-        apply.plan = search
     model = planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss)
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     measured = measure_step(model, x, y, nn.functional.mse_loss, repeat=1)
@@ -141,6 +133,17 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     for name, param in reference.named_parameters():
         if name in mine:  # two steps since the gradients were zeroed
             assert torch.allclose(mine[name].grad, 2 * param.grad, atol=1e-5), name
+    # A schedule and chunks given are kept: ones the free plan did not choose (its choice is by measured times,
+    # so which it is depends on the machine's load; both of these fit the budget).
+    given = ("zb-h1", 2) if (model.schedule.kind, model.chunks) != ("zb-h1", 2) else ("1f1b", 4)
+    profiled_on: list[str] = []  # rank 0 profiles on the ranks' device (the GPU under NCCL), not always the CPU
+    search = apply.plan
+    apply.plan = lambda *args, **kwargs: profiled_on.append(str(kwargs.get("device"))) or search(*args, **kwargs)
+    try:
+        kept = planned_distributed(mlp(), x, memory_budget=BUDGET, target=y, loss_fn=nn.functional.mse_loss,
+                                   schedule=given[0], chunks=given[1], device=torch.device("cpu"))
+    finally:
+        apply.plan = search
     # schedule="auto": the order built from the plan's own stage costs, as a table every rank runs.
     auto = planned_distributed(mlp(), x, memory_budget="1GiB", target=y, loss_fn=nn.functional.mse_loss,
                                schedule="auto")
@@ -151,7 +154,7 @@ def _planned_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> di
     exact = all(torch.allclose(mine[name].grad, param.grad, atol=1e-6) for name, param in reference.named_parameters()
                 if name in mine)
     return {"peak": static + measured.activation_peak, "refused": refused, "parallelized": parallelized,
-            "refusals": refusals, "kept": (kept.schedule.kind, kept.chunks), "profiled_on": profiled_on,
+            "refusals": refusals, "given": given, "kept": (kept.schedule.kind, kept.chunks), "profiled_on": profiled_on,
             "plan": (model.chunks, model.balance, model.checkpoint, model.schedule.kind),
             "auto": (auto.schedule.kind, auto.schedule.programs, exact and bool(mine))}
 
@@ -167,8 +170,8 @@ def test_distributed_pipe_plans_on_rank_0_and_fits_the_budget() -> None:
     assert "plans the built-in schedules, not a schedule given as a table (Schedule)" in table, table
     assert "plans 2 virtual stages per rank for \"interleaved\" and \"zbv\" and 1 otherwise, got virtual_stages=3" \
         in virtual, virtual
-    assert all(r["kept"] == ("zb-h1", 2) for r in results), results  # a schedule and chunks given are kept
-    assert (results[0]["plan"][3], results[0]["plan"][0]) != ("zb-h1", 2), results  # the free plan differs
+    # A schedule and chunks given are kept (given other than the free plan's: kept, not chosen anyway).
+    assert all(r["kept"] == results[0]["given"] for r in results), results
     assert [r["profiled_on"] for r in results] == [["cpu"], []], results  # rank 0 alone plans, on the device
     assert results[0]["plan"] == results[1]["plan"]
     assert all(r["peak"] <= BUDGET for r in results), results
