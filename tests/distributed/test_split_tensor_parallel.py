@@ -172,6 +172,14 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
                     torch.testing.assert_close(_full(parameter.detach()), exported.get_parameter(name), atol=0,
                                                rtol=0, msg=f"{kind} {source} at {mesh}: {name}")
                 _held_out(loaded, exported)
+        if kind == "gpt2":  # and back: a checkpoint of whole weights (the last one loaded) into the strided layout
+            state.save(f"{checkpoint}-other", loaded)
+            strided = pd.DistributedPipe(_on_meta(kind), chunks=2, mesh=pd.make_mesh(**layout), loss_reduction="count",
+                                         init_weights=False, tensor_parallel=plan)
+            state.load(f"{checkpoint}-other", strided)
+            for name, parameter in strided.named_parameters():
+                torch.testing.assert_close(_full(parameter.detach()), exported.get_parameter(name), atol=0, rtol=0,
+                                           msg=f"{kind} from {other} to {layout}: {name}")
         found[kind] = {"split": split, **worst}
     return found
 
@@ -186,7 +194,8 @@ def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: d
     dp_shard 2) on 8 ranks, FSDP gathering a layer at a time (Shard(unit="block", reduce="micro-batch")): loss and every gradient within 1e-5 of the plain model's, the weights after 3 AdamW
     steps within 1e-4, a held-out eval_step; hf.save's export equals the pipeline's weights in from_pretrained,
     and the export and a state.save checkpoint load bit for bit into pipelines built on meta at the same layout
-    and at (pp 2, dp_shard) without tensor parallelism."""
+    and at (pp 2, dp_shard) without tensor parallelism (GPT-2's checkpoint saved there loads back into the
+    strided layout)."""
     pytest.importorskip("transformers")
     from split_models import llama
 
