@@ -29,6 +29,8 @@ of a cut module more than once, train/eval switches after capture).
 from __future__ import annotations
 
 import logging
+import operator
+import warnings
 from types import MethodType
 from typing import Any, Callable, Collection, Optional, Sequence, Union
 
@@ -148,6 +150,8 @@ def split(
     for stage in pieces:
         adopt_state(stage, model, aliases, tuple(model_state))
         outline_layers(stage, model)
+        if model.training:
+            _dropout_follows_mode(stage)
     result = PipeSequential(*pieces)
     result.train(model.training)
     keep_original_names(result)
@@ -411,11 +415,61 @@ def _cut(graph_module: fx.GraphModule, count: int, saved: Collection[int] = ()) 
 
 
 def _mode_dependent(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is _ATTENTION:
+        return isinstance(_attention_dropout(node), float) and _attention_dropout(node) > 0  # a number: fixed
     if node.op != "call_function" or node.target not in _MODE_OPS:
         return False
     if "dropout" in str(node.target) and len(node.args) > 1 and node.args[1] == 0.0:
         return False  # dropout with p=0 is the identity in both modes
+    if node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
+        return False  # follows the module's mode (_dropout_follows_mode)
     return True
+
+
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _attention_dropout(node: fx.Node) -> Any:
+    """``scaled_dot_product_attention``'s ``dropout_p``: a number captured, or a node."""
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+
+
+def _dropout_follows_mode(stage: fx.GraphModule) -> None:
+    """Makes the dropout that a capture in training mode baked into ``stage``'s graphs follow each module's
+    ``training`` flag, as the model's own modules do: ``aten.dropout(x, p, True)`` takes the flag as its
+    ``train`` argument, and ``scaled_dot_product_attention``'s ``dropout_p`` becomes ``p`` in training, 0 in
+    eval (HF passes ``dropout=0.0 if not self.training``). Then ``eval()`` and ``eval_step`` evaluate without
+    dropout, where they were refused (dropout in the residual stream) or, for attention dropout alone, silently
+    kept it. The stage's ``mode_dependent`` is what is left: batch norm."""
+    graphs = [module for module in stage.modules() if isinstance(module, fx.GraphModule)]
+    for graph_module in graphs:
+        graph = graph_module.graph
+        nodes = [n for n in graph.nodes if n.op == "call_function" and (
+            (n.target is torch.ops.aten.dropout.default and len(n.args) > 2 and n.args[2] is True and n.args[1] > 0)
+            or (n.target is _ATTENTION and isinstance(_attention_dropout(n), float) and _attention_dropout(n) > 0))]
+        if not nodes:
+            continue
+        last_input = [n for n in graph.nodes if n.op == "placeholder"][-1:]
+        with graph.inserting_after(last_input[0]) if last_input else graph.inserting_before(next(iter(graph.nodes))), \
+                warnings.catch_warnings():
+            # fx expects a get_attr to name a tensor or a module; the module's flag reads as well (self.training)
+            warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
+            training = graph.get_attr("training")
+        for node in nodes:
+            if node.target is _ATTENTION:
+                p = _attention_dropout(node)
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(operator.mul, (p, training))  # p in training, 0.0 in eval
+                if len(node.args) > 4:
+                    node.args = (*node.args[:4], scaled, *node.args[5:])
+                else:
+                    node.kwargs = {**node.kwargs, "dropout_p": scaled}
+            else:
+                node.args = (node.args[0], node.args[1], training)
+        graph_module.recompile()
+        logger.debug("pipe.split: %d dropout ops of %s follow its train/eval mode", len(nodes),
+                     type(graph_module).__name__)
+    stage.mode_dependent = any(_mode_dependent(n) for g in graphs for n in g.graph.nodes)  # type: ignore[assignment]
 
 
 def _writes(node: fx.Node) -> bool:

@@ -117,14 +117,55 @@ def test_tied_lm_through_pipe_over_several_steps(checkpoint: str, chunks: int) -
     piped.close()
 
 
-def test_train_eval_switch_after_capture_is_refused() -> None:
+def test_dropout_captured_in_training_follows_the_mode_and_batch_norm_is_refused_in_the_other() -> None:
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
-    stages = pipe.split(model, (torch.randn(4, 4),), at=["2"])
+    x = torch.randn(8, 4)
+    stages = pipe.split(model, (x,), at=["2"])
+    assert not any(stage.mode_dependent for stage in stages)
+    torch.manual_seed(1)
+    trained = stages(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(trained, model(x), atol=0, rtol=0)  # the same mask: the same op, the same RNG
+    stages.eval()
+    model.eval()
+    torch.testing.assert_close(stages(x), model(x), atol=0, rtol=0)  # no dropout in eval
+    assert not torch.equal(stages(x), trained)
+    # Captured in eval mode, dropout keeps its eval behaviour: training is refused (p may not be in the graph).
+    evaluation = pipe.split(model, (x,), at=["2"])
+    evaluation.train()
+    with pytest.raises(RuntimeError, match=r"captured in eval mode.*split model.train\(\) again"):
+        evaluation(x)
+    # Batch norm's statistics stay as captured: refused in the other mode, with the documented fix.
+    normed = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).train()
+    stages = pipe.split(normed, (x,), at=["2"])
     stages.eval()
     with pytest.raises(RuntimeError, match=r"captured in training mode.*split model.eval\(\) again"):
-        stages(torch.randn(4, 4))
-    evaluation = pipe.split(model.eval(), (torch.randn(4, 4),), at=["2"])  # the documented fix
-    torch.testing.assert_close(evaluation(torch.ones(2, 4)), model(torch.ones(2, 4)))
+        stages(x)
+    again = pipe.split(normed.eval(), (x,), at=["2"])  # the documented fix
+    torch.testing.assert_close(again(torch.ones(2, 4)), normed(torch.ones(2, 4)))
+
+
+def test_attention_dropout_captured_in_training_is_off_in_eval() -> None:
+    """HF passes scaled_dot_product_attention ``dropout=p`` in training, 0 in eval; captured in training, the graph
+    held ``dropout_p=p``, and an eval of the split model kept dropping attention weights (no error)."""
+    pytest.importorskip("transformers")
+    from split_models import llama
+
+    torch.manual_seed(0)
+    model = llama(layers=2).train()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids, mask, _ = lm_batch(4, 8)
+    stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.1"])
+    torch.manual_seed(1)
+    trained = stages(ids, mask)
+    torch.manual_seed(1)
+    torch.testing.assert_close(trained, model(ids, attention_mask=mask).logits)
+    stages.eval()
+    model.eval()
+    torch.testing.assert_close(stages(ids, mask), model(ids, attention_mask=mask).logits)
+    assert not torch.allclose(stages(ids, mask), trained)
 
 
 def test_bad_cut_points_are_named() -> None:

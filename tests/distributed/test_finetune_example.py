@@ -118,6 +118,33 @@ def test_fine_tune_a_local_hf_model_in_bf16_resume_at_another_layout_and_load_th
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_gpt2_with_dropout_fine_tunes_with_tensor_parallelism_and_evaluates_without_dropout(tmp_path: Path) -> None:
+    """GPT-2 keeps its config's dropout (0.1: embeddings, residuals, attention) and its fused q, k, v: the recipe at
+    (pp 2, tp 2) trains, evaluates (the split graph's dropout off in eval_step) and exports what from_pretrained
+    reads back."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    from pydoc_data.topics import topics
+
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "model")
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(topics[name] for name in sorted(topics))[:20_000], encoding="utf-8")
+    out = tmp_path / "run"
+    done = _launch(4, ["--model", str(tmp_path / "model"), "--data", str(text), "--out", str(out), "--seq-len", "16",
+                       "--batch-size", "4", "--chunks", "2", "--steps", "2", "--eval-every", "2", "--lr", "1e-3",
+                       "--pp", "2", "--tp", "2"], "done: steps 0-2")
+    assert "tensor parallel over 2 ranks in transformer.h.0: 4 linear layers" in done, done[-3000:]
+    assert "held-out" in done, done[-3000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert exported.config.resid_pdrop == 0.1 and all(torch.isfinite(p).all() for p in exported.parameters())
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_keep_the_last_checkpoints_and_resume_auto_continues_an_interrupted_run_exactly(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
