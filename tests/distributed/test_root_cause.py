@@ -177,9 +177,8 @@ def test_torchrun_root_cause_is_the_rank_that_died_or_stalled(how: str, tmp_path
     script.write_text(_SCRIPT)
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.monotonic()
+    # timeout=150: the hang guard (torchrun's start and the 5 s timeout take some 13 s on an idle machine).
     done = run_torchrun(["--nproc-per-node=3"], [str(script), how], timeout=150, env=env, start_new_session=True)
-    seconds = time.monotonic() - start
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-3000:]
     summary = out.split("Root Cause (first observed failure):", 1)[1]
@@ -190,5 +189,6 @@ def test_torchrun_root_cause_is_the_rank_that_died_or_stalled(how: str, tmp_path
     assert all(blamed == "1" for _, blamed, _ in headlines), headlines
     if how == "stop":
         assert {survivor for survivor, _, _ in headlines} == {"0", "2"}, out[-3000:]
-    # A stopped rank no longer costs torchrun's 30 s SIGTERM grace on top of the 5 s timeout.
-    assert how == "kill" or seconds < 5 + 30, seconds
+    # A stopped rank no longer costs torchrun's 30 s SIGTERM grace on top of the 5 s timeout: the survivors ended
+    # it, so the agent never had to wait out that grace and force a process it could not shut down.
+    assert how == "kill" or "Unable to shutdown process" not in out, out[-3000:]
