@@ -216,7 +216,7 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
     for owner, linears in graphs.items():
         graph_module = _graph(stage, owner)
         _rewrite(graph_module, linears, group_name, mesh.get_local_rank(), size)
-        _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name)
+        _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name, mesh.get_local_rank())
         graph_module.recompile()
         logger.info("tensor parallel over %d ranks in %s: %d linear layers", size, owner or "the stage",
                     len(linears))
@@ -427,12 +427,14 @@ class _Unshardable(Exception):
     pass
 
 
-def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str, group_name: str) -> None:
+def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str, group_name: str, rank: int) -> None:
     """Runs the graph on ``meta`` with local weights; rewrites baked shapes; refuses what shards cannot compute;
-    gives each whole value that an op combines with split ones a gradient summed over the ranks."""
+    gives each whole value that an op combines with split ones a gradient summed over the ranks, and each
+    dropout over split values a random stream of this ``rank``'s own (:func:`rank_random`)."""
     env: dict[fx.Node, Any] = {}
     split: dict[fx.Node, Optional[int]] = {}  # value -> the dimension it is split on
     whole_into_split: dict[fx.Node, list[fx.Node]] = {}  # a whole value -> the ops that combine it with split ones
+    dropping: list[fx.Node] = []  # dropout over split values
     for node in graph_module.graph.nodes:
         if node.op == "output":
             for source in node.all_input_nodes:
@@ -449,6 +451,8 @@ def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str, group_
                 f"leave the modules before it out of the plan, or choose a tp degree that divides the model's "
                 f"heads, KV heads and features, see {DOCS}") from None
         if node.op == "call_function" and any(split.get(source) is not None for source in node.all_input_nodes):
+            if _drops(node):
+                dropping.append(node)
             for source in node.all_input_nodes:
                 if split.get(source) is None and isinstance(env.get(source), Tensor) \
                         and source.target is not local_shard:
@@ -461,6 +465,34 @@ def _localise_shapes(graph_module: fx.GraphModule, size: int, where: str, group_
             copied = graph.call_function(copy_to_split, (source, group_name))
         for user in users:
             user.replace_input_with(source, copied)
+    for node in dropping:  # each rank's heads their own masks, as Megatron's model-parallel random stream gives
+        op: Any = node.target
+        node.args, node.target = (op, rank, *node.args), rank_random
+
+
+def _drops(node: fx.Node) -> bool:
+    """Whether ``node`` draws a dropout mask: ``aten.dropout``/``native_dropout`` or attention with
+    ``dropout_p``, at a rate that is not 0 (a number) or that follows the mode (a node)."""
+    if node.target is aten.scaled_dot_product_attention.default:
+        rate = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    elif node.target in (aten.dropout.default, aten.native_dropout.default):
+        rate = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
+    else:
+        return False
+    return isinstance(rate, fx.Node) or bool(rate)
+
+
+def rank_random(op: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
+    """``op`` (a dropout over values split across the tp ranks) drawing from a random stream of this ``rank``'s
+    own: seeded by a number drawn from the global stream (the same on every rank, and drawn again alike when a
+    checkpointed forward is recomputed) plus the rank; the global stream is then as if ``op`` had not run.
+    Graph op: each rank's heads get their own masks, where the same masks would repeat over the ranks."""
+    tensor = next(arg for arg in args if isinstance(arg, Tensor))
+    seed = int(torch.randint(0, 2 ** 62, ()).item())
+    devices = [tensor.device] if tensor.device.type not in ("cpu", "meta") else []
+    with torch.random.fork_rng(devices=devices, device_type=tensor.device.type if devices else "cuda"):
+        torch.manual_seed(seed + rank)
+        return op(*args, **kwargs)
 
 
 def _describe(node: fx.Node) -> str:

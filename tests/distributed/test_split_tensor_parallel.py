@@ -229,7 +229,7 @@ def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: d
         assert found["gradient"] < 1e-5, (kind, found)
 
 
-def _refusals(rank: int, world: int) -> dict[str, str]:
+def _refusals(rank: int, world: int) -> dict[str, str]:  # and dropout over split values
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -267,6 +267,20 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         errors["tied vocabulary"] = "no error"
     except ValueError as error:
         errors["tied vocabulary"] = str(error)
+    # GPT-2's config keeps dropout (0.1): attention dropout over each rank's heads draws masks of the rank's own,
+    # the dropout of whole values (after c_proj's sum) the same masks on both ranks; and one step runs.
+    from pipe.distributed.split_tensor_parallel import rank_random
+
+    torch.manual_seed(0)
+    dropped = pd.DistributedPipe(pipe.split(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64,
+                                                                       n_positions=64)), (ids,),
+                                            {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"]),
+                                 chunks=2, mesh=pd.make_mesh(pp=2, tp=2), tensor_parallel=hf.tensor_parallel_plan(gpt2),
+                                 loss_fn=lambda logits, target: logits.float().pow(2).mean())
+    wrapped = [str(node.args[0]) for module in dropped.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes if node.target is rank_random]
+    errors["wrapped dropout"] = ", ".join(wrapped)
+    dropped.step((ids, mask), ids)
     planless = llama(layers=2)
     planless.config.base_model_tp_plan = None  # as a model type whose config ships none, and pipe has none
     try:
@@ -292,6 +306,7 @@ def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_ran
         assert "cannot run on shards split 2 ways" in errors["norm over split features"], errors
         assert "cannot run on shards split 2 ways" in errors["gpt2 c_attn alone"], errors
         assert "addmm" in errors["gpt2 c_attn alone"] and "attn.c_proj)" in errors["gpt2 c_attn alone"], errors
+        assert errors["wrapped dropout"] == "aten.scaled_dot_product_attention.default", errors  # one per layer
         assert "LlamaForCausalLM has no tensor-parallel plan" in errors["no plan"], errors
         assert "pipe has none for model_type 'llama'" in errors["no plan"], errors
         assert "one tied weight" in errors["tied vocabulary"] and "vocabulary=False" in errors["tied vocabulary"]
@@ -331,3 +346,26 @@ def test_split_layers_compiled_with_tensor_parallelism_match_the_plain_model() -
         layers = ("model.layers.0", "model.layers.1") if first else ("model.layers.2", "model.layers.3")
         assert [name.partition(".")[2] for name in found["compiled"] if ".layers." in name] == list(layers), found
         assert found["classes"] == 1 and found["frames"] > 0, found  # the rewritten layers share one class
+
+
+def test_a_dropout_over_split_values_draws_a_mask_of_its_ranks_own_and_replays_it() -> None:
+    """``rank_random``: tensor parallelism wraps a dropout over each rank's heads so that ranks draw different
+    masks, from a seed drawn alike on every rank (so a recomputation draws it again) plus the rank."""
+    from pipe.distributed.split_tensor_parallel import rank_random
+
+    x = torch.ones(64, 64)
+    drop = torch.ops.aten.dropout.default
+
+    def masks(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(7)
+        dropped = rank_random(drop, rank, x, 0.5, True)
+        return dropped == 0, torch.rand(4)  # the mask, and what the global stream gives next
+
+    (first, after), (again, after_again), (other, after_other) = masks(0), masks(0), masks(1)
+    assert torch.equal(first, again) and torch.equal(after, after_again)  # replayed alike
+    assert not torch.equal(first, other)  # another rank, another mask
+    assert torch.equal(after, after_other)  # the global stream moved alike on every rank: one draw
+    torch.manual_seed(7)
+    torch.randint(0, 2 ** 62, ())
+    assert torch.equal(torch.rand(4), after)  # exactly one draw, the seed
+    assert torch.equal(rank_random(drop, 0, x, 0.5, False), x)  # eval: no dropout
