@@ -134,7 +134,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     import pipe
     from pipe.distributed import DistributedPipe, Shard, hf
     from pipe.distributed import safetensors_files
-    from torch.distributed.tensor import DTensor
+    from pipe.distributed import local_pieces
     from transformers import LlamaForCausalLM
 
     cuda = args.device == "cuda"
@@ -177,11 +177,10 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     exact = True
     with torch.no_grad():
         for name, tensor in piped.state_dict().items():
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            offset = hf._local(tensor, name)[1]
-            again = torch.empty(local.shape, dtype=local.dtype)
-            safetensors_files.read_into(exported[name], offset, again)
-            exact = exact and torch.equal(again, local.cpu())
+            for local, offset in local_pieces.pieces(tensor):  # each block of the whole this rank holds
+                again = torch.empty(local.shape, dtype=local.dtype)
+                safetensors_files.read_into(exported[name], offset, again)
+                exact = exact and torch.equal(again, local.cpu())
     step = _training_step(piped, config, stats.bytes_held, baseline, args) if args.step else {}
     dist.barrier()
     dist.destroy_process_group()
