@@ -3,7 +3,8 @@
 Each layout is made by ``distribute_tensor`` on a (2, 2) mesh of 4 gloo
 ranks; every block :func:`pieces` names must equal that block of the whole,
 and the blocks must cover the local shard. The strided layouts are tensor
-parallelism over a fused layer's parts (GPT-2's ``c_attn``) and FSDP2 over it.
+parallelism over a fused layer's parts (GPT-2's ``c_attn``) and FSDP2 over it;
+the one FSDP2 cannot take (strided along the dimension it shards) is refused.
 """
 from __future__ import annotations
 
@@ -42,10 +43,26 @@ def _check(rank: int, world: int) -> dict[str, int]:
         counts[label] = len(blocks)
     plain = torch.ones(3, 4)
     assert [offset for _, offset in pieces(plain)] == [(0, 0)]
+    # FSDP2 would shard dimension 0 of a weight split part by part along it (a fused q, k, v nn.Linear) again,
+    # which DTensor cannot describe: refused, named; GPT-2's Conv1D is strided along dimension 1 and passes.
+    from torch import nn
+
+    from pipe.distributed.fsdp import _refuse_strided_first_dim
+
+    _refuse_strided_first_dim(nn.Parameter(distribute_tensor(whole, mesh["tp"], [_StridedShard(1, split_factor=3)])),
+                              "attn.c_attn.weight")
+    try:
+        _refuse_strided_first_dim(nn.Parameter(distribute_tensor(whole, mesh["tp"], [_StridedShard(0, split_factor=3)])),
+                                  "attn.qkv.weight")
+        counts["refused"] = 0
+    except ValueError as error:
+        assert "'attn.qkv.weight' is split by tensor parallelism part by part along its first dimension" in str(error)
+        counts["refused"] = 1
     return counts
 
 
 def test_the_blocks_of_a_shard_are_the_whole_tensors_blocks_for_plain_and_strided_layouts() -> None:
     for counts in run_ranks(_check, 4):
         assert counts == {"shard, shard": 1, "fsdp over a fused split": 3, "fsdp over a column split": 1,
-                          "shard, replicate": 1, "replicate, fused split": 3, "one dimension twice": 3}
+                          "shard, replicate": 1, "replicate, fused split": 3, "one dimension twice": 3,
+                          "refused": 1}
