@@ -7,8 +7,9 @@ columns ``[r*k, (r+1)*k)`` of each of q, k and v (``_StridedShard(1,
 split_factor=3)``), three blocks of the whole. :func:`pieces` lists them,
 each as a view of the local tensor and the block's offset in the whole.
 :mod:`pipe.distributed.hf` reads and writes a HuggingFace directory by
-them, and :mod:`pipe.distributed.state` gives them to
-``torch.distributed.checkpoint`` as the chunks a rank holds, so that a
+them, and :mod:`pipe.distributed.state` saves and loads through
+:class:`BlockSavePlanner` and :class:`BlockLoadPlanner`, which give
+``torch.distributed.checkpoint`` each block as a chunk of its own, so that a
 checkpoint of a strided layout loads into any other layout and back.
 
 The placements are read left to right, as DTensor reads them: a
@@ -19,10 +20,21 @@ chunk of each.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import Sequence
+from typing import Any, Sequence
 
+import torch
 from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -104,3 +116,73 @@ def _slice(runs: Sequence[Run], low: int, high: int) -> list[Run]:
             found.append((start + lo - at, hi - lo))
         at += length
     return found
+
+
+# -- the blocks as DCP chunks ---------------------------------------------------------------------
+
+
+def _blocks(state: dict[str, Any]) -> dict[str, list[tuple[Tensor, tuple[int, ...]]]]:
+    """The ``DTensor``s of a flattened state dict whose shard is several blocks of the whole (tensor parallelism
+    over a fused layer's parts: :mod:`pipe.distributed.local_pieces`), with their blocks."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is not None:
+            blocks = pieces(value)
+            if len(blocks) > 1:
+                found[key] = blocks
+    return found
+
+
+def _block(blocks: list[tuple[Tensor, tuple[int, ...]]], index: MetadataIndex) -> Tensor:
+    return next(view for view, offset in blocks if offset == tuple(index.offset or ()))
+
+
+class BlockSavePlanner(DefaultSavePlanner):
+    """DCP's planner, writing each block of a shard that is several (DTensor describes one) as a chunk of its own,
+    so that the checkpoint loads into any layout."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.blocks = _blocks(self.state_dict)
+        if not self.blocks:
+            return plan
+        items = [item for item in plan.items if item.index.fqn not in self.blocks]
+        for key, blocks in self.blocks.items():
+            for view, offset in blocks:
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=view.shape)
+                items.append(WriteItem(index=MetadataIndex(key, torch.Size(offset)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk,
+                                                                   properties=TensorProperties.create_from_tensor(view),
+                                                                   size=self.state_dict[key].size())))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in self.blocks:
+            return _block(self.blocks[index.fqn], index).clone()  # the block's bytes alone, not the shard's
+        return super().lookup_object(index)
+
+
+class BlockLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading into each block of a shard that is several."""
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        self.blocks = _blocks(self.state_dict)
+        if not self.blocks:
+            return plan
+        assert self.metadata is not None  # set up before the plan
+        items = [item for item in plan.items if item.dest_index.fqn not in self.blocks]
+        for key, blocks in self.blocks.items():
+            stored = self.metadata.state_dict_metadata[key]
+            if not isinstance(stored, TensorStorageMetadata):
+                raise ValueError(f"the checkpoint holds {key!r} as an object, not a tensor: not a checkpoint of this "
+                                 f"model (state.save writes every weight as a tensor)")
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(offset), sizes=view.shape) for view, offset in blocks]
+            items += create_read_items_for_chunk_list(key, stored, chunks)
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        if index.fqn in self.blocks:
+            return _block(self.blocks[index.fqn], index)
+        return super().lookup_tensor(index)

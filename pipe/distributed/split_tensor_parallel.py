@@ -156,8 +156,6 @@ def take_parts(whole: Tensor, parts: int, rank: int, size: int) -> Tensor:
     return whole.view(parts, size, -1)[:, rank].reshape(-1)
 
 
-_MARKERS = {copy_to_split, reduce_from_split, local_shard, gather_from_split, vocab_embedding, take_parts}
-
 
 # -- the plan ----------------------------------------------------------------------------------------
 

@@ -68,7 +68,6 @@ converts it to a single ``torch.save`` file if needed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import pathlib
@@ -82,21 +81,6 @@ from typing import Any, Iterator, Optional, Union, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
@@ -108,7 +92,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipe.distributed.failure import naming_failures
-from pipe.distributed.local_pieces import pieces
+from pipe.distributed.local_pieces import BlockLoadPlanner, BlockSavePlanner
 from pipe.distributed.group import world_timeout
 from pipe.distributed.materialize import mark_loaded
 from pipe.distributed.mesh import reuse
@@ -350,14 +334,14 @@ def save(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
             if asynchronous:
                 background = _background_group()
                 written = dcp.async_save(state, checkpoint_id=staging, process_group=background,
-                                         no_dist=not _distributed(), planner=_BlockSavePlanner())
+                                         no_dist=not _distributed(), planner=BlockSavePlanner())
                 # An AsyncSaveResponse (a stager of one's own) holds the write's future; else it is the future.
                 future = cast("Future[Any]", getattr(written, "upload_completion", written))
                 _writing = _Writing(future, staging, final, len(state["model"]), background)
                 logger.info("saving %d tensors of the model to %s in the background", len(state["model"]), path)
                 return
             dcp.save(state, checkpoint_id=staging, no_dist=not _distributed(), process_group=group,
-                     planner=_BlockSavePlanner())
+                     planner=BlockSavePlanner())
         _publish(staging, final, group)
     logger.info("saved %d tensors of the model to %s", len(state["model"]), path)
 
@@ -470,80 +454,13 @@ def load(path: Path, module: nn.Module, optimizer: Optional[torch.optim.Optimize
     with warnings.catch_warnings():
         # Loading in one process is intended here (load_module); DCP warns about it regardless.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed(), planner=_BlockLoadPlanner())
+        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed(), planner=BlockLoadPlanner())
     set_model_state_dict(view, state["model"], options=_OPTIONS)
     if optimizer is not None:
         set_optimizer_state_dict(view, optimizer, state["optimizer"], options=_OPTIONS)
     mark_loaded(module)
     logger.info("loaded %d tensors of the model from %s", len(state["model"]), path)
     return dict(state["extra"])
-
-
-def _blocks(state: dict[str, Any]) -> dict[str, list[tuple[Tensor, tuple[int, ...]]]]:
-    """The ``DTensor``s of a flattened state dict whose shard is several blocks of the whole (tensor parallelism
-    over a fused layer's parts: :mod:`pipe.distributed.local_pieces`), with their blocks."""
-    found = {}
-    for key, value in state.items():
-        if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is not None:
-            blocks = pieces(value)
-            if len(blocks) > 1:
-                found[key] = blocks
-    return found
-
-
-def _block(blocks: list[tuple[Tensor, tuple[int, ...]]], index: MetadataIndex) -> Tensor:
-    return next(view for view, offset in blocks if offset == tuple(index.offset or ()))
-
-
-class _BlockSavePlanner(DefaultSavePlanner):
-    """DCP's planner, writing each block of a shard that is several (DTensor describes one) as a chunk of its own,
-    so that the checkpoint loads into any layout."""
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        self.blocks = _blocks(self.state_dict)
-        if not self.blocks:
-            return plan
-        items = [item for item in plan.items if item.index.fqn not in self.blocks]
-        for key, blocks in self.blocks.items():
-            for view, offset in blocks:
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=view.shape)
-                items.append(WriteItem(index=MetadataIndex(key, torch.Size(offset)), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=chunk,
-                                                                   properties=TensorProperties.create_from_tensor(view),
-                                                                   size=self.state_dict[key].size())))
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.blocks:
-            return _block(self.blocks[index.fqn], index).clone()  # the block's bytes alone, not the shard's
-        return super().lookup_object(index)
-
-
-class _BlockLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, reading into each block of a shard that is several."""
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        self.blocks = _blocks(self.state_dict)
-        if not self.blocks:
-            return plan
-        assert self.metadata is not None  # set up before the plan
-        items = [item for item in plan.items if item.dest_index.fqn not in self.blocks]
-        for key, blocks in self.blocks.items():
-            stored = self.metadata.state_dict_metadata[key]
-            if not isinstance(stored, TensorStorageMetadata):
-                raise ValueError(f"the checkpoint holds {key!r} as an object, not a tensor: not a checkpoint of this "
-                                 f"model (state.save writes every weight as a tensor)")
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(offset), sizes=view.shape) for view, offset in blocks]
-            items += create_read_items_for_chunk_list(key, stored, chunks)
-        return dataclasses.replace(plan, items=items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        if index.fqn in self.blocks:
-            return _block(self.blocks[index.fqn], index)
-        return super().lookup_tensor(index)
 
 
 def _extra_skeleton(metadata: Any) -> dict[str, Any]:
