@@ -66,6 +66,8 @@ UNWAITED = fault_ranks.STALL  # no survivor's error, process end or job end may 
 # for the stalled rank's sleep. Not a speed: a survivor names the failure within seconds of the timeout (its evidence
 # settles in at most 4 s) and a process ends seconds later, but 8-20 s to end were seen on the 2-core machine loaded by
 # other work, where an interpreter that imported torch takes seconds of CPU to exit.
+HANG = 300  # seconds a torchrun job may run, start to end, before the test calls it hung and fails with its output:
+# the start of the agent and 4 ranks that import torch is most of it, and took over 150 s once on a loaded 2-core CI
 NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled",
          "pause": "rank 2 stalled", **{how: "rank 2 died" for how in SAVES}}
 STATUS = {"exit": 3, "kill": -9, "raise": 1, "stall": STALLED_EXIT, "pause": STALLED_EXIT,
@@ -118,7 +120,7 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
     for _ in range(3):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:  # machine) is launched again
             env["FAULT_REPORTS"] = folder
-            done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=150, env=env,
+            done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=HANG, env=env,
                                 start_new_session=True)
             end = time.time()
             for name in os.listdir(folder):
