@@ -4,7 +4,8 @@ Issue 51's check of the one planner: with its memory budget set to the
 largest peak of its candidates (so that no budget binds), is the plan
 ``pipe.plan.search`` chooses, cost-shaped orders included
 (``schedules=[..., "auto", "auto-v"]``), never slower in simulation than the
-cut and order of ``pipe.balance.auto_schedule``?
+cut and order of ``pipe.plan.auto_schedule`` (the same search without a budget, over the cost-shaped
+orders alone)?
 
 The model is ``benchmarks/zero_bubble.py``'s (L Linear+ReLU blocks of width W,
 B rows, M micro-batches, 2 ranks). Its layers are profiled once per M
@@ -36,7 +37,7 @@ FIXED = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
 
 
 def main() -> None:
-    from pipe.balance import auto_schedule
+    from pipe.plan import auto_schedule
     from pipe.balance.timing import LayerTimes
     from pipe.core.options import checkpoint_stop
     from pipe.core.stage_costs import lowered_step

@@ -33,7 +33,7 @@ pipeline's share of it), and this process runs the split stages in turn,
 micro-batch by micro-batch on one thread, eager and compiled
 (``compiled_vs_eager_stages_alone``: what compiling gains a pipeline's own
 compute). R2's ``auto`` runs GPT-2 split at every block, cut into stages and
-ordered by ``pipe.distributed.calibrated_schedule``: from the pieces' F, I and W
+ordered by ``pipe.plan.calibrated_schedule``: from the pieces' F, I and W
 timed on rank 0, then from a step of that order recorded on both ranks
 (``r2_auto_vs_plain``; ``auto_prediction_error``, its simulated step against
 the measured one).
@@ -186,9 +186,10 @@ def _r2_rank(rank: int, port: int, size: dict[str, int], compile_option: Any, wa
 def _r2_auto(size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
              ) -> tuple[Callable[[], float], dict[str, Any]]:
     """R2's auto configuration: GPT-2 split at every block, the cut into stages and each rank's order chosen by
-    ``pipe.distributed.calibrated_schedule``: from the pieces' F, I and W timed on rank 0, then from a step of that
+    ``pipe.plan.calibrated_schedule``: from the pieces' F, I and W timed on rank 0, then from a step of that
     order recorded on both ranks."""
-    from pipe.distributed import DistributedPipe, calibrated_schedule
+    from pipe.distributed import DistributedPipe
+    from pipe.plan import calibrated_schedule
 
     pieces = pipe.split(build(size), (ids,), {"attention_mask": mask, "use_cache": False},
                         at=[f"transformer.h.{k}" for k in range(1, size["layers"])])

@@ -30,7 +30,7 @@ Run:
     python benchmarks/zero_bubble.py --split-only # only the cost of the split backward, seconds
     python benchmarks/zero_bubble.py --repeats 3 --ranks 4 --microbatches 4  # auto_vs_torch_best_4
 
-``pipe auto`` is the order and cut of ``pipe.distributed.calibrated_schedule``: from the layers' F, I and W
+``pipe auto`` is the order and cut of ``pipe.plan.calibrated_schedule``: from the layers' F, I and W
 timed on rank 0 in the same run, then from the medians of a step of that order recorded on the ranks
 (``--auto-rounds``, default 2; 0 orders by the layer times alone). Peak memory is each rank's highest
 resident set during its steps, over what it held before it built the model: the peak is reset after building
@@ -72,7 +72,7 @@ RESULTS = HERE / "results"
 #: (engine, schedule) pairs; pipe's schedule names, torch's closest schedule classes.
 #: "zbv-rule": pipe's runner on the rule-of-thumb ZB-V order (pipe.core.zero_bubble; what "zbv" ran before it
 #: took the paper's V, which is torch's ZBV order), as a table, so that the two orders compare in one run.
-#: "auto": pipe.distributed.calibrated_schedule's cut and order, at 1F1B's peak memory (its default limit);
+#: "auto": pipe.plan.calibrated_schedule's cut and order, at 1F1B's peak memory (its default limit);
 #: "auto-layers": the same from the layers' F, I and W timed on rank 0 alone (no recorded step, rounds=0).
 RUNS: tuple[tuple[str, str], ...] = (
     ("pipe", "1f1b"), ("pipe", "interleaved"), ("pipe", "zb-h1"), ("pipe", "zbv"), ("pipe", "zbv-rule"),
@@ -112,10 +112,10 @@ def model(width: int, layers: int) -> nn.Sequential:
 
 def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor
           ) -> tuple[Any, list[int], dict[str, Any], Any]:
-    """The cut and the order of pipe.distributed.calibrated_schedule: rank 0 times the layers and chooses, every
+    """The cut and the order of pipe.plan.calibrated_schedule: rank 0 times the layers and chooses, every
     rank runs a recorded step of that order on a copy of the model, rank 0 chooses again by the step's costs
     (``--auto-rounds`` times); every rank gets its choice."""
-    from pipe.distributed import calibrated_schedule
+    from pipe.plan import calibrated_schedule
 
     auto = calibrated_schedule(full, x, y, chunks=args.microbatches, loss_fn=F.mse_loss, checkpoint=args.checkpoint,
                                rounds=args.auto_rounds if args.schedule == "auto" else 0, timeout=args.auto_timeout,

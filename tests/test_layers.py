@@ -36,7 +36,6 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "pipe.split_repeat",
                     "pipe.distributed",
                     "pipe.distributed.distributed_pipe", "pipe.distributed.names", "pipe.distributed.hf",
-                    "pipe.distributed.calibrated",
                     "pipe.viz.cli", "pipe.viz.__main__"]),
     # The planner's driver: it measures the model and the machine (profile, link, calibration, verify) and
     # builds the front ends from a plan (pipe.plan.planned_pipe); nothing below imports it.

@@ -8,9 +8,8 @@ Usage::
 
 Each helper measures a cost per layer (:mod:`pipe.balance.timing`, :mod:`pipe.balance.profile`) and
 cuts the layers so that the costliest partition is as cheap as possible
-(:mod:`pipe.balance.solver`). :func:`auto_schedule` cuts by the measured F, I and W of each layer
-and orders each rank's work by them (:mod:`pipe.balance.auto`); :func:`traced_step` reads what each
-stage cost in a recorded step, to order by (:mod:`pipe.balance.traced`).
+(:mod:`pipe.balance.solver`). :func:`traced_step` reads what each stage cost in a recorded step
+(:mod:`pipe.balance.traced`), for :func:`pipe.plan.auto_schedule` to cut and order by.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from pipe.balance.auto import AutoSchedule, auto_schedule, stage_costs
 from pipe.balance.profile import profile_params, profile_sizes
 from pipe.balance.timing import LayerTimes, profile_times, time_layers
 from pipe.balance.solver import solve
@@ -29,7 +27,7 @@ from pipe.core.options import is_int, positive_int
 from pipe.core.partition import verify_module
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_by_params", "balance_cost", "time_layers", "LayerTimes",
-           "auto_schedule", "AutoSchedule", "stage_costs", "traced_step", "TracedStep", "CostError"]
+           "traced_step", "TracedStep", "CostError"]
 
 Device = Union[torch.device, int, str]
 

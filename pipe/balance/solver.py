@@ -98,3 +98,36 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
         i = t
     balance.reverse()
     return balance
+
+
+def _rank_loads(costs: Sequence[float], balance: Sequence[int], rank_of: Sequence[int], ranks: int
+                ) -> tuple[float, float]:
+    """(the busiest rank's cost, the costliest stage's) of a cut."""
+    stage, start = [], 0
+    for count in balance:
+        stage.append(math.fsum(costs[start:start + count]))
+        start += count
+    return max(math.fsum(c for s, c in enumerate(stage) if rank_of[s] == r) for r in range(ranks)), max(stage)
+
+
+def cut_for_ranks(costs: Sequence[float], stages: int, rank_of: Sequence[int], ranks: int) -> list[list[int]]:
+    """Cuts of the layers (cost ``costs``) into ``stages`` run by ``ranks`` (stage s on rank ``rank_of[s]``):
+    :func:`solve`'s (the costliest stage as cheap as possible), and that cut moved one boundary at a time
+    while the busiest rank gets lighter (in a V the first and the last stage share rank 0, so they get fewer
+    layers). One cut where both are the same."""
+    first = solve(costs, stages)
+    cut, best = list(first), _rank_loads(costs, first, rank_of, ranks)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(stages - 1):
+            for step in (-1, 1):
+                moved = list(cut)
+                moved[k] += step
+                moved[k + 1] -= step
+                if min(moved) < 1:
+                    continue
+                load = _rank_loads(costs, moved, rank_of, ranks)
+                if load < best:
+                    cut, best, improved = moved, load, True
+    return [first] if cut == first else [first, cut]

@@ -13,7 +13,7 @@ the measured one; from a recorded step's medians it came within 3%.
 and the runner's own time per action: everything a rank spent that was
 neither compute nor waiting for a message. :meth:`TracedStep.costs` gives the
 :class:`~pipe.core.stage_costs.StageCosts` of the cut that ran, and
-:func:`pipe.balance.auto_schedule` (``measured=``) scales its layer times by
+:func:`pipe.plan.auto_schedule` (``measured=``) scales its layer times by
 them, so that it can also cut anew::
 
     with pipe.trace.record(None, rank=rank) as recorder:   # after a warm-up step
@@ -21,7 +21,7 @@ them, so that it can also cut anew::
     traces = [None] * world
     dist.all_gather_object(traces, recorder.trace())
     step = pipe.balance.traced_step(traces, balance=auto.balance)
-    auto = pipe.balance.auto_schedule(model, x, ranks=2, chunks=8, times=auto.times, measured=step)
+    auto = pipe.plan.auto_schedule(model, x, ranks=2, chunks=8, times=auto.times, measured=step)
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ drawn with ``pipe-viz plan --table FILE.csv``, and run by
     costs = StageCosts.of(forward=[1.2, 1.0], input_grad=[0.2, 1.0], weight_grad=[1.9, 2.1], transfer=0.05)
     table = schedule_from_costs(costs, ranks=2, microbatches=8)
 
-:func:`pipe.balance.auto_schedule` measures the costs of a model's layers
-and cuts it into stages by them. The module imports no torch.
+:func:`pipe.plan.auto_schedule` measures the costs of a model's layers,
+and the planner's search cuts it into stages and orders each cut with this module. The module imports no torch.
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ from pipe.distributed.watchdog import STALLED_EXIT
 from pipe.distributed.fsdp import Shard
 from pipe.distributed.mesh import MESH_DIMS, make_mesh
 from pipe.distributed.distributed_pipe import DistributedPipe
-from pipe.distributed.calibrated import calibrated_schedule
 from pipe.core.schedule_table import TableSchedule, torch_order
 
 __all__ = ["DistributedPipe", "DistributedEnv", "MESH_DIMS", "PipelineFailure", "STALLED_EXIT", "Shard",
-           "TableSchedule", "calibrated_schedule", "init_from_env", "make_mesh", "torch_order"]
+           "TableSchedule", "init_from_env", "make_mesh", "torch_order"]

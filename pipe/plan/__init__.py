@@ -20,7 +20,8 @@ torch: :mod:`~pipe.plan.cost`, :mod:`~pipe.plan.host_copy`,
 fastest plan that fits. Its **driver** measures and builds, above the front
 ends: :mod:`~pipe.plan.profile`, :mod:`~pipe.plan.link`,
 :mod:`~pipe.plan.measure`, :mod:`~pipe.plan.calibration`,
-:mod:`~pipe.plan.planning` (``plan``), :mod:`~pipe.plan.apply` (``planned_pipe``,
+:mod:`~pipe.plan.planning` (``plan``), :mod:`~pipe.plan.auto` (``auto_schedule``: the search
+without a budget, from layer times), :mod:`~pipe.plan.apply` (``planned_pipe``,
 ``planned_distributed``), :mod:`~pipe.plan.explain` and :mod:`~pipe.plan.cli`.
 The front ends never import the planner.
 
@@ -28,7 +29,8 @@ The front ends never import the planner.
 * :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
   contention) and its fit to measured steps; :mod:`pipe.plan.link` measures
   the transport once per machine; :mod:`pipe.plan.calibration` runs a few plans
-  of the model and fits the time model to them (``plan(calibrate=True)``);
+  of the model and fits the time model to them (``plan(calibrate=True)``), or, on a job's ranks, chooses the
+  order again from a recorded step (``calibrated_schedule``);
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
 * :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;
@@ -46,13 +48,14 @@ from pipe.viz.idle import Idle
 from pipe.plan.candidate import Candidate
 from pipe.plan.predict import Prediction, predict
 from pipe.plan.timing import Link, TimeModel, fit
-from pipe.plan.calibration import Calibration, calibrate
+from pipe.plan.calibration import Calibration, calibrate, calibrated_schedule
 from pipe.plan.search import Plan, PlanError, search
 from pipe.plan.planning import plan
+from pipe.plan.auto import AutoSchedule, auto_schedule
 from pipe.plan.apply import planned_distributed, planned_pipe
 from pipe.core.units import format_bytes, parse_bytes
 
-__all__ = ["Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
-           "TimeModel", "calibrate", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "planned_distributed",
+__all__ = ["AutoSchedule", "auto_schedule", "Calibration", "Candidate", "Costs", "Explanation", "Idle", "Link", "Plan", "PlanError", "Prediction", "StageMemory",
+           "TimeModel", "calibrate", "calibrated_schedule", "explain", "fit", "explain_prediction", "format_bytes", "parse_bytes", "plan", "planned_distributed",
            "planned_pipe", "predict",
            "profile_costs", "search"]

@@ -1,16 +1,41 @@
-"""Calibration: the time model's constants fitted on this machine, to a few plans of the model itself.
+"""Calibration: the planner's costs measured where the pipeline runs, two ways.
 
-The measured link gives the transport's cost between idle ranks, and the
-layers' times come from the profile; what a pipeline adds on top (overhead
-per action, per message, and contention when the ranks compute at once on
-shared cores: :mod:`pipe.plan.timing`) can only be measured by running it.
-:func:`calibrate` runs a few plans of the model on local gloo processes, one
-per schedule family and from few micro-batches to many (the overhead per
-action and the compute scale apart only when the number of actions varies;
-the cost per message only when actions carry different numbers of
-messages, as interleaved and zero-bubble plans do), takes each plan's
-fastest step over a few sweeps, and fits the constants to them
-(:func:`pipe.plan.timing.fit`)::
+**On the ranks themselves** (:func:`calibrated_schedule`, one call on every
+rank of a running job): layers timed alone on an idle core are cheaper than
+in a running pipeline (ranks share the cores and the memory bus), so an order
+and its predicted step are off by that much (on the 2-core machine a fifth).
+The call
+
+1. has rank 0 time the layers and choose a cut and an order
+   (:func:`pipe.plan.auto_schedule`);
+2. has every rank run that order on a copy of the model, ``WARMUP`` steps and
+   then ``steps`` steps recorded (:func:`pipe.trace.record`);
+3. has rank 0 read each stage's median F, I and W and the runner's time per
+   action from the recorded step (:func:`pipe.balance.traced_step`), and
+   choose again by them;
+
+steps 2 and 3 ``rounds`` times, or until the choice stays the same. Every
+rank returns rank 0's :class:`~pipe.plan.AutoSchedule` (timings differ
+between processes; the table must not)::
+
+    auto = pipe.plan.calibrated_schedule(model, x, y, chunks=8, loss_fn=F.cross_entropy)
+    piped = DistributedPipe(model, chunks=8, schedule=auto.schedule, balance=auto.balance, loss_fn=F.cross_entropy)
+
+The trial steps run on copies: ``model``'s weights and gradients are left as
+they were, and each rank holds a second copy of the model until the call
+returns. The model must be real, not built on ``meta``: its layers are run.
+
+**Before a job, on local processes** (:func:`calibrate`): the measured link
+gives the transport's cost between idle ranks, and the layers' times come
+from the profile; what a pipeline adds on top (overhead per action, per
+message, and contention when the ranks compute at once on shared cores:
+:mod:`pipe.plan.timing`) can only be measured by running it. :func:`calibrate`
+runs a few plans of the model on local gloo processes, one per schedule
+family and from few micro-batches to many (the overhead per action and the
+compute scale apart only when the number of actions varies; the cost per
+message only when actions carry different numbers of messages, as interleaved
+and zero-bubble plans do), takes each plan's fastest step over a few sweeps,
+and fits the constants to them (:func:`pipe.plan.timing.fit`)::
 
     calibration = pipe.plan.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
     plan = pipe.plan.search(costs, 2, "1GiB", runner="processes", model=calibration.model)
@@ -21,14 +46,23 @@ or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibra
 """
 from __future__ import annotations
 
+import copy
+import gc
 import logging
 import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
+import pipe.trace
+from pipe.balance.traced import traced_step
+from pipe.core.options import positive_int
+from pipe.distributed.distributed_pipe import DistributedPipe
+from pipe.distributed.group import decided_on_rank_0
+from pipe.plan.auto import AutoSchedule, auto_schedule
 from pipe.plan.candidates import candidates
 from pipe.plan.cost import Costs
 from pipe.plan.measure import mean_output_loss, pipeline_steps, run_plans
@@ -144,3 +178,80 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
     errors = {c: predict(costs, c, runner="processes", timeline=False, model=model).step_time / t - 1
               for c, t in times.items()}
     return Calibration(model, times, errors, spread)
+
+
+#: Steps each trial runs before it records: the first allocates, the second still runs slow on the CPU.
+WARMUP = 2
+
+#: DistributedPipe arguments the calibration chooses or that change the ranks it plans for.
+CHOSEN = ("schedule", "balance", "virtual_stages", "chunks", "checkpoint", "mesh", "data_parallel", "shard",
+          "parallelize", "tensor_parallel")
+
+
+def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *, chunks: int, loss_fn: Any,
+                        checkpoint: str = "except_last", rounds: int = 2, steps: int = 3, timeout: float = 1.0,
+                        pipe_options: Optional[dict[str, Any]] = None, **order: Any) -> AutoSchedule:
+    """The cut and each rank's order for ``DistributedPipe``, from costs measured on these ranks (see the module
+    docstring). Collective: every rank of the world calls it, the world being the pipeline's ranks.
+
+    Args:
+        model: the ``nn.Sequential`` to cut, the same on every rank (left untouched: trials run on copies).
+        inputs, target: one mini-batch as ``DistributedPipe.step`` takes it, on every rank.
+        chunks, loss_fn, checkpoint: as the pipeline will run (``DistributedPipe``'s).
+        rounds: times to run the latest choice and choose again by its recorded costs (0: by the layer times
+            only).
+        steps: steps recorded per round (each stage's costs are medians over their micro-batches).
+        timeout: seconds rank 0 times the layers.
+        pipe_options: other ``DistributedPipe`` arguments for the trials (``device``, ``loss_reduction``...).
+        order: :func:`pipe.plan.auto_schedule`'s options (``placement``, ``seconds_per_byte``,
+            ``message_seconds``, ``action_seconds``).
+
+    Returns:
+        Rank 0's :class:`~pipe.plan.AutoSchedule`, on every rank; ``measured`` is the last recorded step.
+
+    Raises:
+        ValueError: a bad argument (on every rank), or no process group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("calibrated_schedule runs on the pipeline's ranks: call pipe.distributed.init_from_env() "
+                         "first (under torchrun)")
+    positive_int("chunks", chunks, "micro-batches per step")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise ValueError(f"rounds must be an int >= 0 (trial runs to calibrate by), got {rounds!r}")
+    positive_int("steps", steps, "steps recorded per round")
+    options = dict(pipe_options or {})
+    clash = sorted(set(options) & set(CHOSEN))
+    if clash:
+        raise ValueError(f"pipe_options may not give {clash}: the calibration chooses the schedule and the cut "
+                         f"for the world's ranks as one pipeline (chunks= and checkpoint= are its own arguments)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("calibrated_schedule runs the model to time it; build it on a real device, not on "
+                         "torch.device('meta')")
+    ranks = dist.get_world_size()
+    auto: AutoSchedule = decided_on_rank_0(lambda: auto_schedule(
+        model, inputs, ranks=ranks, chunks=chunks, checkpoint=checkpoint, timeout=timeout, **order))
+    for done in range(rounds):
+        trial = DistributedPipe(copy.deepcopy(model), chunks=chunks, checkpoint=checkpoint, schedule=auto.schedule,
+                                balance=auto.balance, loss_fn=loss_fn, **options)
+        for _ in range(WARMUP):
+            trial.step(inputs, target)
+            trial.zero_grad(set_to_none=True)
+        with pipe.trace.record(None, rank=dist.get_rank()) as recorder:
+            for _ in range(steps):
+                trial.step(inputs, target)
+                trial.zero_grad(set_to_none=True)
+        del trial
+        gc.collect()  # the trial pipeline's copy of the model sits in reference cycles: free it now
+        traces: list[Any] = [None] * ranks
+        dist.all_gather_object(traces, recorder.trace())
+        before = auto
+        auto = decided_on_rank_0(lambda: auto_schedule(
+            model, ranks=ranks, chunks=chunks, checkpoint=checkpoint, times=before.times,
+            measured=traced_step(traces, balance=before.balance), **order))
+        logger.info("calibration %d: %s ran %.4g s per step (simulated from the layer times or the last round: "
+                    "%.4g s); by its recorded costs chose %s, balance %s, simulated %.4g s", done + 1,
+                    before.schedule.name, auto.measured.wall if auto.measured else float("nan"), before.step,
+                    auto.schedule.name, auto.balance, auto.step)
+        if auto.balance == before.balance and auto.schedule.programs == before.schedule.programs:
+            break
+    return auto

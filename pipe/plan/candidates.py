@@ -8,10 +8,10 @@ import math
 from dataclasses import replace
 from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
-from pipe.balance.solver import solve
+from pipe.balance.solver import cut_for_ranks, solve
 from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.schedule import Schedule
-from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
+from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import predict_memory
@@ -37,8 +37,9 @@ def _compositions(layers: int, parts: int) -> Iterable[tuple[int, ...]]:
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
-def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
-    """Every balance when there are at most ``limit``; else even, by time and by memory, and their
+def _balances(costs: Costs, parts: int, limit: int, rank_of: Sequence[int], ranks: int) -> list[tuple[int, ...]]:
+    """Every balance when there are at most ``limit``; else even, by time, by memory and by the busiest
+    rank's time (stage s on rank ``rank_of[s]``: :func:`pipe.balance.solver.cut_for_ranks`), and their
     neighbours (one layer moved across one cut)."""
     if math.comb(costs.layers - 1, parts - 1) <= limit:
         return list(_compositions(costs.layers, parts))
@@ -49,7 +50,8 @@ def _balances(costs: Costs, parts: int, limit: int) -> list[tuple[int, ...]]:
               for k in range(costs.layers)]
     base, extra = divmod(costs.layers, parts)
     seeds = {tuple(base + (1 if k < extra else 0) for k in range(parts)),
-             tuple(solve(time, parts)), tuple(solve(memory, parts))}
+             tuple(solve(time, parts)), tuple(solve(memory, parts)),
+             *(tuple(cut) for cut in cut_for_ranks(time, parts, rank_of, ranks))}
     found = set(seeds)
     for seed in seeds:
         for cut in range(parts - 1):
@@ -88,7 +90,9 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         if balances is not None:
             options = [tuple(b) for b in balances if len(b) == ranks * virtual and sum(b) == costs.layers]
         else:
-            options = _balances(costs, ranks * virtual, max_balances)
+            v = kind in ("zbv", "auto-v")
+            options = _balances(costs, ranks * virtual, max_balances,
+                                [v_rank_of(s, ranks) if v else s % ranks for s in range(ranks * virtual)], ranks)
         for balance in options:
             for chunks in costs.chunk_options():
                 if kind == "interleaved" and chunks % ranks:

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from pipe.core.message import HEADER_BYTES
 from pipe.core.stage_costs import StageCosts
 from pipe.plan.host_copy import HostCopy
 from pipe.recompute.defaults import DEFAULT_SELECT
+
+if TYPE_CHECKING:
+    from pipe.balance.timing import LayerTimes
 
 __all__: list[str] = []
 
@@ -317,6 +320,40 @@ class Costs:
     def static_bytes(self, first: int, stop: int) -> int:
         """Parameters, gradients and optimiser state of layers ``first:stop`` (a tied weight once)."""
         return int(self.param_scale * self.params_of(range(first, stop)))
+
+    @classmethod
+    def from_layer_times(cls, times: "LayerTimes", chunks: int) -> "Costs":
+        """The costs of ``times``, one micro-batch of ``chunks`` timed (:func:`pipe.balance.time_layers` with
+        ``split=True``, on one micro-batch size): for planning without a memory budget
+        (:func:`pipe.plan.auto_schedule`). No memory was counted: a stage holds its layers' output bytes per
+        micro-batch (what a cost-shaped order weighs a cell by), and parameters are not counted.
+
+        Raises:
+            ValueError: ``times`` holds several micro-batch sizes, or no input/weight-gradient halves.
+        """
+        if len(times.forward) != 1:
+            raise ValueError(f"the layer times hold micro-batches of {sorted(times.forward)} rows; give the times "
+                             f"of the one micro-batch size planned for")
+        rows = next(iter(times.forward))
+        if rows < 1:
+            raise ValueError(f"the layer times are keyed by {rows} rows; key them by the micro-batch's rows "
+                             f"(time_layers(module, {{rows: micro_batch}}, ...))")
+        if rows not in times.input_grad or rows not in times.weight_grad:
+            raise ValueError(f"the layer times have no input/weight-gradient halves at {rows} rows; "
+                             f"measure them with time_layers(..., split=True) on a micro-batch of {rows} rows")
+        layers = len(times.forward[rows])
+        outputs = times.output_bytes.get(rows, [0] * layers)
+
+        def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
+                   fresh: bool = False, selected: int = 0) -> StageMemory:
+            held = sum(outputs[first:stop])
+            return StageMemory(forward_peak=held, kept=held, backward_peak=0)
+
+        return cls(rows * chunks, {rows: list(times.forward[rows])}, {rows: list(times.backward[rows])}, memory,
+                   [0] * layers, output_bytes={rows: list(outputs)},
+                   grad_bytes={rows: list(times.grad_bytes[rows])} if rows in times.grad_bytes else None,
+                   input_grad={rows: list(times.input_grad[rows])}, weight_grad={rows: list(times.weight_grad[rows])},
+                   replay={rows: list(times.replay[rows])} if rows in times.replay else None)
 
     @classmethod
     def from_table(cls, batch: int, forward: Sequence[float], backward: Sequence[float],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -39,6 +40,10 @@ CHUNKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 """The micro-batch counts :func:`pipe.plan.plan` profiles and considers by default."""
 
 
+NO_BUDGET = sys.maxsize
+"""The budget of each rank when ``search`` is given none: any plan fits."""
+
+
 class PlanError(ValueError):
     """No candidate fits the memory budget; the message names the smallest budget that does."""
 
@@ -51,7 +56,7 @@ class Plan:
         best: the fastest candidate predicted to fit.
         runners_up: the next fastest that fit, each with why it lost ("slower by +4.2%").
         rejected: candidates faster than ``best``, each with why it does not fit (the rank, its stages, the bytes).
-        budget: bytes per rank.
+        budget: bytes per rank (:data:`NO_BUDGET` each where none was given).
         runner: ``"threads"`` (``Pipe``) or ``"processes"`` (``DistributedPipe``).
         considered: how many candidates were compared (memory predicted for all).
         simulated: how many of them had their step time simulated (the others could not win).
@@ -112,8 +117,10 @@ class Plan:
         """The chosen plan with its predicted step and peak per rank, the runners-up and why they lost,
         and the ``rejected`` fastest plans over budget with the rank over it."""
         sizes = [format_bytes(b) for b in self.budget]
-        budget = f"{sizes[0]} per rank" if len(set(sizes)) == 1 else f"{', '.join(sizes)} on ranks 0 to {len(sizes) - 1}"
-        lines = [f"memory budget {budget}; {self.considered} candidates, {self.simulated} simulated ({self.runner})"]
+        budget = "no memory budget" if set(self.budget) == {NO_BUDGET} else \
+            f"memory budget {sizes[0]} per rank" if len(set(sizes)) == 1 else \
+            f"memory budget {', '.join(sizes)} on ranks 0 to {len(sizes) - 1}"
+        lines = [f"{budget}; {self.considered} candidates, {self.simulated} simulated ({self.runner})"]
         if self.model is not None:
             lines.append(f"time model: {self.model.describe()}")
         if self.costs is not None and self.costs.host_copy is not None:
@@ -144,13 +151,14 @@ class Plan:
         return "\n".join(lines)
 
 
-def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "threads",
+def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, runner: str = "threads",
            schedules: Optional[Sequence[str]] = None, checkpoints: Sequence[str] = ("never", "except_last", "always"),
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
            runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
            rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2),
            dp_replicate: DpShard = None) -> Plan:
-    """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank.
+    """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank (the fastest of all
+    without one).
 
     Candidates go best-first by a lower bound of their step
     (:func:`pipe.plan.predict.busy_bound`: the busiest rank's work, no
@@ -164,7 +172,8 @@ def search(costs: Costs, ranks: int, memory_budget: Budget, *, runner: str = "th
     Args:
         costs: measured (:func:`pipe.plan.profile.profile_costs`) or tabled costs.
         ranks: devices (``Pipe`` partitions or ``DistributedPipe`` pipeline ranks).
-        memory_budget: bytes per rank (``"2GiB"``, a number, or one per rank).
+        memory_budget: bytes per rank (``"2GiB"``, a number, or one per rank); None: no budget, every
+            candidate fits (:func:`pipe.plan.auto_schedule` plans so).
         runner: ``"threads"`` (``Pipe``: GPipe) or ``"processes"`` (``DistributedPipe``).
         schedules, checkpoints: restrict the candidates.
         max_balances: enumerate every balance up to this many, else a neighbourhood
@@ -297,7 +306,9 @@ def _why(prediction: Prediction, budget: list[int], best: Prediction) -> str:
                               f"{format_bytes(b)}" for r, peak, b in over)
 
 
-def _budget(memory_budget: Budget, ranks: int) -> list[int]:
+def _budget(memory_budget: Optional[Budget], ranks: int) -> list[int]:
+    if memory_budget is None:
+        return [NO_BUDGET] * ranks
     if isinstance(memory_budget, (list, tuple)):
         if len(memory_budget) != ranks:
             raise ValueError(f"memory_budget has {len(memory_budget)} entries for {ranks} ranks; "

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from torch import nn
 
-from pipe.balance import LayerTimes, auto_schedule, traced_step
+from pipe.balance import LayerTimes, traced_step
+from pipe.plan import auto_schedule
 from pipe.balance.traced import calibrated_times
 from pipe.core.stage_costs import StageCosts, lowered_step
 from pipe.core.action import Phase

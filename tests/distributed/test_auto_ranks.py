@@ -1,4 +1,4 @@
-"""Orders built from costs (pipe.schedule_from_costs, pipe.balance.auto_schedule) on 2 gloo ranks train exactly
+"""Orders built from costs (pipe.schedule_from_costs, pipe.plan.auto_schedule) on 2 gloo ranks train exactly
 like the plain module: the V and the looped placement, every checkpoint mode, a skip across ranks, and a weight
 tied across ranks with the cut and the order measured on rank 0 and shared with the other."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from dist_models import (WIDTH, batch, blocks, check_against_oracle, check_table_steps, skip_model,
                          train_tokens_against)
 from pipe import StageCosts, schedule_from_costs
-from pipe.distributed import DistributedPipe, calibrated_schedule
+from pipe.distributed import DistributedPipe
+from pipe.plan import calibrated_schedule
 from spawn_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -113,7 +114,7 @@ def _calibrated(rank: int, world: int) -> list[object]:
     errors = []
     with torch.device("meta"):
         on_meta = blocks(8)
-    for bad in ({"in_flight": 0.5}, {"pipe_options": {"schedule": "1f1b"}}, {"rounds": -1}, {"model": on_meta}):
+    for bad in ({"placement": "ring"}, {"pipe_options": {"schedule": "1f1b"}}, {"rounds": -1}, {"model": on_meta}):
         try:
             calibrated_schedule(**{"model": model, **bad}, inputs=inputs, target=target, chunks=4,  # type: ignore[arg-type]
                                 loss_fn=F.mse_loss, timeout=0.01)
@@ -127,6 +128,6 @@ def test_calibrated_schedule_agrees_on_every_rank_and_trains_like_the_plain_mode
     assert found[0] == found[1]  # rank 0's choice on both ranks
     balance, _, steps, stages, sane, overhead_used, untouched, errors = found[0]
     assert sum(balance) == 8 and steps == 1 and stages in (2, 4) and sane and overhead_used and untouched
-    assert errors == ["no order of 8 layers on 2 ranks fits in_flight=0.5 / memory_limit=None",
+    assert errors == ["placement must be one of ['best', 'looped', 'v'], got 'ring'",
                       "pipe_options may not give ['schedule']", "rounds must be an int >= 0 (trial runs to "
                       "calibrate by), got -1", "calibrated_schedule runs the model to time it"], errors
