@@ -13,6 +13,8 @@ gathering one decoder layer at a time and resharding after each forward
 * ``pipe-keep``: the same with ``Shard(unit="block", reshard_after_backward=False)``:
   each layer stays gathered from its first backward to the stage's reduce, as
   torch's ``PipelineStage`` keeps FSDP2 blocks (fewer gathers, more memory);
+* ``pipe-lean``: the same as ``pipe`` with ``Shard(unit="block", prefetch=False)``:
+  each layer gathered only when it runs, none beside it;
 * ``torch``: torchtitan's layout with torch's own pieces: each rank keeps its
   stage's HF modules (the embedding on the first, the norm and head on the
   last), ``fully_shard`` on each decoder layer, the embedding, the head and
@@ -72,7 +74,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SIZES = {"pp": 2, "dp_shard": 2}
 CHUNKS = 4
-ENGINES = ["pipe", "pipe-keep", "torch"]
+ENGINES = ["pipe", "pipe-keep", "pipe-lean", "torch"]
 
 
 class SavedBytes:
@@ -131,7 +133,7 @@ def _tokens(config: Any, tokens: int) -> torch.Tensor:
 
 
 def _pipe_engine(config: Any, directory: str, mesh: Any, tokens: int,
-                 keep: bool = False) -> tuple[Any, Callable[[], Any]]:
+                 keep: bool = False, prefetch: bool = True) -> tuple[Any, Callable[[], Any]]:
     import pipe
     from pipe.distributed import DistributedPipe, Shard, hf
     from transformers import LlamaForCausalLM
@@ -142,7 +144,7 @@ def _pipe_engine(config: Any, directory: str, mesh: Any, tokens: int,
     stages = pipe.split(model, (ids,), {"use_cache": False}, at=[f"model.layers.{config.num_hidden_layers // 2}"])
     piped = DistributedPipe(stages, mesh=mesh, init_weights=False, chunks=CHUNKS, loss_reduction="count",
                             checkpoint="never",  # as torch's schedule: no micro-batch recomputed
-                            shard=Shard(unit="block", reshard_after_backward=not keep))
+                            shard=Shard(unit="block", reshard_after_backward=not keep, prefetch=prefetch))
     hf.load(directory, piped)
     batch = _tokens(config, tokens)
 
@@ -249,7 +251,8 @@ def _measure(rank: int, port: int, engine: str, directory: str, args: argparse.N
     if engine == "torch":
         module, step = _torch_engine(config, directory, mesh, args.tokens)
     else:
-        module, step = _pipe_engine(config, directory, mesh, args.tokens, keep=engine == "pipe-keep")
+        module, step = _pipe_engine(config, directory, mesh, args.tokens, keep=engine == "pipe-keep",
+                                    prefetch=engine != "pipe-lean")
     share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                 for p in module.parameters())
     stage_bytes = sum(p.numel() * p.element_size() for p in module.parameters())  # full sizes
@@ -330,7 +333,7 @@ def main() -> None:
         summary[engine] = {key: _spread([max(s[key] for s in steps) for steps in second])
                            for key in ("step_s", "peak_over_share", "peak_over_bound", "activations_over_share",
                                        "bound_over_share", "after_over_share")}
-    for engine in ("pipe", "pipe-keep"):  # each run against torch's in the same round
+    for engine in ("pipe", "pipe-keep", "pipe-lean"):  # each run against torch's in the same round
         if engine in summary and "torch" in summary:
             pairs = list(zip(runs[engine], runs["torch"]))
             summary[f"{engine}_over_torch"] = {

@@ -103,6 +103,13 @@ class Shard:
             under FSDP2: its later backwards gather nothing (a forward between
             them still gathers and frees), for the stage's full parameters
             held through the backwards.
+        prefetch: with ``unit="block"``: ``True`` (default) gathers the next
+            block while one computes, forward and backward (FSDP's prefetch);
+            ``False`` gathers each block only when it runs: a block's gather
+            no longer overlaps the block before it, and no block is gathered
+            beside the one computing, nor its gather buffer beside a new
+            gradient (least memory, slower where the gathers took the time of
+            the compute they overlapped).
     """
 
     reshard_after_forward: bool = True
@@ -111,6 +118,7 @@ class Shard:
     unit: str = "stage"
     reduce: str = "step"
     reshard_after_backward: bool = True
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
@@ -141,6 +149,14 @@ class Shard:
                 f"unit={self.unit!r}, reduce={self.reduce!r}): a stage gathered whole stays gathered through its "
                 f"run of actions anyway, and reducing after each backward reshards the block then; pass "
                 f"Shard(unit='block', reshard_after_backward=False)"
+            )
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"Shard(prefetch=...) must be True or False, got {self.prefetch!r}")
+        if not self.prefetch and self.unit != "block":
+            raise ValueError(
+                "Shard(prefetch=False) goes with unit='block': a stage gathered whole is gathered once per run of "
+                "its actions, and the runner's prefetch of the next stage is the schedule's; pass "
+                "Shard(unit='block', prefetch=False) to gather each layer only when it runs"
             )
         if self.unit == "block" and not self.reshard_after_forward:
             raise ValueError(
@@ -254,7 +270,12 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
         for block, following in zip(by_block, by_block[1:]):
             assert isinstance(block, FSDPModule) and isinstance(following, FSDPModule)
-            block.set_modules_to_forward_prefetch([following])
+            if config.prefetch:
+                block.set_modules_to_forward_prefetch([following])
+        if not config.prefetch:
+            for block in by_block:  # FSDP prefetches the block before in backward unless told whom: itself, gathered
+                assert isinstance(block, FSDPModule)
+                block.set_modules_to_backward_prefetch([block])
         logger.info("stage %d: fully_shard on %d block(s) (%d gathered by their own hooks) and the stage, mesh %s",
                     s, len(chosen), len(by_block), mesh)
         _quiet_view_warning([stage] + [block for _, block in chosen])

@@ -387,11 +387,12 @@ def test_split_gpt2_sharded_matches_the_plain_model() -> None:
 
 
 def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str], reduce: str,
-                   keep: bool) -> dict[str, Any]:
+                   keep: bool, prefetch: bool = True) -> dict[str, Any]:
     """A tied HuggingFace LLaMA of 6 decoder layers cut by pipe.split at (pp 2, dp_shard 2), 3 layers a stage,
     ZeRO-3 gathering a stage whole or each layer on its own; against the plain model for 3 AdamW steps and a
     held-out loss (eval_step). Before each layer's forward (and its recomputation) the hook counts the stage's
-    layers then gathered."""
+    layers then gathered; FSDP's gathers and reshards of the layers, prefetches included, give the most layers
+    gathered or being gathered at once."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import pipe
     from pipe.split_blocks import blocks_of
@@ -412,8 +413,34 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         refused = str(error.value)
     piped = pd.DistributedPipe(stages, chunks=2, checkpoint="except_last", schedule=schedule,
                                mesh=pd.make_mesh(pp=2, dp_shard=2), loss_reduction="count",
-                               shard=pd.Shard(unit=unit, reduce=reduce, reshard_after_backward=not keep))
+                               shard=pd.Shard(unit=unit, reduce=reduce, reshard_after_backward=not keep,
+                                              prefetch=prefetch))
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
+    live: set[int] = set()
+    most = [0]
+
+    def gathers(unshard: Callable[..., Any]) -> Callable[..., Any]:
+        def call(group: Any, *args: Any, **kwargs: Any) -> Any:
+            idle = group._all_gather_result is None and not group.is_unsharded
+            result = unshard(group, *args, **kwargs)
+            if idle and group._all_gather_result is not None and any(m in layers for m in group.modules):
+                live.add(id(group))
+                most[0] = max(most[0], len(live))
+            return result
+        return call
+
+    def reshards(reshard: Callable[..., Any]) -> Callable[..., Any]:
+        def call(group: Any, *args: Any, **kwargs: Any) -> Any:
+            result = reshard(group, *args, **kwargs)
+            if not group.is_unsharded and group._all_gather_result is None:
+                live.discard(id(group))
+            return result
+        return call
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    FSDPParamGroup.unshard = gathers(FSDPParamGroup.unshard)  # type: ignore[method-assign]
+    FSDPParamGroup.reshard = reshards(FSDPParamGroup.reshard)  # type: ignore[method-assign]
     in_layers = {id(p) for block in layers for p in block.parameters()}
     own_groups = sum(any(id(p) not in in_layers for p in stage.parameters()) for stage in piped.partitions.values())
     gathered: list[int] = []
@@ -432,29 +459,34 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         total, counted = _lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
     torch.testing.assert_close(held_out, total / counted, atol=1e-5, rtol=1e-5)
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
+            "most at once": most[0],
             "own groups": own_groups,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("unit, schedule, reduce, keep", [
-    ("block", "1f1b", "step", False), ("block", "1f1b", "micro-batch", False), ("block", "1f1b", "step", True),
-    ("stage", "1f1b", "step", False), ("stage", "zbv", "step", False)])
-def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str,
-                                                                           reduce: str, keep: bool) -> None:
+@pytest.mark.parametrize("unit, schedule, reduce, keep, prefetch", [
+    ("block", "1f1b", "step", False, True), ("block", "1f1b", "micro-batch", False, True),
+    ("block", "1f1b", "step", True, True), ("block", "1f1b", "step", False, False),
+    ("stage", "1f1b", "step", False, True), ("stage", "zbv", "step", False, True)])
+def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit: str, schedule: str, reduce: str,
+                                                                           keep: bool, prefetch: bool) -> None:
     """Shard(unit="block"): each decoder layer of a split stage is an FSDP unit gathered by its own hooks, so at
     most two (this one and the prefetched next) are gathered when a layer runs; unit="stage" gathers all three,
     under ZB-V (two stages a rank) too, where unit="block" is refused (its backward is split in two).
     reduce="micro-batch" reduce-scatters each layer's gradients after each of its backwards: as exact.
     reshard_after_backward=False (keep) leaves each layer gathered from its first backward to the stage's
-    reduce: the last stage's second forward (after its first backward, in 1F1B) finds all three gathered."""
+    reduce: the last stage's second forward (after its first backward, in 1F1B) finds all three gathered.
+    prefetch=False gathers each layer only when it runs: never two layers gathered or being gathered at once
+    (with FSDP's prefetch, the next one is)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import llama
 
     llama()  # imports transformers' lazy modules once, here: the forked ranks inherit them
     at = ["model.layers.3"] if schedule == "1f1b" else ["model.layers.2", "model.layers.3", "model.layers.5"]
-    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, keep, deadline=240.0, timeout=60.0)
+    results = run_ranks(_llama_by_unit, 4, unit, schedule, at, reduce, keep, prefetch, deadline=240.0,
+                        timeout=60.0)
     # (pp 2, dp_shard 2): ranks 0 and 1 hold the first pipeline rank's stages, ranks 2 and 3 the second's; the
     # final norm and the head are modules of their own, and so is the embedding where it is untied (under ZB-V).
     tail = ["model.norm", "lm_head"]
@@ -478,6 +510,9 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
                     result["gathered"]
             else:
                 assert max(result["gathered"]) <= 2 and min(result["gathered"]) >= 1, result["gathered"]
+                # With FSDP's prefetch the next layer gathers while one runs (and one finishing its reshard):
+                # 3 at once were seen; without, one.
+                assert (result["most at once"] > 1) == prefetch and result["most at once"] >= 1, result["most at once"]
             # Per step: the stage's own group once (where it has parameters outside its modules: the tied
             # embedding's), and each module once or once per micro-batch (2).
             each = 2 if reduce == "micro-batch" else 1

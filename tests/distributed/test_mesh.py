@@ -166,6 +166,8 @@ def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_bac
      "Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got unit='block', "
      "reduce='micro-batch')"),
     ({"reshard_after_backward": 0}, TypeError, "Shard(reshard_after_backward=...) must be True or False, got 0"),
+    ({"prefetch": False}, ValueError, "Shard(prefetch=False) goes with unit='block'"),
+    ({"unit": "block", "prefetch": "no"}, TypeError, "Shard(prefetch=...) must be True or False, got 'no'"),
 ])
 def test_a_bad_unit_or_reduce_is_refused_naming_the_value_and_the_fix(arguments: dict[str, Any], error: type,
                                                                        message: str) -> None:
