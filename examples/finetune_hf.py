@@ -114,6 +114,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-gathered", action="store_true",
                    help="with --fsdp-unit layer: keep each layer gathered from its first backward to the step's "
                         "reduce, as torch's PipelineStage does (fewer gathers, more memory)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="with --fsdp-unit layer: gather each layer only when it runs, none beside it (least memory; "
+                        "the gathers no longer overlap the compute before them)")
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="the peak TFLOP/s of one device (rank), for the MFU in the metrics; 0: no MFU (default)")
     p.add_argument("--trace-every", type=int, default=0,
@@ -175,6 +178,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--fsdp-unit layer gathers the layers FSDP2 shards: give --dp-shard > 1 too, or leave it out")
     if args.keep_gathered and args.fsdp_unit != "layer":
         p.error("--keep-gathered keeps each layer gathered through the backwards: it goes with --fsdp-unit layer")
+    if args.no_prefetch and args.fsdp_unit != "layer":
+        p.error("--no-prefetch gathers each layer only when it runs: it goes with --fsdp-unit layer")
     if not args.peak_tflops >= 0:
         p.error(f"--peak-tflops {args.peak_tflops}: give one device's peak in TFLOP/s (> 0), or 0 for no MFU")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
@@ -451,9 +456,10 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
     if args.dp_shard > 1:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
         shard = pd.Shard(mp_policy=policy, unit="block" if args.fsdp_unit == "layer" else "stage",
-                         reshard_after_backward=not args.keep_gathered)
+                         reshard_after_backward=not args.keep_gathered, prefetch=not args.no_prefetch)
         log.info("FSDP2 gathers %s", "a stage at a time" if args.fsdp_unit == "stage" else
-                 "a layer at a time" + (", kept from its first backward to the reduce" if args.keep_gathered else ""))
+                 "a layer at a time" + (", kept from its first backward to the reduce" if args.keep_gathered else "")
+                 + (", each only when it runs" if args.no_prefetch else ""))
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                                virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard,
                                tensor_parallel=plan, init_weights=not loaded)
