@@ -79,6 +79,8 @@ def test_the_planner_without_a_budget_is_auto_schedule() -> None:
     (lambda: auto_schedule(_model(3), ranks=2, chunks=4, placement="v",
                            times=_times([1.0] * 3, [1.0] * 3, [1.0] * 3)), r"placement='v' needs 4 layers"),
     (lambda: Costs.from_layer_times(LayerTimes({4: [1.0]}, {4: [1.0]}, {}, {4: [1]}, 1), 4), r"split=True"),
+    (lambda: Costs.from_layer_times(LayerTimes({0: [1.0]}, {0: [1.0]}, {0: [0.5]}, {0: [1]}, 1,
+                                               weight_grad={0: [0.5]}), 4), r"keyed by 0 rows; key them by the"),
     (lambda: auto_schedule(_model(4), ranks=2, chunks=4, placement="ring"), r"placement must be one of"),
     (lambda: auto_schedule(_model(4), ranks=2, chunks=4, checkpoint="maybe"), r"checkpoint must be one of"),
 ])
