@@ -212,8 +212,26 @@ def headline(message: str) -> str:
     return message.split(" because ", 1)[1].rsplit(" (here: ", 1)[0]
 
 
+def _all_started(folder: str, world: int, limit: float = 240.0) -> None:
+    """Waits (up to ``limit`` seconds) until every rank of the job has imported what it needs and called this.
+
+    Under torchrun the ranks connect within the job's short timeout (:data:`TIMEOUT` of the test, 4 s), which
+    must stay short for a stalled rank to be named fast; on a loaded machine one rank's imports can take longer
+    than that behind another's, and the connect then fails before any fault. Each rank marks itself in
+    ``folder/started`` (a folder: the test reads only the files of ``folder``) and connects once all have.
+    """
+    marks = os.path.join(folder, "started")
+    os.makedirs(marks, exist_ok=True)
+    open(os.path.join(marks, os.environ["RANK"]), "w").close()
+    deadline = time.monotonic() + limit
+    while len(os.listdir(marks)) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main() -> None:
     layout, how, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    if os.environ.get("FAULT_REPORTS"):
+        _all_started(os.environ["FAULT_REPORTS"], int(os.environ["WORLD_SIZE"]))
     pd.init_from_env("gloo", timeout=timeout, cpu_threads=1)
     rank = dist.get_rank()
     message, _, _ = run(rank, dist.get_world_size(), layout, how, wait_for_others=False)
