@@ -44,8 +44,9 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
+import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
@@ -213,6 +214,12 @@ def _graph_calls(stage: nn.Module) -> list[nn.Module]:
             if node.op == "call_module"]
 
 
+def _calls(stage: nn.Module) -> list[nn.Module]:
+    """The modules ``stage``'s forward calls, in order: its children, or what its ``fx`` graphs call."""
+    graphs = _graph_calls(stage)
+    return graphs if graphs or isinstance(stage, fx.GraphModule) else list(stage.children())
+
+
 def _called(stage: nn.Module, module: nn.Module) -> bool:
     """Whether ``stage``'s forward calls ``module``, so that FSDP's hooks on it run: a layer of a stage that
     calls its layers, or a module an ``fx`` graph of the stage calls. The other modules of a graph (a split
@@ -304,9 +311,10 @@ class StageSharding:
     Args:
         stages: this rank's stages by index, each wrapped by :func:`shard_stages`.
         config: the ``Shard`` configuration.
+        last_stage: the pipeline's last stage (the one that computes the loss), here or on another rank.
     """
 
-    def __init__(self, stages: dict[int, nn.Module], config: Shard) -> None:
+    def __init__(self, stages: dict[int, nn.Module], config: Shard, last_stage: int) -> None:
         self.config = config
         self.modules: dict[int, list[FSDPModule]] = {
             s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
@@ -317,6 +325,23 @@ class StageSharding:
             for s, stage in stages.items()}
         self.by_runner: dict[int, list[FSDPModule]] = {
             s: [m for m in self.modules[s] if not any(m is b for b in self.by_block[s])] for s in stages}
+        for blocks in self.by_block.values():
+            for block in blocks:
+                cast(nn.Module, block).register_forward_pre_hook(_free_gather_buffer)
+        # The block the loss stage calls last (an LM head): its backward follows a forward that builds a graph
+        # (at once, after the loss, in 1F1B; after the other forwards in GPipe), so while training it stays
+        # gathered from such a forward to its backward, as FSDP2 leaves its root module: one gather of it per
+        # micro-batch where its backward gathered it again. A checkpointed forward (no graph) reshards it: its
+        # replay comes later, with the backward.
+        self._training = False
+        called = [b for m in _calls(stages[last_stage]) for b in self.by_block[last_stage] if m is b] \
+            if last_stage in stages else []
+        if called:
+            held = called[-1]
+
+            def hold(module: nn.Module, args: Any) -> None:
+                held.set_reshard_after_forward(not (self._training and torch.is_grad_enabled()), recurse=False)
+            cast(nn.Module, held).register_forward_pre_hook(hold)
         self.roots: dict[int, FSDPModule] = {}
         for s, stage in stages.items():
             assert isinstance(stage, FSDPModule)
@@ -326,13 +351,14 @@ class StageSharding:
 
     # -- the plan of one step ------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, training: bool) -> None:
         """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
 
-        (Resharding after forward is off since :func:`shard_stages`.) When to
-        gather, reduce and reshard is the lowered program's
-        (:func:`pipe.core.lowering.gathers`).
+        (Resharding after forward is off since :func:`shard_stages`, except for blocks gathered by their own
+        hooks, and for the loss stage's last block only outside training and checkpointed forwards.) When to
+        gather, reduce and reshard is the lowered program's (:func:`pipe.core.lowering.gathers`).
         """
+        self._training = training
         for s, modules in self.modules.items():
             for module in modules:
                 # A block gathered by its hooks is resharded after each backward (unless reshard_after_backward
@@ -399,6 +425,21 @@ class StageSharding:
                     except Exception:
                         logger.debug("resharding a module of stage %d", s, exc_info=True)
                 self._gathered.discard(s)
+
+
+def _free_gather_buffer(module: nn.Module, args: Any) -> None:
+    """After FSDP's pre-forward has gathered ``module`` on the CPU: frees the buffer the gather arrived in.
+
+    In a forward, FSDP2 keeps the buffer of a block's all-gather (as large as
+    the block) until the next gather, so that on a GPU the copy out of it can
+    overlap that gather on another stream. The CPU has no streams and copied it
+    out already: the buffer would only sit beside the block through its forward
+    (an LM head's beside its logits) and, for the last block, until the next
+    micro-batch.
+    """
+    state = cast(FSDPModule, module)._get_fsdp_state()
+    if state._device.type == "cpu":
+        state._comm_ctx.all_gather_state = None
 
 
 def _param_groups(fsdp_state: Any) -> list[Any]:

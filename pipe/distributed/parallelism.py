@@ -82,7 +82,7 @@ def parallelize_stages(partitions: dict[int, nn.Sequential], skeleton: list[nn.S
                 f"ranks (schedule {schedule!r} puts them together), or untie the weights"
             )
         shard_stages(dict(partitions), shard, shard_mesh(mesh))
-        sharding = StageSharding(dict(partitions), shard)
+        sharding = StageSharding(dict(partitions), shard, len(skeleton) - 1)
     elif topology.replicate > 1:
         averager = GradientAverager(dict(partitions), topology.replicate_group, topology.replicate)
     tied.refresh()  # parallelize_module and fully_shard replace the parameters by DTensors

@@ -199,7 +199,7 @@ class Runtime:
             if training:
                 self.failures.require_same("accumulate", not reduce)
             if self.sharding is not None:
-                self.sharding.begin_step()
+                self.sharding.begin_step(training)
             for step in self.lowered(training, checkpoint_stop, reduce):
                 executors[step.kind](step)
         except BaseException as error:

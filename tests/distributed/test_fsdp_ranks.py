@@ -418,6 +418,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
     live: set[int] = set()
     most = [0]
+    head_gathers = [0]
 
     def gathers(unshard: Callable[..., Any]) -> Callable[..., Any]:
         def call(group: Any, *args: Any, **kwargs: Any) -> Any:
@@ -426,6 +427,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
             if idle and group._all_gather_result is not None and any(m in layers for m in group.modules):
                 live.add(id(group))
                 most[0] = max(most[0], len(live))
+                head_gathers[0] += any(getattr(m, "path", None) == "lm_head" for m in group.modules)
             return result
         return call
 
@@ -445,13 +447,18 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     own_groups = sum(any(id(p) not in in_layers for p in stage.parameters()) for stage in piped.partitions.values())
     gathered: list[int] = []
 
+    buffers_kept: list[bool] = []
+
     def count(module: nn.Module, args: Any) -> None:
         gathered.append(sum(not isinstance(next(b.parameters()), DTensor) for b in layers))
+        if unit == "block":  # the gather's buffer is freed once copied out (FSDP2 keeps it for a GPU's streams)
+            buffers_kept.append(module._get_fsdp_state()._comm_ctx.all_gather_state is not None)
 
     for block in layers:
         block.register_forward_pre_hook(count)
 
     scatters = _split_lm_against_plain(piped, reference, unit, first=dict(atol=1e-6, rtol=1e-5))
+    trained_head_gathers = head_gathers[0]
     ids, mask, labels = lm_batch(8, 8, seed=7)  # and a held-out loss, forward only
     part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
     held_out = piped.eval_step((ids[part], mask[part]), labels[part], _lm_sum_count, broadcast_loss=True)
@@ -459,7 +466,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         total, counted = _lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
     torch.testing.assert_close(held_out, total / counted, atol=1e-5, rtol=1e-5)
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
-            "most at once": most[0],
+            "most at once": most[0], "head gathers": trained_head_gathers, "buffers kept": any(buffers_kept),
             "own groups": own_groups,
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters())}
 
@@ -478,7 +485,8 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
     reshard_after_backward=False (keep) leaves each layer gathered from its first backward to the stage's
     reduce: the last stage's second forward (after its first backward, in 1F1B) finds all three gathered.
     prefetch=False gathers each layer only when it runs: never two layers gathered or being gathered at once
-    (with FSDP's prefetch, the next one is)."""
+    (with FSDP's prefetch, the next one is). The head's backward finds it gathered by its forward; no block's
+    gather buffer outlives its copy-out."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import llama
@@ -517,6 +525,14 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
             # embedding's), and each module once or once per micro-batch (2).
             each = 2 if reduce == "micro-batch" else 1
             assert result["scatters"] == [result["own groups"] + each * len(modules)] * 3, result["scatters"]
+            assert not result["buffers kept"]
+            # The head, the loss stage's last block, stays gathered from a forward that builds a graph to its
+            # backward. Per step: for the checkpointed micro-batch's forward and its replay, and for the other's
+            # forward, never for a backward (3; 5 when each backward gathered it again); FSDP's backward prefetch,
+            # which orders itself by the forwards the replay reordered, once more (4; 6 before); kept from its
+            # first backward to the reduce, for the checkpointed forward and the replay (2; 4 before).
+            if rank >= 2:
+                assert result["head gathers"] == 3 * (2 if keep else 4 if prefetch else 3), result["head gathers"]
         elif schedule == "1f1b":  # the whole stage of the module that runs
             assert set(result["gathered"]) == {len(modules)}, result["gathered"]
         else:  # ZB-V: each stage whole, and the next one's prefetch: at times more than by block's bound of 2
