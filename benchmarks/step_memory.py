@@ -45,7 +45,8 @@ The engines run in fresh processes, alternating, ``--runs`` times; the script
 prints each run and the spread, and saves ``benchmarks/results/step_memory.json``.
 
 Run:
-    python benchmarks/step_memory.py             # 0.5B, 3 runs of the 3 engines: about 25 minutes
+    python benchmarks/step_memory.py             # 0.5B, 3 runs of the 4 engines: about 40 minutes
+    python benchmarks/step_memory.py --runs 2 --engines pipe pipe-lean --name lean   # step_memory-lean.json
     python benchmarks/step_memory.py --quick --runs 1   # 6M: about a minute
 """
 from __future__ import annotations
@@ -293,6 +294,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs of each engine, alternating (default 3)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch of one row (default 256)")
     parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
+    parser.add_argument("--name", default="", help="saved as step_memory-NAME.json (default: step_memory.json)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     args = parser.parse_args()
     if not 2 <= args.tokens <= 256:
@@ -349,7 +351,7 @@ def main() -> None:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=HERE).stdout.strip()}
     RESULTS.mkdir(exist_ok=True)
-    name = "step_memory" + ("-quick" if args.quick else "") + ".json"
+    name = "step_memory" + ("-quick" if args.quick else "") + (f"-{args.name}" if args.name else "") + ".json"
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULTS / name}")
 
