@@ -103,8 +103,19 @@ def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[i
                 if attempt == 2 or "in _pipe\n" not in str(error):
                     raise
                 continue
-        return {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
+        reports = {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
+        if attempt < 2 and _overloaded(how, reports):
+            continue
+        return reports
     raise AssertionError("unreachable")
+
+
+def _overloaded(how: str, reports: dict[int, Any]) -> bool:
+    """Whether, where rank 2 does not stall, the ranks agreed that another rank stalled: on a loaded machine a
+    rank can go unscheduled past the 4 s timeout before rank 2's fault, and is then rightly named. The case runs
+    again (at most 3 times); a headline that is wrong for another reason would be so every time."""
+    return how not in STALLS and any(re.match(rf"rank (?!{VICTIM}\b)\d+ stalled", headline(report[0]))
+                                     for report in reports.values())
 
 
 def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
@@ -115,10 +126,10 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(Path(__file__).parent),
                                                        os.environ.get("PYTHONPATH", "")]))
     script = str(Path(fault_ranks.__file__).resolve())
-    reports: dict[int, Any] = {}
-    began: list[float] = []
-    for _ in range(3):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
-        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:  # machine) is launched again
+    for attempt in range(3):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
+        reports: dict[int, Any] = {}  # machine), or named another rank stalled before it (_overloaded), again
+        began: list[float] = []
+        with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
             env["FAULT_REPORTS"] = folder
             done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=HANG, env=env,
                                 start_new_session=True)
@@ -132,7 +143,7 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
                 else:
                     report = json.loads(text)
                     reports[report["rank"]] = (report["message"], report["seconds"], report["kept"])
-        if began:
+        if began and (attempt == 2 or not _overloaded(how, reports)):
             break
     assert began, (done.stdout + done.stderr)[-3000:]
     out = done.stdout + done.stderr
