@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (--schedule interleaved)")
-    p.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline")
+    p.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline (the mesh's dp_replicate; "
+                   "each stage's replicas on consecutive ranks)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -89,11 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     # Every rank builds the same model (small here; build it under torch.device("meta") or
     # pass a layer factory when it is not) and keeps its own stages.
     plain = build_model(data.vocab_size, args.width, args.layers, args.heads, args.seq_len, args.dropout)
+    # pipeline ranks x replicas (make_mesh names the sizes and the fix when they do not make the world)
+    mesh = pd.make_mesh(pp=max(1, env.world_size // args.data_parallel), dp_replicate=args.data_parallel)
     if args.memory:
-        measure_memory(plain, data, args, env.rank)
+        measure_memory(plain, data, args, env.rank, mesh)
     model = pd.DistributedPipe(plain, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
-                               virtual_stages=args.virtual_stages, data_parallel=args.data_parallel,
-                               loss_fn=lm_loss, recompute=args.recompute)
+                               virtual_stages=args.virtual_stages, mesh=mesh, loss_fn=lm_loss,
+                               recompute=args.recompute)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def measure_memory(plain: torch.nn.Sequential, data: CharData, args: argparse.Namespace, rank: int) -> None:
+def measure_memory(plain: torch.nn.Sequential, data: CharData, args: argparse.Namespace, rank: int,
+                   mesh: DeviceMesh) -> None:
     """Logs (on rank 0) every rank's peak activation bytes of one step, without and with ``--recompute``.
 
     The counts are those of :class:`pipe.recompute.ActivationMemory` (bytes of
@@ -149,7 +154,7 @@ def measure_memory(plain: torch.nn.Sequential, data: CharData, args: argparse.Na
     for config in (None, args.recompute):
         model = pd.DistributedPipe(copy.deepcopy(plain), chunks=args.chunks, checkpoint=args.checkpoint,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
-                                   data_parallel=args.data_parallel, loss_fn=lm_loss, recompute=config)
+                                   mesh=mesh, loss_fn=lm_loss, recompute=config)
         x, y = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
         x, y = x.to(model.device), y.to(model.device)
         model.step(x, y)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from pipe.compile import verify_compile
-from pipe.core.options import is_int, positive_int, verify_checkpoint, verify_chunks
+from pipe.core.options import is_int, verify_checkpoint, verify_chunks
 from pipe.core.schedule import Schedule
 
 __all__: list[str] = []
@@ -38,7 +38,6 @@ class PipelineSpec:
         virtual_stages: stages per rank (interleaved, looped BFS).
         loss_reduction: how ``loss_fn`` reduces: ``"mean"``, ``"sum"`` or ``"count"``.
         cpu_threads: intra-op threads per CPU partition (the thread runner), or None.
-        data_parallel: replicas of the pipeline (the process runner), or None.
     """
 
     chunks: int
@@ -51,20 +50,17 @@ class PipelineSpec:
     virtual_stages: int = 1
     loss_reduction: str = "mean"
     cpu_threads: Optional[int] = None
-    data_parallel: Optional[int] = None
 
     @classmethod
     def checked(cls, chunks: Any, checkpoint: Any, *, balance: Optional[Sequence[int]] = None,
                 deferred_batch_norm: Any = False, recompute: Optional[Any] = None, compile: Any = False,
                 tensor_parallel: bool = False, schedule: Union[str, Schedule] = "gpipe", virtual_stages: Any = 1,
-                loss_reduction: Any = "mean", cpu_threads: Any = None, data_parallel: Any = None) -> "PipelineSpec":
+                loss_reduction: Any = "mean", cpu_threads: Any = None) -> "PipelineSpec":
         """The spec of these arguments; ``tensor_parallel`` says the stages' weights become DTensors.
 
         Raises:
             ValueError / TypeError: naming the first bad argument, its value and the fix.
         """
-        if data_parallel is not None:
-            positive_int("data_parallel", data_parallel, "replicas of the pipeline")
         compiled = verify_compile(compile, tensor_parallel)
         if cpu_threads is not None and (not is_int(cpu_threads) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive int or None, got {cpu_threads!r}")
@@ -77,7 +73,7 @@ class PipelineSpec:
                 "tokens)")
         return cls(verify_chunks(chunks), verify_checkpoint(checkpoint),
                    None if balance is None else tuple(balance), deferred_batch_norm, recompute, compiled,
-                   schedule, virtual_stages, str(loss_reduction), cpu_threads, data_parallel)
+                   schedule, virtual_stages, str(loss_reduction), cpu_threads)
 
     def describe(self) -> dict[str, Any]:
         """What every rank must agree on, in plain values (a table schedule as its actions' names)."""
@@ -85,6 +81,6 @@ class PipelineSpec:
             else [list(map(str, self.schedule.actions(r))) for r in range(self.schedule.ranks)]
         return {"chunks": self.chunks, "checkpoint": self.checkpoint, "schedule": schedule,
                 "balance": None if self.balance is None else list(self.balance),
-                "virtual_stages": self.virtual_stages, "data_parallel": self.data_parallel,
+                "virtual_stages": self.virtual_stages,
                 "loss_reduction": self.loss_reduction, "deferred_batch_norm": self.deferred_batch_norm,
                 "recompute": self.recompute is not None, "compile": self.compile is not None}

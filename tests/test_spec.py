@@ -40,8 +40,6 @@ def test_both_front_ends_refuse_a_bad_argument_with_the_specs_words(kwargs: dict
 def test_the_process_runners_own_arguments_are_refused_by_the_spec_too() -> None:
     with pytest.raises(ValueError, match="loss_reduction must be 'mean', 'sum' or 'count', got 'avg'"):
         DistributedPipe(_model(), loss_reduction="avg")
-    with pytest.raises(ValueError, match=r"data_parallel must be a positive int \(replicas of the pipeline\), got 0"):
-        DistributedPipe(_model(), data_parallel=0)
     with pytest.raises(ValueError, match="cpu_threads must be a positive int or None, got 0"):
         Pipe(_model(), cpu_threads=0)
 
@@ -51,7 +49,7 @@ def test_the_spec_is_frozen_and_describes_what_ranks_compare() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.chunks = 8  # type: ignore[misc]
     assert spec.describe() == {"chunks": 4, "checkpoint": "always", "schedule": "1f1b", "balance": [1, 1],
-                               "virtual_stages": 1, "data_parallel": None, "loss_reduction": "count",
+                               "virtual_stages": 1, "loss_reduction": "count",
                                "deferred_batch_norm": False, "recompute": False, "compile": False}
     pipe = Pipe(_model(), chunks=2, checkpoint="never")
     assert pipe.spec.chunks == pipe.chunks == 2 and pipe.spec.checkpoint == "never"

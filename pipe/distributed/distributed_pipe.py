@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipe.distributed.fsdp import Shard, describe_shard, refuse_wrapped, verify_shard
-from pipe.distributed.mesh import replica_mesh, verify_mesh
+from pipe.distributed.mesh import pipeline_mesh, verify_mesh
 from pipe.distributed.env import rank_device
 from pipe.distributed.group import Topology, require_initialized, union_over_ranks, verify_same_config
 from pipe.distributed.names import PlainNamed, PlainNames
@@ -84,16 +84,14 @@ class DistributedPipe(PlainNamed, nn.Module):
         virtual_stages: stages per rank (``schedule="interleaved"``); stage s
             runs on pipeline rank ``s % ranks``. ``"zbv"`` runs 2, in a V (rank r:
             stages r and ``2 * ranks - 1 - r``).
-        data_parallel: replicas of the pipeline; the world has
-            ``pipeline ranks x data_parallel`` ranks and each stage's gradients
-            are averaged over its replicas. Builds the mesh ``("pp",
-            "dp_replicate")``; with ``mesh=`` leave it out (or give the mesh's
-            ``dp_replicate x dp_shard``).
         mesh: the job's ``DeviceMesh`` (:func:`pipe.distributed.make_mesh`):
             dimension "pp" (required) carries the stages, "dp_replicate" full
             replicas, "dp_shard" FSDP2 shards, "tp" tensor parallelism
             (:mod:`pipe.distributed.mesh`). Each rank passes its share of the
             global batch (its part is ``topology.replica`` of ``topology.data_parallel``).
+            Default: every rank one stage of a single pipeline (the mesh
+            ``("pp",)``). Replicas of the pipeline:
+            ``make_mesh(pp=world // replicas, dp_replicate=replicas)``.
         shard: how FSDP2 shards the stages over "dp_shard"
             (:class:`pipe.distributed.Shard`); default ``Shard()`` when the mesh
             has a "dp_shard" dimension.
@@ -154,7 +152,6 @@ class DistributedPipe(PlainNamed, nn.Module):
         schedule: Union[str, Schedule] = "1f1b",
         balance: Optional[Sequence[int]] = None,
         virtual_stages: int = 1,
-        data_parallel: Optional[int] = None,
         mesh: Optional[DeviceMesh] = None,
         shard: Optional[Shard] = None,
         parallelize: Optional[Callable[[nn.Sequential, DeviceMesh], None]] = None,
@@ -173,8 +170,7 @@ class DistributedPipe(PlainNamed, nn.Module):
         spec = self.spec = PipelineSpec.checked(
             chunks, checkpoint, balance=balance, deferred_batch_norm=deferred_batch_norm, recompute=recompute,
             compile=compile, tensor_parallel=tensor_parallel is not None or parallelize is not None,
-            schedule=schedule, virtual_stages=virtual_stages, loss_reduction=loss_reduction,
-            data_parallel=data_parallel)
+            schedule=schedule, virtual_stages=virtual_stages, loss_reduction=loss_reduction)
         self.chunks, self.checkpoint, self.loss_reduction = spec.chunks, spec.checkpoint, spec.loss_reduction
         self._warned_ignored_targets = False
         self._accumulation: Optional[Accumulation] = None  # the passes of step(accumulate=True) so far
@@ -188,7 +184,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             refuse_not_on_meta(model)
         require_initialized()
         if mesh is not None:
-            verify_mesh(mesh, data_parallel, rank_device(device))
+            verify_mesh(mesh, rank_device(device))
         # Compare before anything can block: a rank with another configuration fails here.
         verify_same_config({
             **spec.describe(), "layers": layers,
@@ -197,7 +193,7 @@ class DistributedPipe(PlainNamed, nn.Module):
             "tensor_parallel": None if tensor_parallel is None else sorted(tensor_parallel),
         })
         if mesh is None:
-            mesh = replica_mesh(data_parallel or 1)
+            mesh = pipeline_mesh()
         shard = verify_shard(shard, mesh)
         self.topology = Topology(mesh)
         self.schedule = pipeline_schedule(spec.schedule, self.topology.ranks, self.chunks, spec.virtual_stages)
@@ -257,7 +253,7 @@ class DistributedPipe(PlainNamed, nn.Module):
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The job's ``DeviceMesh`` (built from ``data_parallel=`` when none was given)."""
+        """The job's ``DeviceMesh`` (``("pp",)`` over the world when none was given)."""
         return self.topology.mesh
 
     @property

@@ -6,10 +6,10 @@ every other coordinate form one pipeline, which exchanges activations on
 channels of its own. The ranks of one pipeline rank across the data-parallel
 dimensions average gradients and sum losses::
 
-    data_parallel=2, world 4:   pipeline 0: ranks 0 1    data-parallel groups: {0, 2}, {1, 3}
-                                pipeline 1: ranks 2 3
-    make_mesh(pp=2, dp_shard=2): pipeline 0: ranks 0 2   shard groups: {0, 1}, {2, 3}
-                                pipeline 1: ranks 1 3
+    make_mesh(pp=2, dp_replicate=2): pipeline 0: ranks 0 2   replica groups: {0, 1}, {2, 3}
+                                    pipeline 1: ranks 1 3
+    make_mesh(pp=2, dp_shard=2):     pipeline 0: ranks 0 2   shard groups: {0, 1}, {2, 3}
+                                    pipeline 1: ranks 1 3
 
 Before anything else the ranks compare their configurations, so that a rank
 started with other chunks, balance or schedule fails at once with a message

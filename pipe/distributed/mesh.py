@@ -17,9 +17,15 @@ varying coordinate and ``tp`` the fastest, as in torchtitan::
     make_mesh(pp=2, dp_shard=2)   ranks 0 1 | 2 3   pipeline rank 0: ranks 0, 1 (a shard group)
                                                      pipeline rank 1: ranks 2, 3
 
-Without a mesh, ``data_parallel=N`` builds ``("pp", "dp_replicate")`` itself
-with the layout ``DistributedPipe`` always had: consecutive ranks form one
-pipeline (world 4, N 2: pipelines {0, 1} and {2, 3}, replica groups {0, 2}, {1, 3}).
+Without a mesh, ``DistributedPipe`` runs one pipeline over the world
+(:func:`pipeline_mesh`, ``("pp",)``). Replicas of the pipeline are the mesh's
+"dp_replicate" dimension: ``make_mesh(pp=2, dp_replicate=2)`` on 4 ranks puts
+stage 0 on ranks 0 and 1 (its replicas average their gradients there, on
+consecutive ranks: on one node under torchrun) and stage 1 on ranks 2 and 3;
+pipeline 0 is ranks {0, 2}, pipeline 1 ranks {1, 3}. A mesh of another layout
+is a ``DeviceMesh`` of your own: ``DeviceMesh("cpu", torch.arange(4).reshape(2,
+2).t(), mesh_dim_names=("pp", "dp_replicate"))`` puts each pipeline on
+consecutive ranks instead ({0, 1} and {2, 3}).
 
 Process groups (and the meshes that hold them) are created once per process
 and shared (:func:`reuse`): each gloo group keeps a connection and three
@@ -32,7 +38,7 @@ import atexit
 import datetime
 import logging
 import math
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -182,24 +188,11 @@ def make_mesh(pp: int, dp_shard: int = 1, dp_replicate: int = 1, tp: int = 1) ->
                      "pipeline")
 
 
-def replica_mesh(data_parallel: int) -> DeviceMesh:
-    """The mesh of ``data_parallel=N``: ("pp", "dp_replicate"), consecutive ranks forming a pipeline.
-
-    Raises:
-        ValueError: the world size is not a multiple of ``data_parallel``.
-    """
+def pipeline_mesh() -> DeviceMesh:
+    """The mesh of a ``DistributedPipe`` given none: ("pp",) over the world, one pipeline (made once per
+    process: :func:`reuse`)."""
     world = dist.get_world_size()
-    if world % data_parallel != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by data_parallel={data_parallel}; the job needs "
-            f"pipeline ranks x replicas processes (e.g. {data_parallel * max(1, world // data_parallel)} "
-            f"ranks, or data_parallel dividing {world})"
-        )
-    ranks = torch.arange(world).reshape(data_parallel, world // data_parallel).t().contiguous()
-    if data_parallel == 1:
-        return reuse(("mesh", "pp"), lambda: DeviceMesh(_device_type(), ranks.reshape(-1), mesh_dim_names=("pp",)))
-    return reuse(("mesh", "pp", "dp_replicate", data_parallel),
-                 lambda: DeviceMesh(_device_type(), ranks, mesh_dim_names=("pp", "dp_replicate")))
+    return reuse(("mesh", "pp"), lambda: DeviceMesh(_device_type(), torch.arange(world), mesh_dim_names=("pp",)))
 
 
 def mesh_size(mesh: DeviceMesh, name: str) -> int:
@@ -222,19 +215,18 @@ def bound_timeouts(mesh: DeviceMesh, timeout: datetime.timedelta) -> None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def verify_mesh(mesh: object, data_parallel: Optional[int], device: torch.device) -> DeviceMesh:
+def verify_mesh(mesh: object, device: torch.device) -> DeviceMesh:
     """Checks that ``mesh`` can carry a pipeline on this world.
 
     Args:
         mesh: what the user passed as ``mesh=``.
-        data_parallel: ``data_parallel=`` if the user passed it too, else None.
         device: where this rank's layers live (the mesh's device type must be its type).
 
     Raises:
         TypeError: ``mesh`` is not a ``DeviceMesh``.
         ValueError: no "pp" dimension, an unknown or repeated dimension name, a
             mesh that does not cover the world, a device type other than the
-            rank's, or a ``data_parallel`` that disagrees.
+            rank's.
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -266,11 +258,5 @@ def verify_mesh(mesh: object, data_parallel: Optional[int], device: torch.device
         raise ValueError(
             f"the mesh {dict(zip(names, mesh.mesh.shape))} holds {mesh.size()} ranks but the world has "
             f"{world}; a pipeline's mesh spans every rank (make_mesh sizes whose product is {world})"
-        )
-    replicas = mesh_size(mesh, "dp_replicate") * mesh_size(mesh, "dp_shard")
-    if data_parallel is not None and data_parallel != replicas:
-        raise ValueError(
-            f"data_parallel={data_parallel} disagrees with the mesh, whose data-parallel dimensions "
-            f"(dp_replicate x dp_shard) hold {replicas}; pass the mesh alone (leave out data_parallel=)"
         )
     return mesh

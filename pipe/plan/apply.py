@@ -138,13 +138,11 @@ def plan_for_pipe(module: Any, sample: Any, memory_budget: Budget, devices: Opti
 
 
 def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Optional[Callable[..., Any]],
-                   target: Any, given: Given, *, mesh: Optional[DeviceMesh] = None,
-                   data_parallel: Optional[int] = None, shard: Any = None,
+                   target: Any, given: Given, *, mesh: Optional[DeviceMesh] = None, shard: Any = None,
                    device: Optional[torch.device] = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
-    The ranks are those of ``DistributedPipe``'s ``mesh`` (or of ``data_parallel`` replicas of the
-    world). With data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
+    The ranks are those of ``DistributedPipe``'s ``mesh`` (default: one pipeline over the world). With data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
     "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its mini-batch) the plan
     is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`), on the pipelines'
     mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's copies of the
@@ -158,15 +156,15 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
             rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     if mesh is not None:
-        verify_mesh(mesh, data_parallel, torch.device(device) if device is not None
+        verify_mesh(mesh, torch.device(device) if device is not None
                     else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
         ranks, shards, replicas = mesh_size(mesh, "pp"), mesh_size(mesh, "dp_shard"), mesh_size(mesh, "dp_replicate")
         tensor_parallel = mesh_size(mesh, "tp")
         sharding = verify_shard(shard, mesh)
         zero3 = sharding is None or sharding.reshard_after_forward
     else:
-        replicas, shards, tensor_parallel, zero3, sharding = data_parallel or 1, 1, 1, True, None
-        ranks = dist.get_world_size() // replicas
+        replicas, shards, tensor_parallel, zero3, sharding = 1, 1, 1, True, None
+        ranks = dist.get_world_size()
     policy = sharding.mp_policy if sharding is not None else None
     if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
         raise ValueError(
@@ -266,15 +264,14 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
                         checkpoint: Optional[str] = None, schedule: Any = None,
                         virtual_stages: Optional[int] = None, balance: Optional[Sequence[int]] = None,
                         recompute: Optional[ConfigSource] = None, parallelize: Any = None,
-                        mesh: Optional[DeviceMesh] = None, data_parallel: Optional[int] = None,
-                        shard: Optional[Shard] = None, device: Optional[torch.device] = None,
+                        mesh: Optional[DeviceMesh] = None, shard: Optional[Shard] = None, device: Optional[torch.device] = None,
                         compile: CompileOption = False, **options: Any) -> DistributedPipe:
     """``DistributedPipe(model, ...)`` with the fastest plan predicted to fit ``memory_budget`` on every rank.
 
     A collective: every rank calls it alike. Rank 0 measures ``model`` on ``sample`` (with ``loss_fn``
     and ``target``), plans and broadcasts its choice, and every rank builds the ``DistributedPipe``
     with the plan's chunks, balance, checkpoint mode, schedule, virtual stages and per-stage recompute.
-    On a ``mesh`` with "dp_replicate" or "dp_shard" (or with ``data_parallel``), the replicas' and
+    On a ``mesh`` with "dp_replicate" or "dp_shard", the replicas' and
     FSDP's bytes and collectives are planned too (:mod:`pipe.plan.sharding`); ``sample`` is one
     pipeline's mini-batch.
 
@@ -286,7 +283,7 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
         chunks, checkpoint, schedule, virtual_stages: kept if given (the plan is the fastest with them).
         balance, recompute, parallelize: refused, as are a mesh with "tp", FSDP's mixed precision and a
             schedule given as a table, which the planner does not count.
-        target, loss_fn, mesh, data_parallel, shard, device, compile, options: as for ``DistributedPipe``.
+        target, loss_fn, mesh, shard, device, compile, options: as for ``DistributedPipe``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -298,8 +295,8 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
                   parallelize=parallelize, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
                   virtual_stages=virtual_stages)
     planned = plan_for_ranks(model, sample, memory_budget, loss_fn, target, given, mesh=mesh,
-                             data_parallel=data_parallel, shard=shard, device=rank_device(device))
+                             shard=shard, device=rank_device(device))
     return DistributedPipe(model, planned["chunks"], planned["checkpoint"], schedule=planned["schedule"],
                            balance=planned["balance"], virtual_stages=planned["virtual_stages"],
                            recompute=planned.get("recompute"), loss_fn=loss_fn, mesh=mesh,
-                           data_parallel=data_parallel, shard=shard, device=device, compile=compile, **options)
+                           shard=shard, device=device, compile=compile, **options)

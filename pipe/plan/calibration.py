@@ -184,7 +184,7 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
 WARMUP = 2
 
 #: DistributedPipe arguments the calibration chooses or that change the ranks it plans for.
-CHOSEN = ("schedule", "balance", "virtual_stages", "chunks", "checkpoint", "mesh", "data_parallel", "shard",
+CHOSEN = ("schedule", "balance", "virtual_stages", "chunks", "checkpoint", "mesh", "shard",
           "parallelize", "tensor_parallel")
 
 

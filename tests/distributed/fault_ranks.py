@@ -9,7 +9,8 @@ Layouts (rank 2 and its partners):
     fsdp      make_mesh(pp=2, dp_shard=2): rank 2 is stage 1, shard partner of rank 3
     hsdp      make_mesh(pp=1, dp_replicate=2, dp_shard=2): shard partner of 3, replica of 0
     tp        make_mesh(pp=2, tp=2) with a tensor-parallel plan: rank 2 is stage 1, tp partner of 3
-    replicas  data_parallel=2: rank 2 is stage 0 of pipeline 1, replica of rank 0
+    replicas  a mesh ("pp", "dp_replicate") with each pipeline on consecutive ranks, {0, 1} and {2, 3}:
+              rank 2 is stage 0 of pipeline 1, replica of rank 0
 
 Faults, in the forward of a layer of rank 2 at step 2 (the third): ``exit``
 (``os._exit``), ``kill`` (SIGKILL), ``raise`` (ValueError) or ``stall`` (sleeps
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import pipe.distributed as pd
@@ -98,7 +100,8 @@ def _pipe(layout: str, how: str) -> pd.DistributedPipe:
         return pd.DistributedPipe(model, chunks=2, mesh=pd.make_mesh(pp=2, tp=2), tensor_parallel=plan)
     # replicas: pipelines {0, 1} and {2, 3}; rank 2 runs stage 0, where the fault goes
     model = nn.Sequential(Fault(how), Mix(), Mix(), Mix())
-    return pd.DistributedPipe(model, chunks=2, data_parallel=2)
+    consecutive = DeviceMesh("cpu", torch.arange(4).reshape(2, 2).t(), mesh_dim_names=("pp", "dp_replicate"))
+    return pd.DistributedPipe(model, chunks=2, mesh=consecutive)
 
 
 def _die(how: str) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipe.distributed import DistributedPipe
+from pipe.distributed import DistributedPipe, make_mesh
 from spawn_ranks import run_ranks
 
 VOCAB, WIDTH = 20, 16
@@ -103,8 +103,9 @@ def _data_parallel(rank: int, world: int) -> int:
         logits = plain(tokens)
         expected = {"mean": mean_loss(logits, labels),
                     "count": F.cross_entropy(logits.flatten(0, 1), padded.flatten(), ignore_index=-100)}
+    mesh = make_mesh(pp=1, dp_replicate=2)
     for reduction, loss_fn, target in (("mean", mean_loss, labels), ("count", counted_loss, padded)):
-        model = DistributedPipe(copy.deepcopy(plain), chunks=2, data_parallel=2, loss_reduction=reduction,
+        model = DistributedPipe(copy.deepcopy(plain), chunks=2, mesh=mesh, loss_reduction=reduction,
                                 loss_fn=loss_fn).eval()
         loss = model.eval_step(tokens[mine], target[mine])
         torch.testing.assert_close(loss, expected[reduction], msg=reduction)  # the global batch's

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipe.distributed.loss import CountedLoss, StepGradients, warn_if_ignored_targets
-from pipe.distributed import DistributedPipe
+from pipe.distributed import DistributedPipe, make_mesh
 from spawn_ranks import run_ranks
 
 VOCAB, WIDTH, LENGTH = 11, 8, 6
@@ -88,7 +88,7 @@ def _token_losses(rank: int, world: int) -> list[str]:
     checked.append("interleaved")
     # Two replicas of a one-stage pipeline, each with part of the global batch: the global batch's token mean.
     tokens, labels = batches[0]
-    pipe = DistributedPipe(copy.deepcopy(model), chunks=2, data_parallel=2, loss_fn=token_sum,
+    pipe = DistributedPipe(copy.deepcopy(model), chunks=2, mesh=make_mesh(pp=1, dp_replicate=2), loss_fn=token_sum,
                            loss_reduction="count")
     rows = slice(0, 6) if pipe.topology.replica == 0 else slice(6, 10)  # 6 rows with many tokens, 4 with few
     loss = pipe.step(tokens[rows], labels[rows])

@@ -40,18 +40,21 @@ def _layouts_and_errors(rank: int, world: int) -> dict[str, object]:
     out["pipeline"] = [top.global_rank(p) for p in range(top.ranks)]
     out["mesh_is_kept"] = model.mesh is mesh
     out["sharded"] = model.shard == pd.Shard()  # the default with a dp_shard dimension
-    # data_parallel=N builds ("pp", "dp_replicate") with the old layout: consecutive ranks form a pipeline.
-    replicas = pd.DistributedPipe(_linears(), chunks=2, data_parallel=2)
+    # Replicas are the mesh's "dp_replicate" dimension, pp outermost: each stage's replicas on consecutive ranks.
+    replicated = pd.make_mesh(pp=2, dp_replicate=2)
+    replicas = pd.DistributedPipe(_linears(), chunks=2, mesh=replicated)
     out["replica_mesh"] = (replicas.mesh.mesh_dim_names, replicas.mesh.mesh.tolist())
     out["replica_place"] = (replicas.topology.pipeline_rank, replicas.topology.replica)
+    # No mesh: one pipeline over the world.
+    alone = pd.DistributedPipe(_linears(), chunks=2)
+    out["default_mesh"] = (alone.mesh.mesh_dim_names, alone.mesh.mesh.tolist(), alone.stages)
     # Errors, every one raised on every rank before anything collective can hang.
     errors = {
         "size": lambda: pd.make_mesh(pp=3),
         "no pp": lambda: pd.DistributedPipe(_linears(), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))),
         "unknown": lambda: pd.DistributedPipe(_linears(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "data"))),
         "not a mesh": lambda: pd.DistributedPipe(_linears(), mesh="pp=2"),  # type: ignore[arg-type]
-        "disagrees": lambda: pd.DistributedPipe(_linears(), mesh=mesh, data_parallel=4),
-        "shard without dp_shard": lambda: pd.DistributedPipe(_linears(), data_parallel=2, shard=pd.Shard()),
+        "shard without dp_shard": lambda: pd.DistributedPipe(_linears(), mesh=replicated, shard=pd.Shard()),
         "schedule": lambda: pd.DistributedPipe(_linears(), chunks=3, mesh=mesh, schedule="interleaved",
                                                virtual_stages=2),
     }
@@ -75,14 +78,14 @@ def test_mesh_layout_groups_and_errors() -> None:
     assert all(r["mesh_is_kept"] and r["sharded"] for r in results)
     # Ranks differing only in "tp" see the same data: one data part.
     assert [r["tp place"] for r in results] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
-    assert results[0]["replica_mesh"] == (("pp", "dp_replicate"), [[0, 2], [1, 3]])
-    assert [r["replica_place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert results[0]["replica_mesh"] == (("pp", "dp_replicate"), [[0, 1], [2, 3]])
+    assert [r["replica_place"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["default_mesh"] for r in results] == [(("pp",), [0, 1, 2, 3], [rank]) for rank in range(4)]
     first = results[0]
     assert "pp 3 = 3 ranks, but the world has 4" in first["size"]
     assert "no 'pp' (pipeline) dimension" in first["no pp"]
     assert "['data']" in first["unknown"] and "dp_shard" in first["unknown"]
     assert first["not a mesh"].startswith("TypeError") and "make_mesh" in first["not a mesh"]
-    assert "data_parallel=4 disagrees with the mesh" in first["disagrees"] and "hold 2" in first["disagrees"]
     assert "needs a mesh with a 'dp_shard' dimension" in first["shard without dp_shard"]
     assert "chunks divisible by the pipeline ranks" in first["schedule"]
     assert all("module '0' of the model is already wrapped with fully_shard" in r["already sharded"] for r in results)

@@ -62,7 +62,7 @@ def _uneven(rank: int, mesh_kind: str) -> tuple[float, float, float]:
     if mesh_kind == "fsdp":
         piped = pd.DistributedPipe(model(), chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2))
     else:
-        piped = pd.DistributedPipe(model(), chunks=2, data_parallel=2)
+        piped = pd.DistributedPipe(model(), chunks=2, mesh=pd.make_mesh(pp=2, dp_replicate=2))
     rows = slice(0, 4) if piped.topology.replica == 0 else slice(4, 7)
     loss = piped.step(x[rows], y[rows], F.mse_loss, broadcast_loss=True)
     assert loss is not None
@@ -86,8 +86,10 @@ def _partners(rank: int, world: int) -> dict[str, object]:
         model(hidden=3 * WIDTH if rank == 3 else 2 * WIDTH), chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2)))
     found["seeds"] = _refused(lambda: pd.DistributedPipe(
         model(seed=1 if rank == 3 else 0), chunks=2, mesh=pd.make_mesh(pp=2, dp_shard=2)))
+    # A mesh of the user's own layout: each pipeline on consecutive ranks ({0, 1} and {2, 3}).
+    consecutive = DeviceMesh("cpu", torch.arange(4).reshape(2, 2).t(), mesh_dim_names=("pp", "dp_replicate"))
     found["replica seeds"] = _refused(lambda: pd.DistributedPipe(
-        model(seed=1 if rank == 3 else 0), chunks=2, data_parallel=2))
+        model(seed=1 if rank == 3 else 0), chunks=2, mesh=consecutive))
     found["uneven fsdp"] = _uneven(rank, "fsdp")
     found["uneven replicas"] = _uneven(rank, "replicas")
     return found
@@ -106,7 +108,7 @@ def test_mesh_partners_are_checked_at_start_and_uneven_shares_are_exact() -> Non
         seeds = found["seeds"]
         assert "ranks 2 and 3" in seeds and "'2.up.weight' starts with other values" in seeds, seeds
         assert "torch.manual_seed" in seeds, seeds
-        # data_parallel=2: pipelines {0, 1} and {2, 3}; rank 3 is pipeline rank 1 with rank 1.
+        # The consecutive layout: pipelines {0, 1} and {2, 3}; rank 3 is pipeline rank 1 with rank 1.
         replica_seeds = found["replica seeds"]
         assert "ranks 1 and 3" in replica_seeds and "'2.up.weight' starts with other values" in replica_seeds, \
             replica_seeds

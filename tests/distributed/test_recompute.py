@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipe.core.schedule import Schedule
-from pipe.distributed import DistributedPipe
+from pipe.distributed import DistributedPipe, make_mesh
 from pipe.recompute import ActivationMemory, parse_config, policy_of
 from pipe.recompute.attach import apply_strategy
 from spawn_ranks import run_ranks
@@ -446,14 +446,17 @@ def _bn_on_ranks(rank: int, world: int) -> list[str]:
     cases = [("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved", 2, 1)] if world == 2 else \
         [("1f1b", 1, 1), ("gpipe", 1, 2), ("interleaved", 2, 2)]
     done = []
+    meshes: dict[int, Any] = {}  # replicas -> the mesh (made once per process: its groups stay)
     for schedule, virtual, replicas in cases:
+        if replicas > 1 and replicas not in meshes:
+            meshes[replicas] = make_mesh(pp=world // replicas, dp_replicate=replicas)
         for checkpoint in ("except_last", "never"):
             # A layer factory on 4 ranks (its layers are converted as they are made), the Sequential elsewhere.
             factory = world == 4 and replicas == 1
             source: Any = (lambda i: copy.deepcopy(model[i])) if factory else copy.deepcopy(model)
             pipe = DistributedPipe(source, chunks=4, checkpoint=checkpoint, schedule=schedule,
                                    layers=len(model) if factory else None, virtual_stages=virtual,
-                                   data_parallel=replicas, loss_fn=F.mse_loss, deferred_batch_norm=True)
+                                   mesh=meshes.get(replicas), loss_fn=F.mse_loss, deferred_batch_norm=True)
             share = 24 // replicas
             rows = slice(pipe.topology.replica * share, (pipe.topology.replica + 1) * share)
             statistics, plain = copy.deepcopy(model), copy.deepcopy(model)

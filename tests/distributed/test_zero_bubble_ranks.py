@@ -15,7 +15,7 @@ import pipe
 from dist_models import WIDTH, Block, Head, batch, blocks, check_against_oracle, skip_model
 from pipe import trace
 from pipe.core.options import checkpoint_stop
-from pipe.distributed import DistributedPipe, state
+from pipe.distributed import DistributedPipe, make_mesh, state
 from pipe.viz.cli import main as pipe_viz
 from pipe.viz.measured import from_trace
 from spawn_ranks import run_ranks
@@ -161,10 +161,11 @@ def test_trace_records_input_and_weight_spans(tmp_path: Path) -> None:
 
 def _replicas(rank: int, world: int) -> list[str]:
     checked = []
+    mesh = make_mesh(pp=2, dp_replicate=2)  # stage 0's replicas on ranks 0 and 1, stage 1's on 2 and 3
     for schedule in ("zb-h1", "zbv"):  # 2 pipeline ranks x 2 replicas; W's gradients are averaged
         model = blocks(8)
         dist_pipe = DistributedPipe(copy.deepcopy(model), chunks=2, checkpoint="except_last", schedule=schedule,
-                                    data_parallel=2)
+                                    mesh=mesh)
         inputs, target = batch(24, seed=5)
         rows = slice(dist_pipe.topology.replica * 12, (dist_pipe.topology.replica + 1) * 12)
         mine = (inputs[0][rows], {"scale": inputs[1]["scale"], "ids": inputs[1]["ids"][rows]})
@@ -176,8 +177,8 @@ def _replicas(rank: int, world: int) -> list[str]:
 
 def test_pipeline_x_data_parallel() -> None:
     assert run_ranks(_replicas, 4, deadline=120.0) == [
-        ["zb-h1:0/[0]", "zbv:0/[0, 3]"], ["zb-h1:0/[1]", "zbv:0/[1, 2]"],
-        ["zb-h1:1/[0]", "zbv:1/[0, 3]"], ["zb-h1:1/[1]", "zbv:1/[1, 2]"],
+        ["zb-h1:0/[0]", "zbv:0/[0, 3]"], ["zb-h1:1/[0]", "zbv:1/[0, 3]"],
+        ["zb-h1:0/[1]", "zbv:0/[1, 2]"], ["zb-h1:1/[1]", "zbv:1/[1, 2]"],
     ]
 
 

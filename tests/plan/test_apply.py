@@ -14,6 +14,7 @@ from torch import nn
 from helpers import mlp
 from pipe import Pipe
 from pipe.plan import PlanError, planned_distributed, planned_pipe
+from pipe.distributed import make_mesh
 from pipe.plan.measure import measure_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "distributed"))
@@ -184,13 +185,14 @@ def _replicated_rank(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, ti
     # Two replicas of a 2-rank pipeline, each on its half of the batch: the averager's flat copies of the
     # gradients are part of every rank's peak, and the plan must count them.
     half = x.size(0) // 2
+    mesh = make_mesh(pp=world // 2, dp_replicate=2)
     try:
-        planned_distributed(mlp(), x[:half], data_parallel=2, memory_budget=tight, target=y[:half],
+        planned_distributed(mlp(), x[:half], mesh=mesh, memory_budget=tight, target=y[:half],
                         loss_fn=nn.functional.mse_loss)
         refused = "planned"
     except ValueError as error:
         refused = str(error)
-    model = planned_distributed(mlp(), x[:half], data_parallel=2, memory_budget=budget, target=y[:half],
+    model = planned_distributed(mlp(), x[:half], mesh=mesh, memory_budget=budget, target=y[:half],
                             loss_fn=nn.functional.mse_loss)
     rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
     static = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
