@@ -215,18 +215,17 @@ def _graph_calls(stage: nn.Module) -> list[nn.Module]:
 
 
 def _calls(stage: nn.Module) -> list[nn.Module]:
-    """The modules ``stage``'s forward calls, in order: its children, or what its ``fx`` graphs call."""
-    graphs = _graph_calls(stage)
-    return graphs if graphs or isinstance(stage, fx.GraphModule) else list(stage.children())
+    """The modules ``stage``'s forward calls, so that FSDP's hooks on them run, in order: what its ``fx`` graph
+    calls; or, for a stage that calls its layers, each layer followed by what the layer's graphs call. The
+    other modules of a graph (a split stage's holders of weights) are only read by it."""
+    if isinstance(stage, fx.GraphModule):
+        return _graph_calls(stage)
+    return [called for child in stage.children() for called in (child, *_graph_calls(child))]
 
 
 def _called(stage: nn.Module, module: nn.Module) -> bool:
-    """Whether ``stage``'s forward calls ``module``, so that FSDP's hooks on it run: a layer of a stage that
-    calls its layers, or a module an ``fx`` graph of the stage calls. The other modules of a graph (a split
-    stage's holders of weights) are only read by it."""
-    if not isinstance(stage, fx.GraphModule) and any(module is child for child in stage.children()):
-        return True
-    return any(module is called for called in _graph_calls(stage))
+    """Whether ``stage``'s forward calls ``module`` (:func:`_calls`)."""
+    return any(module is called for called in _calls(stage))
 
 
 def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) -> None:

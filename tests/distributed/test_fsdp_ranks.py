@@ -537,3 +537,29 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
             assert set(result["gathered"]) == {len(modules)}, result["gathered"]
         else:  # ZB-V: each stage whole, and the next one's prefetch: at times more than by block's bound of 2
             assert max(result["gathered"]) > 2, result["gathered"]
+
+
+class _ReadsAHolder(nn.Module):
+    """Calls two layers and reads a third module's weight (as a split stage reads its holders of weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.holder = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x)) @ self.holder.weight
+
+
+def test_the_modules_a_stage_calls_are_listed_in_the_order_it_calls_them() -> None:
+    from torch import fx
+
+    from pipe.distributed.fsdp import _called, _calls
+
+    piece = fx.symbolic_trace(_ReadsAHolder())
+    after = nn.Linear(2, 2)
+    stage = nn.Sequential(piece, after)  # a stage that calls its layers, one of them a graph
+    calls = _calls(stage)
+    assert [id(m) for m in calls] == [id(piece), id(piece.first), id(piece.second), id(after)]
+    assert [id(m) for m in _calls(piece)] == [id(piece.first), id(piece.second)]
+    assert _called(stage, piece.second) and _called(stage, after) and _called(piece, piece.first)
+    assert not _called(stage, piece.holder) and not _called(piece, piece.holder)  # only read: no hooks run
