@@ -142,7 +142,8 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
                    device: Optional[torch.device] = None) -> dict[str, Any]:
     """``DistributedPipe``'s arguments from the plan of global rank 0, on every rank (a collective).
 
-    The ranks are those of ``DistributedPipe``'s ``mesh`` (default: one pipeline over the world). With data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
+    The ranks are those of ``DistributedPipe``'s ``mesh`` (default: one pipeline over the world). With
+    data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
     "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its mini-batch) the plan
     is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`), on the pipelines'
     mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's copies of the
@@ -264,8 +265,9 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
                         checkpoint: Optional[str] = None, schedule: Any = None,
                         virtual_stages: Optional[int] = None, balance: Optional[Sequence[int]] = None,
                         recompute: Optional[ConfigSource] = None, parallelize: Any = None,
-                        mesh: Optional[DeviceMesh] = None, shard: Optional[Shard] = None, device: Optional[torch.device] = None,
-                        compile: CompileOption = False, **options: Any) -> DistributedPipe:
+                        mesh: Optional[DeviceMesh] = None, shard: Optional[Shard] = None,
+                        device: Optional[torch.device] = None, compile: CompileOption = False,
+                        **options: Any) -> DistributedPipe:
     """``DistributedPipe(model, ...)`` with the fastest plan predicted to fit ``memory_budget`` on every rank.
 
     A collective: every rank calls it alike. Rank 0 measures ``model`` on ``sample`` (with ``loss_fn``
