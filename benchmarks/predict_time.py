@@ -25,9 +25,8 @@ from pipe.plan.candidates import candidates  # noqa: E402
 def forget_lowered() -> None:
     import pipe.core.program_time as program_time
 
-    cached = getattr(program_time, "_lowered", None)
-    if cached is not None:
-        cached.cache_clear()
+    program_time._lowered.cache_clear()
+    program_time._lowered_rank.cache_clear()
 
 
 def main(repeats: int) -> None:

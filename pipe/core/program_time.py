@@ -191,13 +191,22 @@ def lowered_programs(schedule: Programs, checkpoint_stop: int, zero3: Optional[b
 def _lowered(schedule: Programs, checkpoint_stop: int, zero3: Optional[bool]
              ) -> tuple[tuple[tuple[Step, ...], ...], _Ready]:
     """The lowered programs and their form for :func:`_run`, cached per schedule, stop and ``zero3`` (a
-    schedule is frozen, its actions a function of its fields): the planner times one table under many costs,
-    and a prediction then costs the simulation alone."""
-    routes = Routes.chain(schedule.stages)
-    programs = tuple(tuple(lower(schedule.actions(rank), routes, checkpoint_stop=checkpoint_stop, zero3=zero3,
-                                 post_ahead=schedule.post_ahead(rank)))
-                     for rank in range(schedule.ranks))
-    return programs, _ready(programs)
+    schedule is frozen, its actions a function of its fields), and per rank (:func:`_lowered_rank`)."""
+    ranks = [_lowered_rank(tuple(schedule.actions(rank)), schedule.stages, checkpoint_stop, zero3,
+                           schedule.post_ahead(rank)) for rank in range(schedule.ranks)]
+    return tuple(steps for steps, _ in ranks), tuple(ready for _, ready in ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lowered_rank(actions: tuple[Action, ...], stages: int, checkpoint_stop: int, zero3: Optional[bool],
+                  post_ahead: int) -> tuple[tuple[Step, ...], tuple[tuple[int, object, Step], ...]]:
+    """One rank's lowered program and its form for :func:`_run`, cached per program of actions (a rank's
+    lowering depends on its own actions, the stage count, the stop, ``zero3`` and its posts alone): the
+    planner times one table under many costs, and the order search tries tables that differ on one rank,
+    so a prediction mostly costs the simulation alone."""
+    steps = tuple(lower(actions, Routes.chain(stages), checkpoint_stop=checkpoint_stop, zero3=zero3,
+                        post_ahead=post_ahead))
+    return steps, _ready([steps])[0]
 
 
 def step_cost(duration: Callable[[Action], float], transfer: Optional[Callable[[Action], float]] = None,
@@ -245,6 +254,17 @@ def time_schedule(schedule: Programs, duration: Optional[Callable[[Action], floa
             timed.append(TimedAction(Action(Phase.RECOMPUTE, step.microbatch, step.stage), rank, start, end))
     timed.sort(key=_timed_order)
     return timed
+
+
+def makespan(schedule: Programs, duration: Optional[Callable[[Action], float]] = None,
+             transfer: Optional[Callable[[Action], float]] = None, checkpoint_stop: int = 0) -> float:
+    """When the last compute step of :func:`time_schedule`'s timeline ends (its arguments), without building
+    and sorting the timed actions: what the order search and the planner compare, thousands of times."""
+    timeline = _run(_lowered(schedule, checkpoint_stop, None)[1], step_cost(duration or phase_durations(), transfer))
+    return max((end for _, _, end, step in timeline if step.kind in _TIMED), default=0.0)
+
+
+_TIMED = frozenset(COMPUTE) | {Kind.RECOMPUTE}
 
 
 def _timed_order(timed: TimedAction) -> tuple[float, int, float]:

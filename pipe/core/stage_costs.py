@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from pipe.core.action import Action, Phase
-from pipe.core.program_time import time_schedule
+from pipe.core.program_time import makespan
 from pipe.core.schedule import Schedule
 
 __all__: list[str] = []
@@ -146,8 +146,7 @@ def lowered_step(schedule: Schedule, costs: StageCosts, stop: int = 0) -> float:
     """The step of ``schedule``'s lowered programs (:func:`pipe.core.program_time.time_schedule`) under
     ``costs``, micro-batches ``i < stop`` recomputed: receives posted where each rank posts them, a message's
     bytes moving once both its send and its receive are posted."""
-    timed = time_schedule(schedule, *action_costs(schedule, costs), stop)
-    return max(t.end for t in timed)
+    return makespan(schedule, *action_costs(schedule, costs), stop)
 
 
 def busy_bound(costs: StageCosts, rank_of: Sequence[int], microbatches: int, stop: int = 0, *,

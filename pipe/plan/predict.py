@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipe.core.options import checkpoint_stop
-from pipe.core.program_time import time_schedule
+from pipe.core.program_time import makespan, time_schedule
 from pipe.core.stage_costs import StageCosts, message_cost
 from pipe.core.stage_costs import busy_bound as stage_busy_bound
 from pipe.core.action import Action, Phase, TimedAction
@@ -118,14 +118,17 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
         return seconds + model.message_overhead * messages(action) + collectives.get(action, 0.0)
 
     transfer = message_cost(schedule, times)
-    simulated = time_schedule(schedule, duration, transfer, stop)
+    peaks, static = peaks_static
     cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
-    if cores is not None and cores < schedule.ranks:
+    shared = cores is not None and cores < schedule.ranks
+    if not timeline and not shared:  # the step alone, the timed actions not built
+        return Prediction(candidate, makespan(schedule, duration, transfer, stop), peaks, static, [], schedule)
+    simulated = time_schedule(schedule, duration, transfer, stop)
+    if cores is not None and shared:
         for _ in range(SHARING_ROUNDS):
             stretch = shared_stretch(simulated, cores)
             simulated = time_schedule(schedule, duration, transfer, stop)
     step_time = max(t.end for t in simulated)
-    peaks, static = peaks_static
     return Prediction(candidate, step_time, peaks, static, simulated if timeline else [], schedule)
 
 
