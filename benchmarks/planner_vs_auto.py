@@ -1,31 +1,38 @@
-"""The planner's plan against ``auto_schedule``'s order on the zero-bubble benchmark's model, in one simulation.
+"""The planner's plan against ``auto_schedule``'s order on the zero-bubble benchmark's model, in one simulation,
+and what the cost-shaped orders cost the planner.
 
-Issue 51's check of the one planner: with its memory budget set to the
-largest peak of its candidates (so that no budget binds), is the plan
-``pipe.plan.search`` chooses, cost-shaped orders included
-(``schedules=[..., "auto", "auto-v"]``), never slower in simulation than the
-cut and order of ``pipe.plan.auto_schedule`` (the same search without a budget, over the cost-shaped
-orders alone)?
+Issue 51's check of the one planner: without a memory budget, is the plan
+``pipe.plan.search`` chooses never slower in simulation than the cut and order
+of ``pipe.plan.auto_schedule`` (the same search without a budget, over the
+cost-shaped orders alone)? The planner runs three ways:
 
-The model is ``benchmarks/zero_bubble.py``'s (L Linear+ReLU blocks of width W,
-B rows, M micro-batches, 2 ranks). Its layers are profiled once per M
+* ``planner_fixed``: the fixed schedules alone (``schedules=[gpipe, 1f1b, interleaved, zb-h1, zbv]``);
+* ``planner_default``: its default, the fixed schedules and the orders built
+  from the costs on the cuts of the fastest plans (``pipe.plan.search.SHAPED_CUTS``);
+* ``planner_every_cut``: the orders built for every cut it visits
+  (``schedules=[..., "auto", "auto-v"]``).
+
+Each search is timed in CPU seconds (``time.process_time``, cold: no order or
+lowered program cached). The model is ``benchmarks/zero_bubble.py``'s (L Linear+ReLU blocks of width W,
+B rows, M micro-batches, 2 and 4 ranks). Its layers are profiled once per M
 (``pipe.plan.profile_costs``); ``auto_schedule`` is given the same layer times
-(``times=``), so both choose from one measurement. Each choice is then timed
+(``times=``), so all choose from one measurement. Each choice is then timed
 under the planner's stage costs of its own cut (``Costs.stage_costs``, the
 runner's overhead per action from ``--action-us``; messages free, as on one
 machine's loopback they are small beside these layers) by the one simulator
-(``pipe.core.stage_costs.lowered_step``). The planner is timed twice: with the
-fixed schedules only, and with the orders built from the costs.
+(``pipe.core.stage_costs.lowered_step``).
 
 Run:
-    python benchmarks/planner_vs_auto.py                 # W=256 L=8 B=512 M=4 and 8, checkpoint never and always
+    python benchmarks/planner_vs_auto.py --runs 3        # W=256 L=8 B=512 M=4 and 8, checkpoint never and always
 Results: benchmarks/results/planner_vs_auto.json.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +47,9 @@ def main() -> None:
     from pipe.plan import auto_schedule
     from pipe.balance.timing import LayerTimes
     from pipe.core.options import checkpoint_stop
+    from pipe.core.program_time import _lowered, _lowered_rank
     from pipe.core.stage_costs import lowered_step
-    from pipe.plan import TimeModel, predict, profile_costs, search
-    from pipe.plan.candidates import candidates
+    from pipe.plan import TimeModel, profile_costs, search
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=256)
@@ -50,6 +57,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--action-us", type=float, default=50.0, help="the runner's overhead per action")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--runs", type=int, default=1, help="profile and plan this many times (the spread)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -58,31 +67,36 @@ def main() -> None:
     overhead = args.action_us * 1e-6
     time_model = TimeModel(action_overhead=overhead)
     rows: list[dict[str, Any]] = []
-    for chunks in args.microbatches:  # profiled at this chunk count alone: every plan below uses it
+    for run, chunks in [(r, m) for r in range(args.runs) for m in args.microbatches]:  # profiled at this chunk
+        # count alone: every plan below uses it
         costs = profile_costs(model, x, [chunks], loss_fn=nn.functional.mse_loss, target=y)
         r = costs.rows(chunks)
         times = LayerTimes(forward={r: costs.forward[r]}, backward={r: costs.backward[r]},
                            input_grad={r: costs.input_grad[r]}, weight_grad={r: costs.weight_grad[r]},
                            output_bytes={r: costs.output_bytes.get(r, [0] * costs.layers)}, rounds=0)
-        for checkpoint in ("never", "always"):
+        for ranks, checkpoint in [(n, c) for n in args.ranks for c in ("never", "always")]:
             stop = checkpoint_stop(checkpoint, chunks)
-            found = candidates(costs, 2, "processes", schedules=FIXED + ["auto", "auto-v"], checkpoints=[checkpoint])
-            budget = max(max(predict(costs, c, runner="processes", model=time_model).peaks) for c in found)
 
             def timed(balance: list[int], schedule: Any) -> float:
                 bounds = [(sum(balance[:s]), sum(balance[:s + 1])) for s in range(len(balance))]
                 return lowered_step(schedule, costs.stage_costs(bounds, chunks, overhead=overhead), stop)
 
-            auto = auto_schedule(model, ranks=2, chunks=chunks, checkpoint=checkpoint, times=times,
+            auto = auto_schedule(model, ranks=ranks, chunks=chunks, checkpoint=checkpoint, times=times,
                                  action_seconds=overhead)
-            row: dict[str, Any] = {"chunks": chunks, "checkpoint": checkpoint, "budget_bytes": budget,
+            row: dict[str, Any] = {"run": run, "ranks": ranks, "chunks": chunks, "checkpoint": checkpoint,
                                    "auto_schedule": {"balance": auto.balance, "order": auto.schedule.name,
                                                      "step_s": timed(auto.balance, auto.schedule)}}
-            for name, kinds in (("planner_fixed", FIXED), ("planner_with_orders", FIXED + ["auto", "auto-v"])):
-                plan = search(costs, 2, budget, runner="processes", model=time_model, schedules=kinds,
+            for name, kinds in (("planner_fixed", FIXED), ("planner_default", None),
+                                ("planner_every_cut", FIXED + ["auto", "auto-v"])):
+                fresh = copy.deepcopy(costs)  # no order built by an earlier search
+                _lowered.cache_clear()
+                _lowered_rank.cache_clear()
+                start = time.process_time()
+                plan = search(fresh, ranks, None, runner="processes", model=time_model, schedules=kinds,
                               checkpoints=[checkpoint], per_stage=False)
-                row[name] = {"plan": plan.candidate.describe(), "step_s": plan.best.step_time}
-            for name in ("planner_fixed", "planner_with_orders"):
+                row[name] = {"plan": plan.candidate.describe(), "step_s": plan.best.step_time,
+                             "search_cpu_s": time.process_time() - start}
+            for name in ("planner_fixed", "planner_default", "planner_every_cut"):
                 row[f"{name}_over_auto_schedule"] = row[name]["step_s"] / row["auto_schedule"]["step_s"]
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from pipe.core.units import format_bytes, parse_bytes
-from pipe.plan.candidates import candidates, per_stage_offload, per_stage_recompute
+from pipe.plan.candidates import ON_REQUEST, candidates, cost_shaped, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
@@ -42,6 +42,9 @@ CHUNKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 NO_BUDGET = sys.maxsize
 """The budget of each rank when ``search`` is given none: any plan fits."""
+
+SHAPED_CUTS = 2
+"""By default, the orders built from the costs are tried on the cuts of this many of the fastest plans that fit."""
 
 
 class PlanError(ValueError):
@@ -175,7 +178,11 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
         memory_budget: bytes per rank (``"2GiB"``, a number, or one per rank); None: no budget, every
             candidate fits (:func:`pipe.plan.auto_schedule` plans so).
         runner: ``"threads"`` (``Pipe``: GPipe) or ``"processes"`` (``DistributedPipe``).
-        schedules, checkpoints: restrict the candidates.
+        schedules: only these schedules. Default (None): the fixed schedules the runner runs, and for
+            ``"processes"`` also each rank's order built from the stage costs (``"auto"``, ``"auto-v"``:
+            :func:`pipe.schedule_from_costs`) on the cuts of the :data:`SHAPED_CUTS` fastest plans that fit;
+            naming ``"auto"`` or ``"auto-v"`` builds it for every cut visited (slower: one order search each).
+        checkpoints: restrict the candidates.
         max_balances: enumerate every balance up to this many, else a neighbourhood
             of the even, time- and memory-balanced ones.
         balances: consider only these balances (one entry per stage).
@@ -243,6 +250,12 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
             fitting.append(p.step_time)
         else:
             over += 1
+    if schedules is None and ON_REQUEST[runner]:  # each of the fastest cuts that fit, ordered by its own costs
+        ranked = sorted((p for p in predictions if fits(p.candidate)), key=lambda p: p.step_time)
+        for c in dict.fromkeys(v for p in ranked[:SHAPED_CUTS] for v in cost_shaped(p.candidate)):
+            considered += 1
+            if fits(c):
+                predictions.append(predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c]))
     if not fitting:
         for c in options:
             fits(c)
