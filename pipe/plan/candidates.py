@@ -25,7 +25,7 @@ RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
                                        "processes": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")}
 #: Schedules whose orders are built from a candidate's own stage costs (:func:`pipe.schedule_from_costs`, a
 #: greedy search per candidate): ``"auto"`` and ``"auto-v"``. By default :func:`pipe.plan.search` builds them
-#: for the cuts of the fastest plans that fit (:func:`cost_shaped`); ``schedules=`` naming them plans them
+#: for the fastest cuts that fit (:func:`cost_shaped`); ``schedules=`` naming them plans them
 #: for every cut.
 ON_REQUEST: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
 
@@ -108,10 +108,12 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
 
 
 def cost_shaped(candidate: Candidate) -> list[Candidate]:
-    """``candidate``'s cut, micro-batches, checkpoint mode, marks and split with each order built from its
-    stage costs that the cut allows: ``"auto"`` (one stage per rank, or two looped) and, with two stages per
-    rank, ``"auto-v"`` (in a V). Nothing for a plan that offloads (offload is planned with the fixed schedules)."""
-    if any(candidate.offload):
+    """``candidate``'s cut, micro-batches, checkpoint mode and split with each order built from its stage costs
+    that the cut allows: ``"auto"`` (one stage per rank, or two looped) and, with two stages per rank,
+    ``"auto-v"`` (in a V). Nothing for a plan with per-stage recompute marks or offload, which are planned with
+    the fixed schedules: a built order may split a backward into I and W, and a marked layer would replay in each
+    (as :func:`per_stage_recompute` leaves out the zero-bubble schedules)."""
+    if any(candidate.offload) or any(candidate.recompute) or candidate.selective():
         return []
     if candidate.virtual_stages == 1:
         return [replace(candidate, schedule=AUTO)]

@@ -44,7 +44,7 @@ NO_BUDGET = sys.maxsize
 """The budget of each rank when ``search`` is given none: any plan fits."""
 
 SHAPED_CUTS = 2
-"""By default, the orders built from the costs are tried on the cuts of this many of the fastest plans that fit."""
+"""By default, the orders built from the costs are tried on this many of the fastest cuts that fit."""
 
 
 class PlanError(ValueError):
@@ -180,7 +180,7 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
         runner: ``"threads"`` (``Pipe``: GPipe) or ``"processes"`` (``DistributedPipe``).
         schedules: only these schedules. Default (None): the fixed schedules the runner runs, and for
             ``"processes"`` also each rank's order built from the stage costs (``"auto"``, ``"auto-v"``:
-            :func:`pipe.schedule_from_costs`) on the cuts of the :data:`SHAPED_CUTS` fastest plans that fit;
+            :func:`pipe.schedule_from_costs`) on the :data:`SHAPED_CUTS` fastest cuts that fit;
             naming ``"auto"`` or ``"auto-v"`` builds it for every cut visited (slower: one order search each).
         checkpoints: restrict the candidates.
         max_balances: enumerate every balance up to this many, else a neighbourhood
@@ -250,9 +250,8 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
             fitting.append(p.step_time)
         else:
             over += 1
-    if schedules is None and ON_REQUEST[runner]:  # each of the fastest cuts that fit, ordered by its own costs
-        ranked = sorted((p for p in predictions if fits(p.candidate)), key=lambda p: p.step_time)
-        for c in dict.fromkeys(v for p in ranked[:SHAPED_CUTS] for v in cost_shaped(p.candidate)):
+    if schedules is None and ON_REQUEST[runner]:  # the fastest cuts that fit, each ordered by its own costs
+        for c in _shaped(sorted((p for p in predictions if fits(p.candidate)), key=lambda p: p.step_time)):
             considered += 1
             if fits(c):
                 predictions.append(predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c]))
@@ -281,6 +280,21 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
                 considered, len(memory), len(predictions))
     return chosen
+
+
+def _shaped(ranked: list[Prediction]) -> list[Candidate]:
+    """The orders built from the costs (:func:`cost_shaped`) for the :data:`SHAPED_CUTS` fastest cuts of the plans
+    in ``ranked`` (fastest first; a plan whose cut an earlier one shares, or that offloads, adds none)."""
+    shaped: dict[Candidate, None] = {}
+    cuts = 0
+    for p in ranked:
+        new = [c for c in cost_shaped(p.candidate) if c not in shaped]
+        if new:
+            shaped.update(dict.fromkeys(new))
+            cuts += 1
+            if cuts == SHAPED_CUTS:
+                break
+    return list(shaped)
 
 
 def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate, tuple[list[int], list[int]]],

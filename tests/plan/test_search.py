@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from pipe.core.schedule_table import TableSchedule
 from pipe.plan import Candidate, Costs, Link, PlanError, TimeModel, parse_bytes, predict, search
 from pipe.core.units import format_bytes
-from pipe.plan.candidates import candidates
+from pipe.plan.candidates import candidates, cost_shaped
 from pipe.plan.search import SHAPED_CUTS
 from pipe.recompute import DEFAULT_SELECT
 
@@ -204,8 +205,8 @@ def test_orders_built_from_the_costs_are_planned_on_request_and_never_slower(see
 
 
 def test_by_default_the_fastest_cuts_that_fit_get_orders_built_from_their_costs() -> None:
-    """search's default for processes: the fixed schedules, then the orders built from the costs on the cuts
-    of the SHAPED_CUTS fastest plans that fit (at most 3 orders a cut), never slower than the fixed schedules
+    """search's default for processes: the fixed schedules, then the orders built from the costs on the
+    SHAPED_CUTS fastest cuts that fit (at most 3 orders a cut), never slower than the fixed schedules
     and faster on some tables; naming the fixed schedules leaves the built orders out."""
     gains = []
     for seed in range(12):
@@ -223,6 +224,17 @@ def test_by_default_the_fastest_cuts_that_fit_get_orders_built_from_their_costs(
             assert default.distributed_kwargs()["schedule"] is default.best.schedule
         gains.append(1 - default.best.step_time / fixed.best.step_time)
     assert max(gains) > 0.01, gains
+
+
+def test_plans_with_recompute_marks_or_offload_get_no_built_order() -> None:
+    """A built order may split a backward into I and W, where a marked layer would replay twice (the profile
+    cannot count it): such plans keep their fixed schedule, as per-stage recompute leaves out zero-bubble."""
+    plain = Candidate("1f1b", 4, (2, 2), "never")
+    assert [c.schedule for c in cost_shaped(plain)] == ["auto"]
+    assert [c.schedule for c in cost_shaped(Candidate("zbv", 4, (1, 1, 1, 1), "always", 2))] == ["auto", "auto-v"]
+    for marked in (replace(plain, recompute=(1, 0)), replace(plain, select=(0, 1), select_names=("gelu",)),
+                   replace(plain, offload=(1, 0))):
+        assert cost_shaped(marked) == []
 
 
 def test_some_order_built_from_the_costs_beats_every_fixed_schedule() -> None:
