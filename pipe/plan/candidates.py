@@ -27,7 +27,7 @@ RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
 #: greedy search per candidate): ``"auto"`` and ``"auto-v"``. By default :func:`pipe.plan.search` builds them
 #: for the fastest cuts that fit (:func:`cost_shaped`); ``schedules=`` naming them plans them
 #: for every cut.
-ON_REQUEST: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
+BUILT_ORDERS: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
 
 #: Stages per rank each schedule is planned with (1 where not listed).
 VIRTUAL_STAGES: dict[str, tuple[int, ...]] = {"interleaved": (2,), "zbv": (2,), "auto": (1, 2), "auto-v": (2,)}
@@ -75,10 +75,10 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
         raise ValueError(f"runner must be one of {sorted(RUNNERS)}, got {runner!r} "
                          f"('threads' plans for Pipe, 'processes' for DistributedPipe)")
     kinds = tuple(schedules) if schedules is not None else RUNNERS[runner]
-    unknown = [k for k in kinds if k not in RUNNERS[runner] + ON_REQUEST[runner]]
+    unknown = [k for k in kinds if k not in RUNNERS[runner] + BUILT_ORDERS[runner]]
     if unknown:
         raise ValueError(f"schedules {unknown} cannot run with runner={runner!r}; "
-                         f"choose from {list(RUNNERS[runner] + ON_REQUEST[runner])}")
+                         f"choose from {list(RUNNERS[runner] + BUILT_ORDERS[runner])}")
     bad = [c for c in checkpoints if c not in CHECKPOINT_MODES]
     if bad:
         raise ValueError(f"unknown checkpoint modes {bad}; choose from {list(CHECKPOINT_MODES)}")

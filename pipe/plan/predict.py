@@ -120,11 +120,10 @@ def predict(costs: Costs, candidate: Candidate, *, runner: str = "threads", time
     transfer = message_cost(schedule, times)
     peaks, static = peaks_static
     cores = model.cores / candidate.parts if model.cores is not None else None  # this pipeline's share
-    shared = cores is not None and cores < schedule.ranks
-    if not timeline and not shared:  # the step alone, the timed actions not built
+    if not timeline and (cores is None or cores >= schedule.ranks):  # the step alone, no timed actions built
         return Prediction(candidate, makespan(schedule, duration, transfer, stop), peaks, static, [], schedule)
     simulated = time_schedule(schedule, duration, transfer, stop)
-    if cores is not None and shared:
+    if cores is not None and cores < schedule.ranks:
         for _ in range(SHARING_ROUNDS):
             stretch = shared_stretch(simulated, cores)
             simulated = time_schedule(schedule, duration, transfer, stop)

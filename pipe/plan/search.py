@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from pipe.core.units import format_bytes, parse_bytes
-from pipe.plan.candidates import ON_REQUEST, candidates, cost_shaped, per_stage_offload, per_stage_recompute
+from pipe.plan.candidates import BUILT_ORDERS, candidates, cost_shaped, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
@@ -250,7 +250,7 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
             fitting.append(p.step_time)
         else:
             over += 1
-    if schedules is None and ON_REQUEST[runner]:  # the fastest cuts that fit, each ordered by its own costs
+    if schedules is None and BUILT_ORDERS[runner]:  # the fastest cuts that fit, each ordered by its own costs
         for c in _shaped(sorted((p for p in predictions if fits(p.candidate)), key=lambda p: p.step_time)):
             considered += 1
             if fits(c):
@@ -284,7 +284,7 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
 
 def _shaped(ranked: list[Prediction]) -> list[Candidate]:
     """The orders built from the costs (:func:`cost_shaped`) for the :data:`SHAPED_CUTS` fastest cuts of the plans
-    in ``ranked`` (fastest first; a plan whose cut an earlier one shares, or that offloads, adds none)."""
+    in ``ranked``, fastest first (a plan whose cut an earlier one shares, or that gets no built order, counts none)."""
     shaped: dict[Candidate, None] = {}
     cuts = 0
     for p in ranked:
