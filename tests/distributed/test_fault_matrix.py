@@ -68,6 +68,8 @@ UNWAITED = fault_ranks.STALL  # no survivor's error, process end or job end may 
 # other work, where an interpreter that imported torch takes seconds of CPU to exit.
 HANG = 300  # seconds a torchrun job may run, start to end, before the test calls it hung and fails with its output:
 # the start of the agent and 4 ranks that import torch is most of it, and took over 150 s once on a loaded 2-core CI
+AGENTLESS_DEADLINE = 150.0  # seconds the four plain processes of one launch may take to end, start to end
+LAUNCHES = 3  # launches of a case at most: it starts again where the machine's load kept it from the fault
 NAMED = {"exit": "rank 2 died", "kill": "rank 2 died", "raise": "rank 2 failed in", "stall": "rank 2 stalled",
          "pause": "rank 2 stalled", **{how: "rank 2 died" for how in SAVES}}
 STATUS = {"exit": 3, "kill": -9, "raise": 1, "stall": STALLED_EXIT, "pause": STALLED_EXIT,
@@ -92,7 +94,7 @@ Report = tuple[str, float, str]  # a survivor's message, seconds to it, what the
 def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[int, Report]:
     """Each survivor's report with ranks started by ``run_ranks`` (the store in rank 0):
     forked (the default on the CPU), or from a fork server (``start_method="forkserver"``)."""
-    for attempt in range(3):
+    for attempt in range(LAUNCHES):
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
             try:
                 results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=TIMEOUT, barrier=False,
@@ -100,11 +102,11 @@ def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[i
             except AssertionError as error:
                 # A rank that failed while building the pipeline (connecting within the 4 s timeout on a loaded
                 # machine) never reached the fault, which is armed at step 2: started once more, as launched() does.
-                if attempt == 2 or "in _pipe\n" not in str(error):
+                if attempt == LAUNCHES - 1 or "in _pipe\n" not in str(error):
                     raise
                 continue
         reports = {rank: tuple(result) for rank, result in enumerate(results) if rank != VICTIM}
-        if attempt < 2 and _overloaded(reports):
+        if attempt < LAUNCHES - 1 and _overloaded(reports):
             continue
         return reports
     raise AssertionError("unreachable")
@@ -125,7 +127,7 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(Path(__file__).parent),
                                                        os.environ.get("PYTHONPATH", "")]))
     script = str(Path(fault_ranks.__file__).resolve())
-    for attempt in range(3):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
+    for attempt in range(LAUNCHES):  # a launch whose ranks did not reach the faulty step (4 s to connect on a loaded
         reports: dict[int, Any] = {}  # machine), or named another rank stalled before it (_overloaded), again
         began: list[float] = []
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
@@ -142,7 +144,7 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
                 else:
                     report = json.loads(text)
                     reports[report["rank"]] = (report["message"], report["seconds"], report["kept"])
-        if began and (attempt == 2 or not _overloaded(reports)):
+        if began and (attempt == LAUNCHES - 1 or not _overloaded(reports)):
             break
     assert began, (done.stdout + done.stderr)[-3000:]
     out = done.stdout + done.stderr
@@ -179,6 +181,8 @@ def check(layout: str, how: str, reports: dict[int, Report]) -> None:
                 (rank, kept)
 
 
+# Each launch has its own limit (HANG under torchrun, run_ranks' deadline otherwise): the test's covers all of them.
+@pytest.mark.timeout(LAUNCHES * HANG + 60)
 @pytest.mark.parametrize("layout,how,launcher", CASES)
 def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, launcher: str) -> None:
     if launcher != "torchrun":
@@ -226,7 +230,7 @@ def unattended(layout: str, how: str) -> tuple[dict[int, Report], dict[int, tupl
     """Four ranks started as plain processes (``python fault_ranks.py``) with the store in this process, as
     torchrun's agent would host it, but no agent to end them: each survivor's ``(message, seconds)``, each
     process's ``(seconds from the start of the faulty step to its end, exit status)`` and each one's output."""
-    for _ in range(3):  # a launch whose ranks did not reach the faulty step (a loaded machine) is launched again
+    for _ in range(LAUNCHES):  # a launch whose ranks did not reach the faulty step (a loaded machine), again
         files, ended, statuses = _plain_processes(layout, how)
         began = [float(text) for name, text in files.items() if name.startswith("began")]
         if began:
@@ -267,7 +271,7 @@ def _plain_processes(layout: str, how: str) -> tuple[dict[str, str], dict[int, f
                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT))
         ended: dict[int, float] = {}
         try:
-            deadline = time.monotonic() + 150.0
+            deadline = time.monotonic() + AGENTLESS_DEADLINE
             while len(ended) < 4 and time.monotonic() < deadline:
                 for rank, process in enumerate(processes):
                     if rank not in ended and process.poll() is not None:
@@ -298,6 +302,7 @@ def check_exits(layout: str, how: str) -> tuple[dict[int, Report], dict[int, str
     return reports, outs
 
 
+@pytest.mark.timeout(LAUNCHES * AGENTLESS_DEADLINE + 60)
 @pytest.mark.parametrize("layout,how", _agentless(END_KINDS))
 def test_without_torchruns_agent_every_process_ends_after_a_death_or_a_raise(layout: str, how: str) -> None:
     # Each survivor's own wait ended with a lost connection (check): rank 2's, or that of a survivor that named
@@ -305,6 +310,7 @@ def test_without_torchruns_agent_every_process_ends_after_a_death_or_a_raise(lay
     check_exits(layout, how)
 
 
+@pytest.mark.timeout(LAUNCHES * AGENTLESS_DEADLINE + 60)
 @pytest.mark.parametrize("layout,how", _agentless(STALL_KINDS))
 def test_without_torchruns_agent_every_process_ends_in_time_the_stalled_one_by_its_watchdog(layout: str,
                                                                                            how: str) -> None:
