@@ -8,7 +8,7 @@ cost-shaped orders alone)? The planner runs three ways:
 
 * ``planner_fixed``: the fixed schedules alone (``schedules=[gpipe, 1f1b, interleaved, zb-h1, zbv]``);
 * ``planner_default``: its default, the fixed schedules and the orders built
-  from the costs on the cuts of the fastest plans (``pipe.plan.search.SHAPED_CUTS``);
+  from the costs, each built only for a cut whose bound is below the fastest plan found;
 * ``planner_every_cut``: the orders built for every cut it visits
   (``schedules=[..., "auto", "auto-v"]``).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,8 +101,21 @@ def main() -> None:
                 row[f"{name}_over_auto_schedule"] = row[name]["step_s"] / row["auto_schedule"]["step_s"]
             print(json.dumps(row), flush=True)
             rows.append(row)
+    summary = {}
+    for name in ("planner_fixed", "planner_default", "planner_every_cut"):
+        cpu = sorted(r[name]["search_cpu_s"] for r in rows)
+        over = [r[name]["step_s"] / r["planner_every_cut"]["step_s"] for r in rows]
+        summary[name] = {"search_cpu_s_median": statistics.median(cpu), "search_cpu_s_range": [cpu[0], cpu[-1]],
+                         "step_as_every_cut": sum(o <= 1 + 1e-9 for o in over), "cases": len(rows),
+                         "worst_over_every_cut": max(over),
+                         "over_auto_schedule_range": [min(r[f"{name}_over_auto_schedule"] for r in rows),
+                                                      max(r[f"{name}_over_auto_schedule"] for r in rows)]}
+        print(f"{name}: search CPU {summary[name]['search_cpu_s_median']:.2f} s median ({cpu[0]:.2f}-{cpu[-1]:.2f}); "
+              f"step as every cut's in {summary[name]['step_as_every_cut']} of {len(rows)} (worst "
+              f"{max(over) - 1:+.1%}); over auto_schedule {summary[name]['over_auto_schedule_range'][0]:.2f}-"
+              f"{summary[name]['over_auto_schedule_range'][1]:.2f}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
+    RESULTS.write_text(json.dumps({"config": vars(args), "summary": summary, "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
 
 

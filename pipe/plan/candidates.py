@@ -13,7 +13,7 @@ from pipe.core.options import CHECKPOINT_MODES, checkpoint_stop
 from pipe.core.schedule import Schedule
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of
 from pipe.plan.cost import Costs
-from pipe.plan.candidate import AUTO, AUTO_KINDS, AUTO_V, Candidate
+from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import predict_memory
 from pipe.plan.sharding import replica_costs
 
@@ -24,9 +24,8 @@ __all__: list[str] = []
 RUNNERS: dict[str, tuple[str, ...]] = {"threads": ("gpipe",),
                                        "processes": ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")}
 #: Schedules whose orders are built from a candidate's own stage costs (:func:`pipe.schedule_from_costs`, a
-#: greedy search per candidate): ``"auto"`` and ``"auto-v"``. By default :func:`pipe.plan.search` builds them
-#: for the fastest cuts that fit (:func:`cost_shaped`); ``schedules=`` naming them plans them
-#: for every cut.
+#: greedy search per candidate): ``"auto"`` and ``"auto-v"``. By default :func:`pipe.plan.search` builds one
+#: only for a cut that may beat the fastest plan found; ``schedules=`` naming them plans them for every cut.
 BUILT_ORDERS: dict[str, tuple[str, ...]] = {"threads": (), "processes": AUTO_KINDS}
 
 #: Stages per rank each schedule is planned with (1 where not listed).
@@ -105,22 +104,6 @@ def candidates(costs: Costs, ranks: int, runner: str = "threads", *, schedules: 
                         stops.add(checkpoint_stop(checkpoint, chunks))
                         found.append(Candidate(kind, chunks, balance, checkpoint, virtual))
     return found
-
-
-def cost_shaped(candidate: Candidate) -> list[Candidate]:
-    """``candidate``'s cut, micro-batches, checkpoint mode and split with each order built from its stage costs
-    that the cut allows: ``"auto"`` (one stage per rank, or two looped) and, with two stages per rank,
-    ``"auto-v"`` (in a V). Nothing for a plan with per-stage recompute marks or offload, which are planned with
-    the fixed schedules: a built order may split a backward into I and W, and a marked layer would replay in each
-    (as :func:`per_stage_recompute` leaves out the zero-bubble schedules)."""
-    if any(candidate.offload) or any(candidate.recompute) or candidate.selective():
-        return []
-    if candidate.virtual_stages == 1:
-        return [replace(candidate, schedule=AUTO)]
-    if candidate.virtual_stages != 2:
-        return []
-    looped = [replace(candidate, schedule=AUTO)] if candidate.ranks > 1 else []  # two stages on one rank are one
-    return looped + [replace(candidate, schedule=AUTO_V)]
 
 
 def per_stage_recompute(costs: Costs, candidate: Candidate, budget: list[int], runner: str = "threads"

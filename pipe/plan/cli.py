@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
                         help="only these schedules (processes: gpipe 1f1b interleaved zb-h1 zbv auto auto-v, the last "
                              "two orders built from each plan's costs; threads: gpipe); default: the fixed schedules "
-                             "the runner runs, and for processes the built orders on the fastest cuts")
+                             "the runner runs, and for processes the built orders where they may win")
     parser.add_argument("--checkpoints", nargs="+", choices=["never", "except_last", "always"],
                         default=["never", "except_last", "always"],
                         help="only these checkpoint modes (default: all three)")

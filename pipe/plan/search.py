@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from pipe.core.units import format_bytes, parse_bytes
-from pipe.plan.candidates import BUILT_ORDERS, candidates, cost_shaped, per_stage_offload, per_stage_recompute
+from pipe.plan.candidates import BUILT_ORDERS, RUNNERS, candidates, per_stage_offload, per_stage_recompute
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
@@ -42,10 +42,6 @@ CHUNKS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 NO_BUDGET = sys.maxsize
 """The budget of each rank when ``search`` is given none: any plan fits."""
-
-SHAPED_CUTS = 2
-"""By default, the orders built from the costs are tried on this many of the fastest cuts that fit."""
-
 
 class PlanError(ValueError):
     """No candidate fits the memory budget; the message names the smallest budget that does."""
@@ -180,8 +176,10 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
         runner: ``"threads"`` (``Pipe``: GPipe) or ``"processes"`` (``DistributedPipe``).
         schedules: only these schedules. Default (None): the fixed schedules the runner runs, and for
             ``"processes"`` also each rank's order built from the stage costs (``"auto"``, ``"auto-v"``:
-            :func:`pipe.schedule_from_costs`) on the :data:`SHAPED_CUTS` fastest cuts that fit;
-            naming ``"auto"`` or ``"auto-v"`` builds it for every cut visited (slower: one order search each).
+            :func:`pipe.schedule_from_costs`) where the ranks are one pipeline (no ``dp_shard``/``dp_replicate``),
+            built only for a cut whose bound is below the fastest plan found so far (so never slower than
+            :func:`pipe.plan.auto_schedule`'s plan); naming ``"auto"`` or ``"auto-v"`` builds it for every cut
+            visited, runners-up and sharded splits included (slower: one order search each).
         checkpoints: restrict the candidates.
         max_balances: enumerate every balance up to this many, else a neighbourhood
             of the even, time- and memory-balanced ones.
@@ -205,8 +203,13 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
     """
     budget = _budget(memory_budget, ranks)
     skipped: list[str] = []
+    to_win: tuple[str, ...] = ()  # kinds whose order is built only where it may win (the loop below)
     if dp_shard is None and dp_replicate is None:
-        options = candidates(costs, ranks, runner, schedules=schedules, checkpoints=checkpoints,
+        # By default the built orders are candidates of a pipeline without replicas or shards, where the bound
+        # is the busiest rank's whole work; with them it leaves the collectives out (they follow the order).
+        to_win = BUILT_ORDERS.get(runner, ()) if schedules is None else ()
+        kinds = list(schedules) if schedules is not None else list(RUNNERS.get(runner, ())) + list(to_win)
+        options = candidates(costs, ranks, runner, schedules=kinds, checkpoints=checkpoints,
                              max_balances=max_balances, balances=balances)
     else:
         if len(set(budget)) > 1:
@@ -227,7 +230,7 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
     # Best-first by a lower bound of the step: memory is walked, and time simulated, only for
     # candidates that may still be among the fastest; a plan over budget spawns its per-stage variant.
     bounds = {c: busy_bound(costs, c, model) for c in options}
-    queue = [(bounds[c], k, c) for k, c in enumerate(options)]
+    queue = [(bounds[c], k, c) for k, c in enumerate(options) if c.schedule not in to_win]
     heapq.heapify(queue)
     predictions: list[Prediction] = []
     fitting: list[float] = []
@@ -250,15 +253,19 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
             fitting.append(p.step_time)
         else:
             over += 1
-    if schedules is None and BUILT_ORDERS[runner]:  # the fastest cuts that fit, each ordered by its own costs
-        for c in _shaped(sorted((p for p in predictions if fits(p.candidate)), key=lambda p: p.step_time)):
-            considered += 1
-            if fits(c):
-                predictions.append(predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c]))
+    # Then the orders built from the costs, by bound, each only while it may beat the fastest plan that fits:
+    # an order is a greedy search, far dearer than a fixed schedule's prediction.
+    for c in sorted((c for c in options if c.schedule in to_win), key=bounds.__getitem__):
+        if fitting and bounds[c] >= min(fitting):
+            break
+        if fits(c):
+            predictions.append(predict(costs, c, runner=runner, timeline=False, model=model, memory=memory[c]))
+            fitting.append(predictions[-1].step_time)
     if not fitting:
-        for c in options:
+        walked = [c for c in options if c.schedule not in to_win]  # walking a built order first builds it
+        for c in walked:
             fits(c)
-        raise PlanError(_nothing_fits(costs, options, memory, budget))
+        raise PlanError(_nothing_fits(costs, walked, memory, budget))
     predictions.sort(key=lambda p: (p.step_time, p.peak))
     fit = [p for p in predictions if fits(p.candidate)]
     if fit[0].candidate.schedule in AUTO_KINDS:  # within rounding of a fixed schedule (often the same order)
@@ -280,21 +287,6 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
                 best.candidate.describe(), best.step_time * 1e3, [format_bytes(b) for b in best.peaks],
                 considered, len(memory), len(predictions))
     return chosen
-
-
-def _shaped(ranked: list[Prediction]) -> list[Candidate]:
-    """The orders built from the costs (:func:`cost_shaped`) for the :data:`SHAPED_CUTS` fastest cuts of the plans
-    in ``ranked``, fastest first (a plan whose cut an earlier one shares, or that gets no built order, counts none)."""
-    shaped: dict[Candidate, None] = {}
-    cuts = 0
-    for p in ranked:
-        new = [c for c in cost_shaped(p.candidate) if c not in shaped]
-        if new:
-            shaped.update(dict.fromkeys(new))
-            cuts += 1
-            if cuts == SHAPED_CUTS:
-                break
-    return list(shaped)
 
 
 def _nothing_fits(costs: Costs, options: list[Candidate], memory: dict[Candidate, tuple[list[int], list[int]]],
