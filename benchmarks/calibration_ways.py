@@ -1,16 +1,19 @@
-"""Two ways to calibrate the planner's time model, judged on plans neither was calibrated on.
+"""Ways to calibrate the planner's time model, judged on plans none was calibrated on.
 
 Issue 51 asks for one calibration, "from a traced step". ``pipe.plan.calibrate``
-fits its three constants (overhead per action and per message, contention) to
-the wall-clock steps of five calibration plans (``pipe.plan.fit``). The other
-way reads them off the same plans' recorded steps
-(``pipe.balance.traced_step``): contention as the recorded compute of every
-stage's F, I, W or B over the profile's, the overhead per action as the
-runner's own time per action, the median over the plans. This benchmark runs
-the five calibration plans and ``--held-out`` other plans of the grid (drawn
-with a fixed seed) on 2 local gloo ranks, records every timed step, builds
-both models from the calibration plans alone, and predicts every plan with
-each: the error on the held-out plans is what a calibration is for.
+runs five calibration plans, records their steps, reads each phase's compute
+(F, I, W, B) off the recorded steps (``pipe.plan.timing.recorded_phases``) and
+fits the constants that remain (overhead per action and per message,
+contention) to the plans' wall-clock steps (``pipe.plan.fit`` with
+``traced=``). This benchmark judges that against its two halves: the constants
+fitted to the wall-clock steps alone (``fit`` without ``traced=``, the
+calibration before), and everything read off the recorded steps (``fit`` with
+too few step times: the phases and the runner's time per action, as
+``calibrated_schedule`` reads a job's one recorded plan). It runs the five
+calibration plans and ``--held-out`` other plans of the grid (drawn with a
+fixed seed) on 2 local gloo ranks, records every timed step, builds each model
+from the calibration plans alone, and predicts every plan with each: the error
+on the held-out plans is what a calibration is for.
 
 Each rank computes with one thread (as under ``torchrun``), and the layers
 are profiled with one thread too.
@@ -70,23 +73,6 @@ def _rank(rank: int, world: int, plans: list[Any], width: int, layers: int, x: t
     return found
 
 
-def from_traces(costs: Any, plans: list[Any], traced: dict[Any, Any]) -> Any:
-    """The time model read off recorded steps: compute over the profile's, and the runner's time per action."""
-    from pipe.plan import TimeModel
-    from pipe.plan.predict import stage_costs
-
-    measured = profiled = 0.0
-    for plan in plans:
-        step, expected = traced[plan], stage_costs(costs, plan, TimeModel())
-        phases = (("forward", "input_grad", "weight_grad") if step.split else ("forward", "backward"))
-        for name in phases:
-            for got, want in zip(getattr(step, name), getattr(expected, name)):
-                if math.isfinite(got):
-                    measured, profiled = measured + got, profiled + want
-    overhead = statistics.median(traced[plan].overhead for plan in plans)
-    return TimeModel(action_overhead=overhead, contention=measured / profiled)
-
-
 def one_run(args: argparse.Namespace) -> dict[str, Any]:
     from pipe.balance.traced import traced_step
     from pipe.distributed.local_ranks import run_local_ranks
@@ -110,9 +96,11 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
         fastest = min(range(args.sweeps), key=lambda s: min(sweeps[s]))
         wall[plan] = min(sweeps[fastest])
         traced[plan] = traced_step([ranks[r][k][fastest][1] for r in range(2)], balance=plan.balance)
-    models = {"fitted to wall times (pipe.plan.calibrate)": fit(costs, {c: wall[c] for c in calibration},
-                                                                runner="processes"),
-              "read off recorded steps": from_traces(costs, calibration, traced),
+    recorded = {c: traced[c] for c in calibration}
+    models = {"read off recorded steps, then fitted to wall times (pipe.plan.calibrate)": fit(
+                  costs, {c: wall[c] for c in calibration}, traced=recorded, runner="processes"),
+              "fitted to wall times alone": fit(costs, {c: wall[c] for c in calibration}, runner="processes"),
+              "read off recorded steps alone": fit(costs, {}, traced=recorded, runner="processes"),
               "layer times alone": TimeModel()}
     judged: dict[str, Any] = {}
     for name, model in models.items():

@@ -197,7 +197,7 @@ def _r2_auto(size: dict[str, int], ids: torch.Tensor, mask: torch.Tensor, labels
                                timeout=2.0)
     chosen = {"name": auto.schedule.name, "balance": auto.balance, "placement": list(auto.schedule.placement),
               "simulated_step_s": auto.step, "bound_step_s": auto.bound,
-              "recorded_step_s": auto.measured.wall if auto.measured else None,
+              "recorded_step_s": auto.measured[-1].wall if auto.measured else None,
               "overhead_per_action_us": auto.costs.overhead * 1e6, "costs": dataclasses.asdict(auto.costs),
               "table_csv": auto.schedule.to_csv()}
     piped = DistributedPipe(pieces, chunks=R2_CHUNKS, checkpoint="never", schedule=auto.schedule,

@@ -122,7 +122,7 @@ def _auto(full: nn.Sequential, args: argparse.Namespace, x: Tensor, y: Tensor
                                action_seconds=None if args.auto_action_us is None else args.auto_action_us * 1e-6)
     chosen = {"name": auto.schedule.name, "balance": auto.balance, "simulated_step_s": auto.step,
               "bound_step_s": auto.bound, "placement": list(auto.schedule.placement),
-              "recorded_step_s": auto.measured.wall if auto.measured else None,
+              "recorded_step_s": auto.measured[-1].wall if auto.measured else None,
               "overhead_per_action_us": auto.costs.overhead * 1e6, "costs": dataclasses.asdict(auto.costs),
               "table_csv": auto.schedule.to_csv()}
     return auto.schedule, auto.balance, chosen, auto.costs

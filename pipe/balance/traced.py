@@ -12,9 +12,10 @@ the measured one; from a recorded step's medians it came within 3%.
 ``pipe.trace.record``), and returns each stage's median F, I, W (or fused B)
 and the runner's own time per action: everything a rank spent that was
 neither compute nor waiting for a message. :meth:`TracedStep.costs` gives the
-:class:`~pipe.core.stage_costs.StageCosts` of the cut that ran, and
-:func:`pipe.plan.auto_schedule` (``measured=``) scales its layer times by
-them, so that it can also cut anew::
+:class:`~pipe.core.stage_costs.StageCosts` of the cut that ran, and the
+planner reads its time model off recorded steps (:func:`pipe.plan.fit` with
+``traced=``; :func:`pipe.plan.auto_schedule` with ``measured=``), so that it
+can also cut anew::
 
     with pipe.trace.record(None, rank=rank) as recorder:   # after a warm-up step
         piped.step(x, y, loss_fn)
@@ -28,10 +29,9 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
-from pipe.balance.timing import LayerTimes
 from pipe.core.stage_costs import StageCosts
 from pipe.trace.events import TraceError, load, merge
 
@@ -190,45 +190,3 @@ def traced_step(traces: Union[Trace, Sequence[Trace]], *, balance: Sequence[int]
     wall = statistics.median(max(walls[r][k] for r in walls) for k in range(steps)) * 1e-6
     return TracedStep(tuple(balance), tuple(medians["F"]), tuple(medians["I"]), tuple(medians["W"]),
                       tuple(medians["B"]), (statistics.fmean(overheads) if overheads else 0.0) * 1e-6, wall, steps)
-
-
-def _ratio(measured: float, timed: float) -> float:
-    """How much slower the recorded phase ran than the timed layers (1 where either is unknown)."""
-    return measured / timed if timed > 0 and math.isfinite(measured) else 1.0
-
-
-def calibrated_times(times: LayerTimes, rows: int, step: TracedStep) -> LayerTimes:
-    """``times`` with each stage's layers scaled so that they add up to the
-    recorded step's medians: per stage, F by the forward's ratio, and I and W by their own ratios (the first
-    stage's I and W together, its input needs no gradient; a fused backward scales both by B's ratio over
-    the layers' fused backward). The fused backward B is scaled by its own ratio where the step ran B, else
-    by that of I and W together. Layers keep their shares within the stage, so a new cut can be costed.
-
-    Raises:
-        ValueError: ``step.balance`` does not cover the timed layers.
-    """
-    layers = len(times.forward[rows])
-    if sum(step.balance) != layers:
-        raise ValueError(f"the recorded step's balance {list(step.balance)} covers {sum(step.balance)} layers; "
-                         f"the timed model has {layers}: record the same model")
-    forward, inputs, weights = list(times.forward[rows]), list(times.input_grad[rows]), list(times.weight_grad[rows])
-    fused = list(times.backward[rows])
-    start = 0
-    for stage, count in enumerate(step.balance):
-        span = range(start, start + count)
-        start += count
-
-        f = _ratio(step.forward[stage], math.fsum(forward[k] for k in span))
-        if not step.split:
-            i = w = b = _ratio(step.backward[stage], math.fsum(fused[k] for k in span))
-        else:
-            b = _ratio(step.input_grad[stage] + step.weight_grad[stage], math.fsum(inputs[k] + weights[k] for k in span))
-            if stage == 0:  # I does nothing there: W is the whole backward
-                i = w = b
-            else:
-                i = _ratio(step.input_grad[stage], math.fsum(inputs[k] for k in span))
-                w = _ratio(step.weight_grad[stage], math.fsum(weights[k] for k in span))
-        for k in span:
-            forward[k], inputs[k], weights[k], fused[k] = forward[k] * f, inputs[k] * i, weights[k] * w, fused[k] * b
-    return replace(times, forward={**times.forward, rows: forward}, input_grad={**times.input_grad, rows: inputs},
-                   weight_grad={**times.weight_grad, rows: weights}, backward={**times.backward, rows: fused})

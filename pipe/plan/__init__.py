@@ -26,11 +26,11 @@ without a budget, from layer times), :mod:`~pipe.plan.apply` (``planned_pipe``,
 The front ends never import the planner.
 
 * :mod:`pipe.plan.cost`: per-layer times and per-stage counted bytes, measured once;
-* :mod:`pipe.plan.timing`: the time model (messages, overhead per action,
-  contention) and its fit to measured steps; :mod:`pipe.plan.link` measures
-  the transport once per machine; :mod:`pipe.plan.calibration` runs a few plans
-  of the model and fits the time model to them (``plan(calibrate=True)``), or, on a job's ranks, chooses the
-  order again from a recorded step (``calibrated_schedule``);
+* :mod:`pipe.plan.timing`: the time model (each phase's compute as recorded, messages, overhead per
+  action, contention) and its one calibration to recorded steps (``fit``); :mod:`pipe.plan.link` measures
+  the transport once per machine; :mod:`pipe.plan.calibration` runs and records a few plans
+  of the model and calibrates the time model to them (``plan(calibrate=True)``), or, on a job's ranks, chooses the
+  order again with the time model calibrated to recorded trial steps (``calibrated_schedule``);
 * :mod:`pipe.plan.predict`: a candidate's step time (the schedule simulator with
   those durations) and each rank's peak memory (its program, walked);
 * :mod:`pipe.plan.candidates`: the plans compared, per-stage recompute included;

@@ -19,24 +19,24 @@ too, the same search is :func:`pipe.plan.plan`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from pipe.balance.timing import LayerTimes, time_layers
-from pipe.balance.traced import TracedStep, calibrated_times
+from pipe.balance.traced import TracedStep
 from pipe.core.microbatch import scatter
 from pipe.core.options import CHECKPOINT_MODES, positive_int
 from pipe.core.partition import verify_module
 from pipe.core.schedule_table import TableSchedule
 from pipe.core.stage_costs import StageCosts
-from pipe.plan.candidate import AUTO, AUTO_V
+from pipe.plan.candidate import AUTO, AUTO_V, Candidate
 from pipe.plan.cost import Costs
 from pipe.plan.predict import busy_bound, stage_costs
 from pipe.plan.search import search
-from pipe.plan.timing import Link, TimeModel
+from pipe.plan.timing import Link, TimeModel, fit
 
 __all__: list[str] = []
 
@@ -57,9 +57,10 @@ class AutoSchedule:
             and messages, whose bytes move once sent and their receive posted).
         costs: the per-stage costs it was ordered by.
         bound: the busiest rank's own work in seconds (:func:`pipe.core.stage_costs.busy_bound`): no order beats it.
-        times: the layer times it cut and ordered by (scaled by ``measured=`` where given); pass them back as
-            ``times=`` to order again without timing again.
-        measured: the recorded step its costs were scaled to (``measured=``), or None.
+        times: the layer times it cut and ordered by, as timed; pass them back as ``times=`` to order again
+            without timing again.
+        measured: the recorded steps its time model was read off (``measured=``), or none.
+        model: the time model it simulated with (:class:`pipe.plan.TimeModel`; read off ``measured`` where given).
     """
 
     balance: list[int]
@@ -68,13 +69,15 @@ class AutoSchedule:
     costs: StageCosts
     bound: float
     times: LayerTimes
-    measured: Optional[TracedStep] = None
+    measured: tuple[TracedStep, ...] = ()
+    model: TimeModel = TimeModel()
 
 
 def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chunks: int, checkpoint: str = "never",
                   placement: str = "best", seconds_per_byte: float = 0.0, message_seconds: float = 0.0,
                   action_seconds: Optional[float] = None, timeout: float = 1.0, device: Optional[torch.device] = None,
-                  times: Optional[LayerTimes] = None, measured: Optional[TracedStep] = None) -> AutoSchedule:
+                  times: Optional[LayerTimes] = None,
+                  measured: Union[TracedStep, Sequence[TracedStep], None] = None) -> AutoSchedule:
     """Stages and each rank's order from ``module``'s measured layer costs (see the module docstring).
 
     Args:
@@ -85,15 +88,17 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
         placement: ``"looped"`` (stage s on rank s % ranks, one or two stages per rank), ``"v"`` (two per
             rank, in a V) or ``"best"`` (both).
         seconds_per_byte, message_seconds: the cost of a message between ranks (default: free).
-        action_seconds: what the runner adds to each action (default: ``measured.overhead``, else nothing);
+        action_seconds: what the runner adds to each action (default: read off ``measured``, else nothing);
             a few tens of microseconds on the CPU, which matters where layers are small.
         timeout: seconds to keep timing the layers (more rounds, less noise).
         device: where to time them (default: the CPU).
         times: layer times measured before (``time_layers(..., split=True)`` on one micro-batch, or an
             earlier result's ``times``): skips timing.
-        measured: a recorded step of this model under the runner (:func:`pipe.balance.traced_step`): each
-            stage's layers are scaled to its medians before cutting and ordering, so that the simulated step
-            is the runner's (see :mod:`pipe.balance.traced`).
+        measured: recorded steps of this model under the runner, with these ``chunks`` and ``checkpoint``
+            (:func:`pipe.balance.traced_step`, one or a list): the time model is read off them
+            (:func:`pipe.plan.fit` with ``traced=``: each phase's compute over the layer times', the runner's
+            time per action), so that the simulated step is the runner's, for any cut. A cut recorded more
+            than once counts with its last step.
 
     Returns:
         An :class:`AutoSchedule`: ``balance`` and ``schedule`` for ``DistributedPipe``, and the simulated step.
@@ -124,12 +129,20 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
     rows = next(iter(times.forward))
     if rows not in times.input_grad or len(times.forward[rows]) != len(module):
         raise ValueError(f"times must hold the {len(module)} layers' I and W halves: time_layers(..., split=True)")
-    if measured is not None:
-        times = calibrated_times(times, rows, measured)
-        action_seconds = measured.overhead if action_seconds is None else action_seconds
+    steps = (measured,) if isinstance(measured, TracedStep) else tuple(measured or ())
     link = Link(message_seconds, seconds_per_byte) if message_seconds or seconds_per_byte else None
-    model = TimeModel(link=link, action_overhead=action_seconds or 0.0)
     costs = Costs.from_layer_times(times, chunks)
+    model = TimeModel(link=link)
+    if steps:
+        wrong = [list(step.balance) for step in steps if sum(step.balance) != len(module) or len(step.balance) % ranks]
+        if wrong:
+            raise ValueError(f"measured steps ran balances {wrong}, which do not cut the {len(module)} layers into "
+                             f"stages for {ranks} ranks: record this model on these ranks")
+        recorded = {Candidate(AUTO, chunks, tuple(step.balance), checkpoint, len(step.balance) // ranks): step
+                    for step in steps}
+        model = fit(costs, {}, traced=recorded, link=link)
+    if action_seconds is not None or not steps:
+        model = replace(model, action_overhead=action_seconds or 0.0)
     plan = search(costs, ranks, runner="processes", schedules=PLACEMENTS[placement], checkpoints=(checkpoint,),
                   model=model, per_stage=False, runners_up=0, rejected=0)
     best = plan.best
@@ -138,4 +151,4 @@ def auto_schedule(module: nn.Sequential, sample: Any = None, *, ranks: int, chun
                 list(best.candidate.balance), best.step_time)
     return AutoSchedule(list(best.candidate.balance), best.schedule, best.step_time,
                         stage_costs(costs, best.candidate, model), busy_bound(costs, best.candidate, model), times,
-                        measured)
+                        steps, model)

@@ -1,18 +1,42 @@
-"""Calibration: the planner's costs measured where the pipeline runs, two ways.
+"""Calibration: the planner's time model measured where the pipeline runs, one way.
+
+Layers timed alone on an idle core are cheaper than in a running pipeline
+(ranks share the cores and the memory bus), and a pipeline adds work of its
+own (the runner's time per action, per message); a step predicted from the
+layer times alone is off by that much (on the 2-core machine a fifth). A
+calibration runs plans of the model, records their steps
+(:func:`pipe.trace.record`, read by :func:`pipe.balance.traced_step`), and
+calibrates the time model to them (:func:`pipe.plan.fit` with ``traced=``):
+each phase's compute (F, I, W, B) is read off the recorded steps, as their
+medians over the profile's, and the overheads and contention that remain are
+fitted to the plans' step times where there are at least as many plans as
+constants, else read off the recorded steps too. It runs in one of two places:
+
+**Before a job, on local processes** (:func:`calibrate`): a few plans of the
+model on local gloo processes, one per schedule family and from few
+micro-batches to many (the overhead per action and the compute scale apart
+only when the number of actions varies; the cost per message only when
+actions carry different numbers of messages, as interleaved and zero-bubble
+plans do), each plan's fastest step over a few sweeps and the trace of its
+sweep::
+
+    calibration = pipe.plan.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
+    plan = pipe.plan.search(costs, 2, "1GiB", runner="processes", model=calibration.model)
+
+or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibrate=True)``
+(``pipe-plan --calibrate``). It costs a few seconds per plan;
+``benchmarks/calibration_ways.py`` says how far it brings predictions of
+plans it did not run.
 
 **On the ranks themselves** (:func:`calibrated_schedule`, one call on every
-rank of a running job): layers timed alone on an idle core are cheaper than
-in a running pipeline (ranks share the cores and the memory bus), so an order
-and its predicted step are off by that much (on the 2-core machine a fifth).
-The call
+rank of a running job), for an order built from the costs:
 
-1. has rank 0 time the layers and choose a cut and an order
+1. rank 0 times the layers and chooses a cut and an order
    (:func:`pipe.plan.auto_schedule`);
-2. has every rank run that order on a copy of the model, ``WARMUP`` steps and
-   then ``steps`` steps recorded (:func:`pipe.trace.record`);
-3. has rank 0 read each stage's median F, I and W and the runner's time per
-   action from the recorded step (:func:`pipe.balance.traced_step`), and
-   choose again by them;
+2. every rank runs that order on a copy of the model, ``WARMUP`` steps and
+   then ``steps`` steps recorded;
+3. rank 0 reads the time model off every step recorded so far and chooses
+   again with it (``auto_schedule(measured=...)``);
 
 steps 2 and 3 ``rounds`` times, or until the choice stays the same. Every
 rank returns rank 0's :class:`~pipe.plan.AutoSchedule` (timings differ
@@ -24,25 +48,6 @@ between processes; the table must not)::
 The trial steps run on copies: ``model``'s weights and gradients are left as
 they were, and each rank holds a second copy of the model until the call
 returns. The model must be real, not built on ``meta``: its layers are run.
-
-**Before a job, on local processes** (:func:`calibrate`): the measured link
-gives the transport's cost between idle ranks, and the layers' times come
-from the profile; what a pipeline adds on top (overhead per action, per
-message, and contention when the ranks compute at once on shared cores:
-:mod:`pipe.plan.timing`) can only be measured by running it. :func:`calibrate`
-runs a few plans of the model on local gloo processes, one per schedule
-family and from few micro-batches to many (the overhead per action and the
-compute scale apart only when the number of actions varies; the cost per
-message only when actions carry different numbers of messages, as interleaved
-and zero-bubble plans do), takes each plan's fastest step over a few sweeps,
-and fits the constants to them (:func:`pipe.plan.timing.fit`)::
-
-    calibration = pipe.plan.calibrate(lambda: copy.deepcopy(model), costs, 2, sample)
-    plan = pipe.plan.search(costs, 2, "1GiB", runner="processes", model=calibration.model)
-
-or in one call, ``pipe.plan.plan(model, sample, ..., runner="processes", calibrate=True)``
-(``pipe-plan --calibrate``). It costs a few seconds per plan; the
-``benchmarks/planner.py budget`` figures say how far it brings predictions.
 """
 from __future__ import annotations
 
@@ -166,15 +171,17 @@ def calibrate(build: Callable[[], nn.Module], costs: Costs, stages: int, sample:
         raise ValueError(f"calibration plans must run on {stages} pipeline ranks, without replicas or shards: {wrong}")
     logger.info("calibrating the time model on %d plans, %d sweeps", len(chosen), sweeps)
     measured = run_plans(build, chosen, sample, sample if target is None else target, loss_fn or mean_output_loss,
-                         repeat=repeat, sweeps=sweeps, timeout=timeout)
+                         repeat=repeat, sweeps=sweeps, timeout=timeout, record=True)
     times = {c: max(m.step_time for m in ranks) for c, ranks in zip(chosen, measured)}
+    traced = {c: traced_step([m.trace for m in ranks if m.trace is not None], balance=c.balance)
+              for c, ranks in zip(chosen, measured)}
     steps = {c: pipeline_steps(ranks) for c, ranks in zip(chosen, measured)}
     spread = {c: statistics.median(s) / min(s) - 1 for c, s in steps.items() if s}
     if spread and statistics.median(spread.values()) > SPREAD_WARNING:
         logger.warning("calibrating: a plan's median step ran %.0f%% over its fastest (the median plan): the "
                        "machine's speed changed while the plans ran, so the fitted time model is as uncertain; "
                        "calibrate with nothing else running, or with more sweeps", 100 * statistics.median(spread.values()))
-    model = fit(costs, times, runner="processes", link=link, cores=cores)
+    model = fit(costs, times, traced=traced, runner="processes", link=link, cores=cores)
     errors = {c: predict(costs, c, runner="processes", timeline=False, model=model).step_time / t - 1
               for c, t in times.items()}
     return Calibration(model, times, errors, spread)
@@ -247,11 +254,11 @@ def calibrated_schedule(model: nn.Sequential, inputs: Any, target: Any = None, *
         before = auto
         auto = decided_on_rank_0(lambda: auto_schedule(
             model, ranks=ranks, chunks=chunks, checkpoint=checkpoint, times=before.times,
-            measured=traced_step(traces, balance=before.balance), **order))
-        logger.info("calibration %d: %s ran %.4g s per step (simulated from the layer times or the last round: "
-                    "%.4g s); by its recorded costs chose %s, balance %s, simulated %.4g s", done + 1,
-                    before.schedule.name, auto.measured.wall if auto.measured else float("nan"), before.step,
-                    auto.schedule.name, auto.balance, auto.step)
+            measured=before.measured + (traced_step(traces, balance=before.balance),), **order))
+        logger.info("calibration %d: %s ran %.4g s per step (simulated: %.4g s); by the time model read off the "
+                    "%d recorded step(s) (%s) chose %s, balance %s, simulated %.4g s", done + 1,
+                    before.schedule.name, auto.measured[-1].wall, before.step, len(auto.measured),
+                    auto.model.describe(), auto.schedule.name, auto.balance, auto.step)
         if auto.balance == before.balance and auto.schedule.programs == before.schedule.programs:
             break
     return auto

@@ -27,7 +27,7 @@ the smallest peak found and the rank holding it. ``--select`` gives the name
 regexes of the selective recompute the planner weighs per stage against full
 recompute (default: ``pipe.recompute.DEFAULT_SELECT``; none given: full only).
 ``--calibrate`` (with ``--runner processes``) first runs a few plans of the
-model on local processes and fits the time model to them
+model on local processes, records them and calibrates the time model to them
 (:func:`pipe.plan.calibrate`), then plans with it; the table's "time model"
 line says what was fitted and on which plans.
 """
@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true",
                         help="run the chosen plan and print the measured step and peaks beside the predicted")
     parser.add_argument("--calibrate", action="store_true",
-                        help="(--runner processes) first run a few plans of the model on local processes and fit "
-                             "the time model's overhead per action and message and its contention to them, then "
-                             "plan with it (pipe.plan.calibrate; a few seconds per plan)")
+                        help="(--runner processes) first run and record a few plans of the model on local "
+                             "processes, read each phase's compute off them and fit the time model's overhead per "
+                             "action and message and its contention to their steps, then plan with it "
+                             "(pipe.plan.calibrate; a few seconds per plan)")
     parser.add_argument("--dp-shard", nargs="+", metavar="S", default=None,
                         help="plan --stages ranks as pp x dp_shard (FSDP): 'auto' for every divisor, or the "
                              "dp_shard sizes to try (needs --runner processes)")

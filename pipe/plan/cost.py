@@ -190,7 +190,8 @@ class Costs:
 
     def stage_costs(self, bounds: Sequence[tuple[int, int]], chunks: int, recomputed: Sequence[int] = (),
                     selected: Sequence[int] = (), offloaded: Sequence[int] = (), *,
-                    message: Optional[Callable[[int], float]] = None, overhead: float = 0.0) -> StageCosts:
+                    message: Optional[Callable[[int], float]] = None, overhead: float = 0.0,
+                    phases: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)) -> StageCosts:
         """The :class:`~pipe.core.stage_costs.StageCosts` of the stages ``bounds`` (``(first, stop)`` layers of
         each) for one micro-batch of ``chunks``: F, B, I, W and R of each, its messages (``message(bytes)``
         seconds each, a link's :meth:`~pipe.plan.timing.Link.cost`; free without it) and ``overhead`` seconds
@@ -206,11 +207,13 @@ class Costs:
         on one side stream beside its compute: the copies out start once its first layer's forward has
         saved something, and its first layer's backward waits for the last copy back, so a forward takes
         at least ``forward[first] + copies out`` and a backward at least ``copies back + backward[first]``
-        (:meth:`offload_seconds`).
+        (:meth:`offload_seconds`). ``phases``: each layer's forward (and replay), input gradient, weight
+        gradient and whole backward scaled by these (:attr:`pipe.plan.TimeModel.phases`); the checkpoint's
+        own work and the copies are not.
         """
         rows = self.rows(chunks)
         times = [self._stage(first, stop, rows, chunks, recomputed[s] if recomputed else 0,
-                             selected[s] if selected else 0, offloaded[s] if offloaded else 0)
+                             selected[s] if selected else 0, offloaded[s] if offloaded else 0, phases)
                  for s, (first, stop) in enumerate(bounds)]
         sent: list[float] = []
         back: list[float] = []
@@ -222,23 +225,25 @@ class Costs:
         return StageCosts(f, i, w, b, tuple(sent), (1.0,) * len(bounds), overhead, r, tuple(back))
 
     def _stage(self, first: int, stop: int, rows: int, chunks: int, recomputed: int, selected: int,
-               offloaded: int) -> tuple[float, float, float, float, float]:
+               offloaded: int, phases: tuple[float, float, float, float]) -> tuple[float, float, float, float, float]:
         """``(F, B, R, I, W)`` of layers ``first:stop`` (:meth:`stage_costs`)."""
-        forward = math.fsum(self.forward[rows][first:stop])
+        f, i, w, b = phases
+        forward = f * math.fsum(self.forward[rows][first:stop])
         replay = math.fsum(self.replay[rows][first:first + recomputed])
         if self.selective(recomputed, selected):
             assert self.select_replay is not None
             replay += math.fsum(self.select_replay[rows][first + recomputed:first + selected])
-        backward = math.fsum(self.backward[rows][first:stop])
+        replay *= f
+        backward = b * math.fsum(self.backward[rows][first:stop])
         recompute = forward + self.checkpoint_overhead  # when the cell is checkpointed
         if offloaded:
             copies = self.offload_seconds(first, first + offloaded, chunks)
-            forward = max(forward, self.forward[rows][first] + copies)
-            backward = max(backward, copies + self.backward[rows][first])
+            forward = max(forward, f * self.forward[rows][first] + copies)
+            backward = max(backward, copies + b * self.backward[rows][first])
         if first == 0:  # the mini-batch needs no gradient: I has no input to reach, W is the whole backward
             return forward, backward + replay, recompute, replay, backward
-        input_grad = math.fsum(self.input_grad[rows][first:stop])
-        weight_grad = math.fsum(self.weight_grad[rows][first:stop])
+        input_grad = i * math.fsum(self.input_grad[rows][first:stop])
+        weight_grad = w * math.fsum(self.weight_grad[rows][first:stop])
         return forward, backward + replay, recompute, input_grad + replay, weight_grad
 
     def offload_seconds(self, first: int, stop: int, chunks: int) -> float:

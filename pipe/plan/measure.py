@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+import pipe.trace
 from pipe.recompute.memory import ActivationMemory
 from pipe.recompute.module import policy_of
 from pipe.recompute.selective import SelectiveRecompute
@@ -39,12 +40,15 @@ class Measured:
     :func:`verify_plan`) and wall time (seconds, the fastest timed step); ``pipeline_rank``: its rank in the
     pipeline (its index in a prediction's ``peaks``; a sharded or replicated plan has ``dp_replicate x dp_shard``
     ranks per pipeline rank); ``step_times``: every timed step, in order (over every sweep of
-    :func:`run_plans`), how far the machine's speed spread the measurement."""
+    :func:`run_plans`), how far the machine's speed spread the measurement; ``trace``: with ``record=True``, this
+    rank's :func:`pipe.trace.record` of the timed steps (of the sweep with its fastest step), for
+    :func:`pipe.balance.traced_step`."""
 
     activation_peak: int
     step_time: float
     pipeline_rank: int = 0
     step_times: tuple[float, ...] = ()
+    trace: Optional[dict[str, Any]] = None
 
 
 def pipeline_steps(ranks: Sequence[Measured]) -> list[float]:
@@ -60,11 +64,12 @@ def mean_output_loss(output: Any, target: Any) -> Any:
 
 
 def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[..., Any],
-                 repeat: int = 3) -> Measured:
+                 repeat: int = 3, record: bool = False) -> Measured:
     """Counts and times ``model.step(inputs, target, loss_fn)`` on this rank (every rank must call it).
 
     The step time is the fastest of ``repeat`` steps; the peak is that of the first counted step,
     after one step of warm-up (two with layers marked for selective recompute, which plan meanwhile).
+    ``record``: the timed steps run inside :func:`pipe.trace.record`, kept as the result's ``trace``.
     """
     step = getattr(model, "step", None)
     if step is None:
@@ -82,12 +87,13 @@ def measure_step(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable[.
         step(inputs, target, loss_fn)
         peak = counter.peak_bytes
     times = []
-    for _ in range(repeat):
-        begun = time.perf_counter()
-        step(inputs, target, loss_fn)
-        times.append(time.perf_counter() - begun)
+    with pipe.trace.record(None, rank=torch.distributed.get_rank()) if record else contextlib.nullcontext() as recorder:
+        for _ in range(repeat):
+            begun = time.perf_counter()
+            step(inputs, target, loss_fn)
+            times.append(time.perf_counter() - begun)
     torch.distributed.barrier()
-    return Measured(peak, min(times), step_times=tuple(times))
+    return Measured(peak, min(times), step_times=tuple(times), trace=recorder.trace() if recorder is not None else None)
 
 
 @contextlib.contextmanager
@@ -136,7 +142,7 @@ def _resized_storages(counter: ActivationMemory) -> Iterator[None]:
 
 def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidates: "list[Candidate]",
                 inputs: Any, target: Any, loss_fn: Callable[..., Any], repeat: int, sweeps: int,
-                tables: "list[Any]") -> "list[Measured]":
+                tables: "list[Any]", record: bool = False) -> "list[Measured]":
     """One rank of :func:`run_plans` (its process group made by :func:`pipe.distributed.local_ranks.run_local_ranks`)."""
     from pipe.core.microbatch import scatter
     from pipe.distributed import DistributedPipe, make_mesh
@@ -155,19 +161,21 @@ def _plans_rank(rank: int, world: int, build: Callable[[], nn.Module], candidate
             x, y = inputs, target
             if parts > 1:  # each pipeline of the shard group takes its part of the mini-batch
                 x, y = scatter(inputs, parts)[part].value, scatter(target, parts)[part].value
-            m = replace(measure_step(model, x, y, loss_fn, repeat=repeat),
+            m = replace(measure_step(model, x, y, loss_fn, repeat=repeat, record=record),
                         pipeline_rank=model.topology.pipeline_rank)
             if sweep == 0:
                 best.append(m)
-            else:  # the first sweep's peak, the fastest step of all
+            else:  # the first sweep's peak, the fastest step of all (and the trace of its sweep)
                 best[k] = replace(best[k], step_time=min(best[k].step_time, m.step_time),
-                                  step_times=best[k].step_times + m.step_times)
+                                  step_times=best[k].step_times + m.step_times,
+                                  trace=m.trace if m.step_time < best[k].step_time else best[k].trace)
     return best
 
 
 def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]", inputs: Any, target: Any,
               loss_fn: Callable[..., Any], *, repeat: int = 3, sweeps: int = 1,
-              timeout: float = 300.0, tables: "Optional[Sequence[Any]]" = None) -> "list[list[Measured]]":
+              timeout: float = 300.0, tables: "Optional[Sequence[Any]]" = None,
+              record: bool = False) -> "list[list[Measured]]":
     """Runs each of ``candidates`` (runner ``"processes"``, all on as many ranks) on local gloo processes, one
     process per rank, and measures its step (:func:`measure_step`); per candidate, one :class:`Measured` per rank
     (the counted activation peak, without the static bytes).
@@ -175,7 +183,8 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
     A ``pp x dp_replicate x dp_shard`` plan runs on the mesh of ``candidate.mesh_kwargs()``, each pipeline on its part of
     ``inputs`` and ``target``. With ``sweeps > 1`` the candidates run in turn that many times and each keeps
     its fastest step. ``tables``: per candidate, the schedule it runs where it is an order built from the costs
-    (``"auto"``: :attr:`pipe.plan.Prediction.schedule`), else None. ``build()`` returns a fresh model. The ranks are started by
+    (``"auto"``: :attr:`pipe.plan.Prediction.schedule`), else None. ``record``: each rank keeps the trace of its
+    timed steps (:attr:`Measured.trace`). ``build()`` returns a fresh model. The ranks are started by
     :func:`pipe.distributed.local_ranks.run_local_ranks`: forked (any function works) where no GPU is visible;
     where one is, fresh interpreters, so ``build``, ``loss_fn`` and the data must pickle (a function at module
     level): a child forked from this process can use neither CUDA once this process has, nor autograd once
@@ -205,7 +214,7 @@ def run_plans(build: Callable[[], nn.Module], candidates: "Sequence[Candidate]",
                 "loss_fn must be functions at module level and the data must pickle") from None
     try:
         results = run_local_ranks(_plans_rank, world, build, list(candidates), inputs, target, loss_fn, repeat, sweeps,
-                                  list(tables) if tables is not None else [None] * len(candidates),
+                                  list(tables) if tables is not None else [None] * len(candidates), record,
                                   timeout=120.0, deadline=timeout)
     except RankFailure as error:
         raise RuntimeError(f"running {len(candidates)} plan(s) on {world} processes failed (or took more than "

@@ -215,13 +215,13 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
 def stage_costs(costs: Costs, candidate: Candidate, model: TimeModel) -> StageCosts:
     """The :class:`~pipe.core.stage_costs.StageCosts` of ``candidate``'s cut and marks (``costs`` already a
     pipeline's share of the batch: :func:`pipe.plan.sharding.replica_costs`): messages over ``model``'s link,
-    its overhead per action."""
+    its overhead per action, each phase's layer times scaled by ``model.phases``."""
     n = len(candidate.balance)
     return costs.stage_costs(_bounds(candidate.balance), candidate.chunks,
                              [candidate.recomputed(s) for s in range(n)], [candidate.selected(s) for s in range(n)],
                              [candidate.offloaded(s) for s in range(n)],
                              message=model.link.cost if model.link is not None else None,
-                             overhead=model.action_overhead)
+                             overhead=model.action_overhead, phases=model.phases)
 
 
 def busy_bound(costs: Costs, candidate: Candidate, model: Optional[TimeModel] = None) -> float:

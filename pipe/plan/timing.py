@@ -4,7 +4,7 @@ A step is more than its layers' times (:class:`pipe.plan.cost.Costs`). The
 simulator (:func:`pipe.core.program_time.time_schedule`) places every step
 of every rank's lowered program, each lasting::
 
-    compute x contention + action_overhead + messages x message_overhead
+    compute x phase x contention + action_overhead + messages x message_overhead
 
 and a message's bytes move once it is sent and its receive is posted, so a
 step that waits for it ends no earlier than::
@@ -23,6 +23,9 @@ step that waits for it ends no earlier than::
   ping-pong between idle ranks does not see). An interleaved plan's middle
   stages send and receive twice per action, so without it, such plans were
   predicted 4-16% fast (median per model) in every benchmark run;
+* ``phases``: how much slower each phase (F, I, W, B; a recompute as F) computes
+  in a running pipeline than the profile timed it alone, read off recorded
+  steps (:func:`recorded_phases`); 1 where nothing was recorded;
 * ``contention``: how much slower compute runs when the ranks compute at once
   on cores they share (memory bandwidth, the transport's own threads, other
   processes); 1 when every rank has a core to itself and nothing else runs;
@@ -34,10 +37,15 @@ step that waits for it ends no earlier than::
   the mean number of actions running beside it, over its span, per core, and
   the plan simulated again until it settles). None: a core each.
 
-The last three are fitted by :func:`fit` to measured steps of a few plans
-(least squares on the relative error), then every other plan is predicted
-with them; ``benchmarks/planner.py budget`` validates them on more plans than were
-fitted. Recomputation and the I/W split need no parameter: their durations
+This is the one calibration (:func:`fit`): each phase's compute is read off
+recorded steps of a few plans (:func:`pipe.trace.record`,
+:func:`pipe.balance.traced_step`), and the overheads and the contention left
+after it are fitted to those plans' step times (least squares on the relative
+error) where there are at least as many plans as constants; with fewer, the
+overhead per action is read off the recorded steps too. Every other plan is then predicted
+with them. On held-out plans, phases read off recorded steps and constants
+fitted to step times predict better than either alone
+(``benchmarks/calibration_ways.py``). Recomputation and the I/W split need no parameter: their durations
 are measured layer times (a checkpointed cell's replay costs its layers'
 forwards again; a layer marked for recompute costs what marking it added
 when it was timed marked, the forward again and the checkpoint's own work,
@@ -51,6 +59,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import statistics
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
@@ -58,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pipe.core.action import Action, TimedAction
     from pipe.plan.cost import Costs
     from pipe.plan.candidate import Candidate
+    from pipe.balance.traced import TracedStep
 
 __all__: list[str] = []
 
@@ -123,6 +133,7 @@ class TimeModel:
     contention: float = 1.0
     message_overhead: float = 0.0
     cores: Optional[float] = None
+    phases: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
 
     @classmethod
     def measured(cls, link: Optional[Link], cores: Optional[float] = None) -> "TimeModel":
@@ -135,6 +146,10 @@ class TimeModel:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0, got {value!r}")
+        if len(self.phases) != 4 or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                                            for v in self.phases):
+            raise ValueError(f"TimeModel.phases must be 4 numbers > 0 (the compute of F, I, W and B over the "
+                             f"profile's), got {self.phases!r}")
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"TimeModel.cores must be a number of cores > 0, or None, got {self.cores!r}")
 
@@ -151,8 +166,10 @@ class TimeModel:
         message = f", {self.message_overhead * 1e3:.3f} ms per message sent or received" \
             if self.message_overhead else ""
         cores = f"; {self.cores:g} cores shared by the ranks" if self.cores is not None else ""
+        phases = ("; recorded compute over the profile's: " + ", ".join(
+            f"{name} x{v:.3f}" for name, v in zip("FIWB", self.phases))) if self.phases != (1.0,) * 4 else ""
         return (f"{link}; overhead {self.action_overhead * 1e3:.3f} ms per action{message}; "
-                f"compute x{self.contention:.3f} (contention){cores}")
+                f"compute x{self.contention:.3f} (contention){cores}{phases}")
 
 
 SHARING_ROUNDS = 4
@@ -187,34 +204,85 @@ def shared_stretch(timeline: Sequence["TimedAction"], cores: float) -> dict["Act
             for t in timeline if t.end > t.start}
 
 
-def fit(costs: "Costs", measured: Mapping["Candidate", float], *, runner: str = "processes",
-        link: Optional[Link] = None, rounds: int = 3, cores: Optional[float] = None) -> TimeModel:
-    """Fits ``action_overhead``, ``message_overhead`` (with a ``link``) and ``contention`` to
-    measured step times (seconds) of a few plans.
+def recorded_phases(costs: "Costs", traced: Mapping["Candidate", "TracedStep"]) -> tuple[float, float, float, float]:
+    """Each phase's compute (F, I, W, B) in recorded steps over what the profile predicts for the same stages:
+    per phase, the recorded medians of every stage of every plan summed, over the profile's sums (1 where no
+    plan ran the phase).
+
+    A split backward's I and W count apart, and together for B; on the first stage, whose I only replays,
+    their sum counts for all three; a fused backward counts for all three.
+
+    Raises:
+        ValueError: a recorded step's balance is not its plan's.
+    """
+    from pipe.plan.predict import stage_costs
+
+    recorded = dict.fromkeys("FIWB", 0.0)
+    profiled = dict.fromkeys("FIWB", 0.0)
+    for candidate, step in traced.items():
+        if tuple(step.balance) != tuple(candidate.balance):
+            raise ValueError(f"the step recorded for {candidate.describe()} ran balance {list(step.balance)}: "
+                             "record each plan as it is cut")
+        want = stage_costs(costs, candidate, TimeModel())
+        for s in range(len(candidate.balance)):
+            pairs = [("F", step.forward[s], want.forward[s])]
+            if not step.split:
+                pairs += [(p, step.backward[s], want.backward[s]) for p in "IWB"]
+            else:
+                both = (step.input_grad[s] + step.weight_grad[s], want.input_grad[s] + want.weight_grad[s])
+                if s == 0:
+                    pairs += [(p, *both) for p in "IWB"]
+                else:
+                    pairs += [("I", step.input_grad[s], want.input_grad[s]),
+                              ("W", step.weight_grad[s], want.weight_grad[s]), ("B", *both)]
+            for phase, got, expected in pairs:
+                if math.isfinite(got) and expected > 0:
+                    recorded[phase] += got
+                    profiled[phase] += expected
+    f, i, w, b = (recorded[p] / profiled[p] if profiled[p] > 0 and recorded[p] > 0 else 1.0 for p in "FIWB")
+    return (f, i, w, b)
+
+
+def fit(costs: "Costs", measured: Mapping["Candidate", float], *, traced: Optional[Mapping["Candidate", "TracedStep"]] = None,
+        runner: str = "processes", link: Optional[Link] = None, rounds: int = 3,
+        cores: Optional[float] = None) -> TimeModel:
+    """The time model calibrated to a few plans run where the pipeline runs (see the module docstring).
+
+    With ``traced`` (the plans' recorded steps), each phase's compute is read off them
+    (:func:`recorded_phases`). Then ``action_overhead``, ``contention`` and, with a ``link``,
+    ``message_overhead`` are fitted to the ``measured`` step times (seconds) where there are at least as many
+    plans as these constants; with fewer, and recorded steps, the overhead per action is their median of the
+    runner's time per action and contention stays 1 (one step time cannot tell the constants apart).
 
     The fit minimises the sum of squared relative errors over ``measured``: a
     grid over the parameters, refined ``rounds`` times around the best point,
     then polished by damped Gauss-Newton steps (a step time is piecewise linear
-    in the parameters). Every other plan is then predicted with the result.
-    The cost per message is told from the cost per action only by plans whose
-    actions send or receive different numbers of messages (interleaved and
-    zero-bubble plans, or stages in the middle of the pipeline); fitted on
-    others, it trades against the cost per action and both predict alike.
+    in the parameters). The cost per message is told from the cost per action
+    only by plans whose actions send or receive different numbers of messages
+    (interleaved and zero-bubble plans, or stages in the middle of the
+    pipeline); fitted on others, it trades against the cost per action and
+    both predict alike.
 
     ``cores``: the cores the ranks share, kept as given (:class:`TimeModel`).
 
     Raises:
-        ValueError: nothing measured, or a measured time that is not positive.
+        ValueError: nothing measured or recorded, or a measured time that is not positive.
     """
     from pipe.plan.predict import predict
 
-    if not measured:
-        raise ValueError("fit() needs measured step times of at least one plan, as {candidate: seconds}")
+    if not measured and not traced:
+        raise ValueError("fit() needs measured step times of at least one plan, as {candidate: seconds}, or "
+                         "their recorded steps (traced=)")
     bad = {c.describe(): t for c, t in measured.items() if not (math.isfinite(t) and t > 0)}
     if bad:
         raise ValueError(f"measured step times must be positive seconds, got {bad}")
+    base = TimeModel(link=link, cores=cores, phases=recorded_phases(costs, traced) if traced else (1.0,) * 4)
+    constants = 2 + (link is not None)
+    if traced and len(measured) < constants:
+        model = replace(base, action_overhead=statistics.median(step.overhead for step in traced.values()))
+        logger.info("time model read off %d recorded step(s): %s", len(traced), model.describe())
+        return model
     plans = list(measured.items())
-    base = TimeModel(link=link, cores=cores)
     actions = max(2 * c.chunks * c.virtual_stages for c, _ in plans)
 
     def errors(model: TimeModel) -> list[float]:

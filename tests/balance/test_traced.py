@@ -1,5 +1,6 @@
 """pipe.balance.traced_step: each stage's median F, I, W and the runner's time per action from recorded spans
-(built here, so the test is exact), and auto_schedule(measured=) ordering by them.
+(built here, so the test is exact), the time model read off them (pipe.plan.timing.recorded_phases, fit with
+traced=), and auto_schedule(measured=) ordering by it.
 tests/distributed/test_auto_ranks.py records a real step on gloo ranks and runs the order made from it."""
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from torch import nn
 
 from pipe.balance import LayerTimes, traced_step
 from pipe.plan import auto_schedule
-from pipe.balance.traced import calibrated_times
+from pipe.plan import Candidate, fit
+from pipe.plan.cost import Costs
+from pipe.plan.timing import recorded_phases
 from pipe.core.stage_costs import StageCosts, lowered_step
 from pipe.core.action import Phase
 from pipe.core.schedule import Schedule
@@ -112,35 +115,52 @@ def _times(layers: int) -> LayerTimes:
                       weight_grad={4: [2 * f for f in forward]})
 
 
-def test_layer_times_are_scaled_to_the_recorded_medians_keeping_their_shares() -> None:
+def test_each_phase_is_read_off_as_the_recorded_sum_over_the_profiled_sum() -> None:
     step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4)), balance=[1, 2, 2, 3])
-    times = calibrated_times(_times(8), 4, step)
-    bounds = [(0, 1), (1, 3), (3, 5), (5, 8)]
-    for stage, (a, b) in enumerate(bounds):
-        assert sum(times.forward[4][a:b]) == pytest.approx(step.forward[stage])
-        if stage:
-            assert sum(times.input_grad[4][a:b]) == pytest.approx(step.input_grad[stage])
-            assert sum(times.weight_grad[4][a:b]) == pytest.approx(step.weight_grad[stage])
-        # The fused backward (not run in a split step) scales as I and W together do.
-        timed = _times(8)
-        together = sum(timed.input_grad[4][a:b]) + sum(timed.weight_grad[4][a:b])
-        assert sum(times.backward[4][a:b]) == pytest.approx(
-            sum(timed.backward[4][a:b]) * (step.input_grad[stage] + step.weight_grad[stage]) / together)
-    assert times.forward[4][6] / times.forward[4][5] == pytest.approx(7 / 6)  # shares within a stage kept
-    with pytest.raises(ValueError, match="covers 8 layers; the timed model has 6"):
-        calibrated_times(_times(6), 4, step)
+    costs = Costs.from_layer_times(_times(8), 4)
+    plan = Candidate("zbv", 4, (1, 2, 2, 3), "never", 2)
+    profiled = costs.stage_costs([(0, 1), (1, 3), (3, 5), (5, 8)], 4)
+    f, i, w, b = recorded_phases(costs, {plan: step})
+    assert f == pytest.approx(sum(step.forward) / sum(profiled.forward))
+    # I and W apart on the later stages; the first stage's I only replays, so there I + W counts for both.
+    first = step.input_grad[0] + step.weight_grad[0], profiled.input_grad[0] + profiled.weight_grad[0]
+    assert i == pytest.approx((sum(step.input_grad[1:]) + first[0]) / (sum(profiled.input_grad[1:]) + first[1]))
+    assert w == pytest.approx((sum(step.weight_grad[1:]) + first[0]) / (sum(profiled.weight_grad[1:]) + first[1]))
+    both = [step.input_grad[s] + step.weight_grad[s] for s in range(4)]
+    assert b == pytest.approx(sum(both) / sum(profiled.input_grad[s] + profiled.weight_grad[s] for s in range(4)))
+    with pytest.raises(ValueError, match=r"ran balance \[1, 2, 2, 3\]: record each plan as it is cut"):
+        recorded_phases(costs, {Candidate("zbv", 4, (2, 2, 2, 2), "never", 2): step})
 
 
-def test_auto_schedule_orders_by_the_recorded_costs() -> None:
+def test_too_few_step_times_read_the_overhead_off_the_recorded_steps_more_are_fitted() -> None:
+    step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4), gap=10.0), balance=[2, 2, 2, 2])
+    costs = Costs.from_layer_times(_times(8), 4)
+    plan = Candidate("zbv", 4, (2, 2, 2, 2), "never", 2)
+    read = fit(costs, {plan: step.wall}, traced={plan: step})
+    assert read.action_overhead == pytest.approx(10e-6) and read.contention == 1.0
+    assert read.phases == pytest.approx(recorded_phases(costs, {plan: step}))
+    plans = [plan, Candidate("1f1b", 4, (4, 4), "never"), Candidate("gpipe", 4, (3, 5), "never")]
+    fitted = fit(costs, {c: step.wall * (1 + 0.1 * k) for k, c in enumerate(plans)}, traced={plan: step})
+    assert fitted.phases == read.phases and fitted != read  # the constants come from the step times
+    with pytest.raises(ValueError, match="needs measured step times"):
+        fit(costs, {})
+
+
+def test_auto_schedule_orders_by_the_time_model_read_off_recorded_steps() -> None:
     step = traced_step(_recorded(Schedule("zbv", 2, 4), _costs(4), gap=10.0), balance=[2, 2, 2, 2])
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
     auto = auto_schedule(model, ranks=2, chunks=4, times=_times(8), measured=step, placement="v")
-    assert auto.costs.overhead == pytest.approx(10e-6)
-    if auto.balance == [2, 2, 2, 2]:  # the recorded cut: its costs are the medians
-        assert auto.costs.forward == pytest.approx((110e-6,) * 4, rel=0.1)
+    assert auto.measured == (step,) and auto.costs.overhead == pytest.approx(10e-6)
+    assert auto.model.phases[0] == pytest.approx(sum(step.forward) / sum(_times(8).forward[4]))
     assert lowered_step(auto.schedule, auto.costs) == pytest.approx(auto.step)
-    again = auto_schedule(model, ranks=2, chunks=4, times=auto.times, placement="v", action_seconds=10e-6)
+    assert sum(auto.costs.forward) == pytest.approx(sum(step.forward))  # the layers' forwards, as recorded
+    again = auto_schedule(model, ranks=2, chunks=4, times=auto.times, placement="v", measured=[step])
     assert again.step == pytest.approx(auto.step) and again.balance == auto.balance
+    with pytest.raises(ValueError, match=r"measured steps ran balances \[\[2, 2, 2, 2\]\], which do not cut the 4"):
+        auto_schedule(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), ranks=2, chunks=4,
+                      times=LayerTimes({4: [1e-6] * 4}, {4: [3e-6] * 4}, {4: [1e-6] * 4}, {4: [1000] * 4}, 3,
+                                       weight_grad={4: [2e-6] * 4}),
+                      measured=step, placement="v")
 
 
 def test_cost_errors_name_the_action_whose_cost_was_wrong() -> None:

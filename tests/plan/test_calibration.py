@@ -1,4 +1,4 @@
-"""``pipe.plan.calibrate`` (pipe/plan/calibration.py): the time model fitted to plans of the model run here, and ``plan(calibrate=True)``."""
+"""``pipe.plan.calibrate`` (pipe/plan/calibration.py): the time model read off and fitted to plans of the model run and recorded here, and ``plan(calibrate=True)``."""
 from __future__ import annotations
 
 import copy
@@ -60,8 +60,10 @@ def test_calibrate_fits_the_model_no_worse_than_the_layers_times_alone() -> None
                   for c, t in calibration.measured.items()]
         return math.sqrt(sum(e * e for e in errors) / len(errors))
 
-    # The fit minimises exactly this error, starting from the link alone: it cannot end worse.
-    assert rms(calibration.model) <= rms(TimeModel(link=link)) + 1e-12
+    # Each phase's compute was read off the plans' recorded steps, then the constants fitted to their step
+    # times: the fit minimises exactly this error, starting from those phases alone, so it cannot end worse.
+    assert calibration.model.phases != (1.0,) * 4 and all(v > 0 for v in calibration.model.phases)
+    assert rms(calibration.model) <= rms(TimeModel(link=link, phases=calibration.model.phases)) + 1e-12
     assert rms(calibration.model) == pytest.approx(
         math.sqrt(sum(e * e for e in calibration.errors.values()) / 3))
     assert "calibrated on 3 plans run here" in calibration.describe()
@@ -150,7 +152,9 @@ def test_run_plans_keeps_every_timed_step_of_every_sweep_and_the_fastest() -> No
 def test_calibrate_warns_when_the_machine_s_speed_moved_under_the_plans(monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     import pipe.plan.calibration as calibration_module
+    from pipe.balance.traced import TracedStep
     from pipe.plan.measure import Measured
+    nan = math.nan
 
     model = tanh_layers(layers=2)
     costs = costs_of(model)
@@ -162,6 +166,11 @@ def test_calibrate_warns_when_the_machine_s_speed_moved_under_the_plans(monkeypa
             return [[Measured(1, 0.010, 0, times), Measured(1, 0.010, 1, times)] for _ in chosen]
         return run
 
+    def recorded(traces: Any, balance: Any) -> TracedStep:  # the fake plans' steps, as recorded
+        n = len(balance)
+        return TracedStep(tuple(balance), (1e-3,) * n, (nan,) * n, (nan,) * n, (2e-3,) * n, 1e-4, 0.010, 3)
+
+    monkeypatch.setattr(calibration_module, "traced_step", recorded)
     monkeypatch.setattr(calibration_module, "run_plans", steady_or_not(0.5))
     with caplog.at_level("WARNING", logger="pipe.plan.calibration"):
         moved = calibrate(lambda: model, costs, 2, torch.randn(32, 64), plans=plans)
