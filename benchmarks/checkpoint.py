@@ -43,11 +43,13 @@ Run:
     python benchmarks/checkpoint.py                # 0.5B parameters: minutes, 6 GB of checkpoint per save
     python benchmarks/checkpoint.py --modes none async   # without the synchronous saves
     python benchmarks/checkpoint.py --modes none async --runs 3   # the figure of docs/distributed_training.md
-Results: benchmarks/results/checkpoint.json (checkpoint-quick.json).
+    python benchmarks/checkpoint.py --modes none sync async --output checkpoint-sync.json   # sync against async
+Results: benchmarks/results/checkpoint.json (checkpoint-quick.json; --output another name).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -92,7 +94,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, directory: str) -> di
     optimizer = torch.optim.AdamW(piped.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {}
-    counter = iter(range(1 << 30))
+    counter = itertools.count()  # the saves' step numbers, across blocks
 
     def block(mode: str, steps: int) -> None:
         """``steps`` steps of ``mode``, then the last save drained, so that the next block starts clean.
@@ -228,10 +230,15 @@ def main() -> None:
     parser.add_argument("--disk-probe-mb", type=int, default=2048,
                         help="MB written and fsync'ed before each run to measure the disk (default: %(default)s; 0: skip)")
     parser.add_argument("--note", default="", help="where the figures were taken (a busy machine, the disk)")
+    parser.add_argument("--output", default=None,
+                        help="the results file's name in benchmarks/results (default: checkpoint.json; with --quick: "
+                             "checkpoint-quick.json)")
     args = parser.parse_args()
     for flag in ("steps", "rounds", "runs", "pp"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.output is not None and (os.path.basename(args.output) != args.output or not args.output.endswith(".json")):
+        parser.error(f"--output {args.output!r}: give a file name ending in .json (it is written to {RESULTS})")
     if len(set(args.modes)) != len(args.modes):
         parser.error(f"--modes names a mode twice: {args.modes}")
     logging.basicConfig(level=logging.WARNING)
@@ -254,7 +261,7 @@ def main() -> None:
         result["over_none_per_run"] = {mode: [run["over_none"][mode] for run in runs] for mode in saving}
         result["over_none"] = {mode: statistics.median(v) for mode, v in result["over_none_per_run"].items()}
     RESULTS.mkdir(exist_ok=True)
-    name = "checkpoint-quick.json" if args.quick else "checkpoint.json"
+    name = args.output or ("checkpoint-quick.json" if args.quick else "checkpoint.json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     for mode, ratios in result.get("over_none_per_run", {}).items():
         rounds = [r for run in runs for r in run["over_none_per_round"][mode]]
