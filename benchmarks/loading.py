@@ -14,7 +14,7 @@ calls ``hf.load``; then ``hf.save`` exports it. For reference
 * ``load_peak_over_share``: the peak resident memory the rank gained from
   before the model was built to the end of the load (VmHWM, reset at the
   start), over the bytes of the tensors it holds (target <= 1.25); with
-  ``--device cuda`` the peak of ``torch.cuda.max_memory_allocated`` instead;
+  ``--device cuda`` the peak of ``torch.cuda.max_memory_allocated`` instead (and for ``--step``);
 * ``load_only_peak_over_share``: the same, from just before ``hf.load`` (what the load itself adds);
 * ``bytes_read_over_share``: bytes read from the files over the bytes held (1.0: only its own);
 * the load's time, and the slowest rank's over ``from_pretrained``'s
@@ -203,24 +203,35 @@ def _training_step(piped: Any, config: Any, share: int, baseline: int, args: arg
         flat = labels[:, 1:].reshape(-1)
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), flat, reduction="sum"), flat.numel()
 
+    cuda = args.device == "cuda"
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (4, 64), generator=generator)
+    ids = torch.randint(0, config.vocab_size, (4, 64), generator=generator).to(args.device)
     stage_bytes = sum(p.numel() * p.element_size() for p in piped.parameters())  # full sizes, DTensors too
     largest = unit_bytes(piped.named_parameters())[:2]
     gc_collect()
     dist.barrier()
     _reset_peak()
-    before = _status("VmRSS")
+    before = torch.cuda.memory_allocated() if cuda else _status("VmRSS")
+    if cuda:  # the GPU's allocations count from nothing: no baseline to take off
+        torch.cuda.reset_peak_memory_stats()
+        baseline = 0
     started = time.perf_counter()
     piped.step(ids, ids, loss_fn)
+    if cuda:
+        torch.cuda.synchronize()
     step_s = time.perf_counter() - started
-    peak = _status("VmHWM") - baseline
-    after = _status("VmRSS") - baseline
+    peak = _peak(cuda) - baseline
+    after = (torch.cuda.memory_allocated() if cuda else _status("VmRSS")) - baseline
     sharded = any(isinstance(p, DTensor) for p in piped.parameters())
     bound = share + stage_bytes + (sum(largest) if sharded else 0)
     return {"step_s": step_s, "step_peak_over_share": peak / share, "after_step_over_share": after / share,
-            "step_added_over_share": (_status("VmHWM") - before) / share,
+            "step_added_over_share": (_peak(cuda) - before) / share,
             "step_bound_without_activations_over_share": bound / share}
+
+
+def _peak(cuda: bool) -> int:
+    """The GPU's allocated peak with ``--device cuda``, else the process's resident peak (VmHWM)."""
+    return torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
 
 
 def unit_bytes(named: Any) -> list[int]:

@@ -78,6 +78,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch import nn
 from tqdm import tqdm
 
@@ -703,7 +704,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     model, config, flops = build(args, env.world_size, loaded=bool(args.model) or resume is not None)
     if args.model:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    parameters = list(model.parameters())
+    # With --tp and no FSDP the split weights are DTensors and the rest plain tensors: AdamW's multi-tensor path
+    # (CUDA's default) refuses a list that mixes them, so it steps one tensor at a time there.
+    mixed = len({isinstance(p, DTensor) for p in parameters}) > 1
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.0, foreach=False if mixed else None)
     schedule = lr_schedule(optimizer, args)
     data = open_data(args, config.vocab_size)
     start = 0

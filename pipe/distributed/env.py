@@ -199,4 +199,7 @@ def rank_device(device: Optional[torch.device]) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device, as tensors put there say
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

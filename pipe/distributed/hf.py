@@ -232,7 +232,8 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     Qwen3 and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
     features (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), under the plain
     model's names (``"model.layers.*.self_attn.q_proj"``). The embedding and the LM head stay whole on each
-    tensor-parallel rank (FSDP can still shard them) unless ``vocabulary``. Works for the model as built and
+    tensor-parallel rank (FSDP can still shard them) unless ``vocabulary`` (a config's ``embedding_rowwise``
+    entry, which some transformers versions ship for LLaMA, is left to that choice). Works for the model as built and
     for its ``pipe.split`` stages alike.
 
     With ``vocabulary=True`` the input embedding's rows are split too
@@ -272,6 +273,8 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     for pattern, kind in entries.items():
         if kind == "replicated_with_grad_allreduce":  # a whole weight applied to split heads (Qwen3's q_norm):
             continue  # pipe sums its gradient over the tp ranks wherever the graph combines it with a split value
+        if kind == "embedding_rowwise":  # the vocabulary split (transformers 5.17's LLaMA plan): vocabulary='s
+            continue
         if kind not in styles:
             raise ValueError(
                 f"{type(model).__name__}'s tensor-parallel plan splits {pattern!r} as {kind!r}; pipe splits "

@@ -167,3 +167,14 @@ def test_a_restarted_torchrun_attempt_on_the_shared_rendezvous_store_is_refused_
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     env_module._check_restartable()
     assert not caplog.records
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DistributedPipe(device="cuda")``: the stages and the tensors put on "cuda" are on the current device, so
+    the pipeline's device says which (found on a GPU: inputs on cuda:0 were refused as not on "cuda")."""
+    from pipe.distributed.env import rank_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert rank_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert rank_device("cuda:1") == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu")) == torch.device("cpu")

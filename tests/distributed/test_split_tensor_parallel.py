@@ -31,6 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def _full(tensor: Tensor) -> Tensor:
     if not isinstance(tensor, DTensor):
         return tensor
+    if tensor.device.type == "cuda" and tensor.device_mesh.ndim == 1:  # gloo's all-gather of CUDA tensors crashed
+        (placement,) = tensor.placements  # (torch 2.11, one H200): gather through the host
+        local = tensor.to_local().detach().cpu()
+        if placement.is_replicate():
+            return local.to(tensor.device)
+        pieces = [torch.empty_like(local) for _ in range(tensor.device_mesh.size())]
+        torch.distributed.all_gather(pieces, local.contiguous(), group=tensor.device_mesh.get_group())
+        return torch.cat(pieces, dim=placement.dim).to(tensor.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DTensor's note that a 2-D gather takes two all-gathers
         return tensor.full_tensor()
@@ -67,7 +75,8 @@ def _model(kind: str) -> nn.Module:
     return model
 
 
-def _steps(piped: pd.DistributedPipe, reference: nn.Module, label: str) -> dict[str, float]:
+def _steps(piped: pd.DistributedPipe, reference: nn.Module, label: str,
+           device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """3 AdamW steps against the plain model; each replica takes its rows of the 8-row global batch.
 
     GPT-2's AdamW takes ``eps=1e-6``: with the default 1e-8, an entry of its ``mlp.c_fc`` whose gradient is
@@ -76,13 +85,14 @@ def _steps(piped: pd.DistributedPipe, reference: nn.Module, label: str) -> dict[
     from split_models import lm_batch
 
     eps = 1e-6 if label == "gpt2" else 1e-8
-    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01, eps=eps)
+    # foreach=False: AdamW's multi-tensor path (CUDA's default) refuses a list mixing DTensors and plain tensors
+    optimizer = torch.optim.AdamW(piped.parameters(), lr=0.01, eps=eps, foreach=False)
     expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=eps)
     rows = 8 // piped.topology.data_parallel
     part = slice(piped.topology.replica * rows, piped.topology.replica * rows + rows)
     worst = {"loss": 0.0, "gradient": 0.0}
     for step in range(3):
-        ids, mask, labels = lm_batch(8, 8, seed=step)
+        ids, mask, labels = (t.to(device) for t in lm_batch(8, 8, seed=step))
         loss = piped.step((ids[part], mask[part]), labels[part], _sum_count, broadcast_loss=True)
         total, counted = _sum_count(reference(ids, attention_mask=mask).logits, labels)
         (total / counted).backward()
@@ -370,3 +380,54 @@ def test_a_dropout_over_split_values_draws_a_mask_of_its_ranks_own_and_replays_i
     torch.randint(0, 2 ** 62, ())
     assert torch.equal(torch.rand(4), after)  # exactly one draw, the seed
     assert torch.equal(rank_random(drop, 0, x, 0.5, False), x)  # eval: no dropout
+
+
+def _on_the_gpu(rank: int, world: int, device_type: str) -> dict[str, Any]:
+    """(pp 2, tp 2) of the tied LLaMA with every rank's stage on the one GPU: gloo carries the CUDA tensors
+    through host memory (NCCL takes one rank per device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipe.distributed import hf
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+    torch.manual_seed(0)
+    model = _model("llama tied")
+    reference = copy.deepcopy(model).to(device)
+    mesh = init_device_mesh(device_type, (2, 2), mesh_dim_names=("pp", "tp"))  # make_mesh follows gloo: "cpu"
+    piped = pd.DistributedPipe(_split(model), chunks=2, schedule="1f1b", mesh=mesh, loss_reduction="count",
+                               tensor_parallel=hf.tensor_parallel_plan(model), device=device)
+    placed = sorted({str(p.device) for p in piped.parameters()})
+    split = sum(isinstance(p, DTensor) and not p.placements[-1].is_replicate() for p in piped.parameters())
+    return {"devices": placed, "split": split, **_steps(piped, reference, "llama tied", device)}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_split_llama_with_tensor_parallelism_on_the_gpu_matches_the_plain_model() -> None:
+    """The (pp 2, tp 2) case with CUDA tensors: 4 ranks share the GPU; loss and every gradient within 1e-5 of the
+    plain model's on the GPU, the weights after 3 AdamW steps within 1e-4."""
+    pytest.importorskip("transformers")
+    found = run_ranks(_on_the_gpu, 4, "cuda", timeout=120.0, deadline=280.0)
+    for rank in found:
+        assert rank["devices"] == ["cuda:0"] and rank["split"] > 0, rank
+
+
+def test_a_configs_vocabulary_entry_is_left_to_the_vocabulary_choice() -> None:
+    """transformers 5.17's LLaMA plan also splits ``embed_tokens`` (``embedding_rowwise``): the standard plan leaves
+    it to ``vocabulary=`` (found on the GPU machine, whose transformers ships that entry) instead of refusing."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipe.distributed import hf
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **LlamaConfig.base_model_tp_plan}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    plan = hf.tensor_parallel_plan(model)
+    assert "model.embed_tokens" not in plan and "lm_head" not in plan
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
+    split = hf.tensor_parallel_plan(model, vocabulary=True)
+    assert isinstance(split["model.embed_tokens"], RowwiseParallel) and isinstance(split["lm_head"], ColwiseParallel)
