@@ -8,7 +8,7 @@ checkpointing. Configurations, each in fresh processes, alternating
 ``--repeats`` times:
 
     replicate    DistributedPipe, mesh (pp 2, dp_replicate 2)
-    zero3        DistributedPipe, mesh (pp 2, dp_shard 2), reshard after forward (FSDP2 default)
+    zero3        DistributedPipe, mesh (pp 2, dp_shard 2), reshard after forward, a stage gathered whole (unit="stage")
     zero2        DistributedPipe, mesh (pp 2, dp_shard 2), no reshard after forward
     torch-zero3  torch.distributed.pipelining: PipelineStage + Schedule1F1B over fully_shard stages
     torch-zero2  the same, reshard_after_forward=False
@@ -177,7 +177,8 @@ def _pipe_engine(args: argparse.Namespace, config: str, schedule: str = "1f1b") 
     replicas = {"dp_replicate": 2} if config == "replicate" else {"dp_shard": 2}
     mesh = make_mesh(pp=2, **replicas)
     virtual = 2 if schedule in ("interleaved", "looped-bfs") else 1
-    shard = None if config == "replicate" else Shard(reshard_after_forward=config == "zero3")
+    # A stage gathered whole (once per run of its actions), the unit these figures were taken with.
+    shard = None if config == "replicate" else Shard(reshard_after_forward=config == "zero3", unit="stage")
     pipe = DistributedPipe(decoder(args), chunks=args.microbatches, checkpoint="never", schedule=schedule,
                            virtual_stages=virtual, mesh=mesh, shard=shard)
     replica = dist.get_rank() % 2

@@ -85,8 +85,9 @@ def _measure(rank: int, port: int, mode: str, args: argparse.Namespace, results:
             replicate(stage, mesh=replicas)
         runtime = pipe._runtime  # the same runner, with torch's replicas reduced as FSDP stages
         pipe._runtime = Runtime(runtime.stages, runtime.schedule, runtime.topology, runtime.transport, runtime.skips,
-                                None, StageSharding(dict(pipe.partitions), pd.Shard(reshard_after_forward=False),
-                                                      pipe.schedule.stages - 1))
+                                None, StageSharding(dict(pipe.partitions),
+                                                    pd.Shard(reshard_after_forward=False, unit="stage"),
+                                                    pipe.schedule.stages - 1))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1 + pipe.topology.replica)
     x = torch.randn(args.batch, args.width, generator=generator)

@@ -109,9 +109,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: %(default)s)")
     p.add_argument("--dp-shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--dp-replicate", type=int, default=1, help="replicas of the pipeline")
-    p.add_argument("--fsdp-unit", default="stage", choices=["stage", "layer"],
-                   help="with --dp-shard > 1, what FSDP2 gathers at a time: a stage whole (least traffic; the "
-                        "default) or each decoder layer around its forward and backward (least memory)")
+    p.add_argument("--fsdp-unit", default=None, choices=["stage", "layer"],
+                   help="with --dp-shard > 1, what FSDP2 gathers at a time: each decoder layer around its forward "
+                        "and backward (least memory; the default, but with --schedule zbv) or a stage whole (least "
+                        "traffic)")
     p.add_argument("--keep-gathered", action="store_true",
                    help="with --fsdp-unit layer: keep each layer gathered from its first backward to the step's "
                         "reduce, as torch's PipelineStage does (fewer gathers, more memory)")
@@ -177,10 +178,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 0")
     if args.fsdp_unit == "layer" and args.dp_shard == 1:
         p.error("--fsdp-unit layer gathers the layers FSDP2 shards: give --dp-shard > 1 too, or leave it out")
-    if args.keep_gathered and args.fsdp_unit != "layer":
-        p.error("--keep-gathered keeps each layer gathered through the backwards: it goes with --fsdp-unit layer")
-    if args.no_prefetch and args.fsdp_unit != "layer":
-        p.error("--no-prefetch gathers each layer only when it runs: it goes with --fsdp-unit layer")
+    if args.keep_gathered and (args.fsdp_unit == "stage" or args.dp_shard == 1):
+        p.error("--keep-gathered keeps each layer gathered through the backwards: it goes with FSDP2 gathering a "
+                "layer at a time (--dp-shard > 1, without --fsdp-unit stage)")
+    if args.no_prefetch and (args.fsdp_unit == "stage" or args.dp_shard == 1):
+        p.error("--no-prefetch gathers each layer only when it runs: it goes with FSDP2 gathering a layer at a time "
+                "(--dp-shard > 1, without --fsdp-unit stage)")
     if not args.peak_tflops >= 0:
         p.error(f"--peak-tflops {args.peak_tflops}: give one device's peak in TFLOP/s (> 0), or 0 for no MFU")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
@@ -456,14 +459,16 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
     shard = None
     if args.dp_shard > 1:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-        shard = pd.Shard(mp_policy=policy, unit="block" if args.fsdp_unit == "layer" else "stage",
-                         reshard_after_backward=not args.keep_gathered, prefetch=not args.no_prefetch)
-        log.info("FSDP2 gathers %s", "a stage at a time" if args.fsdp_unit == "stage" else
-                 "a layer at a time" + (", kept from its first backward to the reduce" if args.keep_gathered else "")
-                 + (", each only when it runs" if args.no_prefetch else ""))
+        unit = {"layer": "block", "stage": "stage", None: None}[args.fsdp_unit]  # None: the engine's choice
+        shard = pd.Shard(mp_policy=policy, unit=unit, reshard_after_backward=not args.keep_gathered,
+                         prefetch=not args.no_prefetch)
     piped = pd.DistributedPipe(stages, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule,
                                virtual_stages=virtual, mesh=mesh, loss_fn=lm_loss, shard=shard,
                                tensor_parallel=plan, init_weights=not loaded)
+    if piped.shard is not None:  # the unit DistributedPipe chose for this schedule, where --fsdp-unit left it open
+        log.info("FSDP2 gathers %s", "a stage at a time" if piped.shard.unit == "stage" else
+                 "a layer at a time" + (", kept from its first backward to the reduce" if args.keep_gathered else "")
+                 + (", each only when it runs" if args.no_prefetch else ""))
     log.info("dtype: %s", "bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" if mixed
              else f"{args.dtype} parameters and compute")
     return piped, config, flops

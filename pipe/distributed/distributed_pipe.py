@@ -94,7 +94,8 @@ class DistributedPipe(PlainNamed, nn.Module):
             ``make_mesh(pp=world // replicas, dp_replicate=replicas)``.
         shard: how FSDP2 shards the stages over "dp_shard"
             (:class:`pipe.distributed.Shard`); default ``Shard()`` when the mesh
-            has a "dp_shard" dimension.
+            has a "dp_shard" dimension: ZeRO-3, each layer gathered around its
+            own forward and backward (a stage whole with a zero-bubble schedule).
         parallelize: ``parallelize(stage, mesh)`` is called on each of this
             rank's stages (an ``nn.Sequential`` of its layers under their
             plain-model names) before FSDP wraps them, e.g. to apply
@@ -220,13 +221,9 @@ class DistributedPipe(PlainNamed, nn.Module):
         if not init_weights:  # a split stage's graph devices now, before FSDP changes the stages' classes
             retarget_split_stages(self.partitions.values(), self.device)
         # Tensor parallelism first, then FSDP (or the replicas' averager), as torchtitan composes them.
-        if isinstance(shard, Shard) and shard.unit == "block" and self.schedule.splits_backward:
-            raise ValueError(
-                f"shard=Shard(unit='block') with schedule {schedule!r}, which splits each backward into an input "
-                f"half and a later weight half: FSDP's hooks reshard a layer after its input half, and the weight "
-                f"half would miss its gathered weights; use Shard(unit='stage') with this schedule, or a schedule "
-                f"whose backward is whole ('1f1b', 'gpipe', 'interleaved', 'looped-bfs')"
-            )
+        if shard is not None:  # the unit for this schedule: a block at a time under ZeRO-3 where it can be
+            shard = shard.with_unit(schedule, self.schedule.splits_backward)
+            logger.info("FSDP2 gathers %s at a time", "a block" if shard.unit == "block" else "a stage")
         self.shard = shard
         sharding, averager = parallelize_stages(self.partitions, skeleton, mesh, self.topology, self._tied, shard,
                                                 parallelize, tensor_parallel, schedule)

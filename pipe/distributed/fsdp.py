@@ -7,8 +7,9 @@ has both): first the modules ``Shard.blocks`` chooses (by default each layer of
 the stage; the policy sees the plain model's names), then the stage itself. Parameters,
 gradients and optimizer state are then ``DTensor`` shards.
 
-FSDP's own hooks would gather and reduce once per micro-batch. A pipeline
-knows better, since it knows the rank's whole program for the step
+With ``unit="stage"`` (ZeRO-2's, and the zero-bubble schedules') the runner
+drives the gathers. FSDP's own hooks would gather and reduce once per
+micro-batch; a pipeline can do with fewer, since it knows the rank's whole program for the step
 (:meth:`pipe.core.schedule.Schedule.actions`), so the lowering of that program places the gathers, reduces and reshards
 (:func:`pipe.core.lowering.gathers`) and :class:`StageSharding` executes them,
 as torch's ``PipelineStage`` does:
@@ -26,8 +27,9 @@ Within a run of one stage's actions the stage stays gathered (FSDP's per-block
 reshard after forward is turned off), so a stage is gathered once per run of
 its actions, not once per micro-batch.
 
-``Shard(unit="block")`` trades traffic for memory, as torchtitan's per-block
-FSDP2 does: each block (a layer of the stage; a decoder layer, an untied
+``Shard(unit="block")``, the default under ZeRO-3 where the schedule's
+backward is whole (:meth:`Shard.with_unit`), trades traffic for memory, as
+torchtitan's per-block FSDP2 does: each block (a layer of the stage; a decoder layer, an untied
 embedding, the final norm or the head of a model cut by :func:`pipe.split`,
 see :mod:`pipe.split_blocks`) is gathered by FSDP's own hooks around its
 forward and its backward, one at a time with the next prefetched, and
@@ -43,7 +45,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, cast
 
 import torch
@@ -85,12 +87,16 @@ class Shard:
             stage: one group, as a stage is gathered whole anyway; needed where
             one stage holds two layers that share a weight (a tied split model
             at pipeline size 1).
-        unit: what is gathered at a time under ZeRO-3. ``"stage"``: a stage
-            whole, once per run of its actions (least traffic). ``"block"``:
-            each block around its own forward and backward, the next
-            prefetched (least memory: the default blocks are then the layers
-            a stage calls, a split model's decoder layers); needs
-            ``reshard_after_forward=True``.
+        unit: what is gathered at a time under ZeRO-3. ``"block"``: each
+            block around its own forward and backward, the next prefetched
+            (least memory: the default blocks are then the layers a stage
+            calls, a split model's decoder layers); needs
+            ``reshard_after_forward=True`` and a schedule whose backward is
+            whole. ``"stage"``: a stage whole, once per run of its actions
+            (least traffic; with one stage a rank, gathered for the whole
+            step). Default (None): ``"block"`` under ZeRO-3 where the
+            schedule allows it, else ``"stage"`` (ZeRO-2; the zero-bubble
+            schedules, whose backward is split in two).
         reduce: when a block's gradients are reduce-scattered. ``"step"``: once,
             after the stage's last backward of the step (the stage's gradients
             held unsharded until then; least traffic). ``"micro-batch"`` (with
@@ -116,7 +122,7 @@ class Shard:
     reshard_after_forward: bool = True
     mp_policy: Optional[MixedPrecisionPolicy] = None
     blocks: Optional[BlockPolicy] = None
-    unit: str = "stage"
+    unit: Optional[str] = None
     reduce: str = "step"
     reshard_after_backward: bool = True
     prefetch: bool = True
@@ -131,40 +137,64 @@ class Shard:
             )
         if self.blocks is not None and not callable(self.blocks):
             raise TypeError(f"Shard(blocks=...) must be a function (name, module) -> bool, got {self.blocks!r}")
-        if self.unit not in UNITS:
-            raise ValueError(f"Shard(unit=...) must be one of {UNITS}, got {self.unit!r}")
+        if self.unit is not None and self.unit not in UNITS:
+            raise ValueError(f"Shard(unit=...) must be one of {UNITS} or None (the default), got {self.unit!r}")
         if self.reduce not in REDUCES:
             raise ValueError(f"Shard(reduce=...) must be one of {REDUCES}, got {self.reduce!r}")
-        if self.reduce == "micro-batch" and self.unit != "block":
-            raise ValueError(
-                f"Shard(reduce='micro-batch') needs unit='block' (got unit={self.unit!r}): a stage gathered whole "
-                f"keeps its gradients unsharded until its last backward anyway; pass Shard(unit='block', "
-                f"reduce='micro-batch') to reduce each layer's gradients after each of its backwards"
-            )
-        if not isinstance(self.reshard_after_backward, bool):
-            raise TypeError(f"Shard(reshard_after_backward=...) must be True or False, got "
-                            f"{self.reshard_after_backward!r}")
-        if not self.reshard_after_backward and (self.unit != "block" or self.reduce != "step"):
-            raise ValueError(
-                f"Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got "
-                f"unit={self.unit!r}, reduce={self.reduce!r}): a stage gathered whole stays gathered through its "
-                f"run of actions anyway, and reducing after each backward reshards the block then; pass "
-                f"Shard(unit='block', reshard_after_backward=False)"
-            )
-        if not isinstance(self.prefetch, bool):
-            raise TypeError(f"Shard(prefetch=...) must be True or False, got {self.prefetch!r}")
-        if not self.prefetch and self.unit != "block":
-            raise ValueError(
-                "Shard(prefetch=False) goes with unit='block': a stage gathered whole is gathered once per run of "
-                "its actions, and the runner's prefetch of the next stage is the schedule's; pass "
-                "Shard(unit='block', prefetch=False) to gather each layer only when it runs"
-            )
         if self.unit == "block" and not self.reshard_after_forward:
             raise ValueError(
                 "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered from its first "
                 "action to its last, so there is nothing to gather block by block; pass reshard_after_forward=True "
                 "(ZeRO-3) to gather one block at a time, or unit='stage'"
             )
+        # What the unit will be where the schedule allows blocks: ZeRO-2 gathers a stage whole.
+        unit = self.unit or ("block" if self.reshard_after_forward else "stage")
+        got = repr(self.unit) if self.unit is not None else "'stage', ZeRO-2's"
+        if self.reduce == "micro-batch" and unit != "block":
+            raise ValueError(
+                f"Shard(reduce='micro-batch') needs unit='block' (got unit={got}): a stage gathered whole "
+                f"keeps its gradients unsharded until its last backward anyway; pass Shard(unit='block', "
+                f"reduce='micro-batch') (ZeRO-3) to reduce each layer's gradients after each of its backwards"
+            )
+        if not isinstance(self.reshard_after_backward, bool):
+            raise TypeError(f"Shard(reshard_after_backward=...) must be True or False, got "
+                            f"{self.reshard_after_backward!r}")
+        if not self.reshard_after_backward and (unit != "block" or self.reduce != "step"):
+            raise ValueError(
+                f"Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got "
+                f"unit={got}, reduce={self.reduce!r}): a stage gathered whole stays gathered through its "
+                f"run of actions anyway, and reducing after each backward reshards the block then; pass "
+                f"Shard(unit='block', reshard_after_backward=False)"
+            )
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"Shard(prefetch=...) must be True or False, got {self.prefetch!r}")
+        if not self.prefetch and unit != "block":
+            raise ValueError(
+                f"Shard(prefetch=False) goes with unit='block' (got unit={got}): a stage gathered whole is gathered "
+                f"once per run of its actions, and the runner's prefetch of the next stage is the schedule's; pass "
+                f"Shard(unit='block', prefetch=False) to gather each layer only when it runs"
+            )
+
+    def with_unit(self, schedule: object, splits_backward: bool) -> "Shard":
+        """This configuration with its unit chosen for ``schedule`` (``unit=None``: ``"block"`` under ZeRO-3 where
+        the schedule's backward is whole, else ``"stage"``).
+
+        Raises:
+            ValueError: ``unit="block"`` (given, or needed by ``reduce="micro-batch"``, ``prefetch=False`` or
+                ``reshard_after_backward=False``) with a schedule that splits each backward in two.
+        """
+        implied = self.reduce != "step" or not self.prefetch or not self.reshard_after_backward
+        if splits_backward and (self.unit == "block" or implied):
+            raise ValueError(
+                f"shard=Shard(unit='block') with schedule {schedule!r}, which splits each backward into an input "
+                f"half and a later weight half: FSDP's hooks reshard a layer after its input half, and the weight "
+                f"half would miss its gathered weights; use Shard(unit='stage') with this schedule"
+                f"{' (without reduce=, prefetch= or reshard_after_backward=, which need unit=block)' if implied else ''}"
+                f", or a schedule whose backward is whole ('1f1b', 'gpipe', 'interleaved', 'looped-bfs')"
+            )
+        if self.unit is not None:
+            return self
+        return replace(self, unit="block" if self.reshard_after_forward and not splits_backward else "stage")
 
 
 def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
@@ -236,6 +266,7 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
             parameter is shared by two blocks or two stages of this rank (FSDP
             would shard it twice).
     """
+    assert config.unit is not None, "Shard.with_unit chooses the unit before the stages are sharded"
     stage_of: dict[int, tuple[int, str]] = {}
     for s, stage in sorted(stages.items()):
         refuse_wrapped(stage, f"stage {s}")
@@ -314,6 +345,7 @@ class StageSharding:
     """
 
     def __init__(self, stages: dict[int, nn.Module], config: Shard, last_stage: int) -> None:
+        assert config.unit is not None, "Shard.with_unit chooses the unit before the stages are sharded"
         self.config = config
         self.modules: dict[int, list[FSDPModule]] = {
             s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}

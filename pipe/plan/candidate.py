@@ -136,7 +136,8 @@ class Candidate:
         if self.dp_shard > 1:
             from pipe.distributed.fsdp import Shard
 
-            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward)
+            # A stage gathered whole, as the planner models it (pipe.plan.sharding).
+            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward, unit="stage")
         return kwargs
 
     def mesh_kwargs(self) -> dict[str, int]:

@@ -98,9 +98,9 @@ def test_fine_tune_a_local_hf_model_in_bf16_resume_at_another_layout_and_load_th
     # The same run resumed on another layout: one stage, its parameters sharded over 2 ranks by FSDP2, in fp32
     # with bf16 compute (FSDP's mixed precision; the checkpoint's bf16 tensors load into fp32 ones); --resume
     # given the folder of step checkpoints takes its newest.
-    # FSDP2 gathers a decoder layer at a time there, each only when it runs (--fsdp-unit layer --no-prefetch).
+    # FSDP2 gathers a decoder layer at a time there (DistributedPipe's default), each only when it runs.
     second = _launch(2, [*common, "--pp", "1", "--dp-shard", "2", "--steps", "4", "--resume", str(out / "checkpoints"),
-                         "--dtype", "bf16", "--fsdp-unit", "layer", "--no-prefetch"], "done: steps 2-4")
+                         "--dtype", "bf16", "--no-prefetch"], "done: steps 2-4")
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in second, second[-3000:]
     assert "dtype: bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" in second
     assert "FSDP2 gathers a layer at a time, each only when it runs" in second
@@ -347,9 +347,11 @@ def test_a_config_file_with_a_key_that_is_no_flag_is_refused_naming_it(tmp_path:
 
 @pytest.mark.parametrize("flags, message", [
     (["--fsdp-unit", "layer"], "--fsdp-unit layer gathers the layers FSDP2 shards: give --dp-shard > 1 too"),
-    (["--dp-shard", "2", "--keep-gathered"],
-     "--keep-gathered keeps each layer gathered through the backwards: it goes with --fsdp-unit layer"),
-    (["--dp-shard", "2", "--no-prefetch"], "--no-prefetch gathers each layer only when it runs: it goes with --fsdp-unit layer"),
+    (["--dp-shard", "2", "--fsdp-unit", "stage", "--keep-gathered"],
+     "--keep-gathered keeps each layer gathered through the backwards: it goes with FSDP2 gathering a layer at a time"),
+    (["--keep-gathered"], "--keep-gathered keeps each layer gathered through the backwards: it goes with FSDP2"),
+    (["--dp-shard", "2", "--fsdp-unit", "stage", "--no-prefetch"],
+     "--no-prefetch gathers each layer only when it runs: it goes with FSDP2 gathering a layer at a time"),
 ])
 def test_fsdp_unit_flags_without_what_they_need_are_refused_naming_the_fix(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -360,6 +362,8 @@ def test_fsdp_unit_flags_without_what_they_need_are_refused_naming_the_fix(
     settings = example.parse_args(["--model", "m", "--data", "d", "--out", "o", "--dp-shard", "2", "--fsdp-unit",
                                    "layer", "--keep-gathered"])
     assert (settings.fsdp_unit, settings.keep_gathered) == ("layer", True)
+    settings = example.parse_args(["--model", "m", "--data", "d", "--out", "o", "--dp-shard", "2", "--no-prefetch"])
+    assert (settings.fsdp_unit, settings.no_prefetch) == (None, True)  # a layer at a time, DistributedPipe's default
 
 
 def test_resume_takes_the_newest_complete_checkpoint_and_refuses_a_folder_without_one(tmp_path: Path) -> None:

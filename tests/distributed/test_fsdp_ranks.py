@@ -189,7 +189,7 @@ def _sharded(rank: int, world: int) -> dict[str, Any]:
             plain = lm(tied)
             model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, checkpoint=checkpoint, schedule=schedule,
                                        virtual_stages=virtual, mesh=mesh,
-                                       shard=pd.Shard(reshard_after_forward=raf))
+                                       shard=pd.Shard(reshard_after_forward=raf, unit="stage"))
             label = f"{schedule} zero{3 if raf else 2} {checkpoint}"
             report[label] = _compare(model, plain, label, tied=tied)
     # Loss over the tokens that count, a recompute config, gradient clipping across pp and shard ranks.

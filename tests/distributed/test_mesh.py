@@ -158,18 +158,24 @@ def test_the_runner_gathers_ahead_and_reduces_each_stage_once_after_its_last_bac
 
 
 @pytest.mark.parametrize("arguments, error, message", [
-    ({"unit": "layer"}, ValueError, "Shard(unit=...) must be one of ('stage', 'block'), got 'layer'"),
+    ({"unit": "layer"}, ValueError,
+     "Shard(unit=...) must be one of ('stage', 'block') or None (the default), got 'layer'"),
     ({"reduce": "always"}, ValueError, "Shard(reduce=...) must be one of ('step', 'micro-batch'), got 'always'"),
-    ({"reduce": "micro-batch"}, ValueError, "Shard(reduce='micro-batch') needs unit='block' (got unit='stage')"),
+    ({"unit": "stage", "reduce": "micro-batch"}, ValueError,
+     "Shard(reduce='micro-batch') needs unit='block' (got unit='stage')"),
+    ({"reshard_after_forward": False, "reduce": "micro-batch"}, ValueError,
+     "Shard(reduce='micro-batch') needs unit='block' (got unit='stage', ZeRO-2's)"),
     ({"unit": "block", "reshard_after_forward": False}, ValueError,
      "Shard(unit='block', reshard_after_forward=False): ZeRO-2 keeps a stage gathered"),
-    ({"reshard_after_backward": False}, ValueError,
+    ({"unit": "stage", "reshard_after_backward": False}, ValueError,
      "Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got unit='stage'"),
     ({"unit": "block", "reduce": "micro-batch", "reshard_after_backward": False}, ValueError,
      "Shard(reshard_after_backward=False) goes with unit='block' and reduce='step' (got unit='block', "
      "reduce='micro-batch')"),
     ({"reshard_after_backward": 0}, TypeError, "Shard(reshard_after_backward=...) must be True or False, got 0"),
-    ({"prefetch": False}, ValueError, "Shard(prefetch=False) goes with unit='block'"),
+    ({"unit": "stage", "prefetch": False}, ValueError, "Shard(prefetch=False) goes with unit='block' (got unit='stage')"),
+    ({"reshard_after_forward": False, "prefetch": False}, ValueError,
+     "Shard(prefetch=False) goes with unit='block' (got unit='stage', ZeRO-2's)"),
     ({"unit": "block", "prefetch": "no"}, TypeError, "Shard(prefetch=...) must be True or False, got 'no'"),
 ])
 def test_a_bad_unit_or_reduce_is_refused_naming_the_value_and_the_fix(arguments: dict[str, Any], error: type,
@@ -178,3 +184,19 @@ def test_a_bad_unit_or_reduce_is_refused_naming_the_value_and_the_fix(arguments:
         pd.Shard(**arguments)
     assert str(raised.value).startswith(message), raised.value
     assert any(fix in str(raised.value) for fix in ("pass", "must be one of", "must be True or False"))
+
+
+def test_the_default_unit_is_a_block_under_zero3_where_the_schedule_allows_it() -> None:
+    """Shard() leaves the unit to DistributedPipe: a block at a time under ZeRO-3 when the schedule's backward is
+    whole; a stage whole under ZeRO-2 and with a schedule that splits the backward (zero bubble)."""
+    assert pd.Shard().unit is None
+    assert pd.Shard().with_unit("1f1b", splits_backward=False).unit == "block"
+    assert pd.Shard().with_unit("zbv", splits_backward=True).unit == "stage"
+    assert pd.Shard(reshard_after_forward=False).with_unit("1f1b", splits_backward=False).unit == "stage"
+    assert pd.Shard(unit="stage").with_unit("1f1b", splits_backward=False).unit == "stage"
+    assert pd.Shard(prefetch=False).with_unit("gpipe", splits_backward=False).unit == "block"
+    for needs_block in (pd.Shard(unit="block"), pd.Shard(reduce="micro-batch"), pd.Shard(prefetch=False),
+                        pd.Shard(reshard_after_backward=False)):
+        with pytest.raises(ValueError, match=r"^shard=Shard\(unit='block'\) with schedule 'zbv', which splits each "
+                                             r"backward.*use Shard\(unit='stage'\) with this schedule"):
+            needs_block.with_unit("zbv", splits_backward=True)

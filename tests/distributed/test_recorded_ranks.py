@@ -52,7 +52,7 @@ def _record_sharded(rank: int, world: int, directory: str) -> int:
     from pipe.distributed import Shard, make_mesh
 
     pipe = DistributedPipe(copy.deepcopy(blocks(4)), chunks=2, checkpoint="never", schedule="1f1b",
-                           mesh=make_mesh(pp=2, dp_shard=2), shard=Shard(), loss_fn=F.mse_loss)
+                           mesh=make_mesh(pp=2, dp_shard=2), shard=Shard(unit="stage"), loss_fn=F.mse_loss)
     inputs, target = batch(4)  # each shard partner its own rows: the same ones will do for a trace
     pipe.step(inputs, target)  # warm-up, not recorded
     with trace.record(Path(directory) / "run.{rank}.json", rank=rank, schedule="1f1b"):
@@ -61,7 +61,8 @@ def _record_sharded(rank: int, world: int, directory: str) -> int:
 
 
 def test_fsdp_gathers_and_reduces_are_recorded_under_the_plans_names(tmp_path: Path) -> None:
-    """The lowered program's UNSHARD, WAIT_UNSHARD and REDUCE_GRAD steps are spans named as pipe-viz plan names them."""
+    """The lowered program's UNSHARD, WAIT_UNSHARD and REDUCE_GRAD steps (a stage gathered whole, unit="stage": the
+    runner's own) are spans named as pipe-viz plan names them."""
     assert run_ranks(_record_sharded, 4, str(tmp_path)) == [0, 1, 2, 3]
     timeline = from_trace(trace.load(tmp_path / "run.0.json"))
     # Rank 0 holds stage 0: gathered once (issued and waited for), reduced once after its last backward.

@@ -16,7 +16,7 @@ head's in every layout; over several micro-batches the sums would associate
 differently when the two uses share a rank).
 
 A tied split model at pipeline size 1 holds the embedding and the LM head in
-two pieces of one stage: the default ``Shard()`` (one FSDP group per piece) is
+two pieces of one stage: ``Shard(unit="stage")`` (one FSDP group per piece) is
 refused naming the weight by its plain name; ``Shard(blocks=lambda name, module: False)``
 shards the stage as one group.
 """
@@ -63,9 +63,9 @@ EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weig
 
 # (label, mesh sizes, the Shard's arguments): the reference first, then the chain.
 ONE_GROUP = Shard(blocks=lambda name, module: False)
-ZERO3: dict[str, Any] = {"reshard_after_forward": True}
+ZERO3: dict[str, Any] = {"reshard_after_forward": True}  # a layer at a time (the default unit, "block")
 LAYOUTS: list[tuple[str, dict[str, int], dict[str, Any] | None]] = [
-    ("pp 2, dp_shard 2", dict(pp=2, dp_shard=2), ZERO3),
+    ("pp 2, dp_shard 2", dict(pp=2, dp_shard=2), {**ZERO3, "unit": "stage"}),
     ("pp 4", dict(pp=4), None),
     ("pp 2, dp_replicate 2", dict(pp=2, dp_replicate=2), None),
     ("pp 2, dp_shard 2, ZeRO-2", dict(pp=2, dp_shard=2), {"reshard_after_forward": False}),
@@ -137,9 +137,9 @@ def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
     state.save(f"{folder}/after1", reference, optimizer, step=1)
     steps += [_step(reference, optimizer, k) for k in range(1, len(LAYOUTS))]
     results["reference"] = (steps, _weights(reference))
-    if MODELS[which][2]:  # tied, pipeline size 1: the default Shard() wraps each piece, both hold the weight
+    if MODELS[which][2]:  # tied, pipeline size 1: Shard(unit="stage") wraps each piece, both hold the weight
         with pytest.raises(ValueError) as refused:
-            DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4))
+            DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4), shard=Shard(unit="stage"))
         results["refusal"] = str(refused.value)
         with pytest.raises(ValueError) as refused:  # ZB-V puts the first and the last stage on rank 0
             DistributedPipe(_stages(which), chunks=2, schedule="zbv", mesh=make_mesh(pp=2, dp_shard=2))
