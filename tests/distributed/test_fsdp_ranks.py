@@ -234,8 +234,15 @@ def test_sharded_pipeline_matches_the_plain_model_under_every_schedule() -> None
         assert report["looped-bfs zero3 always"][0] == 6, report
         assert report["interleaved zero3 always"][0] == 6, report
         assert report["zbv zero3 always"][0] >= 4, report
-        assert report["count+recompute+clip"] == (4, 4)
-        assert report["skips"] == (3, 3)
+        # Shard()'s default under ZeRO-3 with 1F1B: each of the rank's 4 layers gathered around each of its 2
+        # forwards and 2 backwards (16; one fewer on the last stage's ranks 2 and 3, where a backward follows its
+        # forward at once), its gradients reduce-scattered once a step (4).
+        assert report["count+recompute+clip"] == (16 if rank < 2 else 15, 4), (rank, report)
+        # Skips on the default unit: each of the rank's 3 layers reduce-scattered once a step, gathered around each
+        # forward, recomputation and backward of its own (how many depends on where FSDP keeps the last layer
+        # gathered into its backward: 14 or 16 here), not once a step as a stage whole would be (3).
+        gathers, scatters = report["skips"]
+        assert scatters == 3 and gathers > 3, report
         assert "tied weight '0.embedding.weight' of stages [0, 3] on pipeline rank 0 is held by two stages" \
             in report["zbv tied"], report
     print({k: v for k, v in results[0].items() if k != "zbv tied"})

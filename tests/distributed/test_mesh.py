@@ -39,7 +39,8 @@ def _layouts_and_errors(rank: int, world: int) -> dict[str, object]:
     out["place"] = (top.pipeline_rank, top.replica, top.pipeline, top.data_parallel, model.stages)
     out["pipeline"] = [top.global_rank(p) for p in range(top.ranks)]
     out["mesh_is_kept"] = model.mesh is mesh
-    out["sharded"] = model.shard == pd.Shard()  # the default with a dp_shard dimension
+    # The default with a dp_shard dimension, its unit chosen for the schedule (1F1B: a block at a time).
+    out["sharded"] = model.shard == pd.Shard(unit="block")
     # Replicas are the mesh's "dp_replicate" dimension, pp outermost: each stage's replicas on consecutive ranks.
     replicated = pd.make_mesh(pp=2, dp_replicate=2)
     replicas = pd.DistributedPipe(_linears(), chunks=2, mesh=replicated)
