@@ -151,6 +151,9 @@ def _save(how: str, path: str, piped: pd.DistributedPipe) -> None:
         pd.hf.save(path, piped)
 
 
+BEFORE = "before the fault, in step"  # what a rank's report starts with when it failed before the faulty step
+
+
 def run(rank: int, world: int, layout: str, how: str, wait_for_others: bool = True,
         folder: str = "") -> tuple[str, float, str]:
     """Trains until the fault; returns ``(this rank's error, seconds from the start of step 2 (or of the failed
@@ -185,6 +188,8 @@ def run(rank: int, world: int, layout: str, how: str, wait_for_others: bool = Tr
                 _save(how, str(pd.state.step_path(folder, step)), piped)
         except Exception as error:  # the victim's own ValueError, or a survivor's PipelineFailure
             message = f"{type(error).__name__}: {error}"
+            if step < AT_STEP:  # the launch never reached the fault (a connection that the machine's load kept
+                message = f"{BEFORE} {step}: {message}"  # past the 4 s timeout, say): the tests start it again
             break
     seconds = time.monotonic() - start
     kept = ""
