@@ -189,7 +189,7 @@ def run(rank: int, world: int, layout: str, how: str, wait_for_others: bool = Tr
         except Exception as error:  # the victim's own ValueError, or a survivor's PipelineFailure
             message = f"{type(error).__name__}: {error}"
             if step < AT_STEP:  # the launch never reached the fault (a connection that the machine's load kept
-                message = f"{BEFORE} {step}: {message}"  # past the 4 s timeout, say): the tests start it again
+                message = f"{BEFORE} {step}: {message}"  # past the short timeout, say): the tests start it again
             break
     seconds = time.monotonic() - start
     kept = ""
@@ -223,8 +223,8 @@ def headline(message: str) -> str:
 def _all_started(folder: str, world: int, limit: float = 240.0) -> None:
     """Waits (up to ``limit`` seconds) until every rank of the job has imported what it needs and called this.
 
-    Under torchrun the ranks connect within the job's short timeout (:data:`TIMEOUT` of the test, 4 s), which
-    must stay short for a stalled rank to be named fast; on a loaded machine one rank's imports can take longer
+    Under torchrun the ranks connect within the job's timeout (the test's ``timeout(how)``: 4 s for a stall),
+    which must stay short for a stalled rank to be named fast; on a loaded machine one rank's imports can take longer
     than that behind another's, and the connect then fails before any fault. Each rank marks itself in
     ``folder/started`` (a folder: the test reads only the files of ``folder``) and connects once all have.
     """

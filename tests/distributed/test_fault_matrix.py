@@ -61,7 +61,15 @@ from fault_ranks import BEFORE, FAULTS, LAYOUTS, SAVES, VICTIM, headline
 from pipe.distributed.watchdog import STALLED_EXIT
 from spawn_ranks import free_port, run_ranks
 
-TIMEOUT = 4.0  # the job's process-group timeout, in seconds
+TIMEOUT = 4.0  # the job's process-group timeout, in seconds, where rank 2 stalls: the timeout names it
+RELEASE_TIMEOUT = 30.0  # where rank 2 dies or raises: closed connections must release every survivor, rank to rank
+# (rank 2's own, then those of each survivor that named it), which took over 4 s once on the loaded 2-core CI; a wait
+# that timed out instead says so in the survivor's message and takes 30 s, so the check still tells them apart
+
+
+def timeout(how: str) -> float:
+    """The process-group timeout of a case: :data:`TIMEOUT` for a stall, :data:`RELEASE_TIMEOUT` otherwise."""
+    return TIMEOUT if how in ("stall", "pause") else RELEASE_TIMEOUT
 UNWAITED = fault_ranks.STALL  # no survivor's error, process end or job end may take this long: that would be a wait
 # for the stalled rank's sleep. Not a speed: a survivor names the failure within seconds of the timeout (its evidence
 # settles in at most 4 s) and a process ends seconds later, but 8-20 s to end were seen on the 2-core machine loaded by
@@ -97,7 +105,7 @@ def spawned(layout: str, how: str, start_method: Optional[str] = None) -> dict[i
     for attempt in range(LAUNCHES):
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
             try:
-                results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=TIMEOUT, barrier=False,
+                results = run_ranks(fault_ranks.run, 4, layout, how, True, folder, timeout=timeout(how), barrier=False,
                                     expect_missing=(VICTIM,), deadline=90, start_method=start_method)
             except AssertionError as error:
                 # A rank that failed while building the pipeline (connecting within the 4 s timeout on a loaded
@@ -134,7 +142,7 @@ def launched(layout: str, how: str) -> tuple[dict[int, Report], str, float]:
         began: list[float] = []
         with tempfile.TemporaryDirectory(prefix="pipe-faults-") as folder:
             env["FAULT_REPORTS"] = folder
-            done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(TIMEOUT)], timeout=HANG, env=env,
+            done = run_torchrun(["--nproc-per-node=4"], [script, layout, how, str(timeout(how))], timeout=HANG, env=env,
                                 start_new_session=True)
             end = time.time()
             for name in os.listdir(folder):
@@ -269,7 +277,7 @@ def _plain_processes(layout: str, how: str) -> tuple[dict[str, str], dict[int, f
         for rank in range(4):
             with open(os.path.join(folder, f"out{rank}"), "w") as out:
                 processes.append(subprocess.Popen(
-                    [sys.executable, str(Path(fault_ranks.__file__).resolve()), layout, how, str(TIMEOUT)],
+                    [sys.executable, str(Path(fault_ranks.__file__).resolve()), layout, how, str(timeout(how))],
                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT))
         ended: dict[int, float] = {}
         try:
