@@ -147,8 +147,7 @@ class Shard:
                 "action to its last, so there is nothing to gather block by block; pass reshard_after_forward=True "
                 "(ZeRO-3) to gather one block at a time, or unit='stage'"
             )
-        # What the unit will be where the schedule allows blocks: ZeRO-2 gathers a stage whole.
-        unit = self.unit or ("block" if self.reshard_after_forward else "stage")
+        unit = self._unit(splits_backward=False)  # what it will be where the schedule allows blocks
         got = repr(self.unit) if self.unit is not None else "'stage', ZeRO-2's"
         if self.reduce == "micro-batch" and unit != "block":
             raise ValueError(
@@ -192,9 +191,14 @@ class Shard:
                 f"{' (without reduce=, prefetch= or reshard_after_backward=, which need unit=block)' if implied else ''}"
                 f", or a schedule whose backward is whole ('1f1b', 'gpipe', 'interleaved', 'looped-bfs')"
             )
+        return self if self.unit is not None else replace(self, unit=self._unit(splits_backward))
+
+    def _unit(self, splits_backward: bool) -> str:
+        """The unit given, else ``"block"`` under ZeRO-3 where the schedule's backward is whole, else ``"stage"``
+        (ZeRO-2 gathers a stage whole)."""
         if self.unit is not None:
-            return self
-        return replace(self, unit="block" if self.reshard_after_forward and not splits_backward else "stage")
+            return self.unit
+        return "block" if self.reshard_after_forward and not splits_backward else "stage"
 
 
 def refuse_wrapped(model: nn.Module, what: str = "the model") -> None:
@@ -315,16 +319,19 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
                 block.set_modules_to_backward_prefetch([block])
         logger.info("stage %d: fully_shard on %d block(s) (%d gathered by their own hooks) and the stage, mesh %s",
                     s, len(chosen), len(by_block), mesh)
-        _quiet_view_warning([stage] + [block for _, block in chosen])
+        _quiet_view_warning([stage] + [block for _, block in chosen if not any(block is b for b in by_block)])
 
 
 def _quiet_view_warning(wrapped: list[nn.Module]) -> None:
-    """Hides FSDP's "returned a view tensor" warning for the modules pipe wrapped, and logs why once.
+    """Hides FSDP's "returned a view tensor" warning for the modules whose gathers the runner drives, and logs
+    why once.
 
     FSDP warns that an in-place op on a wrapped module's view output drops its pre-backward hook, and with
-    it the gather of the parameters for backward. pipe does not rely on that hook: :class:`StageSharding`
-    gathers each stage before every one of its actions and reduce-scatters explicitly, so the gradients stay
-    exact (tests/distributed/test_fsdp_ranks.py changes a stage's output in place). Other modules keep the warning.
+    it the gather of the parameters for backward. A stage, and its blocks under ``unit="stage"``, do not rely on
+    that hook: :class:`StageSharding` gathers each stage before every one of its actions and reduce-scatters
+    explicitly, so the gradients stay exact (tests/distributed/test_fsdp_ranks.py changes a stage's output in
+    place). Blocks gathered by their own hooks (``unit="block"``) keep the warning: there the skipped gather
+    fails the backward, and ``unit="stage"`` is the fix. Other modules keep it too.
     """
     names = sorted({type(module).__name__ for module in wrapped})
     for name in names:

@@ -348,7 +348,7 @@ def _gpt2(rank: int, world: int) -> float:
     return float(_full(model.get_input_embeddings().weight.detach()).sum())
 
 
-def _in_place_on_the_output(rank: int, world: int) -> list[str]:
+def _in_place_on_the_output(rank: int, world: int, unit: str) -> list[str]:
     import warnings
 
     from decoder import decoder, full, lm_data, lm_loss
@@ -362,7 +362,7 @@ def _in_place_on_the_output(rank: int, world: int) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every warning shown, except what pipe filters after this
         model = pd.DistributedPipe(copy.deepcopy(plain), chunks=2, mesh=pd.make_mesh(pp=1, dp_shard=2),
-                                   shard=pd.Shard(reshard_after_forward=True))
+                                   shard=pd.Shard(reshard_after_forward=True, unit=unit))
         loss = model.step(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], scaled_in_place, broadcast_loss=True)
         warnings.warn("a module of the user's returned a view tensor")  # still shown: the filter is pipe's alone
     expected = scaled_in_place(plain(x), y)
@@ -374,12 +374,16 @@ def _in_place_on_the_output(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_an_in_place_op_on_a_sharded_stage_s_output_is_exact_and_fsdp_s_view_warning_is_not_shown() -> None:
+def test_an_in_place_op_on_a_sharded_stage_s_output_is_exact_and_fsdp_s_view_warning_hidden_by_stage() -> None:
     # The head's Linear returns a view; FSDP warns that an in-place op on it skips its pre-backward gather.
-    # The runner gathers every stage before each of its actions and reduces explicitly, so it cannot: the
-    # gradients equal the plain model's, and pipe hides the warning for the modules it wraps.
+    # With unit="stage" the runner gathers every stage before each of its actions and reduces explicitly, so it
+    # cannot: the gradients equal the plain model's, and pipe hides the warning for the modules it wraps.
     shown = ["a module of the user's returned a view tensor"]
-    assert run_ranks(_in_place_on_the_output, 2, deadline=100.0, timeout=30.0) == [shown, shown]
+    assert run_ranks(_in_place_on_the_output, 2, "stage", deadline=100.0, timeout=30.0) == [shown, shown]
+    # A layer at a time (the default) its own hooks gather each layer: FSDP's warning stays (here the head, the
+    # last layer, is still gathered for its backward, and the gradients are exact).
+    for seen in run_ranks(_in_place_on_the_output, 2, "block", deadline=100.0, timeout=30.0):
+        assert seen[-1] == shown[0] and any(w.startswith("FSDP2-wrapped module (") for w in seen[:-1]), seen
 
 
 @pytest.mark.timeout(280)
