@@ -9,7 +9,8 @@ the whole model:
    only the rank's shards of its own stage, in fp32 or, with
    ``--dtype bf16``, in bf16 (sharded: fp32 parameters, FSDP's bf16 compute);
 2. ``pipe.distributed.hf.load`` reads the rank's tensors (its stage's, and under
-   FSDP only its shard of them) from the directory's safetensors;
+   FSDP only its shard of them) from the directory's safetensors (a resumed run
+   reads them from its checkpoint instead, once);
 3. training: AdamW with a linear LR warmup then a cosine decay
    (``--warmup``, ``--lr``, ``--min-lr``), a tqdm bar on rank 0, each step's
    figures in ``OUT/metrics.jsonl`` (and TensorBoard when it is installed),
@@ -707,8 +708,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "config.yaml").write_text(yaml.safe_dump(effective_config(args), sort_keys=False))
     model, config, flops = build(args, env.world_size, loaded=bool(args.model) or resume is not None)
-    if args.model:
+    if args.model and resume is None:
         hf.load(args.model, model)  # each rank reads its own tensors (its shards under FSDP)
+    elif args.model:  # state.load below sets every tensor (it refuses a checkpoint that lacks one): read them once
+        log.info("weights from %s (the config from %s)", resume, args.model)
     parameters = list(model.parameters())
     # With --tp and no FSDP the split weights are DTensors and the rest plain tensors: AdamW's multi-tensor path
     # (CUDA's default) refuses a list that mixes them, so it steps one tensor at a time there.

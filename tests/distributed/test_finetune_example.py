@@ -102,6 +102,10 @@ def test_fine_tune_a_local_hf_model_in_bf16_resume_at_another_layout_and_load_th
     second = _launch(2, [*common, "--pp", "1", "--dp-shard", "2", "--steps", "4", "--resume", str(out / "checkpoints"),
                          "--dtype", "bf16", "--no-prefetch"], "done: steps 2-4")
     assert f"resumed from {out / 'checkpoints' / 'step-00000002'} at step 2" in second, second[-3000:]
+    # The weights are read once, from the checkpoint; the model directory gives the config.
+    assert f"bytes held) from {tmp_path / 'model'}" in first, first[-3000:]
+    assert f"bytes held) from {tmp_path / 'model'}" not in second, second[-3000:]
+    assert f"weights from {out / 'checkpoints' / 'step-00000002'} (the config from {tmp_path / 'model'})" in second
     assert "dtype: bf16 compute, fp32 parameters and gradient reduction (FSDP mixed precision)" in second
     assert "FSDP2 gathers a layer at a time, each only when it runs" in second
     assert [record["step"] for record in _metrics(out)] == [1, 2, 3, 4]  # the first run's lines, then the second's
