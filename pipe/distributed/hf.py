@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -231,7 +231,11 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     Read from the model's config (``base_model_tp_plan``, which transformers ships for LLaMA, Mistral, Qwen2,
     Qwen3 and most decoder families): attention's q, k, v and the MLP's gate and up projections split by output
     features (``ColwiseParallel``), o and down by input features (``RowwiseParallel``), under the plain
-    model's names (``"model.layers.*.self_attn.q_proj"``). The embedding and the LM head stay whole on each
+    model's names (``"model.layers.*.self_attn.q_proj"``). Where a config gathers a projection's output
+    (``colwise_gather_output``: OLMo 2's q and k, normed over all heads; Phi-3's fused ``qkv_proj``) and slices
+    the next one's input (``rowwise_split_input``), every rank runs the attention on all heads and only those
+    weights are split (``ColwiseParallel(output_layouts=Replicate())``, ``RowwiseParallel(input_layouts=
+    Replicate())``). The embedding and the LM head stay whole on each
     tensor-parallel rank (FSDP can still shard them) unless ``vocabulary`` (a config's ``embedding_rowwise``
     entry, which some transformers versions ship for LLaMA, is left to that choice). Works for the model as built and
     for its ``pipe.split`` stages alike.
@@ -268,7 +272,11 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     prefix = getattr(model, "base_model_prefix", "")
     if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
         prefix = ""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        # the attention on all heads, on every rank; only the projections' weights split (OLMo 2, Phi-3)
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
     plan: dict[str, Any] = {}
     for pattern, kind in entries.items():
         if kind == "replicated_with_grad_allreduce":  # a whole weight applied to split heads (Qwen3's q_norm):
@@ -278,8 +286,8 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
         if kind not in styles:
             raise ValueError(
                 f"{type(model).__name__}'s tensor-parallel plan splits {pattern!r} as {kind!r}; pipe splits "
-                f"linear layers by columns or rows only ('colwise', 'rowwise'); give DistributedPipe("
-                f"tensor_parallel=...) a plan of your own without that entry")
+                f"linear layers by columns or rows only ({', '.join(repr(k) for k in styles)}); give "
+                f"DistributedPipe(tensor_parallel=...) a plan of your own without that entry")
         plan[f"{prefix}.{pattern}" if prefix else pattern] = styles[kind]()
     if vocabulary:
         names = {id(module): name for name, module in model.named_modules()}

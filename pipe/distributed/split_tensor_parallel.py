@@ -26,7 +26,14 @@ or in the stage). Here a plan by plain-model names
 - a column layer whose output the graph splits into equal parts (GPT-2's
   ``c_attn``: q, k and v in one weight, ``split(n_embd, dim=-1)``) gives each
   rank its share of every part (``_StridedShard(dim, split_factor=parts)``:
-  rank r holds q, k and v of its heads), and the split takes the local parts.
+  rank r holds q, k and v of its heads), and the split takes the local parts;
+- a column layer whose output is gathered (``ColwiseParallel(output_layouts=Replicate())``)
+  and a row layer whose input is whole (``RowwiseParallel(input_layouts=Replicate())``:
+  each rank takes its slice of the input's features, whose gradients the backward
+  gathers) split only the weights between them: the ops in between run on whole
+  values on every rank. transformers' plans use them where the attention cannot
+  run on a rank's heads (OLMo 2's norm over all heads' q and k; Phi-3's fused
+  ``qkv_proj`` and ``gate_up_proj``).
 
 The same run refuses what local shards cannot compute exactly, naming the op
 and the fix: an op that reduces, slices or splits along the split dimension
@@ -98,6 +105,22 @@ class _ReduceFromSplit(torch.autograd.Function):
         return grad, None
 
 
+class _SliceForSplit(torch.autograd.Function):
+    """Forward keeps this rank's slice of the last dimension of a whole value; backward gathers the slices'
+    gradients into the whole one (the value is computed alike on every rank: each needs the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group_name: str) -> Tensor:
+        group = _group(group_name)
+        ctx.group_name = group_name
+        width = x.shape[-1] // dist.get_world_size(group)
+        return x.narrow(-1, dist.get_rank(group) * width, width).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _GatherFromSplit.apply(grad, ctx.group_name), None
+
+
 class _GatherFromSplit(torch.autograd.Function):
     """Forward concatenates the ranks' slices of the last dimension; backward keeps this rank's slice."""
 
@@ -133,6 +156,11 @@ def gather_from_split(x: Tensor, group_name: str) -> Tensor:
     return _GatherFromSplit.apply(x, group_name)
 
 
+def slice_for_split(x: Tensor, group_name: str) -> Tensor:
+    """The whole input of a row-parallel linear, sliced to this rank's input features (graph op)."""
+    return _SliceForSplit.apply(x, group_name)
+
+
 def vocab_embedding(weight: Tensor, ids: Tensor, padding_idx: int, group_name: str) -> Tensor:
     """An embedding whose rows (the vocabulary) are split over the ranks (graph op): each rank looks up the ids
     in its rows, zeros for the others, and the ranks' results are summed."""
@@ -162,9 +190,10 @@ def take_parts(whole: Tensor, parts: int, rank: int, size: int) -> Tensor:
 
 def kind_of(name: str, style: ParallelStyle) -> str:
     """What a split graph does with ``style``: ``"column"`` (``ColwiseParallel()``), ``"column gathered"``
-    (``ColwiseParallel(output_layouts=Replicate())``: an LM head whose logits are gathered), ``"row"``
-    (``RowwiseParallel()``) or ``"vocabulary"`` (``RowwiseParallel(input_layouts=Replicate())`` on an embedding:
-    its rows split); refuses the others."""
+    (``ColwiseParallel(output_layouts=Replicate())``: an LM head whose logits are gathered, or a q, k or v
+    projection whose attention runs on all heads), ``"row"`` (``RowwiseParallel()``) or ``"vocabulary"``
+    (``RowwiseParallel(input_layouts=Replicate())``: on an embedding its rows split; on a linear layer,
+    ``"row sliced"``, its whole input sliced, as :func:`apply` finds from the op); refuses the others."""
     if type(style) is ColwiseParallel and _default(style, Replicate(), Shard(-1)):
         return "column"
     if type(style) is ColwiseParallel and _default(style, Replicate(), Replicate()):
@@ -177,8 +206,9 @@ def kind_of(name: str, style: ParallelStyle) -> str:
         f"tensor_parallel entry {name!r}: {type(style).__name__} with these layouts cannot apply to a stage of "
         f"pipe.split, whose tensor parallelism splits linear layers and embeddings only; use ColwiseParallel() or "
         f"RowwiseParallel() with their default layouts (no sequence parallelism, use_local_output=True), "
-        f"RowwiseParallel(input_layouts=Replicate()) for an embedding or ColwiseParallel(output_layouts="
-        f"Replicate()) for an LM head, e.g. pipe.distributed.hf.tensor_parallel_plan(model), see {DOCS}")
+        f"RowwiseParallel(input_layouts=Replicate()) for an embedding or a linear layer whose input is whole, or "
+        f"ColwiseParallel(output_layouts=Replicate()) for an LM head or a layer whose output is gathered, e.g. "
+        f"pipe.distributed.hf.tensor_parallel_plan(model), see {DOCS}")
 
 
 def _default(style: Any, input_layout: Any, output_layout: Any) -> bool:
@@ -208,6 +238,8 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
         graph_module = _graph(stage, owner)
         relative = name[len(owner) + 1:] if owner else name
         linear = _op_of(graph_module, relative, name, kind)
+        if kind == "vocabulary" and linear.target in _MATMULS:
+            kind = "row sliced"  # RowwiseParallel(input_layouts=Replicate()) on a linear layer: its input is whole
         parts = _fused_parts(linear, name, size) if kind == "column" else 1
         graphs.setdefault(owner, []).append((kind, linear, parts))
         _shard_weights(stage.get_submodule(name), name, kind, mesh, linear.target is aten.addmm.default, parts)
@@ -250,11 +282,11 @@ def _owner(stage: nn.Module, name: str) -> str:
 
 def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str) -> fx.Node:
     """The one op that reads the weight: an ``aten.linear`` (its second argument) or ``aten.addmm`` (a ``Conv1D``:
-    its third), or for ``"vocabulary"`` an ``aten.embedding`` (its first)."""
+    its third), or for ``"vocabulary"`` also an ``aten.embedding`` (its first)."""
     weight = f"{relative}.weight" if relative else "weight"
     reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == weight]
     users = [user for read in reads for user in read.users]
-    ops = {aten.embedding.default: 0} if kind == "vocabulary" else _MATMULS
+    ops = {aten.embedding.default: 0, **_MATMULS} if kind == "vocabulary" else _MATMULS
     if len(users) != 1 or users[0].target not in ops or users[0].args[ops[users[0].target]] is not reads[0]:
         found = ", ".join(sorted({str(user.target) for user in users})) or "nothing"
         wanted = " or ".join(str(op) for op in ops)
@@ -262,7 +294,7 @@ def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str) ->
             f"tensor_parallel entry for {name!r}: the split graph reads its weight in {found}, not in one {wanted}, "
             f"so it cannot be split as {kind} (a module fused or used twice, a tied weight read by another op, or "
             f"not a linear layer); leave {name!r} out of the plan, see {DOCS}")
-    if kind == "vocabulary":
+    if users[0].target is aten.embedding.default:
         return users[0]
     bias = _bias_of(users[0])
     if isinstance(bias, fx.Node) and len(bias.users) != 1:
@@ -312,11 +344,12 @@ def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh, tr
     """Splits ``module``'s weight (and a column layer's bias) over ``mesh``. A ``Conv1D`` (``transposed``)
     stores its weight as (input, output) features; a fused layer's ``parts`` are split each on its own."""
     weight = module.get_parameter("weight")
-    dim = 1 if (kind == "row") != transposed else 0
+    dim = 1 if kind.startswith("row") != transposed else 0
     if kind == "vocabulary":
         dim = 0
     if weight.shape[dim] % mesh.size():
-        what = {"row": "input features", "vocabulary": "rows (vocabulary entries)"}.get(kind, "output features")
+        what = {"row": "input features", "row sliced": "input features",
+                "vocabulary": "rows (vocabulary entries)"}.get(kind, "output features")
         raise ValueError(
             f"tensor_parallel: {name!r} has {weight.shape[dim]} {what}, which {mesh.size()} tensor-parallel ranks "
             f"cannot split evenly; choose a tp degree that divides {weight.shape[dim]} (and the model's heads and "
@@ -380,6 +413,9 @@ def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, fx.Node, int
                 linear.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
                 gathered.meta["val"] = linear.meta.get("val")
             continue
+        if kind == "row sliced":  # each rank takes its slice of the whole input's features
+            with graph.inserting_after(x):
+                x = graph.call_function(slice_for_split, (x, group_name))
         if conv1d:  # the bias is added once, after the partial products are summed
             linear.target, linear.args, linear.kwargs = aten.mm.default, (x, local(weight)), {}
         else:
@@ -524,6 +560,10 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
         return env[inputs[0]], None
     if node.target in (gather_from_split, vocab_embedding):  # whole results, made by collectives
         return _meta_like(recorded), None
+    if node.target is slice_for_split:  # this rank's slice of a whole value's last dimension
+        whole = env[inputs[0]]
+        return torch.empty((*whole.shape[:-1], whole.shape[-1] // size), dtype=whole.dtype, device="meta"), \
+            whole.dim() - 1
     first_split = split.get(inputs[0]) if inputs else None
     if node.target in _SHAPE_OPS and first_split is not None:
         _localise_shape_arg(node, first_split, size)
