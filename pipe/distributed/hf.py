@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import json
 import logging
 import math
@@ -278,6 +279,7 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
     plan: dict[str, Any] = {}
+    modules = [name for name, _ in model.named_modules() if name]
     for pattern, kind in entries.items():
         if kind == "replicated_with_grad_allreduce":  # a whole weight applied to split heads (Qwen3's q_norm):
             continue  # pipe sums its gradient over the tp ranks wherever the graph combines it with a split value
@@ -288,7 +290,12 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
                 f"{type(model).__name__}'s tensor-parallel plan splits {pattern!r} as {kind!r}; pipe splits "
                 f"linear layers by columns or rows only ({', '.join(repr(k) for k in styles)}); give "
                 f"DistributedPipe(tensor_parallel=...) a plan of your own without that entry")
-        plan[f"{prefix}.{pattern}" if prefix else pattern] = styles[kind]()
+        name = f"{prefix}.{pattern}" if prefix else pattern
+        if not any(fnmatch.fnmatchcase(module, name) for module in modules):  # a config's plan covers variants:
+            logger.info("tensor_parallel_plan: %s has no module %r; its entry is left out", type(model).__name__,
+                        name)  # Qwen2-MoE's names a dense MLP, which its sparse layers do not have
+            continue
+        plan[name] = styles[kind]()
     if vocabulary:
         names = {id(module): name for name, module in model.named_modules()}
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
@@ -473,4 +480,24 @@ def _mismatch(directory: str, config: dict[str, Any], missing: list[str], unexpe
         lines.append("- no key of the checkpoint is one of the model's: another architecture")
     lines.append("Fix: build the model from the checkpoint's own config (AutoConfig.from_pretrained(path), then "
                  "from_config and pipe.split), so that its names and shapes are the checkpoint's")
+    converted = _converted_on_load(config)
+    if converted and (missing or unexpected):
+        lines.append(
+            f"Or, for a directory save_pretrained wrote: transformers keeps {converted} checkpoints in their original "
+            "layout (a mixture of experts' tensors one per expert) and converts them as from_pretrained loads "
+            "(renamed, merged into one tensor per layer); hf.load reads the model's own layout, which "
+            "from_pretrained(path).save_pretrained(out, save_original_format=False) writes once")
     return "\n".join(lines)
+
+
+def _converted_on_load(config: dict[str, Any]) -> str:
+    """The architecture (class or ``model_type``) whose tensors transformers renames or merges as it loads a
+    checkpoint (its checkpoint conversion mapping: Mixtral's and Qwen2-MoE's experts); '' for none."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers 4, or none: no conversion on load
+        return ""
+    for name in [*(config.get("architectures") or []), config.get("model_type")]:
+        if isinstance(name, str) and get_checkpoint_conversion_mapping(name):
+            return name
+    return ""

@@ -302,6 +302,31 @@ def test_refusals_name_the_keys_and_the_fix(checkpoints: dict[str, str], tmp_pat
     assert not torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)  # a refusal loads nothing
 
 
+def test_a_checkpoint_transformers_converts_on_load_is_refused_with_the_way_to_its_own_layout(tmp_path: Path) -> None:
+    """transformers keeps a Mixtral's experts one tensor per expert on disk (block_sparse_moe.experts.N.w1) and merges
+    them as from_pretrained loads; hf.load reads the model's own layout: the refusal says how to write it, and the
+    directory so written loads, equal to from_pretrained, and exports what from_pretrained reads back."""
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "original")
+    plain = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "original")
+    model = transformers.MixtralForCausalLM(config)
+    with pytest.raises(ValueError, match=r"tensors of the checkpoint are not in the model: model\.layers\.0\."
+                                         r"block_sparse_moe\.experts\.0\.w1\.weight.*\n.*Fix: build the model.*\n"
+                                         r"Or, for a directory save_pretrained wrote: transformers keeps "
+                                         r"mixtral checkpoints in their original layout.*"
+                                         r"save_pretrained\(out, save_original_format=False\)"):
+        hf.load(tmp_path / "original", model)
+    plain.save_pretrained(tmp_path / "own", save_original_format=False)
+    hf.load(tmp_path / "own", model)
+    assert all(torch.equal(t, plain.state_dict()[k]) for k, t in model.state_dict().items())
+    hf.save(tmp_path / "export", model)
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "export")
+    assert all(torch.equal(t, plain.state_dict()[k]) for k, t in again.state_dict().items())
+
+
 def test_plain_model_dtypes_and_an_interrupted_export(checkpoints: dict[str, str], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)

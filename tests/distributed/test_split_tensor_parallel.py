@@ -82,6 +82,14 @@ def _model(kind: str) -> nn.Module:
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                           max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
                                           eos_token_id=0))
+    if kind == "qwen2moe":  # experts (and a shared one) after the attention: the plan splits the attention only
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                                  max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                                  bos_token_id=0, eos_token_id=0))
     model = llama(layers=4)
     if kind == "llama untied":
         model.config.tie_word_embeddings = False
@@ -256,11 +264,11 @@ def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: d
         assert found["gradient"] < 1e-5, (kind, found)
 
 
-def _gathered_attention(rank: int, world: int) -> dict[str, list[str]]:
+def _other_plans(rank: int, world: int) -> dict[str, list[str]]:
     from pipe.distributed import hf
 
     split: dict[str, list[str]] = {}
-    for kind in ("olmo2", "phi3"):
+    for kind in ("olmo2", "phi3", "qwen2moe"):
         torch.manual_seed(0)
         model = _model(kind)
         reference = copy.deepcopy(model)
@@ -269,30 +277,35 @@ def _gathered_attention(rank: int, world: int) -> dict[str, list[str]]:
         split[kind] = sorted(name for name, p in piped.named_parameters()
                              if isinstance(p, DTensor) and not p.placements[0].is_replicate())
         # OLMo 2's gradients after AdamW's first step differ by up to 2e-5 where LLaMA's stay within 3e-6 (its
-        # norms of q, k and each block's output amplify the rounding of the moved weights): compared at the first.
+        # norms of q, k and each block's output amplify the rounding of the moved weights), and moved weights may
+        # route a token of Qwen2-MoE to other experts: gradients compared at the first step.
         _steps(piped, reference, kind, gradients_until=1)
         _held_out(piped, reference)
     return split
 
 
 @pytest.mark.timeout(300)
-def test_configs_that_gather_q_k_v_and_slice_the_next_input_split_only_those_weights_exactly() -> None:
+def test_the_plans_of_olmo2_phi3_and_qwen2_moe_split_their_stages_exactly() -> None:
     """OLMo 2 (its q and k normed over all heads) and Phi-3 (q, k, v in one fused qkv_proj, gate and up in one
     gate_up_proj, chunked): transformers' plans gather those outputs (colwise_gather_output) and slice o_proj's and
     down_proj's whole inputs (rowwise_split_input), so every rank runs the attention on all heads and holds half of
     each projection: every gradient of the first step and the loss of each of 3 AdamW steps within 1e-5 of the
-    plain model's, the weights after them within 1e-4, a held-out eval_step; at (pp 2, tp 2)."""
+    plain model's, the weights after them within 1e-4, a held-out eval_step; at (pp 2, tp 2). And Qwen2-MoE, whose
+    config's plan also names a dense MLP it lacks: its attention splits, its experts stay whole."""
     pytest.importorskip("transformers")
     from split_models import llama
 
     llama()
-    results = run_ranks(_gathered_attention, 4, deadline=280.0, timeout=60.0)
+    results = run_ranks(_other_plans, 4, deadline=280.0, timeout=60.0)
     olmo = [f"model.layers.{k}.{m}.weight" for k in range(4) for m in
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj")]
     phi = [f"model.layers.{k}.{m}.weight" for k in range(4) for m in
            ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
-    for names, kind in ((olmo, "olmo2"), (phi, "phi3")):
+    attention = [f"model.layers.{k}.self_attn.{m}.weight" for k in range(4) for m in ("q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj")]
+    attention += [f"model.layers.{k}.self_attn.{m}.bias" for k in range(4) for m in ("q_proj", "k_proj", "v_proj")]
+    for names, kind in ((olmo, "olmo2"), (phi, "phi3"), (attention, "qwen2moe")):
         assert results[0][kind] == sorted(n for n in names if n.startswith(("model.layers.0.", "model.layers.1.")))
         assert results[-1][kind] == sorted(n for n in names if n.startswith(("model.layers.2.", "model.layers.3.")))
 
@@ -488,3 +501,23 @@ def test_a_configs_vocabulary_entry_is_left_to_the_vocabulary_choice() -> None:
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
     split = hf.tensor_parallel_plan(model, vocabulary=True)
     assert isinstance(split["model.embed_tokens"], RowwiseParallel) and isinstance(split["lm_head"], ColwiseParallel)
+
+
+def test_a_configs_entries_for_modules_the_model_lacks_are_left_out() -> None:
+    """Qwen2-MoE's config plan names a dense MLP (``layers.*.mlp.gate_proj``), which its sparse layers do not have:
+    the standard plan keeps the entries the model has (its attention's) instead of a plan DistributedPipe refuses."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from pipe.distributed import hf
+
+    config = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=64, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    assert "layers.*.mlp.gate_proj" in config.base_model_tp_plan
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config)
+    plan = hf.tensor_parallel_plan(model)
+    assert sorted(plan) == [f"model.layers.*.self_attn.{m}" for m in ("k_proj", "o_proj", "q_proj", "v_proj")]
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.*.self_attn.o_proj"], RowwiseParallel)
