@@ -90,6 +90,21 @@ def _model(kind: str) -> nn.Module:
                                                   max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
                                                   moe_intermediate_size=16, shared_expert_intermediate_size=32,
                                                   bos_token_id=0, eos_token_id=0))
+    if kind == "gemma2":  # soft-capped logits and attention, sliding-window layers between global ones
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                              max_position_embeddings=64, sliding_window=4, pad_token_id=0,
+                                              bos_token_id=0, eos_token_id=0))
+    if kind == "granite":  # multipliers on the embedding, the attention, the residuals and the logits
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        return GraniteForCausalLM(GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                                max_position_embeddings=64, embedding_multiplier=2.0,
+                                                residual_multiplier=0.5, attention_multiplier=0.25,
+                                                logits_scaling=4.0, pad_token_id=0, bos_token_id=0, eos_token_id=0))
     model = llama(layers=4)
     if kind == "llama untied":
         model.config.tie_word_embeddings = False
@@ -268,7 +283,7 @@ def _other_plans(rank: int, world: int) -> dict[str, list[str]]:
     from pipe.distributed import hf
 
     split: dict[str, list[str]] = {}
-    for kind in ("olmo2", "phi3", "qwen2moe"):
+    for kind in ("olmo2", "phi3", "qwen2moe", "gemma2", "granite"):
         torch.manual_seed(0)
         model = _model(kind)
         reference = copy.deepcopy(model)
@@ -285,13 +300,14 @@ def _other_plans(rank: int, world: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(300)
-def test_the_plans_of_olmo2_phi3_and_qwen2_moe_split_their_stages_exactly() -> None:
+def test_the_plans_transformers_ships_for_other_families_split_their_stages_exactly() -> None:
     """OLMo 2 (its q and k normed over all heads) and Phi-3 (q, k, v in one fused qkv_proj, gate and up in one
     gate_up_proj, chunked): transformers' plans gather those outputs (colwise_gather_output) and slice o_proj's and
     down_proj's whole inputs (rowwise_split_input), so every rank runs the attention on all heads and holds half of
     each projection: every gradient of the first step and the loss of each of 3 AdamW steps within 1e-5 of the
     plain model's, the weights after them within 1e-4, a held-out eval_step; at (pp 2, tp 2). And Qwen2-MoE, whose
-    config's plan also names a dense MLP it lacks: its attention splits, its experts stay whole."""
+    config's plan also names a dense MLP it lacks: its attention splits, its experts stay whole; Gemma 2 and Granite
+    with the plain column and row plans their configs ship."""
     pytest.importorskip("transformers")
     from split_models import llama
 
@@ -305,7 +321,8 @@ def test_the_plans_of_olmo2_phi3_and_qwen2_moe_split_their_stages_exactly() -> N
     attention = [f"model.layers.{k}.self_attn.{m}.weight" for k in range(4) for m in ("q_proj", "k_proj", "v_proj",
                                                                                       "o_proj")]
     attention += [f"model.layers.{k}.self_attn.{m}.bias" for k in range(4) for m in ("q_proj", "k_proj", "v_proj")]
-    for names, kind in ((olmo, "olmo2"), (phi, "phi3"), (attention, "qwen2moe")):
+    for names, kind in ((olmo, "olmo2"), (phi, "phi3"), (attention, "qwen2moe"), (olmo, "gemma2"),
+                        (olmo, "granite")):
         assert results[0][kind] == sorted(n for n in names if n.startswith(("model.layers.0.", "model.layers.1.")))
         assert results[-1][kind] == sorted(n for n in names if n.startswith(("model.layers.2.", "model.layers.3.")))
 
