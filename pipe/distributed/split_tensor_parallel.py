@@ -348,8 +348,8 @@ def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh, tr
     if kind == "vocabulary":
         dim = 0
     if weight.shape[dim] % mesh.size():
-        what = {"row": "input features", "row sliced": "input features",
-                "vocabulary": "rows (vocabulary entries)"}.get(kind, "output features")
+        what = ("rows (vocabulary entries)" if kind == "vocabulary" else
+                "input features" if kind.startswith("row") else "output features")
         raise ValueError(
             f"tensor_parallel: {name!r} has {weight.shape[dim]} {what}, which {mesh.size()} tensor-parallel ranks "
             f"cannot split evenly; choose a tp degree that divides {weight.shape[dim]} (and the model's heads and "
