@@ -38,7 +38,9 @@ reduce-scatter of the step (or, ``reduce="micro-batch"``, are reduced after
 each backward). The runner still gathers what the stage holds outside its
 blocks (a tied embedding) as above. A rank then
 holds its shards, the stage's unsharded gradients, one or two gathered blocks
-and the activations, instead of its whole stage gathered.
+and the activations, instead of its whole stage gathered. On the CPU a block of
+one parameter (an untied embedding, the head) is gathered straight into its
+parameter, without FSDP2's buffer and copy (:class:`_IntoParameter`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from pipe.core.lowering import Kind, Step
 from pipe.core.original_names import partition_name
@@ -309,16 +312,21 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
         for _, block in reversed(chosen):
             fully_shard(block, mesh=mesh, reshard_after_forward=any(block is b for b in by_block), mp_policy=mp_policy)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        # Each block prefetches the next in the forward and the one before in the backward. FSDP's own backward
+        # order is guessed from the forwards, which a pipeline interleaves: it gathered the head again after
+        # the last backward of a step, for nothing. A block told itself (gathered already) prefetches nothing.
         for block, following in zip(by_block, by_block[1:]):
             assert isinstance(block, FSDPModule) and isinstance(following, FSDPModule)
             if config.prefetch:
                 block.set_modules_to_forward_prefetch([following])
-        if not config.prefetch:
-            for block in by_block:  # FSDP prefetches the block before in backward unless told whom: itself, gathered
-                assert isinstance(block, FSDPModule)
-                block.set_modules_to_backward_prefetch([block])
-        logger.info("stage %d: fully_shard on %d block(s) (%d gathered by their own hooks) and the stage, mesh %s",
-                    s, len(chosen), len(by_block), mesh)
+                following.set_modules_to_backward_prefetch([block])
+        for block in by_block if not config.prefetch else by_block[:1]:
+            assert isinstance(block, FSDPModule)
+            block.set_modules_to_backward_prefetch([block])
+        in_place = [m for m in [block for _, block in chosen] + [stage] if _gather_in_place(m)]
+        logger.info("stage %d: fully_shard on %d block(s) (%d gathered by their own hooks) and the stage, mesh %s; "
+                    "%d unit(s) of one parameter gathered straight into it", s, len(chosen), len(by_block), mesh,
+                    len(in_place))
         _quiet_view_warning([stage] + [block for _, block in chosen if not any(block is b for b in by_block)])
 
 
@@ -478,6 +486,51 @@ def _free_gather_buffer(module: nn.Module, args: Any) -> None:
     state = cast(FSDPModule, module)._get_fsdp_state()
     if state._device.type == "cpu":
         state._comm_ctx.all_gather_state = None
+
+
+class _IntoParameter(DefaultAllGather):  # type: ignore[misc]
+    """FSDP2's all-gather of a unit of one parameter on the CPU, arriving in the parameter's own storage.
+
+    FSDP2 gathers a unit into a buffer of its own and then copies the buffer
+    into the unsharded parameters, so for a moment the unit is held twice
+    (an LM head or an untied embedding: the largest units of a LLaMA's
+    stages), and each gather copies all of it once more. With one
+    parameter sharded on dim 0, the buffer's layout (each rank's padded
+    shard in rank order) is the unsharded parameter's, so the buffer can be
+    the parameter's storage: the gather writes there and the copy is of each
+    element onto itself. The values are the same bytes; only the second copy
+    is gone. On a GPU the buffer is kept for the next gather's overlap on
+    another stream, so the default gather stays there.
+    """
+
+    def __init__(self, fsdp_param: Any) -> None:
+        self._param = fsdp_param
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        world_size = self._param.mesh_info.shard_mesh_size
+        numel = int(size[0]) // world_size
+        self._param.init_all_gather_outputs([numel], [dtype], world_size, device)
+        out = self._param.all_gather_outputs[0]
+        if len(size) != 1 or out.dtype != dtype or out.numel() != int(size[0]):
+            return torch.empty(*size, dtype=dtype, device=device)
+        self._param.alloc_all_gather_outputs()
+        # The same storage under a version counter of its own: the gather's writes must not look, to autograd, like
+        # changes of a parameter a backward saved (FSDP2's copy-out keeps the counter for the same reason).
+        return out.data
+
+
+def _gather_in_place(module: nn.Module) -> bool:
+    """Has ``module``'s gathers arrive in its parameter (:class:`_IntoParameter`) where that holds: a unit of
+    one parameter, sharded on dim 0, on the CPU. Returns whether it did."""
+    state = cast(FSDPModule, module)._get_fsdp_state()
+    groups = _param_groups(state)
+    if len(groups) != 1 or len(groups[0].fsdp_params) != 1 or not hasattr(module, "set_custom_all_gather"):
+        return False
+    fsdp_param = groups[0].fsdp_params[0]
+    if state._device.type != "cpu" or fsdp_param.fsdp_placement.dim != 0:
+        return False
+    cast(Any, module).set_custom_all_gather(_IntoParameter(fsdp_param))
+    return True
 
 
 def _param_groups(fsdp_state: Any) -> list[Any]:
