@@ -37,6 +37,12 @@ holds (its share):
 * ``bound``: what a per-layer ZeRO-3 step needs: the share, the stage's
   gradients unsharded until the step's one reduce-scatter, the two largest
   units gathered, and the activations held;
+* ``held before``: the resident memory gained before the step: the share,
+  and memory the process holds that is no tensor (the libraries the build
+  imported, the split's graphs, glibc's heap);
+* ``step's own peak``: the share plus what the step added to what the rank
+  held before it (VmHWM over VmRSS at the step's start), against the bound;
+  the peak above counts the memory held before as well;
 * ``after``: what stays resident after the step and ``zero_grad``;
 * the step's time, and the loss (the engines must agree: same weights, same
   tokens).
@@ -45,7 +51,7 @@ The engines run in fresh processes, alternating, ``--runs`` times; the script
 prints each run and the spread, and saves ``benchmarks/results/step_memory.json``.
 
 Run:
-    python benchmarks/step_memory.py             # 0.5B, 3 runs of the 4 engines: about 40 minutes
+    python benchmarks/step_memory.py             # 0.5B, 3 runs of the 4 engines: about an hour
     python benchmarks/step_memory.py --runs 2 --engines pipe pipe-lean --name lean   # step_memory-lean.json
     python benchmarks/step_memory.py --quick --runs 1   # 6M: about a minute
 """
@@ -263,13 +269,15 @@ def _measure(rank: int, port: int, engine: str, directory: str, args: argparse.N
         import gc
         gc.collect()
         dist.barrier()
+        held = loading._status("VmRSS")
         loading._reset_peak()
         saved = SavedBytes()
         started = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             loss = step()
         seconds = time.perf_counter() - started
-        peak = loading._status("VmHWM") - baseline
+        highest = loading._status("VmHWM")
+        peak = highest - baseline
         for p in module.parameters():
             p.grad = None
         gc.collect()
@@ -278,6 +286,8 @@ def _measure(rank: int, port: int, engine: str, directory: str, args: argparse.N
         steps.append({"step_s": seconds, "loss": None if loss is None else float(loss.detach()),
                       "peak_over_share": peak / share, "activations_over_share": saved.peak / share,
                       "bound_over_share": bound / share, "peak_over_bound": peak / bound,
+                      "held_before_over_share": (held - baseline) / share,
+                      "step_peak_over_bound": (share + highest - held) / bound,
                       "after_over_share": after / share})
     dist.barrier()
     dist.destroy_process_group()
@@ -325,16 +335,22 @@ def main() -> None:
                     print(f"run {run + 1} {engine:5s} {name} step {max(s['step_s'] for s in per_rank):6.2f} s, "
                           f"loss {losses}, peak/share {[round(s['peak_over_share'], 2) for s in per_rank]}, "
                           f"bound/share {[round(s['bound_over_share'], 2) for s in per_rank]} (activations "
-                          f"{[round(s['activations_over_share'], 2) for s in per_rank]}), after "
+                          f"{[round(s['activations_over_share'], 2) for s in per_rank]}), held before "
+                          f"{[round(s['held_before_over_share'], 2) for s in per_rank]}, step's own peak/bound "
+                          f"{[round(s['step_peak_over_bound'], 3) for s in per_rank]}, after "
                           f"{[round(s['after_over_share'], 2) for s in per_rank]}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, Any] = {}
+    keys = ("step_s", "peak_over_share", "peak_over_bound", "step_peak_over_bound", "held_before_over_share",
+            "activations_over_share", "bound_over_share", "after_over_share")
+    half = len(runs[args.engines[0]][0]) // 2  # ranks 0, 1 hold the first stage; 2, 3 the last
     for engine, results in runs.items():  # each run: the largest over ranks, then the spread over runs
         second = [[r["steps"][1] for r in ranks] for ranks in results]
-        summary[engine] = {key: _spread([max(s[key] for s in steps) for steps in second])
-                           for key in ("step_s", "peak_over_share", "peak_over_bound", "activations_over_share",
-                                       "bound_over_share", "after_over_share")}
+        summary[engine] = {key: _spread([max(s[key] for s in steps) for steps in second]) for key in keys}
+        for stage, part in (("first_stage", slice(0, half)), ("last_stage", slice(half, None))):
+            summary[engine][stage] = {key: _spread([max(s[key] for s in steps[part]) for steps in second])
+                                      for key in keys[1:5]}
     for engine in ("pipe", "pipe-keep", "pipe-lean"):  # each run against torch's in the same round
         if engine in summary and "torch" in summary:
             pairs = list(zip(runs[engine], runs["torch"]))
@@ -346,7 +362,8 @@ def main() -> None:
     result = {"config": {"model": "6M" if args.quick else "0.5B", "layout": SIZES, "micro_batches": CHUNKS,
                          "tokens_per_micro_batch": args.tokens, "schedule": "1F1B", "zero": 3, "backend": "gloo",
                          "runs": args.runs},
-              "summary": summary, "runs": runs, "targets": {"peak_over_bound": 1.1, "over_torch": {"peak_over_share": 1.0, "step_s": 1.0}},
+              "summary": summary, "runs": runs,
+              "targets": {"peak_over_bound": 1.1, "over_torch": {"peak_over_share": 1.0, "step_s": 1.0}},
               "load_average": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=HERE).stdout.strip()}
