@@ -55,6 +55,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, UnshardHandle, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from pipe.core.lowering import Kind, Step
 from pipe.core.original_names import partition_name
@@ -312,13 +314,16 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
         for _, block in reversed(chosen):
             fully_shard(block, mesh=mesh, reshard_after_forward=any(block is b for b in by_block), mp_policy=mp_policy)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
-        # Each block prefetches the next in the forward and the one before in the backward. FSDP's own backward
-        # order is guessed from the forwards, which a pipeline interleaves: it gathered the head again after
-        # the last backward of a step, for nothing. A block told itself (gathered already) prefetches nothing.
-        for block, following in zip(by_block, by_block[1:]):
-            assert isinstance(block, FSDPModule) and isinstance(following, FSDPModule)
-            if config.prefetch:
-                block.set_modules_to_forward_prefetch([following])
+        # Each block prefetches the next in the forward (after its own gather's buffer is freed) and the one
+        # before in the backward. FSDP's own backward order is guessed from the forwards, which a pipeline
+        # interleaves: it gathered the head again after the last backward of a step, for nothing. A block told
+        # itself (gathered already) prefetches nothing.
+        for block, following in zip(by_block, by_block[1:] + [None]):
+            assert isinstance(block, FSDPModule)
+            cast(nn.Module, block).register_forward_pre_hook(
+                _BeforeForward(following if config.prefetch else None))
+            if config.prefetch and following is not None:
+                assert isinstance(following, FSDPModule)
                 following.set_modules_to_backward_prefetch([block])
         for block in by_block if not config.prefetch else by_block[:1]:
             assert isinstance(block, FSDPModule)
@@ -371,9 +376,6 @@ class StageSharding:
             for s, stage in stages.items()}
         self.by_runner: dict[int, list[FSDPModule]] = {
             s: [m for m in self.modules[s] if not any(m is b for b in self.by_block[s])] for s in stages}
-        for blocks in self.by_block.values():
-            for block in blocks:
-                cast(nn.Module, block).register_forward_pre_hook(_free_gather_buffer)
         # The block the loss stage calls last (an LM head): its backward follows a forward that builds a graph
         # (at once, after the loss, in 1F1B; after the other forwards in GPipe), so while training it stays
         # gathered from such a forward to its backward, as FSDP2 leaves its root module: one gather of it per
@@ -473,19 +475,31 @@ class StageSharding:
                 self._gathered.discard(s)
 
 
-def _free_gather_buffer(module: nn.Module, args: Any) -> None:
-    """After FSDP's pre-forward has gathered ``module`` on the CPU: frees the buffer the gather arrived in.
+class _BeforeForward:
+    """After FSDP's pre-forward has gathered a block: frees the buffer the gather arrived in (on the CPU), then
+    starts gathering the next block (FSDP's forward prefetch, one buffer later).
 
     In a forward, FSDP2 keeps the buffer of a block's all-gather (as large as
     the block) until the next gather, so that on a GPU the copy out of it can
     overlap that gather on another stream. The CPU has no streams and copied it
     out already: the buffer would only sit beside the block through its forward
     (an LM head's beside its logits) and, for the last block, until the next
-    micro-batch.
+    micro-batch. FSDP's own forward prefetch starts the next gather before this
+    hook runs, so the block, its buffer and the next block's buffer were held at
+    once; prefetching here holds two.
     """
-    state = cast(FSDPModule, module)._get_fsdp_state()
-    if state._device.type == "cpu":
-        state._comm_ctx.all_gather_state = None
+
+    def __init__(self, following: Optional[FSDPModule]) -> None:
+        self.following = following
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        state = cast(FSDPModule, module)._get_fsdp_state()
+        if state._device.type == "cpu":
+            state._comm_ctx.all_gather_state = None
+        # A forward replayed in a backward (FSDP's PRE_BACKWARD state) is gathered by the backward's hooks.
+        if self.following is not None and state._training_state == TrainingState.FORWARD:
+            for group in _param_groups(self.following._get_fsdp_state()):
+                FSDPParamGroup._prefetch_unshard(group, "forward")
 
 
 class _IntoParameter(DefaultAllGather):  # type: ignore[misc]

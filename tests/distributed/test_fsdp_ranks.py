@@ -429,6 +429,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
                                               prefetch=prefetch))
     layers = [block for stage in piped.partitions.values() for block in blocks_of(stage)]
     live: set[int] = set()
+    beside_a_buffer: list[bool] = []
     most = [0]
     head_gathers = [0]
 
@@ -437,6 +438,8 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
             idle = group._all_gather_result is None and not group.is_unsharded
             result = unshard(group, *args, **kwargs)
             if idle and group._all_gather_result is not None and any(m in layers for m in group.modules):
+                # a gather started while another one's buffer is still held: three blocks' bytes at once
+                beside_a_buffer.append(group.comm_ctx.all_gather_state is not None)
                 live.add(id(group))
                 most[0] = max(most[0], len(live))
                 head_gathers[0] += any(getattr(m, "path", None) == "lm_head" for m in group.modules)
@@ -494,6 +497,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
             "most at once": most[0], "head gathers": trained_head_gathers, "buffers kept": any(buffers_kept),
             "own groups": own_groups, "head gathered in place": head_in_place,
+            "gathers beside a buffer": sum(beside_a_buffer),
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters()),
             "bytes gathered after the step": sum(
                 t.untyped_storage().nbytes() for m in piped.modules() if hasattr(m, "_get_fsdp_state")
@@ -516,7 +520,8 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
     reduce: the last stage's second forward (after its first backward, in 1F1B) finds all three gathered.
     prefetch=False gathers each layer only when it runs: never two layers gathered or being gathered at once
     (with FSDP's prefetch, the next one is). The head's backward finds it gathered by its forward; no block's
-    gather buffer outlives its copy-out."""
+    gather buffer outlives its copy-out, and no gather starts beside another's buffer; the head, one parameter,
+    is gathered into its own storage; nothing stays gathered after a step."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from split_models import llama
@@ -557,6 +562,7 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
             each = 2 if reduce == "micro-batch" else 1
             assert result["scatters"] == [result["own groups"] + each * len(modules)] * 3, result["scatters"]
             assert not result["buffers kept"]
+            assert result["gathers beside a buffer"] == 0, result["gathers beside a buffer"]
             # The head, the loss stage's last block, stays gathered from a forward that builds a graph to its
             # backward. Per step: for the checkpointed micro-batch's forward and its replay, and for the other's
             # forward, never for a backward (3; 5 when each backward gathered it again; 4 when FSDP ordered the
