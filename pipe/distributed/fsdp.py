@@ -502,7 +502,7 @@ class _BeforeForward:
                 FSDPParamGroup._prefetch_unshard(group, "forward")
 
 
-class _IntoParameter(DefaultAllGather):  # type: ignore[misc]
+class _IntoParameter(DefaultAllGather):
     """FSDP2's all-gather of a unit of one parameter on the CPU, arriving in the parameter's own storage.
 
     FSDP2 gathers a unit into a buffer of its own and then copies the buffer
