@@ -342,15 +342,15 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict[str, Any] = {}
-    keys = ("step_s", "peak_over_share", "peak_over_bound", "step_peak_over_bound", "held_before_over_share",
-            "activations_over_share", "bound_over_share", "after_over_share")
+    per_stage = ("peak_over_share", "peak_over_bound", "step_peak_over_bound", "held_before_over_share")
+    keys = ("step_s", *per_stage, "activations_over_share", "bound_over_share", "after_over_share")
     half = len(runs[args.engines[0]][0]) // 2  # ranks 0, 1 hold the first stage; 2, 3 the last
     for engine, results in runs.items():  # each run: the largest over ranks, then the spread over runs
         second = [[r["steps"][1] for r in ranks] for ranks in results]
         summary[engine] = {key: _spread([max(s[key] for s in steps) for steps in second]) for key in keys}
         for stage, part in (("first_stage", slice(0, half)), ("last_stage", slice(half, None))):
             summary[engine][stage] = {key: _spread([max(s[key] for s in steps[part]) for steps in second])
-                                      for key in keys[1:5]}
+                                      for key in per_stage}
     for engine in ("pipe", "pipe-keep", "pipe-lean"):  # each run against torch's in the same round
         if engine in summary and "torch" in summary:
             pairs = list(zip(runs[engine], runs["torch"]))
