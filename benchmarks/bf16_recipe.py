@@ -59,7 +59,8 @@ def _run(folder: Path, model: Path, tokens: Path, dtype: str, steps: int) -> dic
     out = folder / f"run-{dtype}"
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(RECIPE),
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+               "--rdzv-conf=is_host=1", str(RECIPE),  # host the store, never join one found on the port
                "--model", str(model), "--data", str(tokens), "--out", str(out), "--pp", "2", "--dp-shard", "2",
                "--steps", str(steps), "--batch-size", "8", "--seq-len", "32", "--lr", "1e-3", "--warmup", "5",
                "--min-lr", "1e-4", "--eval-every", str(steps), "--save-every", str(steps), "--dtype", dtype]

@@ -245,12 +245,18 @@ def _launch_restartable(nproc: int, args: list[str], **extra_env: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                                f"--nproc-per-node={nproc}", "--max-restarts=3", "--rdzv-backend=c10d",
                                f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=test{os.getpid()}",
+                               # The agent hosts its store, or fails with EADDRINUSE (launched again). Without
+                               # is_host, an agent that finds the port taken (on a busy machine, by another test's
+                               # store) joins that store and fails when it ends ("Connection was likely closed" in
+                               # num_nodes_waiting), as once on a 16-core machine.
+                               "--rdzv-conf=is_host=1",
                                str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
                               start_new_session=True)
         out = proc.stdout + proc.stderr
         if proc.returncode == 0 or "EADDRINUSE" not in out:
             break
-    assert proc.returncode == 0, out[-6000:]
+    first_error = next((line for line in out.splitlines() if "Error" in line), "")
+    assert proc.returncode == 0, f"first error line: {first_error}\n...\n{out[-4000:]}"
     return out
 
 

@@ -12,6 +12,7 @@ collectives FSDP calls.
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -383,8 +384,11 @@ def test_an_in_place_op_on_a_sharded_stage_s_output_is_exact_and_fsdp_s_view_war
     assert run_ranks(_in_place_on_the_output, 2, "stage", deadline=100.0, timeout=30.0) == [shown, shown]
     # A layer at a time (the default) its own hooks gather each layer: FSDP's warning stays (here the head, the
     # last layer, is still gathered for its backward, and the gradients are exact).
+    # (torch 2.11's FSDP2 has no such warning.)
+    import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
+    warns = "returned a view tensor" in inspect.getsource(fsdp_state)
     for seen in run_ranks(_in_place_on_the_output, 2, "block", deadline=100.0, timeout=30.0):
-        assert seen[-1] == shown[0] and any(w.startswith("FSDP2-wrapped module (") for w in seen[:-1]), seen
+        assert seen[-1] == shown[0] and any(w.startswith("FSDP2-wrapped module (") for w in seen[:-1]) == warns, seen
 
 
 @pytest.mark.timeout(280)

@@ -187,7 +187,10 @@ def test_meta_split_models_train_from_known_values_on_two_ranks(tmp_path: Path) 
         _CAPTURED.clear()
     for which in MODELS:
         assert first[f"{which} tied"] == second[f"{which} tied"]  # the embedding and the LM head start equal
-    assert first["llama buffers"] == second["llama buffers"] == ["model.rotary_emb.inv_freq"]  # each its copy
+    # The rotary embedding's buffer is the first stage's; the second holds its own copy where the split leaves the
+    # rotary computation there too (torch 2.13's export does; 2.11's sends the cosines and sines across instead).
+    assert first["llama buffers"] == ["model.rotary_emb.inv_freq"], first["llama buffers"]
+    assert second["llama buffers"] in ([], ["model.rotary_emb.inv_freq"]), second["llama buffers"]
     assert first["gpt2 buffers"] == second["gpt2 buffers"] == []
 
 

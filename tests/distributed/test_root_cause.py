@@ -136,7 +136,7 @@ def test_every_survivor_names_the_rank_that_died_or_stalled(how: str) -> None:
 
 
 _SCRIPT = '''
-import os, signal, sys
+import datetime, os, signal, sys
 import torch, torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -154,12 +154,15 @@ class Dies(nn.Module):
 
 @record
 def main():
-    pd.init_from_env("gloo", timeout=5, cpu_threads=1)
+    pd.init_from_env("gloo", timeout=60, cpu_threads=1)  # connecting the ranks is slow on a loaded machine
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Dies(), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
     pipe = pd.DistributedPipe(model, chunks=2, checkpoint="never", balance=[2, 2, 2])
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    for _ in range(4):
+    for step in range(4):
+        if step == 1:  # connected: from here a wait for rank 1 fails after 5 s, as in _run
+            pipe._runtime.transport.timeout = datetime.timedelta(seconds=5)
+            pipe._runtime.failures.timeout = 5.0
         pipe.step(x, y, F.mse_loss)
 
 main()

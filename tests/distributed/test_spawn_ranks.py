@@ -16,7 +16,16 @@ def _segfault() -> None:
     faulthandler._sigsegv()
 
 
+def _started_together() -> None:
+    """Rank 0, whose process hosts the store, returns only after rank 1 has joined its process group: with
+    ``barrier=False`` a rank 0 that ended first closed the store under rank 1's ``init_process_group`` (seen on a
+    16-core machine, where ranks start from the fork server: rank 1 then failed with 'Connection reset by peer')."""
+    import torch.distributed as dist
+    dist.barrier()
+
+
 def _crash_once(rank: int, world: int, marker: str) -> int:
+    _started_together()
     if rank == 1 and not os.path.exists(marker):
         open(marker, "w").close()
         _segfault()
@@ -24,6 +33,7 @@ def _crash_once(rank: int, world: int, marker: str) -> int:
 
 
 def _crash_always(rank: int, world: int) -> int:
+    _started_together()
     if rank == 1:
         _segfault()
     return rank
