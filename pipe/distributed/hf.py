@@ -244,7 +244,8 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     With ``vocabulary=True`` the input embedding's rows are split too
     (``RowwiseParallel(input_layouts=Replicate())``: each rank looks up the ids in its part of the vocabulary,
     the parts summed) and the LM head's output features (``ColwiseParallel(output_layouts=Replicate())``: the
-    logits gathered), as torchtitan splits them; not for a tied embedding and head (refused).
+    logits gathered), as torchtitan splits them. A tied embedding and head are split alike (the vocabulary's rows
+    are the head's output features): a rank holds one ``DTensor`` of its rows, on one stage or on two.
 
     Usage::
 
@@ -257,7 +258,7 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
 
     Raises:
         ValueError: the config has no such plan and pipe has none for its ``model_type``, an entry splits in a
-            way other than by columns or rows, or ``vocabulary`` with tied embeddings.
+            way other than by columns or rows.
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -299,11 +300,6 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
     if vocabulary:
         names = {id(module): name for name, module in model.named_modules()}
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
-        if embedding.weight is head.weight:
-            raise ValueError(
-                f"tensor_parallel_plan({type(model).__name__}, vocabulary=True): its embedding and LM head are one "
-                f"tied weight, whose vocabulary split pipe does not offer yet; use vocabulary=False (the two stay "
-                f"whole on each tp rank, FSDP can shard them)")
         plan[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate())
         plan[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())
     return plan

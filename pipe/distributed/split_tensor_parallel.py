@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -216,13 +216,22 @@ def _default(style: Any, input_layout: Any, output_layout: Any) -> bool:
             and style.use_local_output)
 
 
-def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh) -> None:
+def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh,
+          split: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Splits the modules ``plan`` names in ``stage`` (a split stage) over ``mesh`` (its ``"tp"`` sub-mesh).
 
     Args:
         stage: a :class:`pipe.split_stage.SplitStage`.
         plan: module names of ``stage`` (the plain model's) -> ``ColwiseParallel()`` or ``RowwiseParallel()``.
         mesh: the one-dimensional tensor-parallel mesh.
+        split: the weights split so far on this rank, ``id(weight) -> (weight, its DTensor)``: a weight tied
+            between modules (an embedding and its LM head) becomes one ``DTensor``, registered wherever it is
+            held (see :func:`refuse_half_split_ties`).
+
+    A tied embedding's weight is held in the split stage under the LM head's name
+    (``lm_head.weight``, read by the embedding's op): the entry for the
+    embedding splits it there (:func:`_tied_uses`), and the head's entry has
+    nothing to do in a stage that runs no op of the head.
 
     Raises:
         ValueError: a style other than those two, a module whose weight the graph does not read in one
@@ -232,24 +241,50 @@ def apply(stage: fx.GraphModule, plan: Mapping[str, ParallelStyle], mesh: Device
     _check_heads(stage, size)
     group_name = mesh.get_group().group_name
     graphs: dict[str, list[tuple[str, fx.Node, int]]] = {}
+    tied = _tied_uses(stage)
+    holders = {holder for _, holder in tied.values()}
     for name, style in plan.items():
         kind = kind_of(name, style)
-        owner = _owner(stage, name)
-        graph_module = _graph(stage, owner)
-        relative = name[len(owner) + 1:] if owner else name
-        linear = _op_of(graph_module, relative, name, kind)
+        if name in tied:  # the module's op reads a weight held under another module's name
+            owner, holder = "", tied[name][1]
+            linear = _op_of(stage, holder, name, kind, tied[name][0])
+        elif name in holders and not any(entry[0] == name for node in stage.graph.nodes
+                                         for entry in (node.meta.get("nn_module_stack") or {}).values()):
+            continue  # holds a tied weight for another module's op, split by that module's entry
+        else:
+            owner, holder = _owner(stage, name), name
+            relative = name[len(owner) + 1:] if owner else name
+            linear = _op_of(_graph(stage, owner), relative, name, kind)
         if kind == "vocabulary" and linear.target in _MATMULS:
             kind = "row sliced"  # RowwiseParallel(input_layouts=Replicate()) on a linear layer: its input is whole
         parts = _fused_parts(linear, name, size) if kind == "column" else 1
         graphs.setdefault(owner, []).append((kind, linear, parts))
-        _shard_weights(stage.get_submodule(name), name, kind, mesh, linear.target is aten.addmm.default, parts)
+        _shard_weights(stage.get_submodule(holder), name, kind, mesh, linear.target is aten.addmm.default, parts,
+                       split)
     for owner, linears in graphs.items():
         graph_module = _graph(stage, owner)
         _rewrite(graph_module, linears, group_name, mesh.get_local_rank(), size)
-        _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name, mesh.get_local_rank())
+        if any(kind in ("column", "row") for kind, _, _ in linears):  # else no split value leaves its op
+            _localise_shapes(graph_module, size, owner or type(stage).__name__, group_name, mesh.get_local_rank())
         graph_module.recompile()
         logger.info("tensor parallel over %d ranks in %s: %d linear layers", size, owner or "the stage",
                     len(linears))
+
+
+def _tied_uses(stage: fx.GraphModule) -> dict[str, tuple[fx.Node, str]]:
+    """The modules that ran in ``stage``'s own graph on a weight the stage holds under another module's name:
+    ``{module: (its op, the holder)}``. ``pipe.split`` keeps a tied weight once per stage, under one of its
+    names (a tied LLaMA's embedding reads ``lm_head.weight``), and the module is then no module of the stage."""
+    found: dict[str, tuple[fx.Node, str]] = {}
+    for node in stage.graph.nodes:
+        if node.op != "get_attr" or not str(node.target).endswith(".weight"):
+            continue
+        holder = str(node.target).rsplit(".", 1)[0]
+        for user in node.users:
+            stack = list((user.meta.get("nn_module_stack") or {}).values())
+            if stack and stack[-1][0] != holder and not _in(stage, stack[-1][0]):
+                found[stack[-1][0]] = (user, holder)
+    return found
 
 
 def _check_heads(stage: nn.Module, size: int) -> None:
@@ -280,12 +315,14 @@ def _owner(stage: nn.Module, name: str) -> str:
     return ""
 
 
-def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str) -> fx.Node:
+def _op_of(graph_module: fx.GraphModule, relative: str, name: str, kind: str,
+           tied_use: Optional[fx.Node] = None) -> fx.Node:
     """The one op that reads the weight: an ``aten.linear`` (its second argument) or ``aten.addmm`` (a ``Conv1D``:
-    its third), or for ``"vocabulary"`` also an ``aten.embedding`` (its first)."""
+    its third), or for ``"vocabulary"`` also an ``aten.embedding`` (its first). ``tied_use``: the op of module
+    ``name`` that reads the weight of ``relative``, tied to it; the weight's other users are other modules'."""
     weight = f"{relative}.weight" if relative else "weight"
     reads = [node for node in graph_module.graph.nodes if node.op == "get_attr" and node.target == weight]
-    users = [user for read in reads for user in read.users]
+    users = [user for read in reads for user in read.users if tied_use is None or user is tied_use]
     ops = {aten.embedding.default: 0, **_MATMULS} if kind == "vocabulary" else _MATMULS
     if len(users) != 1 or users[0].target not in ops or users[0].args[ops[users[0].target]] is not reads[0]:
         found = ", ".join(sorted({str(user.target) for user in users})) or "nothing"
@@ -340,9 +377,10 @@ def _fused_parts(op: fx.Node, name: str, size: int) -> int:
 
 
 def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh, transposed: bool,
-                   parts: int) -> None:
+                   parts: int, split: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
     """Splits ``module``'s weight (and a column layer's bias) over ``mesh``. A ``Conv1D`` (``transposed``)
-    stores its weight as (input, output) features; a fused layer's ``parts`` are split each on its own."""
+    stores its weight as (input, output) features; a fused layer's ``parts`` are split each on its own. A weight
+    in ``split`` already (tied to a module split before) gets that ``DTensor``, where it is split alike."""
     weight = module.get_parameter("weight")
     dim = 1 if kind.startswith("row") != transposed else 0
     if kind == "vocabulary":
@@ -355,14 +393,58 @@ def _shard_weights(module: nn.Module, name: str, kind: str, mesh: DeviceMesh, tr
             f"cannot split evenly; choose a tp degree that divides {weight.shape[dim]} (and the model's heads and "
             f"KV heads)")
 
-    split = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
-    placements: dict[str, list[Any]] = {"weight": [split]}
+    placement = _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+    placements: dict[str, list[Any]] = {"weight": [placement]}
     if kind.startswith("column") and parts == 1 and getattr(module, "bias", None) is not None:
         placements["bias"] = [Shard(0)]
-    for attr, placement in placements.items():
+    for attr, layout in placements.items():
         tensor = getattr(module, attr)
-        module.register_parameter(attr, nn.Parameter(distribute_tensor(tensor.data, mesh, placement),
-                                                     requires_grad=tensor.requires_grad))
+        if id(tensor) in split:  # tied: an embedding's rows are its head's output features, both Shard(0)
+            done = split[id(tensor)][1]
+            before = list(cast(DTensor, done).placements)
+            if before != layout:
+                raise ValueError(
+                    f"tensor_parallel: the weight of {name!r} is tied to a weight already split as {before}, and "
+                    f"its entry splits it as {layout}; a tied weight is one tensor: split an embedding and its LM "
+                    f"head both by the vocabulary (RowwiseParallel(input_layouts=Replicate()) and "
+                    f"ColwiseParallel(output_layouts=Replicate())), or leave both out of the plan")
+            module.register_parameter(attr, done)
+            continue
+        new = nn.Parameter(distribute_tensor(tensor.data, mesh, layout), requires_grad=tensor.requires_grad)
+        split[id(tensor)] = (tensor, new)
+        module.register_parameter(attr, new)
+
+
+def refuse_half_split_ties(partitions: Iterable[nn.Module],
+                           split: Mapping[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Refuses a weight split for one module while this rank still holds it whole elsewhere (tied to it, but
+    its module left out of the plan): the two would train apart. Within one graph a split weight read by an
+    op the plan does not name is refused the same way.
+
+    Raises:
+        ValueError: naming the module that reads it whole and the fix.
+    """
+    fix = ("a tied weight is one tensor: split every module that uses it alike (an embedding and its LM head by "
+           "the vocabulary: pipe.distributed.hf.tensor_parallel_plan(model, vocabulary=True)), or none")
+    for partition in partitions:
+        for owner, module in partition.named_modules():
+            for attr, parameter in module._parameters.items():
+                if parameter is not None and id(parameter) in split and split[id(parameter)][0] is parameter:
+                    raise ValueError(f"tensor_parallel: {owner}.{attr} is tied to a weight the plan splits "
+                                     f"elsewhere on this rank, but stays whole here; {fix}")
+            if not isinstance(module, fx.GraphModule):
+                continue
+            for node in module.graph.nodes:
+                if node.op == "get_attr":
+                    try:
+                        value = module.get_parameter(str(node.target))
+                    except AttributeError:
+                        continue
+                    whole = [user for user in node.users if user.target is not local_shard]
+                    if isinstance(value, DTensor) and whole:
+                        raise ValueError(
+                            f"tensor_parallel: {owner or 'the stage'} reads the split weight {node.target!r} "
+                            f"whole in {_describe(whole[0])}; {fix}")
 
 
 def _rewrite(graph_module: fx.GraphModule, linears: list[tuple[str, fx.Node, int]], group_name: str, rank: int,
@@ -539,7 +621,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
          size: int) -> tuple[Any, Optional[int]]:
     recorded = _hint(node.meta.get("val"))
     if node.op == "placeholder":
-        return _meta_like(recorded), None
+        return _meta_like(recorded, node), None
     if node.op == "get_attr":
         tensor = operator.attrgetter(str(node.target))(graph_module)
         if isinstance(tensor, Tensor):
@@ -551,7 +633,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
     if node.op == "call_module":
         if split_inputs:
             raise _Unshardable(f"{node.target} gets a split value")
-        return _meta_like(recorded), None
+        return _meta_like(recorded, node), None
     if node.target is local_shard:
         return env[inputs[0]], None
     if node.target is take_parts:  # a shard, as local_shard's: the ops that read it are split by their shapes
@@ -559,7 +641,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
     if node.target in (copy_to_split, reduce_from_split):
         return env[inputs[0]], None
     if node.target in (gather_from_split, vocab_embedding):  # whole results, made by collectives
-        return _meta_like(recorded), None
+        return _meta_like(recorded, node), None
     if node.target is slice_for_split:  # this rank's slice of a whole value's last dimension
         whole = env[inputs[0]]
         return torch.empty((*whole.shape[:-1], whole.shape[-1] // size), dtype=whole.dtype, device="meta"), \
@@ -608,9 +690,12 @@ def _reads_shard(node: fx.Node) -> bool:
     return any(source.target in (local_shard, take_parts) for source in node.all_input_nodes)
 
 
-def _meta_like(recorded: Any) -> Any:
+def _meta_like(recorded: Any, node: fx.Node) -> Any:
+    """A ``meta`` tensor of the recorded shape and dtype (a stage's token ids stay integers); other values as
+    recorded."""
     if isinstance(recorded, tuple) and all(isinstance(size, int) for size in recorded):
-        return torch.empty(recorded, device="meta")
+        value = node.meta.get("val")
+        return torch.empty(recorded, dtype=value.dtype if isinstance(value, Tensor) else None, device="meta")
     return recorded
 
 
@@ -679,23 +764,25 @@ def _whole_slice(node: fx.Node, source: fx.Node, dim: int) -> bool:
 # -- which entries a stage's graphs hold -----------------------------------------------------------
 
 
-def plain_modules(partition: nn.Module) -> list[tuple[str, str]]:
-    """``(plain-model name, name in partition)`` of the modules inside the split stages among ``partition``'s
-    children (a split stage's modules carry the plain model's names)."""
+def plain_modules(partition: nn.Module) -> list[str]:
+    """The plain model's names of the modules that the split stages among ``partition``'s children hold or run
+    (a split stage's modules carry the plain model's names; a tied embedding runs on its head's weight)."""
     found = []
-    for child_name, child in partition.named_children():
+    for child in partition.children():
         if _is_split_stage(child):
-            found += [(name, f"{child_name}.{name}") for name, _ in child.named_modules() if name]
+            found += [name for name, _ in child.named_modules() if name] + list(_tied_uses(cast(fx.GraphModule, child)))
     return found
 
 
-def apply_to_partition(partition: nn.Module, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh) -> None:
+def apply_to_partition(partition: nn.Module, plan: Mapping[str, ParallelStyle], mesh: DeviceMesh,
+                       split: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
     """:func:`apply` for each split stage among ``partition``'s children, with the entries that fall in it."""
     for child in partition.children():
         if isinstance(child, fx.GraphModule) and _is_split_stage(child):
-            own = {name: style for name, style in plan.items() if _in(child, name)}
+            tied = _tied_uses(child)
+            own = {name: style for name, style in plan.items() if _in(child, name) or name in tied}
             if own:
-                apply(child, own, mesh)
+                apply(child, own, mesh, split)
 
 
 def _is_split_stage(module: nn.Module) -> bool:

@@ -93,7 +93,7 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
             for name in _plain_names(stage):
                 if not fnmatch.fnmatchcase(name, pattern):
                     continue
-                if name in chosen_by:
+                if chosen_by.get(name, pattern) != pattern:  # (one name in two stages: a tied weight's holders)
                     raise ValueError(
                         f"tensor_parallel entries {chosen_by[name]!r} and {pattern!r} both match module {name!r}; "
                         f"give each module one ParallelStyle (narrow one of the patterns)"
@@ -114,21 +114,23 @@ def resolve_plan(plan: Mapping[str, ParallelStyle],
 def _plain_names(stage: nn.Module) -> list[str]:
     """The plain model's names of ``stage``'s modules: a split stage's modules carry them under the stage."""
     split = split_tensor_parallel.plain_modules(stage)
-    return [name for name, _ in split] if split else [name for name, _ in stage.named_modules() if name]
+    return split if split else [name for name, _ in stage.named_modules() if name]
 
 
 def apply(partitions: Mapping[int, nn.Module], stage_plans: Sequence[Mapping[str, ParallelStyle]],
           tp_mesh: DeviceMesh) -> None:
     """Applies each owned stage's plan with ``parallelize_module`` on ``tp_mesh`` (in place); in the graphs of
     ``pipe.split`` stages with :mod:`pipe.distributed.split_tensor_parallel`."""
+    split: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # a weight tied within this rank is split once
     for s, partition in partitions.items():
         if not stage_plans[s]:
             continue
         if split_tensor_parallel.plain_modules(partition):
-            split_tensor_parallel.apply_to_partition(partition, stage_plans[s], tp_mesh)
+            split_tensor_parallel.apply_to_partition(partition, stage_plans[s], tp_mesh, split)
         else:
             parallelize_module(partition, tp_mesh, dict(stage_plans[s]))
             logger.info("stage %d: tensor parallel over %d ranks: %s", s, tp_mesh.size(), sorted(stage_plans[s]))
+    split_tensor_parallel.refuse_half_split_ties(partitions.values(), split)
 
 
 # -- DTensors across pipeline ranks ----------------------------------------------------------------

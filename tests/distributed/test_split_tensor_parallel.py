@@ -207,14 +207,15 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
 
     other = {"pp": 2, "dp_shard": world // 2}
     found: dict[str, Any] = {}
-    kinds = ("llama tied", "llama untied", "qwen2", "qwen3", "gpt2") if "dp_shard" not in layout else (
-        "llama tied", "llama untied", "gpt2")
+    kinds = ("llama tied", "llama tied vocabulary", "llama untied", "qwen2", "qwen3", "gpt2") \
+        if "dp_shard" not in layout else ("llama tied", "llama tied vocabulary", "llama untied", "gpt2")
     for kind in kinds:
         torch.manual_seed(0)
         model = _model(kind)
         reference = copy.deepcopy(model)
-        # The untied LLaMA with its vocabulary split too: the embedding's rows, the head's output features.
-        plan = hf.tensor_parallel_plan(model, vocabulary=kind == "llama untied")
+        # Both LLaMAs with their vocabulary split too (the embedding's rows, the head's output features; tied: one
+        # weight, split alike on the first stage and the last), the tied one also without.
+        plan = hf.tensor_parallel_plan(model, vocabulary=kind in ("llama untied", "llama tied vocabulary"))
         # With FSDP: each decoder layer gathered on its own and its gradients reduced after each backward.
         shard = pd.Shard(unit="block", reduce="micro-batch") if "dp_shard" in layout else None
         piped = pd.DistributedPipe(_split(model), chunks=2, schedule="1f1b", mesh=pd.make_mesh(**layout),
@@ -258,9 +259,10 @@ def _exact_and_reloaded(rank: int, world: int, layout: dict[str, int], directory
 @pytest.mark.parametrize("layout", [{"pp": 2, "tp": 2}, {"pp": 2, "tp": 2, "dp_shard": 2}],
                          ids=["pp2-tp2", "pp2-tp2-dp_shard2"])
 def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: dict[str, int]) -> None:
-    """LLaMA (tied, and untied with its vocabulary split: embedding rows, head columns), Qwen2 (q, k, v biases),
+    """LLaMA (tied, with its vocabulary whole and split: embedding rows, head columns, one weight; untied and
+    split), Qwen2 (q, k, v biases),
     Qwen3 (q and k norms over each head, their gradients summed over the tp ranks) and GPT-2 (q, k and v in one
-    Conv1D: each rank holds its heads of each, a strided shard) at (pp 2, tp 2); both LLaMAs and GPT-2 at (pp 2, tp 2,
+    Conv1D: each rank holds its heads of each, a strided shard) at (pp 2, tp 2); the LLaMAs and GPT-2 at (pp 2, tp 2,
     dp_shard 2) on 8 ranks, FSDP gathering a layer at a time (Shard(unit="block", reduce="micro-batch")): loss and every gradient within 1e-5 of the plain model's, the weights after 3 AdamW
     steps within 1e-4, a held-out eval_step; hf.save's export equals the pipeline's weights in from_pretrained,
     and the export and a state.save checkpoint load bit for bit into pipelines built on meta at the same layout
@@ -289,13 +291,15 @@ def test_split_hf_models_with_tensor_parallelism_match_the_plain_model(layout: d
         # Each rank splits the layers of its stage: the first pipeline rank layers 0-1, the second 2-3.
         stages = [r[kind]["split"] for r in results]
         first = [n for n in names if n.startswith(("model.layers.0.", "model.layers.1."))]
-        vocabulary = kind == "llama untied"
+        vocabulary = kind in ("llama untied", "llama tied vocabulary")
         assert stages[0] == sorted(first + (["model.embed_tokens.weight"] if vocabulary else []) + (["model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
                                             "model.layers.0.self_attn.v_proj.bias", "model.layers.1.self_attn.q_proj.bias",
                                             "model.layers.1.self_attn.k_proj.bias", "model.layers.1.self_attn.v_proj.bias"]
                                            if kind == "qwen2" else [])), kind
-        assert ("lm_head.weight" in stages[-1]) == vocabulary, kind
-        assert all(n.startswith(("model.layers.2.", "model.layers.3.", "lm_head")) for n in stages[-1]), kind
+        # The last stage's head: untied, its own weight; tied, the embedding's, named as the plain model names it.
+        head = "model.embed_tokens.weight" if kind == "llama tied vocabulary" else "lm_head.weight"
+        assert (head in stages[-1]) == vocabulary, kind
+        assert all(n.startswith(("model.layers.2.", "model.layers.3.")) or n == head for n in stages[-1]), kind
         assert found["gradient"] < 1e-5, (kind, found)
 
 
@@ -348,6 +352,7 @@ def test_the_plans_transformers_ships_for_other_families_split_their_stages_exac
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:  # and dropout over split values
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -380,11 +385,10 @@ def _refusals(rank: int, world: int) -> dict[str, str]:  # and dropout over spli
     stages = pipe.split(gpt2, (ids,), {"attention_mask": mask, "use_cache": False}, at=["transformer.h.1"])
     # c_attn split without c_proj: the heads' split values reach a whole Conv1D.
     refused("gpt2 c_attn alone", stages, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
-    try:
-        hf.tensor_parallel_plan(model, vocabulary=True)
-        errors["tied vocabulary"] = "no error"
-    except ValueError as error:
-        errors["tied vocabulary"] = str(error)
+    # A tied weight split for the head only: the first stage's embedding would read it whole (across ranks: the
+    # holders' layouts differ).
+    refused("tied, head only", _split(llama(layers=4)),
+            {**plan, "lm_head": ColwiseParallel(output_layouts=Replicate())})
     # GPT-2's config keeps dropout (0.1): attention dropout over each rank's heads draws masks of the rank's own,
     # the dropout of whole values (after c_proj's sum) the same masks on both ranks; and one step runs.
     from pipe.distributed.split_tensor_parallel import rank_random
@@ -409,6 +413,59 @@ def _refusals(rank: int, world: int) -> dict[str, str]:  # and dropout over spli
     return errors
 
 
+def _tied_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from pipe.distributed import hf
+
+    torch.manual_seed(0)
+    model = _model("llama tied")
+    reference = copy.deepcopy(model)
+    plan = hf.tensor_parallel_plan(model, vocabulary=True)
+    piped = pd.DistributedPipe(_split(model), chunks=2, mesh=pd.make_mesh(pp=1, tp=2), loss_reduction="count",
+                               tensor_parallel=plan)
+    # Both pieces of the split on this rank, each holding the tied weight: one DTensor, registered in both.
+    held = {id(p) for name, p in piped.named_parameters(remove_duplicate=False)
+            if name.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    worst = _steps(piped, reference, "llama tied")
+    _held_out(piped, reference)
+    try:  # the head split, the embedding left whole: on one rank, refused by name
+        pd.DistributedPipe(_split(_model("llama tied")), chunks=2, mesh=pd.make_mesh(pp=1, tp=2),
+                           tensor_parallel={"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    try:  # the embedding's rows split, the head's input features: one tensor cannot be split both ways
+        pd.DistributedPipe(_split(_model("llama tied")), chunks=2, mesh=pd.make_mesh(pp=1, tp=2),
+                           tensor_parallel={"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                            "lm_head": RowwiseParallel(input_layouts=Replicate())})
+        crossed = "no error"
+    except ValueError as error:
+        crossed = str(error)
+    return {"held": len(held), "refused": refused, "crossed": crossed, **worst}
+
+
+@pytest.mark.timeout(200)
+def test_a_tied_embedding_and_head_split_by_the_vocabulary_on_one_rank_match_the_plain_model() -> None:
+    """(pp 1, tp 2): the tied LLaMA's two pieces on one rank, each holding the embedding's weight (read by the
+    embedding in the first, by the head in the second), split by the vocabulary as one DTensor: 3 AdamW steps
+    against the plain model. Splitting it for the head alone is refused (the embedding would read it whole), and
+    so is splitting it by rows for one and by columns for the other."""
+    pytest.importorskip("transformers")
+    from split_models import llama
+
+    llama()
+    for found in run_ranks(_tied_on_one_rank, 2, deadline=180.0, timeout=60.0):
+        assert found["held"] == 1, found
+        assert found["gradient"] < 1e-5, found
+        assert "is tied to a weight the plan splits elsewhere on this rank" in found["refused"] \
+            or "reads the split weight" in found["refused"], found
+        assert "vocabulary=True" in found["refused"], found
+        assert "is tied to a weight already split as [Shard(dim=0)]" in found["crossed"], found
+        assert "[Shard(dim=1)]" in found["crossed"], found
+
+
 @pytest.mark.timeout(200)
 def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_rank() -> None:
     pytest.importorskip("transformers")
@@ -427,7 +484,7 @@ def test_a_plan_that_split_graphs_cannot_compute_is_refused_at_once_on_every_ran
         assert errors["wrapped dropout"] == "aten.scaled_dot_product_attention.default", errors  # one per layer
         assert "LlamaForCausalLM has no tensor-parallel plan" in errors["no plan"], errors
         assert "pipe has none for model_type 'llama'" in errors["no plan"], errors
-        assert "one tied weight" in errors["tied vocabulary"] and "vocabulary=False" in errors["tied vocabulary"]
+        assert "laid out differently on the ranks that hold it" in errors["tied, head only"], errors
 
 
 def _compiled(rank: int, world: int) -> dict[str, Any]:
