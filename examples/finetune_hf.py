@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
                         "fraction; 0: never (default)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage (the config's standard "
                    "plan: attention heads and MLP columns split; LLaMA, Mistral, Qwen2)")
+    p.add_argument("--tp-vocabulary", action="store_true",
+                   help="with --tp: split the embedding and the LM head by the vocabulary too, tied or not (each tp "
+                        "rank holds its rows; --tp must divide the vocabulary size)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zbv"])
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved: 2, zbv: 2)")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
@@ -185,6 +188,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.no_prefetch and (args.fsdp_unit == "stage" or args.dp_shard == 1):
         p.error("--no-prefetch gathers each layer only when it runs: it goes with FSDP2 gathering a layer at a time "
                 "(--dp-shard > 1, without --fsdp-unit stage)")
+    if args.tp_vocabulary and args.tp == 1:
+        p.error("--tp-vocabulary splits the vocabulary over the tensor-parallel ranks: give --tp 2 or more too")
     if not args.peak_tflops >= 0:
         p.error(f"--peak-tflops {args.peak_tflops}: give one device's peak in TFLOP/s (> 0), or 0 for no MFU")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
@@ -456,7 +461,7 @@ def build(args: argparse.Namespace, world: int, loaded: bool) -> tuple[pd.Distri
         raise SystemExit(f"--pp {args.pp} x --dp-shard {args.dp_shard} x --dp-replicate {args.dp_replicate} x --tp "
                          f"{args.tp} != {world} ranks: launch {ranks} (NPROC=...)")
     mesh = pd.make_mesh(pp=args.pp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp)
-    plan = hf.tensor_parallel_plan(model) if args.tp > 1 else None
+    plan = hf.tensor_parallel_plan(model, vocabulary=args.tp_vocabulary) if args.tp > 1 else None
     shard = None
     if args.dp_shard > 1:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None

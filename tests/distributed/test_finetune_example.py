@@ -125,8 +125,8 @@ def test_fine_tune_a_local_hf_model_in_bf16_resume_at_another_layout_and_load_th
 @pytest.mark.timeout(300)
 def test_a_gpt2_with_dropout_fine_tunes_with_tensor_parallelism_and_evaluates_without_dropout(tmp_path: Path) -> None:
     """GPT-2 keeps its config's dropout (0.1: embeddings, residuals, attention) and its fused q, k, v: the recipe at
-    (pp 2, tp 2) trains, evaluates (the split graph's dropout off in eval_step) and exports what from_pretrained
-    reads back."""
+    (pp 2, tp 2), its tied embedding and head split by the vocabulary too (--tp-vocabulary), trains, evaluates
+    (the split graph's dropout off in eval_step) and exports what from_pretrained reads back."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     from pydoc_data.topics import topics
@@ -141,8 +141,10 @@ def test_a_gpt2_with_dropout_fine_tunes_with_tensor_parallelism_and_evaluates_wi
     out = tmp_path / "run"
     done = _launch(4, ["--model", str(tmp_path / "model"), "--data", str(text), "--out", str(out), "--seq-len", "16",
                        "--batch-size", "4", "--chunks", "2", "--steps", "2", "--eval-every", "2", "--lr", "1e-3",
-                       "--pp", "2", "--tp", "2"], "done: steps 0-2")
+                       "--pp", "2", "--tp", "2", "--tp-vocabulary"], "done: steps 0-2")
     assert "tensor parallel over 2 ranks in transformer.h.0: 4 linear layers" in done, done[-3000:]
+    # rank 0's log: the tied weight split by the vocabulary where the first stage's embedding reads it
+    assert "tensor parallel over 2 ranks in the stage: 1 linear layers" in done, done[-3000:]
     assert "held-out" in done, done[-3000:]
     exported = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
     assert exported.config.resid_pdrop == 0.1 and all(torch.isfinite(p).all() for p in exported.parameters())
@@ -362,6 +364,7 @@ def test_a_config_file_with_a_key_that_is_no_flag_is_refused_naming_it(tmp_path:
     (["--keep-gathered"], "--keep-gathered keeps each layer gathered through the backwards: it goes with FSDP2"),
     (["--dp-shard", "2", "--fsdp-unit", "stage", "--no-prefetch"],
      "--no-prefetch gathers each layer only when it runs: it goes with FSDP2 gathering a layer at a time"),
+    (["--tp-vocabulary"], "--tp-vocabulary splits the vocabulary over the tensor-parallel ranks: give --tp 2"),
 ])
 def test_fsdp_unit_flags_without_what_they_need_are_refused_naming_the_fix(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
