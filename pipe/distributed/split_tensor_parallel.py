@@ -621,7 +621,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
          size: int) -> tuple[Any, Optional[int]]:
     recorded = _hint(node.meta.get("val"))
     if node.op == "placeholder":
-        return _meta_like(recorded, node), None
+        return _meta_like(node), None
     if node.op == "get_attr":
         tensor = operator.attrgetter(str(node.target))(graph_module)
         if isinstance(tensor, Tensor):
@@ -633,7 +633,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
     if node.op == "call_module":
         if split_inputs:
             raise _Unshardable(f"{node.target} gets a split value")
-        return _meta_like(recorded, node), None
+        return _meta_like(node), None
     if node.target is local_shard:
         return env[inputs[0]], None
     if node.target is take_parts:  # a shard, as local_shard's: the ops that read it are split by their shapes
@@ -641,7 +641,7 @@ def _run(graph_module: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], s
     if node.target in (copy_to_split, reduce_from_split):
         return env[inputs[0]], None
     if node.target in (gather_from_split, vocab_embedding):  # whole results, made by collectives
-        return _meta_like(recorded, node), None
+        return _meta_like(node), None
     if node.target is slice_for_split:  # this rank's slice of a whole value's last dimension
         whole = env[inputs[0]]
         return torch.empty((*whole.shape[:-1], whole.shape[-1] // size), dtype=whole.dtype, device="meta"), \
@@ -690,11 +690,12 @@ def _reads_shard(node: fx.Node) -> bool:
     return any(source.target in (local_shard, take_parts) for source in node.all_input_nodes)
 
 
-def _meta_like(recorded: Any, node: fx.Node) -> Any:
-    """A ``meta`` tensor of the recorded shape and dtype (a stage's token ids stay integers); other values as
-    recorded."""
+def _meta_like(node: fx.Node) -> Any:
+    """A ``meta`` tensor of the shape and dtype ``node``'s value was recorded with (a stage's token ids stay
+    integers); another recorded value as it is."""
+    value = node.meta.get("val")
+    recorded = _hint(value)
     if isinstance(recorded, tuple) and all(isinstance(size, int) for size in recorded):
-        value = node.meta.get("val")
         return torch.empty(recorded, dtype=value.dtype if isinstance(value, Tensor) else None, device="meta")
     return recorded
 
