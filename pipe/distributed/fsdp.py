@@ -33,7 +33,9 @@ torchtitan's per-block FSDP2 does: each block (a layer of the stage; a decoder l
 embedding, the final norm or the head of a model cut by :func:`pipe.split`,
 see :mod:`pipe.split_blocks`) is gathered by FSDP's own hooks around its
 forward and its backward, one at a time with the next prefetched, and
-resharded after each; its gradients accumulate unsharded until the one
+resharded after each, unless the rank's next action starts with it (a stage's
+last block from a forward to its backward, its first from a backward to a
+forward: :meth:`StageSharding.entering`); its gradients accumulate unsharded until the one
 reduce-scatter of the step (or, ``reduce="micro-batch"``, are reduced after
 each backward). The runner still gathers what the stage holds outside its
 blocks (a tied embedding) as above. A rank then
@@ -48,7 +50,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 from torch import fx, nn
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 BlockPolicy = Callable[[str, nn.Module], bool]
 UNITS = ("stage", "block")
 REDUCES = ("step", "micro-batch")
+#: The steps :meth:`StageSharding.entering` is told of.
+ENTERED = frozenset({Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD})
 
 
 @dataclass(frozen=True)
@@ -376,20 +380,28 @@ class StageSharding:
             for s, stage in stages.items()}
         self.by_runner: dict[int, list[FSDPModule]] = {
             s: [m for m in self.modules[s] if not any(m is b for b in self.by_block[s])] for s in stages}
-        # The block the loss stage calls last (an LM head): its backward follows a forward that builds a graph
-        # (at once, after the loss, in 1F1B; after the other forwards in GPipe), so while training it stays
-        # gathered from such a forward to its backward, as FSDP2 leaves its root module: one gather of it per
-        # micro-batch where its backward gathered it again. A checkpointed forward (no graph) reshards it: its
-        # replay comes later, with the backward.
+        # The blocks a stage calls first and last stay gathered across the boundary between two of its actions
+        # that use them one after the other, where FSDP's hooks would reshard them and gather them again at once:
+        # * the last block, from a forward that builds a graph to its backward. The loss stage's (an LM head)
+        #   always, as FSDP2 leaves its root module: its backward follows such a forward (at once, after the
+        #   loss, in 1F1B; after the other forwards in GPipe), one gather of it per micro-batch where its
+        #   backward gathered it again. Another stage's where the rank's next action is that backward (1F1B's
+        #   steady state), or a checkpointed forward's replay is (the backward follows it). A checkpointed
+        #   forward (no graph) reshards it: its replay comes later, with the backward.
+        # * the first block (reduce="step"), from a backward to the forward that is the rank's next action.
+        # Either is the one block computing at the boundary (the other one gathered is the next's prefetch), so
+        # no more is held than within an action.
         self._training = False
-        called = [b for m in _calls(stages[last_stage]) for b in self.by_block[last_stage] if m is b] \
-            if last_stage in stages else []
-        if called:
-            held = called[-1]
-
-            def hold(module: nn.Module, args: Any) -> None:
-                held.set_reshard_after_forward(not (self._training and torch.is_grad_enabled()), recurse=False)
-            cast(nn.Module, held).register_forward_pre_hook(hold)
+        self._ends: dict[int, tuple[FSDPModule, FSDPModule]] = {}
+        self._then_backward: dict[int, bool] = {}
+        self._following: dict[Step, Optional[Step]] = {}
+        for s, stage in stages.items():
+            called = [b for m in _calls(stage) for b in self.by_block[s] if m is b]
+            if not called:
+                continue
+            self._ends[s] = (called[0], called[-1])
+            self._then_backward[s] = False
+            cast(nn.Module, called[-1]).register_forward_pre_hook(_HeldToBackward(self, s, s == last_stage))
         self.roots: dict[int, FSDPModule] = {}
         for s, stage in stages.items():
             assert isinstance(stage, FSDPModule)
@@ -399,14 +411,20 @@ class StageSharding:
 
     # -- the plan of one step ------------------------------------------------------------------
 
-    def begin_step(self, training: bool) -> None:
+    def begin_step(self, training: bool, program: Sequence[Step] = ()) -> None:
         """Sets FSDP's flags so its hooks neither reduce nor reshard; the runner does both.
 
         (Resharding after forward is off since :func:`shard_stages`, except for blocks gathered by their own
         hooks, and for the loss stage's last block only outside training and checkpointed forwards.) When to
-        gather, reduce and reshard is the lowered program's (:func:`pipe.core.lowering.gathers`).
+        gather, reduce and reshard is the lowered program's (:func:`pipe.core.lowering.gathers`). ``program``:
+        the rank's lowered program for the step, for the blocks kept gathered from one action to the next
+        (:meth:`entering`).
         """
         self._training = training
+        runs = [step for step in program if step.kind in ENTERED]
+        self._following = dict(zip(runs, [*runs[1:], None]))
+        for s in self._then_backward:
+            self._then_backward[s] = False
         for s, modules in self.modules.items():
             for module in modules:
                 # A block gathered by its hooks is resharded after each backward (unless reshard_after_backward
@@ -416,6 +434,21 @@ class StageSharding:
                 module.set_reshard_after_backward(by_block and self.config.reshard_after_backward, recurse=False)
                 module.set_requires_gradient_sync(by_block and self.config.reduce == "micro-batch", recurse=False)
                 module.set_is_last_backward(False)
+
+    def entering(self, step: Step) -> None:
+        """Before a step of the kinds in ``ENTERED`` (a forward, a checkpointed cell's replay, a backward):
+        whether the stage's last block stays gathered from this forward or replay to the backward that follows
+        it on the rank, and its first block from this backward to the forward that follows it."""
+        s = step.stage
+        if not self._training or s not in self._ends:
+            return
+        following = self._following.get(step)
+        then = following.kind if following is not None and following.stage == s else None
+        # After a forward, a backward that replays its forward first starts with its first block: not held then.
+        self._then_backward[s] = step.kind is Kind.RECOMPUTE or (step.kind is Kind.FORWARD and then is Kind.BACKWARD)
+        if step.kind is Kind.BACKWARD and self.config.reduce == "step":
+            self._ends[s][0].set_reshard_after_backward(
+                self.config.reshard_after_backward and then is not Kind.FORWARD, recurse=False)
 
     def executors(self) -> dict[Kind, Callable[[Step], None]]:
         """The runner's executors of the FSDP steps of a lowered program."""
@@ -456,7 +489,8 @@ class StageSharding:
         self._gathered.discard(stage)
 
     def abandon(self) -> None:
-        """After a failed step: waits for gathers in flight and reshards everything.
+        """After a failed step: waits for gathers in flight and reshards everything (blocks kept gathered
+        across actions too).
 
         A gather whose partner is gone fails too; that is the step's failure,
         already reported, so it is logged and the stage resharded all the same.
@@ -467,12 +501,27 @@ class StageSharding:
             except Exception:
                 logger.debug("resharding stage %d after a failed step", s, exc_info=True)
                 self._handles.pop(s, None)
-                for module in self.modules[s]:
-                    try:
-                        module.reshard()
-                    except Exception:
-                        logger.debug("resharding a module of stage %d", s, exc_info=True)
                 self._gathered.discard(s)
+        for s, modules in self.modules.items():
+            for module in modules:
+                try:
+                    module.reshard()
+                except Exception:
+                    logger.debug("resharding a module of stage %d", s, exc_info=True)
+
+
+class _HeldToBackward:
+    """Before a stage's last block's forward: whether FSDP keeps it gathered after it, for the backward that
+    uses it next (:class:`StageSharding`)."""
+
+    def __init__(self, sharding: StageSharding, stage: int, loss_stage: bool) -> None:
+        self.sharding, self.stage, self.loss_stage = sharding, stage, loss_stage
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        sharding = self.sharding
+        held = sharding._training and torch.is_grad_enabled() and (
+            self.loss_stage or sharding._then_backward[self.stage])
+        cast(FSDPModule, module).set_reshard_after_forward(not held, recurse=False)
 
 
 class _BeforeForward:

@@ -53,7 +53,7 @@ from pipe.core.iw_backward import IWBackward, backward_input_first
 from pipe.core.threadstate import without_autocast
 from pipe.distributed.data_parallel import GradientAverager
 from pipe.distributed.failure import Failures
-from pipe.distributed.fsdp import StageSharding
+from pipe.distributed.fsdp import ENTERED, StageSharding
 from pipe.distributed.group import Topology
 from pipe.distributed.loss import LossFn, micro_batch_loss, reported_loss
 from pipe.distributed.recompute_ranks import RankSwap
@@ -150,6 +150,9 @@ class Runtime:
         for feature in (sharding, averager, self.swap):
             if feature is not None:
                 self.executors.update({kind: _traced(kind, run) for kind, run in feature.executors().items()})
+        if sharding is not None:  # told of each forward, replay and backward (the blocks kept gathered across)
+            for kind in ENTERED:
+                self.executors[kind] = _entered(sharding.entering, self.executors[kind])
         self._lowered: dict[tuple[bool, int, bool], list[Step]] = {}
         self._step: Optional[_Step] = None
 
@@ -198,9 +201,10 @@ class Runtime:
         try:
             if training:
                 self.failures.require_same("accumulate", not reduce)
+            program = self.lowered(training, checkpoint_stop, reduce)
             if self.sharding is not None:
-                self.sharding.begin_step(training)
-            for step in self.lowered(training, checkpoint_stop, reduce):
+                self.sharding.begin_step(training, program)
+            for step in program:
                 executors[step.kind](step)
         except BaseException as error:
             where = "the end of the step" if step is None or step.kind in (Kind.FLUSH, Kind.FINISH_REPLICAS) \
@@ -382,6 +386,15 @@ def _traced(kind: Kind, run: Executor) -> Executor:
             run(step)
 
     return traced
+
+
+def _entered(entering: Executor, run: Executor) -> Executor:
+    """``run``, after ``entering`` is told of the step."""
+    def entered(step: Step) -> None:
+        entering(step)
+        run(step)
+
+    return entered
 
 
 def _split(items: list[Any], sizes: list[int]) -> list[list[Any]]:

@@ -236,10 +236,11 @@ def test_sharded_pipeline_matches_the_plain_model_under_every_schedule() -> None
         assert report["interleaved zero3 always"][0] == 6, report
         assert report["zbv zero3 always"][0] >= 4, report
         # Shard()'s default under ZeRO-3 with 1F1B: each of the rank's 4 layers gathered around each of its 2
-        # forwards and 2 backwards (16; two fewer on the last stage's ranks 2 and 3, whose last layer stays gathered
-        # from each forward into the backward that follows it at once), its gradients reduce-scattered once a
-        # step (4).
-        assert report["count+recompute+clip"] == (16 if rank < 2 else 14, 4), (rank, report)
+        # forwards and 2 backwards (16), but where a layer stays gathered from one action to the next: the last
+        # layer from F1 into B0 on ranks 0 and 1 (F0 F1 B0 B1), and on the last stage's ranks 2 and 3 (F0 B0 F1
+        # B1) from each forward into its backward and the first layer from B0 into F1 (13); its gradients
+        # reduce-scattered once a step (4).
+        assert report["count+recompute+clip"] == (15 if rank < 2 else 13, 4), (rank, report)
         # Skips on the default unit: each of the rank's 3 layers reduce-scattered once a step, gathered around each
         # forward, recomputation and backward of its own (how many depends on where FSDP keeps the last layer
         # gathered into its backward: 14 or 16 here), not once a step as a stage whole would be (3).
@@ -436,6 +437,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
     beside_a_buffer: list[bool] = []
     most = [0]
     head_gathers = [0]
+    by_block: dict[str, int] = {}  # a block's path -> its gathers, prefetches included
 
     def gathers(unshard: Callable[..., Any]) -> Callable[..., Any]:
         def call(group: Any, *args: Any, **kwargs: Any) -> Any:
@@ -447,6 +449,9 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
                 live.add(id(group))
                 most[0] = max(most[0], len(live))
                 head_gathers[0] += any(getattr(m, "path", None) == "lm_head" for m in group.modules)
+                for m in group.modules:
+                    if m in layers:
+                        by_block[m.path] = by_block.get(m.path, 0) + 1
             return result
         return call
 
@@ -492,6 +497,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
 
     scatters = _split_lm_against_plain(piped, reference, unit, first=dict(atol=1e-6, rtol=1e-5))
     trained_head_gathers = head_gathers[0]
+    trained_gathers = dict(by_block)
     ids, mask, labels = lm_batch(8, 8, seed=7)  # and a held-out loss, forward only
     part = slice(piped.topology.replica * 4, piped.topology.replica * 4 + 4)
     held_out = piped.eval_step((ids[part], mask[part]), labels[part], _lm_sum_count, broadcast_loss=True)
@@ -499,7 +505,7 @@ def _llama_by_unit(rank: int, world: int, unit: str, schedule: str, at: list[str
         total, counted = _lm_sum_count(reference(ids, attention_mask=mask).logits, labels)
     torch.testing.assert_close(held_out, total / counted, atol=1e-5, rtol=1e-5)
     return {"layers": [block.path for block in layers], "gathered": gathered, "refused": refused, "scatters": scatters,
-            "most at once": most[0], "head gathers": trained_head_gathers, "buffers kept": any(buffers_kept),
+            "most at once": most[0], "head gathers": trained_head_gathers, "gathers by block": trained_gathers, "buffers kept": any(buffers_kept),
             "own groups": own_groups, "head gathered in place": head_in_place,
             "gathers beside a buffer": sum(beside_a_buffer),
             "sharded after the step": all(isinstance(p, DTensor) for p in piped.parameters()),
@@ -572,6 +578,18 @@ def test_split_llama_gathered_by_layer_or_by_stage_matches_the_plain_model(unit:
             # forward, never for a backward (3; 5 when each backward gathered it again; 4 when FSDP ordered the
             # backward prefetch by the interleaved forwards and gathered the head once more, for nothing); kept
             # from its first backward to the reduce, for the checkpointed forward and the replay (2; 4 before).
+            # Each block is gathered once per forward, replay and backward (F0 F1 R0 B0 B1 on the first pipeline
+            # rank, F0 R0 B0 F1 B1 on the second: 5 a step), but where it stays gathered from one to the next:
+            # a stage's last block from a replay to its backward (the head from any forward that builds a graph),
+            # the second rank's first block from B0 to F1 (reduce="step"), and, kept (reshard_after_backward
+            # False), every block from its first backward on (the first rank's B1, the second's F1).
+            stage = [f"model.layers.{k}" for k in range(3)] if rank < 2 else held[1]
+            expected = {path: 5 - keep for path in stage}
+            expected[stage[-1]] -= 1 if rank < 2 else 2
+            if rank >= 2 and reduce == "step" and not keep:
+                expected[stage[0]] -= 1
+            assert result["gathers by block"] == {path: 3 * n for path, n in expected.items()}, \
+                result["gathers by block"]
             if rank >= 2:
                 # The head, one parameter, is gathered into its own storage: never held twice.
                 assert result["head gathered in place"] and all(result["head gathered in place"])
