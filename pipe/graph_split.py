@@ -28,6 +28,7 @@ of a cut module more than once, train/eval switches after capture).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import warnings
@@ -84,7 +85,8 @@ def split(
         example_args: positional inputs (a tuple, or one tensor) of one batch.
             Use a batch of at least 2 rows (dim 0; a batch of 1 is refused) and
             the sizes you will train with; every dimension is captured as
-            dynamic where the model allows it.
+            dynamic where the model allows it. Beside a model on ``meta``
+            they may be on the CPU: only their shapes and dtypes are captured.
         example_kwargs: keyword inputs. Tensors among them become inputs of
             the split model; other values (``use_cache=False``) are fixed.
         at: module paths, e.g. ``["transformer.h.2"]``: a new stage begins
@@ -125,6 +127,7 @@ def split(
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict of keyword inputs or None, got {type(example_kwargs).__name__}")
     _refuse_batch_of_one(example_args, example_kwargs or {})
+    example_args, example_kwargs = _examples_on_meta(model, example_args, example_kwargs)
     if isinstance(at, str):
         at = _auto_points(model, example_args, example_kwargs or {}, at, stages)
     elif stages is not None:
@@ -221,6 +224,32 @@ def _refuse_batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         f"step. Give an example batch of at least 2 rows, e.g. torch.zeros({sizes}, dtype={first.dtype}{device}) "
         f"(the batch then stays dynamic where the model allows it, micro-batches of 1 included)"
     )
+
+
+def _examples_on_meta(model: nn.Module, args: tuple[Any, ...],
+                      kwargs: Optional[dict[str, Any]]) -> tuple[tuple[Any, ...], Optional[dict[str, Any]]]:
+    """The example inputs on ``meta`` when the whole model is there (built under ``torch.device("meta")``).
+
+    Only their shapes and dtypes matter to the capture. CPU examples beside a
+    ``meta`` model fail in ``torch.export``: always on torch 2.11 ("found two
+    different devices meta, cpu"), on 2.13 where the forward combines an input
+    with a tensor computed from the weights (a hidden state times a mask). A
+    stage's graph follows the device of its weights when it runs
+    (:mod:`pipe.split_stage`), so the capture's device does not stay in it.
+    """
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if not tensors or not all(t.is_meta for t in tensors):
+        return args, kwargs
+
+    def to_meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            return value.detach().to("meta").requires_grad_(value.requires_grad)
+        return value
+
+    args = torch.utils._pytree.tree_map(to_meta, args)
+    if kwargs is not None:
+        kwargs = torch.utils._pytree.tree_map(to_meta, kwargs)
+    return args, kwargs
 
 
 # -- cut points --------------------------------------------------------------------------------------

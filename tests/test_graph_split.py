@@ -197,6 +197,34 @@ def test_an_example_batch_of_one_row_is_refused_before_the_capture(monkeypatch: 
     assert not captured
 
 
+def test_a_model_on_meta_is_captured_with_its_example_inputs_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Examples on the CPU beside a model built on meta: torch 2.11's export refuses the two devices, so the
+    # examples go to meta (only shapes and dtypes are captured). Materialised on the CPU, the stages compute the
+    # plain model, with no meta device left in their graphs.
+    devices = []
+    export = torch.export.export
+
+    def recording(module, args, kwargs=None, **options):  # noqa: ANN001, ANN202: stands for torch.export.export
+        devices.extend(t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor))
+        return export(module, args, kwargs, **options)
+
+    monkeypatch.setattr(torch.export, "export", recording)
+    torch.manual_seed(0)
+    reference = TinyLM()
+    with torch.device("meta"):
+        model = TinyLM()
+    ids, mask, _ = lm_batch()
+    stages = pipe.split(model, (ids, mask), at=["blocks.1"])
+    assert devices and set(devices) == {"meta"}, devices
+    assert ids.device.type == "cpu" and mask.device.type == "cpu"  # the caller's tensors are left alone
+    stages.to_empty(device="cpu")
+    stages.load_state_dict(reference.state_dict())
+    assert all("device(type='meta')" not in stage.code for stage in stages)
+    with torch.no_grad():
+        torch.testing.assert_close(stages(ids, mask), reference(ids, mask), rtol=0, atol=0)
+
+
 def test_inputs_whose_dim_0_is_no_batch_are_captured() -> None:
     # A 0-d tensor has no batch dimension, and a tensor of one row beside a batch of 4 is not split (a NoChunk):
     # neither makes the example a batch of 1.

@@ -28,7 +28,7 @@ def _llama(vocab: int, layers: int = 8, device: str = "cpu") -> torch.nn.Module:
 
 def test_the_head_s_flops_go_to_the_last_layer_and_the_layers_cost_alike() -> None:
     model = _llama(vocab=8000, device="meta")  # costed on fake tensors: a meta model is fine
-    ids = torch.zeros(2, 32, dtype=torch.long)
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")  # beside a meta model (torch 2.11 refuses the CPU)
     layers = [f"model.layers.{k}" for k in range(8)]
     costs = layer_flops(model, (ids,), {"use_cache": False}, layers)
     assert len(set(costs[1:-1])) == 1 and costs[1] > 0, costs  # alike layers, alike FLOPs
