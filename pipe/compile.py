@@ -86,11 +86,11 @@ def verify_compile(value: Any, tensor_parallel: bool = False) -> Optional[dict[s
     """
     if value is False or value is None:
         return None
-    _verify_torch()
     if value is True:
         value = {}
     if not isinstance(value, Mapping):
         raise TypeError(f"compile must be True, False or a dict of torch.compile keywords, got {value!r}")
+    _verify_torch()
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise ValueError(f"compile got unknown keys {unknown}; expected some of {list(_KEYS)} "

@@ -12,7 +12,7 @@ forked, so the function may be defined in the test module; each rank compares
 against the plain model itself and returns plain Python values (tensors are
 not sent back).
 
-Where a GPU is visible, ranks come from a fork server instead
+Where a GPU is visible (or torch is older than 2.13, see ``_OLD_TORCH``), ranks come from a fork server instead
 (:func:`pipe.distributed.local_ranks.rank_processes`, which says why): a pytest worker
 runs many tests, so any of them may have used CUDA or run a backward before a
 fork. The server's ranks get their function and arguments by pickling: rank
@@ -34,6 +34,10 @@ from pipe.distributed.local_ranks import CRASHED, RankFailure, free_port, run_lo
 
 __all__ = ["CRASHED", "DEADLINE", "free_port", "hold_the_store", "run_ranks"]
 
+# torch 2.11 (its CUDA build, on a CPU machine too) refuses a backward in a rank forked from a pytest worker that
+# ran a split LLaMA's pipeline before ("Unable to handle autograd's threading in combination with fork-based
+# multiprocessing"); 2.13 does not. Those ranks come from the fork server, as where a GPU is visible.
+_OLD_TORCH = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 DEADLINE = 90.0  # seconds for a whole spawn; a hang fails the test instead of blocking CI
 
 
@@ -48,13 +52,14 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         barrier: wait for every rank before exiting (off when ranks are meant to fail).
         expect_missing: ranks meant to die without returning (their result is None).
         start_method: ``"fork"``, ``"forkserver"``, ``"spawn"`` or ``"interpreter"``; default
-            ``$PIPE_TEST_START_METHOD``, else the fork server where a GPU is visible, else fork.
+            ``$PIPE_TEST_START_METHOD``, else the fork server where a GPU is visible or torch is older
+            than 2.13, else fork.
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the deadline passed.
     """
     method = start_method or os.environ.get("PIPE_TEST_START_METHOD") or (
-        "forkserver" if torch.cuda.is_available() else "fork")
+        "forkserver" if torch.cuda.is_available() or _OLD_TORCH else "fork")
     for attempt in range(2):
         try:
             return run_local_ranks(fn, world, *args, timeout=timeout, deadline=deadline, env=env, barrier=barrier,

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from helpers import mlp
-from pipe import Pipe
 from pipe.plan import PlanError, planned_distributed, planned_pipe
 from pipe.distributed import make_mesh
 from pipe.plan.measure import measure_step
@@ -92,6 +91,8 @@ def test_pipe_memory_budget_times_layers_with_the_partitions_threads(monkeypatch
     assert seen == [1, 2]
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+                    reason="compile= needs torch >= 2.13")  # refused there (pipe.compile.verify_compile says why)
 def test_pipe_memory_budget_warns_that_compiled_layers_were_planned_eager() -> None:
     x = torch.randn(16, WIDTH)
     with pytest.warns(UserWarning, match=r"pipe\.plan\.planned_pipe\(\.\.\., compile=\.\.\.\) plans the layers as "
