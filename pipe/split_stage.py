@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import fx, nn
@@ -70,7 +70,7 @@ class SplitStage(fx.GraphModule):
                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             setattr(result, hooks, copy.copy(getattr(self, hooks)))
         type(result).__name__ = name
-        return result  # type: ignore[return-value]
+        return cast("SplitStage", result)  # a GraphModule to torch 2.13's types
 
 
 _STAGE_ATTRIBUTES = ("original_keys", "original_names", "model_keys", "captured_training", "mode_dependent",
