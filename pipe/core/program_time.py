@@ -24,7 +24,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Hashable, Mapping, Optional, Protocol, Sequence
 
 from pipe.core.lowering import COMPUTE, Kind, Routes, Step, lower
 from pipe.core.action import Action, Phase, TimedAction

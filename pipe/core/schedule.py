@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipe.core.action import Action, Phase, TimedAction
+from pipe.core.action import Action, Phase
 from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS, v_rank_of, v_stages_of, zero_bubble_programs
 
 __all__: list[str] = []

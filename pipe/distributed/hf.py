@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from pipe.distributed import safetensors_files as files
 from pipe.distributed.local_pieces import pieces
@@ -260,7 +260,6 @@ def tensor_parallel_plan(model: nn.Module, *, vocabulary: bool = False) -> dict[
         ValueError: the config has no such plan and pipe has none for its ``model_type``, an entry splits in a
             way other than by columns or rows.
     """
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
@@ -369,8 +368,8 @@ def _layout(every: Sequence[Pieces], order: dict[str, int], limit: int
     first: dict[str, tuple[int, int]] = {}
     writers: dict[tuple[str, tuple[int, ...]], int] = {}
     covered: dict[str, int] = {}
-    for rank, pieces in enumerate(every):
-        for position, (key, dtype, shape, offset, local) in enumerate(pieces):
+    for rank, held in enumerate(every):
+        for position, (key, dtype, shape, offset, local) in enumerate(held):
             if tensors.setdefault(key, (dtype, shape)) != (dtype, shape):
                 raise ValueError(f"ranks disagree on {key!r}: {tensors[key]} and {(dtype, shape)}; every rank "
                                  "must hold the same model (same config and dtype)")

@@ -359,6 +359,7 @@ class Runtime:
         run.outbox[(i, s, "grad", MAIN)] = parts[0]
         for (_, _, name), part in zip(skips.arriving, parts[1:]):
             run.outbox[(i, s, "grad", name)] = part
+
     def _input_gradients(self, i: int, s: int, state: _Cell, roots: list[Tensor],
                          grads: Optional[list[Tensor]]) -> list[Optional[Tensor]]:
         """I: the input gradients of the cell; the graph (recomputed once if checkpointed) waits for W."""

@@ -7,7 +7,6 @@ import itertools
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
