@@ -5,7 +5,9 @@ failed: ``failed in`` for a raise, ``died`` for an exit or a kill, ``stalled``
 for a stall) and what ended each survivor's own wait; under torchrun, that the
 job ends and the agent's root cause is rank 2 (a stalled rank 2 is ended
 by its watchdog, exit status 75). No case asserts a speed: the one time bound,
-:data:`UNWAITED`, tells the mechanisms apart from their absence. The stalled
+:data:`UNWAITED`, tells the mechanisms apart from their absence where rank 2
+stalls (elsewhere nothing sleeps, and the survivors' messages are the
+assertion: see below). The stalled
 rank sleeps :data:`fault_ranks.STALL` seconds (60): a survivor or a job that
 waited for it would take that long (and a mesh's groups used to keep torch's
 30-minute default).
@@ -177,8 +179,9 @@ def check(layout: str, how: str, reports: dict[int, Report]) -> None:
         if rank == VICTIM:
             continue
         assert headline(message).startswith(NAMED[how]), (rank, message)
-        assert seconds < UNWAITED, (rank, seconds, message)
-        if how not in ("stall", "pause"):  # released by a closed connection, not by the timeout
+        if how in STALLS:  # elsewhere nothing sleeps: what released the survivor (below) is the assertion
+            assert seconds < UNWAITED, (rank, seconds, message)
+        else:  # released by a closed connection, not by the timeout
             assert "timed out" not in here(message).lower() and "timeout" not in here(message).lower(), (rank, message)
         if how in SAVES:
             kind = how.split("-")[0]
@@ -217,7 +220,10 @@ def test_every_survivor_names_rank_2_and_ends_in_time(layout: str, how: str, lau
         assert {0, 1, 3} <= set(heard), (heard, out[-3000:])
         assert f"exitcode  : {STALLED_EXIT}" in summary and "rank 2 ended itself" in summary, out[-3000:]
     # The job ended without waiting for a stalled rank 2's sleep (its processes' ends take seconds of CPU each).
-    assert seconds < UNWAITED, (seconds, out[-3000:])
+    # Where rank 2 died or raised nothing sleeps, and the survivors' messages say what released them (check):
+    # a bound there would only time the loaded machine (hsdp-raise took 65.7 s once in CI, released as it should).
+    if how in STALLS:
+        assert seconds < UNWAITED, (seconds, out[-3000:])
 
 
 STALLS = ("stall", "pause")  # rank 2 sleeps in a forward of step 2, or before it (between steps)
@@ -305,7 +311,9 @@ def check_exits(layout: str, how: str) -> tuple[dict[int, Report], dict[int, str
     assert set(reports) == {0, 1, 3}, (reports, outs)
     check(layout, how, reports)
     for rank, (seconds, status) in exits.items():
-        assert seconds < UNWAITED, (rank, seconds, status, outs[rank][-3000:])
+        assert seconds != float("inf"), (rank, f"still running after {AGENTLESS_DEADLINE} s", outs[rank][-3000:])
+        if how in STALLS:  # a wait for rank 2's sleep; elsewhere none is to be told apart (check's messages are)
+            assert seconds < UNWAITED, (rank, seconds, status, outs[rank][-3000:])
         if rank != VICTIM:
             assert status == 1, (rank, status, outs[rank][-3000:])  # raised its PipelineFailure
     assert exits[VICTIM][1] == STATUS[how], (exits[VICTIM], outs[VICTIM][-3000:])
