@@ -28,6 +28,11 @@ calls ``hf.load``; then ``hf.save`` exports it. For reference
 * ``ready_vs_from_pretrained``: (build + load) of the slowest rank over
   ``from_pretrained``'s time (target <= 1.0); the build includes ``pipe.split``
   (``split_s``: ``torch.export`` of the whole model on ``meta``);
+* ``first_touch_s``: the time each rank takes to write its share once into
+  memory it allocates, every rank at once (slowest rank; CPU only): the least
+  any build and load that gives each rank memory of its own costs, since the
+  kernel hands out and zeroes each page at its first write, where
+  ``from_pretrained``'s tensors are pages of the mapped files;
 * the export's time, and ``export_roundtrip_exact``: every rank's tensors read
   back from the export equal its own bit for bit, and ``from_pretrained`` of the
   export equals ``from_pretrained`` of the source, bit for bit.
@@ -169,6 +174,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     assert stats is not None
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - baseline)
     load_only = _status("VmHWM") - before_load
+    first_touch_s = _first_touch(stats.bytes_held) if not cuda else None
     dist.barrier()
     started = time.perf_counter()
     hf.save(export, piped, config=config, max_shard_size="20MB" if args.quick else "200MB")
@@ -186,8 +192,24 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     dist.destroy_process_group()
     return {"rank": rank, "share_bytes": stats.bytes_held, "bytes_read": stats.bytes_read, "keys": stats.keys,
             "load_s": stats.seconds, "build_s": build_s, "split_s": split_s, "export_s": export_s,
+            "first_touch_s": first_touch_s,
             "load_peak_over_share": peak / stats.bytes_held, "load_only_peak_over_share": load_only / stats.bytes_held,
             "bytes_read_over_share": stats.bytes_read / stats.bytes_held, "exact": exact, **step}
+
+
+def _first_touch(share: int) -> float:
+    """Seconds to write ``share`` bytes once into memory the rank allocates, every rank at once: the least any
+    build and load that gives each rank memory of its own can take (the kernel hands out and zeroes each page
+    at its first write), which ``from_pretrained`` does not pay because its tensors are pages of the mapped
+    files."""
+    dist.barrier()
+    started = time.perf_counter()
+    fresh = torch.empty(share, dtype=torch.uint8)  # one block this large is a fresh mapping (glibc's mmap)
+    fresh.fill_(1)
+    seconds = time.perf_counter() - started
+    del fresh
+    dist.barrier()
+    return seconds
 
 
 def _training_step(piped: Any, config: Any, share: int, baseline: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -359,6 +381,7 @@ def main() -> None:
                 "ranks": ranks, "load_s": load_s, "export_s": max(r["export_s"] for r in ranks),
                 "build_s": max(r["build_s"] for r in ranks), "split_s": max(r["split_s"] for r in ranks),
                 "ready_s": ready_s, "ready_vs_from_pretrained": ready_s / reference["load_s"],
+                "first_touch_s": None if args.device == "cuda" else max(r["first_touch_s"] for r in ranks),
                 "load_time_vs_from_pretrained": load_s / reference["load_s"],
                 "load_peak_over_share": max(r["load_peak_over_share"] for r in ranks),
                 "export_exact_per_rank": all(r["exact"] for r in ranks)}
@@ -368,10 +391,13 @@ def main() -> None:
                       f"{[round(r['step_peak_over_share'], 2) for r in ranks]}, after the step "
                       f"{[round(r['after_step_over_share'], 2) for r in ranks]}, bound without activations "
                       f"{[round(r['step_bound_without_activations_over_share'], 2) for r in ranks]}")
+            touch = "" if args.device == "cuda" else (
+                f"writing the share once {layouts[layout]['first_touch_s']:.2f} s "
+                f"({layouts[layout]['first_touch_s'] / reference['load_s']:.1f}x from_pretrained), ")
             print(f"{layout:18s} build {layouts[layout]['build_s']:6.2f} s (split {layouts[layout]['split_s']:.2f} s), "
                   f"load {load_s:6.2f} s ({layouts[layout]['load_time_vs_from_pretrained']:.2f}x "
                   f"from_pretrained), ready {ready_s:.2f} s ({layouts[layout]['ready_vs_from_pretrained']:.1f}x), "
-                  f"peak over share {layouts[layout]['load_peak_over_share']:.2f}, "
+                  f"peak over share {layouts[layout]['load_peak_over_share']:.2f}, {touch}"
                   f"export {layouts[layout]['export_s']:.2f} s, exact {layouts[layout]['export_exact_per_rank']}")
         if not layouts:
             raise SystemExit(f"every layout failed: {failed}")
