@@ -33,6 +33,11 @@ calls ``hf.load``; then ``hf.save`` exports it. For reference
   any build and load that gives each rank memory of its own costs, since the
   kernel hands out and zeroes each page at its first write, where
   ``from_pretrained``'s tensors are pages of the mapped files;
+* ``torch_reference``: the same model built and loaded at (pp 2, dp_shard 2)
+  the way torchtitan does with torch's own pieces, no tracing (each rank's HF
+  modules on ``meta``, ``fully_shard`` per decoder layer, ``to_empty``,
+  ``dcp.load`` through DCP's ``HuggingFaceStorageReader``): its ready time over
+  ``from_pretrained``'s, and its peak over the share, beside ours;
 * the export's time, and ``export_roundtrip_exact``: every rank's tensors read
   back from the export equal its own bit for bit, and ``from_pretrained`` of the
   export equals ``from_pretrained`` of the source, bit for bit.
@@ -72,6 +77,7 @@ RESULTS = HERE / "results"
 LAYOUTS = {"pp 4": {"pp": 4}, "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2}, "pp 1 x dp_shard 4": {"pp": 1, "dp_shard": 4},
            "pp 2 x tp 2": {"pp": 2, "tp": 2}, "pp 2 x tp 2 x dp_shard 2": {"pp": 2, "tp": 2, "dp_shard": 2}}
 DEFAULT_LAYOUTS = ["pp 4", "pp 2 x dp_shard 2", "pp 1 x dp_shard 4", "pp 2 x tp 2"]
+TORCH_LAYOUT = "pp 2 x dp_shard 2"  # where torchtitan's own build is measured for reference
 
 
 def _world(layout: str) -> int:
@@ -195,6 +201,45 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
             "first_touch_s": first_touch_s,
             "load_peak_over_share": peak / stats.bytes_held, "load_only_peak_over_share": load_only / stats.bytes_held,
             "bytes_read_over_share": stats.bytes_read / stats.bytes_held, "exact": exact, **step}
+
+
+def _torch_rank(rank: int, port: int, directory: str, args: argparse.Namespace,
+                results: "multiprocessing.Queue[Any]") -> None:
+    try:
+        results.put(_measure_torch(rank, port, directory, args))
+    except BaseException as error:  # report instead of leaving the parent waiting
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        raise
+
+
+def _measure_torch(rank: int, port: int, directory: str, args: argparse.Namespace) -> dict[str, Any]:
+    """torchtitan's build and load (``step_memory.torch_stage``) at (pp 2, dp_shard 2), measured as ours."""
+    from step_memory import torch_stage
+    from torch.distributed.tensor import DTensor
+
+    sizes = LAYOUTS[TORCH_LAYOUT]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(_world(TORCH_LAYOUT)))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=_world(TORCH_LAYOUT), timeout=datetime.timedelta(seconds=1800))
+    mesh = _mesh(sizes, args.device)
+    from transformers import LlamaForCausalLM  # noqa: F401 (imported before the clock, as ours)
+
+    cuda = args.device == "cuda"
+    dist.barrier()
+    _reset_peak()
+    baseline = _status("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    module, load_s = torch_stage(_config(args.quick), directory, mesh, args.device)
+    ready_s = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") - baseline
+    share = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                for p in module.parameters())
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "share_bytes": share, "build_s": ready_s - load_s, "load_s": load_s, "ready_s": ready_s,
+            "load_peak_over_share": peak / share}
 
 
 def _first_touch(share: int) -> float:
@@ -400,6 +445,19 @@ def main() -> None:
                   f"export {layouts[layout]['export_s']:.2f} s, exact {layouts[layout]['export_exact_per_rank']}")
         if not layouts:
             raise SystemExit(f"every layout failed: {failed}")
+        ranks = run_forked_ranks(_torch_rank, source, args, ranks=_world(TORCH_LAYOUT), timeout=3600)
+        errors = [r["error"] for r in ranks if "error" in r]
+        if errors:
+            raise SystemExit(f"torch's own build at ({TORCH_LAYOUT}) failed: {errors}")
+        ready_s = max(r["ready_s"] for r in ranks)
+        reference_torch = {"layout": TORCH_LAYOUT, "ranks": ranks, "ready_s": ready_s,
+                           "build_s": max(r["build_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
+                           "ready_vs_from_pretrained": ready_s / reference["load_s"],
+                           "load_peak_over_share": max(r["load_peak_over_share"] for r in ranks)}
+        print(f"torch's own ({TORCH_LAYOUT}: fully_shard per layer on meta, to_empty, dcp.load): build "
+              f"{reference_torch['build_s']:.2f} s, load {reference_torch['load_s']:.2f} s, ready {ready_s:.2f} s "
+              f"({reference_torch['ready_vs_from_pretrained']:.1f}x from_pretrained), peak over share "
+              f"{reference_torch['load_peak_over_share']:.2f}")
         roundtrip = _child(_from_pretrained, source, export, args.device)
         exact = bool(roundtrip["export_exact"]) and all(v["export_exact_per_rank"] for v in layouts.values())
         result = {
@@ -411,6 +469,7 @@ def main() -> None:
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
                                 "peak_over_model": reference["peak_over_model"]},
             "layouts": layouts,
+            "torch_reference": reference_torch,
             "load_peak_over_share": max(v["load_peak_over_share"] for v in layouts.values()),
             "load_time_vs_from_pretrained": max(v["load_time_vs_from_pretrained"] for v in layouts.values()),
             "ready_vs_from_pretrained": max(v["ready_vs_from_pretrained"] for v in layouts.values()),

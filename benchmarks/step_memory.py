@@ -188,11 +188,13 @@ class _HFStage(nn.Module):
         return self.lm_head(self.model.norm(h)) if self.lm_head is not None else h
 
 
-def _torch_engine(config: Any, directory: str, mesh: Any, tokens: int) -> tuple[Any, Callable[[], Any]]:
+def torch_stage(config: Any, directory: str, mesh: Any, device: str = "cpu") -> tuple[nn.Module, float]:
+    """torchtitan's build and load with torch's own pieces: each rank's stage on ``meta`` (its HF modules),
+    ``fully_shard`` on each decoder layer, the embedding, the head and the stage (ZeRO-3), ``to_empty``, and
+    ``dcp.load`` through DCP's ``HuggingFaceStorageReader``. Returns the stage and the seconds the load took."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -207,11 +209,20 @@ def _torch_engine(config: Any, directory: str, mesh: Any, tokens: int) -> tuple[
             fully_shard(unit, mesh=shards, reshard_after_forward=True)
     fully_shard(module, mesh=shards, reshard_after_forward=True)
     rotary = {name: b.clone() for name, b in module.rotary.named_buffers()}
-    module.to_empty(device="cpu")
+    module.to_empty(device=device)
     with torch.no_grad():
         for name, b in module.rotary.named_buffers():
             b.copy_(rotary[name])
+    started = time.perf_counter()
     dcp.load(module.state_dict(), storage_reader=HuggingFaceStorageReader(directory))
+    return module, time.perf_counter() - started
+
+
+def _torch_engine(config: Any, directory: str, mesh: Any, tokens: int) -> tuple[Any, Callable[[], Any]]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    module, _ = torch_stage(config, directory, mesh)
+    index, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
     stage = PipelineStage(module, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
     count = CHUNKS * (tokens - 1)  # each micro-batch's sum over the pipeline's tokens: the mean, as pipe's
 
