@@ -46,6 +46,7 @@ Run:
     python benchmarks/loading.py                 # 0.5B parameters: several minutes, ~10 GB of RAM at peak
     python benchmarks/loading.py --quick         # 6M parameters: about a minute
     python benchmarks/loading.py --device cuda   # each rank's stages on the (shared) GPU, over gloo
+    python benchmarks/loading.py --static        # pipe.split(..., dynamic=False): the step's one shape
     python benchmarks/loading.py --step          # and one training step's peak per rank after the load
     python benchmarks/loading.py --step --unit block   # the step with each decoder layer gathered on its own
     python benchmarks/loading.py --step --unit block --reduce micro-batch   # and reduced after each backward
@@ -161,10 +162,11 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     pp = LAYOUTS[layout]["pp"]
-    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    # --static: captured at the one shape the step's micro-batches have (1 x 64 tokens)
+    ids = torch.zeros(*((1, 64) if args.static else (2, 8)), dtype=torch.long, device="meta")
     pieces = max(pp, 2)  # (pp 1): two pieces, one stage of both
     at = [f"model.layers.{config.num_hidden_layers * (i + 1) // pieces}" for i in range(pieces - 1)]
-    stages = pipe.split(model, (ids,), {"use_cache": False}, at=at)
+    stages = pipe.split(model, (ids,), {"use_cache": False}, at=at, dynamic=not args.static)
     split_s = time.perf_counter() - started
     shard = Shard(unit=args.unit, reduce=args.reduce) if "dp_shard" in LAYOUTS[layout] else None
     plan = hf.tensor_parallel_plan(model) if "tp" in LAYOUTS[layout] else None
@@ -378,6 +380,9 @@ def main() -> None:
     parser.add_argument("--step", action="store_true",
                         help="then one training step (1F1B, 4 micro-batches of 1 x 64 tokens): each rank's peak "
                              "over its share (step_peak_over_share) beside the bound without activations")
+    parser.add_argument("--static", action="store_true",
+                        help="pipe.split(..., dynamic=False): capture the one shape the step uses (micro-batches of "
+                             "1 x 64 tokens), without symbolic sizes; default: every dimension dynamic")
     parser.add_argument("--unit", default="stage", choices=["stage", "block"],
                         help="with dp_shard: Shard(unit=...), what ZeRO-3 gathers at a time: a stage whole "
                              "(default) or each decoder layer around its own forward and backward")
@@ -465,7 +470,7 @@ def main() -> None:
                        "dtype": "float32", "device": args.device, "quick": args.quick,
                        "ranks": sorted({_world(layout) for layout in args.layouts}), "return_freed": args.return_freed,
                        "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB",
-                       "unit": args.unit, "reduce": args.reduce},
+                       "unit": args.unit, "reduce": args.reduce, "static": args.static},
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
                                 "peak_over_model": reference["peak_over_model"]},
             "layouts": layouts,
@@ -488,7 +493,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
     name = ("loading" + ("-quick" if args.quick else "") + ("-cuda" if args.device == "cuda" else "")
-            + ("-init" if args.init_weights else "") + ("-step" if args.step else "")
+            + ("-init" if args.init_weights else "") + ("-static" if args.static else "")
+            + ("-step" if args.step else "")
             + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
             + ("-return-freed" if args.return_freed else "")
             + ("" if args.layouts == DEFAULT_LAYOUTS else "-" + "-".join(l.replace(" ", "") for l in args.layouts))

@@ -28,6 +28,7 @@ of a cut module more than once, train/eval switches after capture).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -42,7 +43,7 @@ from torch.export import Dim, ShapesCollection
 from pipe.core.sequential import PipeSequential
 from pipe.split_blocks import other_holders, outline_layers, repeated_layers
 from pipe.split_repeat import capture as repeated
-from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, keep_original_names
+from pipe.split_stage import DOCS, SplitStage, adopt_state, attach, input_shapes, keep_original_names
 
 __all__: list[str] = []
 
@@ -69,6 +70,7 @@ def split(
     at: Union[Sequence[str], str],
     stages: Optional[int] = None,
     repeat: bool = True,
+    dynamic: bool = True,
 ) -> PipeSequential:
     """Cuts ``model`` before each submodule named in ``at`` into a :class:`pipe.PipeSequential` of stages.
 
@@ -107,6 +109,14 @@ def split(
             graph, in a fraction of the time). ``False`` exports every layer:
             for a forward that branches on a layer's index in Python without
             the layers differing in their settings.
+        dynamic: capture every dimension as dynamic where the model allows
+            it (the default), so the stages take inputs of other sizes than
+            the example's. ``False`` captures the example's sizes as they are,
+            several times faster (``torch.export`` then reasons about no
+            symbolic sizes): for training at one shape. Give the shape each
+            stage will be called with, one micro-batch (the batch divided by
+            ``chunks``); a batch of 1 row is allowed. Each stage then refuses
+            an input of another shape, naming it.
 
     Returns:
         A ``PipeSequential`` of ``len(at) + 1`` stages. It takes the tensor
@@ -116,7 +126,8 @@ def split(
         the model's own objects: training either trains both.
 
     Raises:
-        ValueError, TypeError: bad ``at`` or ``stages``, or example inputs (an example batch of 1 row).
+        ValueError, TypeError: bad ``at`` or ``stages``, or example inputs (an example batch of 1 row, unless
+            ``dynamic=False``).
         SplitError: the model cannot be captured as one graph (for example
             data-dependent control flow), see docs/split.md.
     """
@@ -126,7 +137,10 @@ def split(
         example_args = (example_args,)
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise TypeError(f"example_kwargs must be a dict of keyword inputs or None, got {type(example_kwargs).__name__}")
-    _refuse_batch_of_one(example_args, example_kwargs or {})
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"pipe.split: dynamic must be True or False, got {dynamic!r}")
+    if dynamic:
+        _refuse_batch_of_one(example_args, example_kwargs or {})
     example_args, example_kwargs = _examples_on_meta(model, example_args, example_kwargs)
     if isinstance(at, str):
         at = _auto_points(model, example_args, example_kwargs or {}, at, stages)
@@ -136,9 +150,10 @@ def split(
     points = _verify_points(model, at)
     if not isinstance(repeat, bool):
         raise TypeError(f"pipe.split: repeat must be True or False, got {repeat!r}")
-    graph_module = repeated(model, example_args, example_kwargs or {}, points, _export) if repeat else None
+    export = functools.partial(_export, dynamic=dynamic)
+    graph_module = repeated(model, example_args, example_kwargs or {}, points, export) if repeat else None
     if graph_module is None:
-        graph_module = _export(model, example_args, example_kwargs or {}, points).module()
+        graph_module = export(model, example_args, example_kwargs or {}, points).module()
     model_state = model.state_dict(keep_vars=True)
     pieces = _cut(graph_module, len(points) + 1, {id(t) for t in model_state.values()})
     aliases: dict[int, list[str]] = {}
@@ -151,6 +166,7 @@ def split(
     if unused:
         logger.info("pipe.split: forward does not use %s; the first stage keeps them for the state dict", unused[:8])
     for stage in pieces:
+        stage.static_shapes = None if dynamic else input_shapes(stage)
         adopt_state(stage, model, aliases, tuple(model_state))
         outline_layers(stage, model)
         if model.training:
@@ -278,7 +294,7 @@ def _verify_points(model: nn.Module, at: Sequence[str]) -> list[str]:
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            points: list[str]) -> torch.export.ExportedProgram:
+            points: list[str], dynamic: bool = True) -> torch.export.ExportedProgram:
     from torch.distributed.pipelining import pipe_split
 
     calls: list[str] = []
@@ -296,7 +312,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     shapes = ShapesCollection()
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
-            shapes[leaf] = (Dim.AUTO,) * leaf.dim()
+            shapes[leaf] = (Dim.AUTO if dynamic else Dim.STATIC,) * leaf.dim()
     try:
         for path in points:
             module = model.get_submodule(path)

@@ -42,6 +42,8 @@ class SplitStage(fx.GraphModule):
         input_count: how many tensors the stage takes.
         captured_batch_norm: whether the graph has batch norm in training mode (``deferred_batch_norm``
             cannot reach it).
+        static_shapes: with ``pipe.split(..., dynamic=False)``, the shape of each input the graph was
+            captured for (which it refuses others than); None where the sizes are dynamic.
     """
 
     original_keys: dict[str, list[str]]
@@ -51,6 +53,7 @@ class SplitStage(fx.GraphModule):
     mode_dependent: bool
     input_count: int
     captured_batch_norm: bool
+    static_shapes: Optional[tuple[Optional[tuple[int, ...]], ...]]
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "SplitStage":
         super()._apply(fn, recurse)
@@ -74,7 +77,7 @@ class SplitStage(fx.GraphModule):
 
 
 _STAGE_ATTRIBUTES = ("original_keys", "original_names", "model_keys", "captured_training", "mode_dependent",
-                     "input_count", "captured_batch_norm", SOURCE)
+                     "input_count", "captured_batch_norm", "static_shapes", SOURCE)
 
 
 def retarget_devices(stage: fx.GraphModule, device: Optional[torch.device] = None) -> None:
@@ -157,6 +160,7 @@ def adopt_state(stage: SplitStage, model: nn.Module, aliases: dict[int, list[str
     stage.original_names = model_names(stage, model)
     stage.register_forward_pre_hook(_check_mode)
     stage.register_forward_pre_hook(_unpack_one_tuple)
+    stage.register_forward_pre_hook(_check_static_shapes)  # after the unpacking: it reads the inputs one by one
     stage.register_forward_pre_hook(_keep_buffers_on_recompute)
     stage.register_forward_hook(_restore_buffers)
 
@@ -192,6 +196,32 @@ def _check_mode(stage: nn.Module, args: Any) -> None:
             f"model.{'eval' if stage.training is False else 'train'}() again with pipe.split (the stages share "
             f"the model's parameters), see {DOCS}"
         )
+
+
+def input_shapes(stage: fx.GraphModule) -> tuple[Optional[tuple[int, ...]], ...]:
+    """The shape each input of ``stage``'s graph was captured at (None for an input that is no tensor); a
+    graph captured with static sizes has only ints there."""
+    shapes: list[Optional[tuple[int, ...]]] = []
+    for node in stage.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        shapes.append(tuple(int(size) for size in value.shape) if isinstance(value, torch.Tensor) else None)
+    return tuple(shapes)
+
+
+def _check_static_shapes(stage: nn.Module, args: tuple[Any, ...]) -> None:
+    """A stage captured at static sizes computes only inputs of those shapes: its graph holds them as constants
+    (a reshape to the example's batch and length), so another shape would fail deep inside or, worse, broadcast."""
+    expected = getattr(stage, "static_shapes", None)
+    if expected is None:
+        return
+    for position, (value, shape) in enumerate(zip(args, expected)):
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+            raise ValueError(
+                f"this stage of a split model was captured at static sizes (pipe.split(..., dynamic=False)): its "
+                f"input {position} must have shape {list(shape)}, got {list(value.shape)}. Give pipe.split an "
+                f"example of the shape each call gets (one micro-batch: the batch divided by chunks), or split "
+                f"with dynamic=True (the default) to take inputs of any size"
+            )
 
 
 def _unpack_one_tuple(stage: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:

@@ -246,6 +246,49 @@ def test_inputs_whose_dim_0_is_no_batch_are_captured() -> None:
         torch.testing.assert_close(stages(x, bias, scale), model(x, bias, scale), rtol=0, atol=0)
 
 
+def test_static_sizes_are_captured_as_given_and_other_shapes_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dynamic=False: torch.export is asked for static sizes (no symbolic size to reason about, the fast capture),
+    # the graphs hold only ints, and each stage refuses an input of another shape, naming it, where the graph's
+    # constant sizes would fail deep inside or broadcast. A batch of 1 row is an example like any other then.
+    asked = []
+    export = torch.export.export
+
+    def recording(module, args, kwargs=None, **options):  # noqa: ANN001, ANN202: stands for torch.export.export
+        asked.append(options["dynamic_shapes"])
+        return export(module, args, kwargs, **options)
+
+    monkeypatch.setattr(torch.export, "export", recording)
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    for size in (1, 3):
+        ids, mask, labels = lm_batch(size, 6, seed=size)
+        stages = pipe.split(model, (ids, mask), at=["blocks.1", "norm"], dynamic=False)
+        dims = torch.utils._pytree.tree_leaves(asked.pop())
+        assert dims and all(dim is torch.export.Dim.STATIC for dim in dims), dims
+        assert stages[0].static_shapes == ((size, 6), (size, 6))
+        for stage in stages:
+            for node in stage.graph.nodes:
+                value = node.meta.get("val")
+                if isinstance(value, torch.Tensor):
+                    assert all(isinstance(n, int) for n in value.shape), (node, value.shape)
+        model.zero_grad()
+        reference.zero_grad()
+        loss = lm_loss(stages(ids, mask), labels)
+        expected = lm_loss(reference(ids, mask), labels)
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+        loss.backward()
+        expected.backward()
+        assert_same_grads(model, reference, atol=0, rtol=0)
+        ids, mask, _ = lm_batch(size + 1, 6)
+        with pytest.raises(ValueError, match=rf"captured at static sizes .*input 0 must have shape \[{size}, 6\], "
+                                             rf"got \[{size + 1}, 6\].*one micro-batch.*dynamic=True"):
+            stages(ids, mask)
+        assert copy.deepcopy(stages)[1].static_shapes == stages[1].static_shapes
+    with pytest.raises(TypeError, match=r"dynamic must be True or False, got 'no'"):
+        pipe.split(model, (ids, mask), at=["norm"], dynamic="no")
+
+
 def test_a_cut_point_that_runs_twice_is_refused() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:

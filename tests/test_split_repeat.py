@@ -40,10 +40,10 @@ def exported_layers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     export = graph_split._export
 
-    def counting(model: nn.Module, *args: Any) -> Any:
+    def counting(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         stack = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
         seen.append(len(stack))
-        return export(model, *args)
+        return export(model, *args, **kwargs)
     monkeypatch.setattr(graph_split, "_export", counting)
     return seen
 
