@@ -289,6 +289,20 @@ def test_static_sizes_are_captured_as_given_and_other_shapes_refused(monkeypatch
         pipe.split(model, (ids, mask), at=["norm"], dynamic="no")
 
 
+def test_the_planner_measures_a_static_split_at_its_one_micro_batch_only() -> None:
+    # The planner times each layer at every chunk count's micro-batch; pieces captured at static sizes run at one.
+    from pipe.plan import profile_costs
+
+    torch.manual_seed(0)
+    ids, mask, _ = lm_batch(8, 6)
+    pieces = pipe.split(TinyLM(), (ids[:2], mask[:2]), at=["blocks.1", "norm"], dynamic=False)
+    with pytest.raises(ValueError, match=r"micro-batches of \[8, 4, 2\] rows \(chunks=\[1, 2, 4\] of the batch of 8\).*"
+                                         r"static sizes.*micro-batches of 2 rows.*dynamic=True.*chunks=\[4\] alone"):
+        profile_costs(pieces, (ids, mask), (1, 2, 4), rounds=1)
+    costs = profile_costs(pieces, (ids, mask), (4,), rounds=1)
+    assert list(costs.forward) == [2] and len(costs.forward[2]) == 3  # the micro-batch of 2 rows, 3 pieces
+
+
 def test_a_cut_point_that_runs_twice_is_refused() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:

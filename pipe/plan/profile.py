@@ -117,7 +117,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     whole model as one window.
 
     Raises:
-        ValueError: no chunk count divides the batch; stages is not a positive int; the model has skip connections
+        ValueError: no chunk count divides the batch; several do and the model was split at static sizes
+            (``pipe.split(..., dynamic=False)``); stages is not a positive int; the model has skip connections
             (``@skippable`` layers), which the planner does not model yet; a ``select``
             entry is not a valid regex.
         RuntimeError: a layer cannot be measured (it fails, or fails under
@@ -134,6 +135,15 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     if not usable:
         raise ValueError(f"none of chunks={list(chunks)} divides the batch of {batch} samples; "
                          f"pass chunk counts that divide it, such as 1, 2 or {batch}")
+    static = next((shapes for m in module.modules() if (shapes := getattr(m, "static_shapes", None))), None)
+    if static is not None and len(usable) > 1:
+        rows = next(shape[0] for shape in static if shape)
+        alone = f", or pass chunks=[{batch // rows}] alone" if batch % rows == 0 else ""
+        raise ValueError(
+            f"pipe.plan measures every layer at micro-batches of {[batch // c for c in usable]} rows (chunks="
+            f"{usable} of the batch of {batch}), but these pieces were captured at static sizes (pipe.split(..., "
+            f"dynamic=False): micro-batches of {rows} rows), which run at that one shape only: split with "
+            f"dynamic=True (the default) to plan{alone}")
     micro = {batch // c: scatter(sample, c)[0].value for c in usable}
     if loss_fn is not None and target is None:
         raise ValueError("profile_costs(loss_fn=...) needs target=, the mini-batch's targets, to compute the loss")
