@@ -66,26 +66,31 @@ class SplitBlock(fx.GraphModule):
             own._wrapped_call = wrapped  # type: ignore[attr-defined]
         self.__class__ = own
         code = super().recompile()
-        _share(self)
+        if "path" in self.__dict__:  # a block being made (outline, a copy) joins its class once it is named
+            _share(self)
         return code
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SplitBlock":
         """A copy that is a block too (``GraphModule``'s copy keeps the graph, the tensors and the class only)."""
         name = type(self).__name__
-        result = super().__deepcopy__(memo)
+        result = super().__deepcopy__(memo)  # recompiled under GraphModule's name: its class is its own
         result.__dict__["path"] = self.path
         type(result).__name__ = name
+        _share(cast("SplitBlock", result))
         return cast("SplitBlock", result)  # a GraphModule to torch 2.13's types
 
 
-# (the bases of a block's class, its code) -> the class the blocks with that code share
-_SHARED: dict[tuple[tuple[type, ...], str], type] = {}
+# (the bases of a block's class, its name, its code) -> the class the blocks with that code share
+_SHARED: dict[tuple[tuple[type, ...], str, str], type] = {}
 
 
 def _share(block: SplitBlock) -> None:
-    """Moves ``block`` to the class of the blocks with its code and bases, or makes its class that class."""
+    """Moves ``block`` to the class of the blocks with its code, bases and name, or makes its class that class.
+
+    The name is the layer's class name (:func:`outline_layers`): a LLaMA's norm and a Qwen3's have the same code,
+    and a block keeps its own model's name whatever was split before it in the process."""
     cls = type(block)
-    key = (cls.__bases__, block.code)
+    key = (cls.__bases__, cls.__name__, block.code)
     shared = _SHARED.setdefault(key, cls)
     if shared is not cls:
         block.__class__ = shared
@@ -203,6 +208,7 @@ def outline(stage: fx.GraphModule, path: str, class_name: str = "SplitBlock") ->
     block._buffers = holder._buffers
     block._non_persistent_buffers_set = holder._non_persistent_buffers_set
     block.path = path
+    _share(block)
     block.train(holder.training)
     parent_path, _, name = path.rpartition(".")
     stage.get_submodule(parent_path).add_module(name, block)

@@ -69,6 +69,23 @@ def test_each_layer_is_a_module_at_its_path_and_the_model_is_exact(which: str, m
     assert torch.equal(copied(ids, mask), expected)
 
 
+def test_a_block_keeps_its_models_class_name_after_a_model_whose_layers_have_the_same_code() -> None:
+    # Blocks of the same code share one class (torch.compile guards on it); a Qwen3 norm has a LLaMA norm's code,
+    # and a LLaMA split after a Qwen3 in one process still names its norm LlamaRMSNorm (it was Qwen3RMSNorm).
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    ids, mask, _ = lm_batch()
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, head_dim=8,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    for model in (qwen3, llama(layers=4)):
+        stages = pipe.split(model, (ids,), {"attention_mask": mask, "use_cache": False}, at=["model.layers.2"])
+        names = [(type(block).__name__, type(model.get_submodule(block.path)).__name__)
+                 for stage in stages for block in blocks_of(stage)]
+        assert any(ours == "LlamaRMSNorm" or ours == "Qwen3RMSNorm" for ours, _ in names), names
+        assert all(ours == theirs for ours, theirs in names), names
+
+
 def test_a_layer_cut_in_two_runs_as_a_module_in_both_stages() -> None:
     torch.manual_seed(0)
     model = llama(layers=3)
