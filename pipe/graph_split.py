@@ -28,13 +28,14 @@ of a cut module more than once, train/eval switches after capture).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import operator
 import warnings
 from types import MethodType
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Collection, ContextManager, Optional, Sequence, Union, cast
 
 import torch
 from torch import fx, nn
@@ -319,7 +320,9 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             saved.append((module, module.__dict__.get("forward")))
             module.forward = marked(path, module)
         try:
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
+            with _without_code():
+                program = torch.export.export(model, args, kwargs,
+                                              dynamic_shapes=shapes.dynamic_shapes(model, args, kwargs))
         except Exception as error:  # torch.export raises many types; all mean "cannot capture"
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise SplitError(
@@ -342,6 +345,22 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 f"(name a module that forward calls once, such as one block of the stack)"
             )
     return program
+
+
+def _without_code() -> ContextManager[Any]:
+    """While ``torch.export`` runs, its intermediate graph modules write their Python code only when called.
+
+    The export builds and rewrites graph modules several times (tracing, functionalisation, lifting the
+    parameters), and each writes the Python of its graph at once: a quarter of a LLaMA's capture
+    (``benchmarks/loading.py``). Only the final graph is used here, and ``program.module()`` (run outside
+    this) writes that one's code. torch's compiler defers the code the same way; where its private switch is
+    missing, nothing changes but the time.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover - a torch without it
+        return contextlib.nullcontext()
+    return cast(ContextManager[Any], _use_lazy_graph_module(True))
 
 
 # -- cutting the graph ------------------------------------------------------------------------------
