@@ -139,10 +139,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     if args.return_freed:  # blocks of 1 MiB and more mmapped, so a freed tensor leaves VmRSS (glibc's mallopt)
         import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; also stops glibc raising it itself
-    world = _world(layout)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    _join(rank, port, _world(layout))
     import pipe
     from pipe.distributed import DistributedPipe, Shard, hf
     from pipe.distributed import safetensors_files
@@ -150,11 +147,7 @@ def _measure(rank: int, port: int, layout: str, directory: str, export: str,
     from transformers import LlamaForCausalLM
 
     cuda = args.device == "cuda"
-    dist.barrier()
-    _reset_peak()
-    baseline = _status("VmRSS")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    baseline = _start(cuda)
     started = time.perf_counter()
     config = _config(args.quick)
     if args.init_weights:
@@ -219,19 +212,12 @@ def _measure_torch(rank: int, port: int, directory: str, args: argparse.Namespac
     from step_memory import torch_stage
     from torch.distributed.tensor import DTensor
 
-    sizes = LAYOUTS[TORCH_LAYOUT]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(_world(TORCH_LAYOUT)))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=_world(TORCH_LAYOUT), timeout=datetime.timedelta(seconds=1800))
-    mesh = _mesh(sizes, args.device)
+    _join(rank, port, _world(TORCH_LAYOUT))
+    mesh = _mesh(LAYOUTS[TORCH_LAYOUT], args.device)
     from transformers import LlamaForCausalLM  # noqa: F401 (imported before the clock, as ours)
 
     cuda = args.device == "cuda"
-    dist.barrier()
-    _reset_peak()
-    baseline = _status("VmRSS")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    baseline = _start(cuda)
     started = time.perf_counter()
     module, load_s = torch_stage(_config(args.quick), directory, mesh, args.device)
     ready_s = time.perf_counter() - started
@@ -242,6 +228,23 @@ def _measure_torch(rank: int, port: int, directory: str, args: argparse.Namespac
     dist.destroy_process_group()
     return {"rank": rank, "share_bytes": share, "build_s": ready_s - load_s, "load_s": load_s, "ready_s": ready_s,
             "load_peak_over_share": peak / share}
+
+
+def _join(rank: int, port: int, world: int) -> None:
+    """This rank joins the gloo group of ``world`` ranks on 127.0.0.1 with one intra-op thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+
+
+def _start(cuda: bool) -> int:
+    """Every rank at once: the peaks reset; returns the resident memory the build's gain counts from."""
+    dist.barrier()
+    _reset_peak()
+    baseline = _status("VmRSS")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    return baseline
 
 
 def _first_touch(share: int) -> float:

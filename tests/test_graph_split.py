@@ -22,6 +22,19 @@ def tiny() -> tuple[TinyLM, nn.Sequential]:
     return model, pipe.split(model, (ids, mask), at=["blocks.1", "norm"])
 
 
+def assert_same_step(stages: nn.Module, model: nn.Module, reference: nn.Module, ids: torch.Tensor,
+                     mask: torch.Tensor, labels: torch.Tensor) -> None:
+    """The split ``stages`` of ``model`` give ``reference``'s loss and every gradient, to the last bit."""
+    model.zero_grad()
+    reference.zero_grad()
+    loss = lm_loss(stages(ids, mask), labels)
+    expected = lm_loss(reference(ids, mask), labels)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    loss.backward()
+    expected.backward()
+    assert_same_grads(model, reference, atol=0, rtol=0)
+
+
 def test_split_returns_stages_that_compute_the_plain_model(tiny: tuple[TinyLM, nn.Sequential]) -> None:
     model, stages = tiny
     assert isinstance(stages, PipeSequential) and len(stages) == 3
@@ -30,14 +43,7 @@ def test_split_returns_stages_that_compute_the_plain_model(tiny: tuple[TinyLM, n
     # Other batch sizes and lengths than the example's: both dimensions were captured as dynamic.
     for size, length, seed in ((4, 8, 1), (3, 6, 2), (1, 5, 3)):
         ids, mask, labels = lm_batch(size, length, seed)
-        model.zero_grad()
-        reference.zero_grad()
-        loss = lm_loss(stages(ids, mask), labels)
-        expected = lm_loss(reference(ids, mask), labels)
-        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
-        loss.backward()
-        expected.backward()
-        assert_same_grads(model, reference, atol=0, rtol=0)
+        assert_same_step(stages, model, reference, ids, mask, labels)
 
 
 def test_stages_are_the_models_parameters_under_their_original_keys(tiny: tuple[TinyLM, nn.Sequential]) -> None:
@@ -272,14 +278,7 @@ def test_static_sizes_are_captured_as_given_and_other_shapes_refused(monkeypatch
                 value = node.meta.get("val")
                 if isinstance(value, torch.Tensor):
                     assert all(isinstance(n, int) for n in value.shape), (node, value.shape)
-        model.zero_grad()
-        reference.zero_grad()
-        loss = lm_loss(stages(ids, mask), labels)
-        expected = lm_loss(reference(ids, mask), labels)
-        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
-        loss.backward()
-        expected.backward()
-        assert_same_grads(model, reference, atol=0, rtol=0)
+        assert_same_step(stages, model, reference, ids, mask, labels)
         ids, mask, _ = lm_batch(size + 1, 6)
         with pytest.raises(ValueError, match=rf"captured at static sizes .*input 0 must have shape \[{size}, 6\], "
                                              rf"got \[{size + 1}, 6\].*one micro-batch.*dynamic=True"):
