@@ -113,7 +113,7 @@ def split(
         dynamic: capture every dimension as dynamic where the model allows
             it (the default), so the stages take inputs of other sizes than
             the example's. ``False`` captures the example's sizes as they are,
-            several times faster (``torch.export`` then reasons about no
+            in half the time or less (``torch.export`` then reasons about no
             symbolic sizes): for training at one shape. Give the shape each
             stage will be called with, one micro-batch (the batch divided by
             ``chunks``); a batch of 1 row is allowed. Each stage then refuses
@@ -351,8 +351,8 @@ def _without_code() -> ContextManager[Any]:
     """While ``torch.export`` runs, its intermediate graph modules write their Python code only when called.
 
     The export builds and rewrites graph modules several times (tracing, functionalisation, lifting the
-    parameters), and each writes the Python of its graph at once: a quarter of a LLaMA's capture
-    (``benchmarks/loading.py``). Only the final graph is used here, and ``program.module()`` (run outside
+    parameters), and each writes the Python of its graph at once: a fifth to a quarter of a 0.5B LLaMA's split in
+    one process. Only the final graph is used here, and ``program.module()`` (run outside
     this) writes that one's code. torch's compiler defers the code the same way; where its private switch is
     missing, nothing changes but the time.
     """

@@ -43,7 +43,7 @@ class SplitStage(fx.GraphModule):
         captured_batch_norm: whether the graph has batch norm in training mode (``deferred_batch_norm``
             cannot reach it).
         static_shapes: with ``pipe.split(..., dynamic=False)``, the shape of each input the graph was
-            captured for (which it refuses others than); None where the sizes are dynamic.
+            captured for (an input of another shape is refused); None where the sizes are dynamic.
     """
 
     original_keys: dict[str, list[str]]
