@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -144,15 +144,16 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (default: one pipeline over the world). With
     data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
-    "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its mini-batch) the plan
-    is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`), on the pipelines'
-    mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's copies of the
-    gradients, and their collectives are counted. Rank 0 profiles on its ``device`` (the ranks' kind of
-    device; default the CPU).
+    "dp_shard" ranks with ``shard``'s ZeRO mode, gathered whole; each pipeline with ``sample`` as its
+    mini-batch) the plan is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`),
+    on the pipelines' mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's
+    copies of the gradients, and their collectives are counted. Rank 0 profiles on its ``device`` (the
+    ranks' kind of device; default the CPU). The result's ``"shard"`` is ``shard`` with ``unit="stage"``.
 
     Raises:
         ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
-            ``param_dtype`` or ``reduce_dtype``), a ``parallelize`` function, a schedule given as a
+            ``param_dtype`` or ``reduce_dtype``) or a layer at a time (``Shard(unit="block")``, or
+            what needs it), a ``parallelize`` function, a schedule given as a
             table or ``virtual_stages`` other than the plan's, which the planner does not model (every
             rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
     """
@@ -161,7 +162,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
                     else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
         ranks, shards, replicas = mesh_size(mesh, "pp"), mesh_size(mesh, "dp_shard"), mesh_size(mesh, "dp_replicate")
         tensor_parallel = mesh_size(mesh, "tp")
-        sharding = verify_shard(shard, mesh)
+        sharding = _stage_at_a_time(verify_shard(shard, mesh))
         zero3 = sharding is None or sharding.reshard_after_forward
     else:
         replicas, shards, tensor_parallel, zero3, sharding = 1, 1, 1, True, None
@@ -219,7 +220,33 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
         logger.info("DistributedPipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
         return chosen.distributed_kwargs()
 
-    return dict(decided_on_rank_0(decide))
+    planned = dict(decided_on_rank_0(decide))
+    if sharding is not None:  # the caller's settings (mp_policy, blocks, ...), gathering as the plan counts
+        planned["shard"] = sharding
+    return planned
+
+
+def _stage_at_a_time(sharding: Optional[Shard]) -> Optional[Shard]:
+    """``sharding`` gathering each stage whole (``unit="stage"``), as the planner counts FSDP's bytes and
+    collectives (:mod:`pipe.plan.sharding`); left to itself ZeRO-3 would gather a layer at a time.
+
+    Raises:
+        ValueError: ``sharding`` asks for a layer at a time (``unit="block"``, or what needs it).
+    """
+    if sharding is None:
+        return None
+    asked = [f"{name}={value!r}" for name, value, planned in (
+        ("unit", sharding.unit, ("stage", None)), ("reduce", sharding.reduce, ("step",)),
+        ("prefetch", sharding.prefetch, (True,)), ("reshard_after_backward", sharding.reshard_after_backward, (True,)))
+        if value not in planned]
+    if asked:
+        raise ValueError(
+            f"pipe.plan.planned_distributed() plans FSDP gathering each stage whole (Shard(unit='stage')), but "
+            f"shard=Shard({', '.join(asked)}) gathers a layer at a time, whose bytes and collectives it does not "
+            f"count; leave {', '.join(a.split('=')[0] + '=' for a in asked)} out, or build "
+            f"DistributedPipe(..., shard=Shard(unit='block')) yourself with a plan's chunks=, balance= and "
+            f"checkpoint= (docs/planner.md)")
+    return replace(sharding, unit="stage")
 
 
 def planned_pipe(module: nn.Sequential, sample: Any, *, memory_budget: Budget, devices: Sequence[Device],
@@ -285,7 +312,10 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
         chunks, checkpoint, schedule, virtual_stages: kept if given (the plan is the fastest with them).
         balance, recompute, parallelize: refused, as are a mesh with "tp", FSDP's mixed precision and a
             schedule given as a table, which the planner does not count.
-        target, loss_fn, mesh, shard, device, compile, options: as for ``DistributedPipe``.
+        shard: as for ``DistributedPipe``, gathering each stage whole (``unit="stage"``), as planned; a layer
+            at a time (``unit="block"``, ``reduce="micro-batch"``, ``prefetch=False``,
+            ``reshard_after_backward=False``) is refused, since the planner does not count it.
+        target, loss_fn, mesh, device, compile, options: as for ``DistributedPipe``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -301,4 +331,4 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
     return DistributedPipe(model, planned["chunks"], planned["checkpoint"], schedule=planned["schedule"],
                            balance=planned["balance"], virtual_stages=planned["virtual_stages"],
                            recompute=planned.get("recompute"), loss_fn=loss_fn, mesh=mesh,
-                           shard=shard, device=device, compile=compile, **options)
+                           shard=planned.get("shard", shard), device=device, compile=compile, **options)

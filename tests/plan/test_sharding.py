@@ -181,6 +181,15 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
     rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
     planned = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1).activation_peak
     static = sum(2 * p.to_local().numel() * p.element_size() for p in model.parameters())  # shards, and gradients
+    # ZeRO-3 left to itself gathers a layer at a time; planned, it gathers each stage whole, as the plan counts.
+    zero3 = planned_distributed(mlp(), x[:half], memory_budget="1GiB", target=y[:half],
+                                loss_fn=nn.functional.mse_loss, mesh=mesh)
+    units = (zero3.shard.unit, zero3.shard.reshard_after_forward)
+    try:
+        planned_distributed(mlp(), x[:half], memory_budget="1GiB", mesh=mesh, shard=pd.Shard(unit="block"))
+        block = "no error"
+    except ValueError as error:
+        block = str(error)
     try:
         planned_distributed(mlp(), x, memory_budget="1GiB", mesh=pd.make_mesh(pp=1, dp_shard=2, tp=2))
         tp = "no error"
@@ -195,7 +204,7 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
     except ValueError as error:
         mixed = str(error)
     return {"peaks": results, "refused": refused, "planned": (model.chunks, model.balance, model.schedule.kind),
-            "planned_peak": planned + static, "tp": tp, "mixed": mixed}
+            "planned_peak": planned + static, "tp": tp, "mixed": mixed, "units": units, "block": block}
 
 
 def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> None:
@@ -215,6 +224,9 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
                for r in reports), reports[0]["tp"]
     assert all("plans in the parameters' own precision, but shard=Shard(mp_policy=...) has FSDP gather and "
                "compute in torch.bfloat16" in r["mixed"] for r in reports), reports[0]["mixed"]
+    assert all(r["units"] == ("stage", True) for r in reports), [r["units"] for r in reports]
+    assert all("plans FSDP gathering each stage whole (Shard(unit='stage')), but shard=Shard(unit='block') "
+               "gathers a layer at a time" in r["block"] for r in reports), reports[0]["block"]
     wrong, checked = [], 0
     for k, config in enumerate(CONFIGS):
         prediction = predict(costs, _candidate(*config), runner="processes")
