@@ -81,7 +81,10 @@ def run_chain(layers: Sequence[nn.Module], batch: Batch, device: torch.device, *
                 raise LayerFailed(min(k for k in range(count + 1) if ("reached", k) in clock.stamps) - 1,
                                    error) from error
             clock.stamp(("reached", 0))
-        backward = [clock.between(("reached", k + 1), ("reached", k)) for k in range(count)]
+        # A layer that returns its input as it is (an identity, a skip's stash) leaves its hook and the next
+        # layer's on one tensor, which fire in the order they were registered: its backward is nothing, and
+        # its two stamps come out a microsecond apart the wrong way (a negative time the solver refuses).
+        backward = [max(0.0, clock.between(("reached", k + 1), ("reached", k))) for k in range(count)]
         return [*given, batch], clock.spans("forward", count), backward, [0.0] * count
     halves: list[tuple[int, IWBackward]] = []
     for k in reversed(range(count)):

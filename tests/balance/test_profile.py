@@ -182,6 +182,30 @@ def test_a_layer_whose_output_needs_no_gradient_still_times_the_layers_before_it
     assert backward[0] > 0 and backward[2] > 0, backward  # each layer took ones as its output's gradient
 
 
+def test_a_layer_that_returns_its_input_takes_no_backward_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An identity (a skip's stash) leaves its hook and the next layer's on one tensor, which fire in the order
+    they were registered: its stamps come the wrong way round. Its backward is 0, never negative, which the
+    solver refuses (``examples/resnet_skip.py`` failed so in the suite when the identity's forward took less
+    than the gap). Timed by a clock that every read moves on, so the order of the stamps shows."""
+    import types
+
+    import pipe.balance.clock as clock
+    from pipe.balance import time_layers
+
+    now = [0.0]
+
+    def later() -> float:
+        now[0] += 1e-6
+        return now[0]
+
+    monkeypatch.setattr(clock, "time", types.SimpleNamespace(perf_counter=later))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8), nn.Identity())
+    times = time_layers(model, {4: torch.randn(4, 8)}, torch.device("cpu"), rounds=2, timeout=0)
+    backward = times.backward[4]
+    assert backward[1] == 0.0 and backward[0] > 0 and backward[2] > 0, backward
+    assert min(times.total(4)) >= 0, times.total(4)
+
+
 def test_a_layer_failing_in_backward_is_named() -> None:
     from pipe.balance import time_layers
 
