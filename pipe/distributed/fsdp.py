@@ -183,6 +183,14 @@ class Shard:
                 f"Shard(unit='block', prefetch=False) to gather each layer only when it runs"
             )
 
+    def per_layer(self) -> list[str]:
+        """The settings given that gather a layer at a time: ``unit="block"``, and those that need it
+        (``reduce="micro-batch"``, ``prefetch=False``, ``reshard_after_backward=False``), as ``"name=value"``."""
+        needed = [("reduce", self.reduce, "step"), ("prefetch", self.prefetch, True),
+                  ("reshard_after_backward", self.reshard_after_backward, True)]
+        return ([f"unit={self.unit!r}"] if self.unit == "block" else []) + [
+            f"{name}={value!r}" for name, value, default in needed if value != default]
+
     def with_unit(self, schedule: object, splits_backward: bool) -> "Shard":
         """This configuration with its unit chosen for ``schedule`` (``unit=None``: ``"block"`` under ZeRO-3 where
         the schedule's backward is whole, else ``"stage"``).
@@ -191,8 +199,9 @@ class Shard:
             ValueError: ``unit="block"`` (given, or needed by ``reduce="micro-batch"``, ``prefetch=False`` or
                 ``reshard_after_backward=False``) with a schedule that splits each backward in two.
         """
-        implied = self.reduce != "step" or not self.prefetch or not self.reshard_after_backward
-        if splits_backward and (self.unit == "block" or implied):
+        asked = self.per_layer()
+        implied = any(not setting.startswith("unit=") for setting in asked)
+        if splits_backward and asked:
             raise ValueError(
                 f"shard=Shard(unit='block') with schedule {schedule!r}, which splits each backward into an input "
                 f"half and a later weight half: FSDP's hooks reshard a layer after its input half, and the weight "

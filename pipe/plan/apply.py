@@ -235,10 +235,7 @@ def _stage_at_a_time(sharding: Optional[Shard]) -> Optional[Shard]:
     """
     if sharding is None:
         return None
-    asked = [f"{name}={value!r}" for name, value, planned in (
-        ("unit", sharding.unit, ("stage", None)), ("reduce", sharding.reduce, ("step",)),
-        ("prefetch", sharding.prefetch, (True,)), ("reshard_after_backward", sharding.reshard_after_backward, (True,)))
-        if value not in planned]
+    asked = sharding.per_layer()
     if asked:
         raise ValueError(
             f"pipe.plan.planned_distributed() plans FSDP gathering each stage whole (Shard(unit='stage')), but "
