@@ -97,7 +97,8 @@ def run_local_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
     Args:
         timeout: each rank's process-group timeout (seconds).
         deadline: the whole run's limit; past it the ranks still running are killed and reported.
-        env: more environment variables for the ranks.
+        env: more environment variables for the ranks: a fresh interpreter's (``"interpreter"``) from its start,
+            for what torch reads as it loads; the other start methods' set before ``fn`` runs.
         barrier: wait for every rank before a rank exits (off when ranks are meant to fail).
         expect_missing: ranks meant to end without returning (their result is None).
         start_method: ``"fork"``, ``"interpreter"``, ``"forkserver"`` or ``"spawn"`` (module docstring);
@@ -169,15 +170,16 @@ def _queued_rank(rank: int, world: int, port: int, fn: Callable[..., Any], args:
 
 class _Interpreter:
     """A rank in a fresh interpreter (``python -m pipe.distributed.local_ranks JOB RANK``): its result is the
-    pickle file ``JOB.RANK`` (written whole: renamed into place)."""
+    pickle file ``JOB.RANK`` (written whole: renamed into place). ``env`` is in its environment from the start,
+    for what torch reads as it loads (``THP_MEM_ALLOC_ENABLE``, ``CUDA_VISIBLE_DEVICES``)."""
 
-    def __init__(self, job: str, rank: int, log: str) -> None:
+    def __init__(self, job: str, rank: int, log: str, env: dict[str, str]) -> None:
         self.out = f"{job}.{rank}"
-        path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")])  # fn's module
-        with open(log, "a") as printed:
+        path = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))])
+        with open(log, "a") as printed:  # PYTHONPATH: fn's module
             self.process = subprocess.Popen([sys.executable, "-m", "pipe.distributed.local_ranks", job, str(rank)],
                                             stdin=subprocess.DEVNULL, stdout=printed, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, PYTHONPATH=path))
+                                            env=dict(os.environ, **env, PYTHONPATH=path))
         self.log = log
 
     def is_alive(self) -> bool:
@@ -220,7 +222,7 @@ def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...], timeout: O
         job = os.path.join(logs.name, "job")
         with open(job, "wb") as file:
             pickle.dump((fn, world, port, args, timeout, env, barrier), file)
-        processes: list[Any] = [_Interpreter(job, rank, printed[rank]) for rank in range(world)]
+        processes: list[Any] = [_Interpreter(job, rank, printed[rank], env) for rank in range(world)]
     else:
         context = rank_processes(method)
         results = context.Queue()

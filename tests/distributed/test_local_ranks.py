@@ -47,6 +47,26 @@ def test_ranks_run_with_a_process_group_and_return_by_rank(start_method: str) ->
         (10, 2, 1.0), (11, 2, 1.0)]
 
 
+def _environment_at_start(rank: int, world: int) -> tuple[str, str]:
+    """The process's environment as it started (before torch was imported), and as it is now."""
+    import os
+
+    with open("/proc/self/environ", "rb") as file:
+        start = dict(entry.split(b"=", 1) for entry in file.read().split(b"\0") if b"=" in entry)
+    return start.get(b"PIPE_TEST_SETTING", b"").decode(), os.environ.get("PIPE_TEST_SETTING", "")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads a process's environment in /proc")
+def test_a_fresh_interpreter_has_env_from_its_start() -> None:
+    """What torch reads as it loads (THP_MEM_ALLOC_ENABLE) must be in the rank's environment before it starts;
+    a forked rank gets it set before fn only."""
+    started = run_local_ranks(_environment_at_start, 2, env={"PIPE_TEST_SETTING": "1"}, start_method="interpreter",
+                              deadline=120)
+    assert started == [("1", "1"), ("1", "1")]
+    assert run_local_ranks(_environment_at_start, 1, env={"PIPE_TEST_SETTING": "1"}, start_method="fork",
+                           deadline=60) == [("", "1")]
+
+
 def test_a_failed_rank_is_named_with_its_traceback() -> None:
     with pytest.raises(RankFailure) as error:
         run_local_ranks(_rank_1_fails, 2, barrier=False, deadline=60)
