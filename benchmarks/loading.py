@@ -473,7 +473,8 @@ def main() -> None:
                        "dtype": "float32", "device": args.device, "quick": args.quick,
                        "ranks": sorted({_world(layout) for layout in args.layouts}), "return_freed": args.return_freed,
                        "backend": "gloo", "files": "200 MB" if not args.quick else "20 MB",
-                       "unit": args.unit, "reduce": args.reduce, "static": args.static},
+                       "unit": args.unit, "reduce": args.reduce, "static": args.static,
+                       "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE")},
             "from_pretrained": {"load_s": reference["load_s"], "returned_s": reference["returned_s"],
                                 "peak_over_model": reference["peak_over_model"]},
             "layouts": layouts,
@@ -500,6 +501,7 @@ def main() -> None:
             + ("-step" if args.step else "")
             + ("-by-block" if args.unit == "block" else "") + ("-reduce-each" if args.reduce != "step" else "")
             + ("-return-freed" if args.return_freed else "")
+            + ("-thp" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "")
             + ("" if args.layouts == DEFAULT_LAYOUTS else "-" + "-".join(l.replace(" ", "") for l in args.layouts))
             + ".json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")

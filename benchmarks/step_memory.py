@@ -372,7 +372,7 @@ def main() -> None:
         print(key, json.dumps(value))
     result = {"config": {"model": "6M" if args.quick else "0.5B", "layout": SIZES, "micro_batches": CHUNKS,
                          "tokens_per_micro_batch": args.tokens, "schedule": "1F1B", "zero": 3, "backend": "gloo",
-                         "runs": args.runs},
+                         "runs": args.runs, "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE")},
               "summary": summary, "runs": runs,
               "targets": {"peak_over_bound": 1.1, "over_torch": {"peak_over_share": 1.0, "step_s": 1.0}},
               "load_average": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,

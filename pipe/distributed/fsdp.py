@@ -43,10 +43,19 @@ holds its shards, the stage's unsharded gradients, one or two gathered blocks
 and the activations, instead of its whole stage gathered. On the CPU a block of
 one parameter (an untied embedding, the head) is gathered straight into its
 parameter, without FSDP2's buffer and copy (:class:`_IntoParameter`).
+
+Each gather on the CPU writes into memory the kernel hands out afresh, a page
+at a time: in 4 KiB pages unless the process asked for 2 MiB ones, which torch
+does for its tensors of 2 MiB or more only with ``THP_MEM_ALLOC_ENABLE=1`` in
+the environment before it starts (the kernel's ``madvise`` mode of transparent
+huge pages, most distributions' default). :func:`advise_huge_pages` says so
+once where the units are large enough for it to matter; the launchers in
+``launch/`` set it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass, replace
@@ -62,10 +71,17 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from pipe.core.lowering import Kind, Step
 from pipe.core.original_names import partition_name
+from pipe.core.units import format_bytes
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
+
+#: Units of this many bytes or more take most of a CPU gather's time in page faults without huge pages.
+HUGE_PAGE_UNIT_BYTES = 32 * 1024 * 1024
+
+#: The kernel's setting of transparent huge pages; ``[madvise]`` marks its mode.
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 BlockPolicy = Callable[[str, nn.Module], bool]
 UNITS = ("stage", "block")
@@ -346,6 +362,36 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
                     "%d unit(s) of one parameter gathered straight into it", s, len(chosen), len(by_block), mesh,
                     len(in_place))
         _quiet_view_warning([stage] + [block for _, block in chosen if not any(block is b for b in by_block)])
+        units = [block for _, block in chosen] or [stage]
+        advise_huge_pages(mesh.device_type, max(sum(p.numel() * p.element_size() for p in unit.parameters())
+                                                for unit in units))
+
+
+_huge_pages_advised = False
+
+
+def advise_huge_pages(device_type: str, largest: int) -> bool:
+    """Warns once per process (on rank 0) where FSDP gathers units of up to ``largest`` bytes on the CPU into
+    4 KiB pages though the kernel gives 2 MiB ones to a process that asks (``THP_MEM_ALLOC_ENABLE`` not 1, the
+    kernel's transparent huge pages in ``madvise`` mode). Returns whether it warned."""
+    global _huge_pages_advised
+    if (device_type != "cpu" or largest < HUGE_PAGE_UNIT_BYTES or _huge_pages_advised
+            or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"):
+        return False
+    try:
+        with open(THP_MODE_FILE) as file:
+            mode = file.read()
+    except OSError:  # not Linux, or no transparent huge pages
+        return False
+    if "[madvise]" not in mode or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return False
+    _huge_pages_advised = True
+    logger.warning(
+        "FSDP gathers units of up to %s on the CPU into memory the kernel hands out in 4 KiB pages; it gives 2 MiB "
+        "pages (transparent huge pages, mode madvise here) to a process that asks, which torch does only with "
+        "THP_MEM_ALLOC_ENABLE=1 in the environment before it starts: set it (the launchers in launch/ do) for "
+        "gathers in about half the time (docs/distributed_training.md)", format_bytes(largest))
+    return True
 
 
 def _quiet_view_warning(wrapped: list[nn.Module]) -> None:
