@@ -275,6 +275,18 @@ def _default_blocks(stage: nn.Module, unit: str) -> BlockPolicy:
     return lambda name, module: id(module) in layers
 
 
+def gathered_blocks(stage: nn.Module) -> list[nn.Module]:
+    """The blocks of ``stage`` that FSDP's own hooks gather one at a time under ``Shard(unit="block")`` with the
+    default blocks, in the order its forward calls them (what :mod:`pipe.plan.profile` counts them by)."""
+    default = _default_blocks(stage, "block")
+    chosen = [module for name, module in stage.named_modules() if name and default(name, module)]
+    ordered: list[nn.Module] = []
+    for called in _calls(stage):
+        if any(called is block for block in chosen) and not any(called is block for block in ordered):
+            ordered.append(called)
+    return ordered
+
+
 def _graph_calls(stage: nn.Module) -> list[nn.Module]:
     """The modules that the ``fx`` graphs in ``stage`` call (``call_module``), in order."""
     return [graph_module.get_submodule(str(node.target)) for graph_module in stage.modules()

@@ -29,7 +29,7 @@ from pipe.core.options import verify_checkpoint, verify_chunks
 from pipe.core.partition import Device
 from pipe.distributed.distributed_pipe import DistributedPipe
 from pipe.distributed.env import rank_device
-from pipe.distributed.fsdp import Shard, verify_shard
+from pipe.distributed.fsdp import REDUCES, UNITS, Shard, verify_shard
 from pipe.distributed.group import decided_on_rank_0, require_initialized
 from pipe.distributed.mesh import mesh_size, verify_mesh
 from pipe.pipe import Pipe
@@ -144,28 +144,34 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
 
     The ranks are those of ``DistributedPipe``'s ``mesh`` (default: one pipeline over the world). With
     data-parallel ranks ("dp_replicate" replicas of the pipeline, each stage sharded over
-    "dp_shard" ranks with ``shard``'s ZeRO mode, gathered whole; each pipeline with ``sample`` as its
+    "dp_shard" ranks with ``shard``'s ZeRO mode; each pipeline with ``sample`` as its
     mini-batch) the plan is that of the ``pp x dp_replicate x dp_shard`` split (:mod:`pipe.plan.sharding`),
     on the pipelines' mini-batches together: so FSDP's unsharded parameters and gradients, or the averager's
     copies of the gradients, and their collectives are counted. Rank 0 profiles on its ``device`` (the
-    ranks' kind of device; default the CPU). The result's ``"shard"`` is ``shard`` with ``unit="stage"``.
+    ranks' kind of device; default the CPU). Under ZeRO-3 the plan also chooses what FSDP gathers at a time
+    (a stage whole, or a layer at a time with its gradients reduced once a step or after each backward)
+    unless ``shard`` says (``Shard(unit=...)``; with ``unit="block"`` its ``reduce``); the result's
+    ``"shard"`` is ``shard`` with the plan's ``unit`` and ``reduce``.
 
     Raises:
         ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
-            ``param_dtype`` or ``reduce_dtype``) or a layer at a time (``Shard(unit="block")``, or
-            what needs it), a ``parallelize`` function, a schedule given as a
-            table or ``virtual_stages`` other than the plan's, which the planner does not model (every
-            rank raises alike); a mesh that does not fit (:func:`pipe.distributed.mesh.verify_mesh`).
+            ``param_dtype`` or ``reduce_dtype``), blocks of one's own (``Shard(blocks=...)``) a layer at a
+            time, ``Shard(prefetch=False)`` or ``Shard(reshard_after_backward=False)``, a ``parallelize``
+            function, a schedule given as a table or ``virtual_stages`` other than the plan's, which the
+            planner does not model (every rank raises alike); a mesh that does not fit
+            (:func:`pipe.distributed.mesh.verify_mesh`).
     """
     if mesh is not None:
         verify_mesh(mesh, torch.device(device) if device is not None
                     else torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
         ranks, shards, replicas = mesh_size(mesh, "pp"), mesh_size(mesh, "dp_shard"), mesh_size(mesh, "dp_replicate")
         tensor_parallel = mesh_size(mesh, "tp")
-        sharding = _stage_at_a_time(verify_shard(shard, mesh))
+        sharding = verify_shard(shard, mesh)
+        units, reduces = _planned_units(sharding, explicit=shard is not None)
         zero3 = sharding is None or sharding.reshard_after_forward
     else:
         replicas, shards, tensor_parallel, zero3, sharding = 1, 1, 1, True, None
+        units, reduces = UNITS, REDUCES
         ranks = dist.get_world_size()
     policy = sharding.mp_policy if sharding is not None else None
     if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
@@ -216,34 +222,47 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
             link="cached", loss_fn=loss_fn, target=planned_target, device=device,
             threads=torch.get_num_threads(),  # as this rank, and so every rank, computes
             dp_replicate=[replicas] if replicas > 1 else None, dp_shard=[shards] if shards > 1 else None,
-            zero=(3,) if zero3 else (2,), **given.restrictions(parts)))
+            zero=(3,) if zero3 else (2,), units=units, reduces=reduces, **given.restrictions(parts)))
         logger.info("DistributedPipe plan for memory budget %s:\n%s", memory_budget, chosen.table())
         return chosen.distributed_kwargs()
 
     planned = dict(decided_on_rank_0(decide))
-    if sharding is not None:  # the caller's settings (mp_policy, blocks, ...), gathering as the plan counts
-        planned["shard"] = sharding
+    if sharding is not None and "shard" in planned:  # the caller's settings (blocks, ...), gathering as planned
+        planned["shard"] = replace(sharding, unit=planned["shard"].unit, reduce=planned["shard"].reduce)
     return planned
 
 
-def _stage_at_a_time(sharding: Optional[Shard]) -> Optional[Shard]:
-    """``sharding`` gathering each stage whole (``unit="stage"``), as the planner counts FSDP's bytes and
-    collectives (:mod:`pipe.plan.sharding`); left to itself ZeRO-3 would gather a layer at a time.
+def _planned_units(sharding: Optional[Shard], explicit: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What FSDP may gather at a time (``Shard(unit=...)``) and when it may reduce (``reduce=``) in the plans
+    weighed for ``sharding``: what it says, else all that the planner counts (:mod:`pipe.plan.sharding`).
+    ``explicit``: ``Shard(...)`` was given, so a ``reduce`` other than its default holds (and with
+    ``unit="block"`` its ``reduce`` does).
 
     Raises:
-        ValueError: ``sharding`` asks for a layer at a time (``unit="block"``, or what needs it).
+        ValueError: settings the planner does not count: ``prefetch=False``, ``reshard_after_backward=False``,
+            or blocks of one's own (``blocks=``) gathered a layer at a time.
     """
     if sharding is None:
-        return None
-    asked = sharding.per_layer()
-    if asked:
+        return UNITS, REDUCES
+    unplanned = [f"{name}=False" for name in ("prefetch", "reshard_after_backward") if not getattr(sharding, name)]
+    if unplanned:
         raise ValueError(
-            f"pipe.plan.planned_distributed() plans FSDP gathering each stage whole (Shard(unit='stage')), but "
-            f"shard=Shard({', '.join(asked)}) gathers a layer at a time, whose bytes and collectives it does not "
-            f"count; leave {', '.join(a.split('=')[0] + '=' for a in asked)} out, or build "
-            f"DistributedPipe(..., shard=Shard(unit='block')) yourself with a plan's chunks=, balance= and "
-            f"checkpoint= (docs/planner.md)")
-    return replace(sharding, unit="stage")
+            f"pipe.plan.planned_distributed() plans FSDP gathering a layer at a time with the next one prefetched "
+            f"and each freed after its backward, but shard=Shard({', '.join(unplanned)}) does otherwise, which it "
+            f"does not count; leave {', '.join(u.split('=')[0] + '=' for u in unplanned)} out, or build "
+            f"DistributedPipe(..., shard=Shard({', '.join(unplanned)})) yourself with a plan's chunks=, balance= "
+            f"and checkpoint= (docs/planner.md)")
+    if sharding.blocks is not None:
+        if sharding.unit == "block" or sharding.reduce != "step":
+            raise ValueError(
+                "pipe.plan.planned_distributed() counts FSDP gathering the default blocks a layer at a time (each "
+                "layer of a stage), but shard=Shard(blocks=...) chooses its own; leave blocks= out, or pass "
+                "Shard(blocks=..., unit='stage') to plan the stages gathered whole")
+        return ("stage",), ("step",)
+    units = ((sharding.unit,) if sharding.unit is not None else ("block",) if sharding.reduce == "micro-batch"
+             else UNITS)
+    given = explicit and (sharding.reduce != "step" or sharding.unit == "block")
+    return units, (sharding.reduce,) if given else REDUCES
 
 
 def planned_pipe(module: nn.Sequential, sample: Any, *, memory_budget: Budget, devices: Sequence[Device],
@@ -309,9 +328,9 @@ def planned_distributed(model: nn.Sequential, sample: Any, *, memory_budget: Bud
         chunks, checkpoint, schedule, virtual_stages: kept if given (the plan is the fastest with them).
         balance, recompute, parallelize: refused, as are a mesh with "tp", FSDP's mixed precision and a
             schedule given as a table, which the planner does not count.
-        shard: as for ``DistributedPipe``, gathering each stage whole (``unit="stage"``), as planned; a layer
-            at a time (``unit="block"``, ``reduce="micro-batch"``, ``prefetch=False``,
-            ``reshard_after_backward=False``) is refused, since the planner does not count it.
+        shard: as for ``DistributedPipe``; under ZeRO-3 the plan chooses its ``unit`` (and, a layer at a
+            time, its ``reduce``) unless given; ``prefetch=False`` and ``reshard_after_backward=False`` are
+            refused, since the planner does not count them.
         target, loss_fn, mesh, device, compile, options: as for ``DistributedPipe``.
 
     Raises:

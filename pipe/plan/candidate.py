@@ -55,6 +55,10 @@ class Candidate:
             B / (dp_replicate x dp_shard) samples.
         reshard_after_forward: with ``dp_shard > 1``, ``Shard(reshard_after_forward=...)``:
             True is ZeRO-3, False ZeRO-2.
+        unit, reduce: with ``dp_shard > 1``, ``Shard(unit=..., reduce=...)``: ``"stage"`` gathers a
+            stage whole for each run of its actions; ``"block"`` (ZeRO-3, a schedule whose backward is
+            whole) each layer around its forward and its backward, the next one prefetched, its gradients
+            reduce-scattered once a step (``reduce="step"``) or after each backward (``"micro-batch"``).
         dp_replicate: full replicas of each pipeline (the mesh's "dp_replicate"): their
             gradients averaged by the runner's averager, or with ``dp_shard > 1`` by FSDP
             (HSDP: sharded over "dp_shard", replicated over "dp_replicate").
@@ -72,6 +76,14 @@ class Candidate:
     select_names: tuple[str, ...] = ()
     dp_replicate: int = 1
     offload: tuple[int, ...] = ()
+    unit: str = "stage"
+    reduce: str = "step"
+
+    @property
+    def blocks(self) -> str:
+        """How FSDP gathers this plan's stages inside their actions, as :meth:`pipe.plan.Costs.stage_memory`
+        counts it: ``""`` (a stage whole, or not sharded), or the ``reduce`` of a layer at a time."""
+        return self.reduce if self.dp_shard > 1 and self.unit == "block" else ""
 
     def layout(self) -> Schedule:
         """A schedule that places this plan's stages on its ranks as it runs them: its own, or for an order
@@ -136,8 +148,9 @@ class Candidate:
         if self.dp_shard > 1:
             from pipe.distributed.fsdp import Shard
 
-            # A stage gathered whole, as the planner models it (pipe.plan.sharding).
-            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward, unit="stage")
+            # Gathered as the planner counts it (pipe.plan.sharding).
+            kwargs["shard"] = Shard(reshard_after_forward=self.reshard_after_forward, unit=self.unit,
+                                    reduce=self.reduce)
         return kwargs
 
     def mesh_kwargs(self) -> dict[str, int]:

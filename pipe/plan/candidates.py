@@ -168,11 +168,11 @@ def per_stage_offload(costs: Costs, candidate: Candidate, budget: list[int], run
     second the copies add beyond what its compute hides (:meth:`pipe.plan.cost.Costs.stage_costs`).
 
     None when the costs measured no host copy (the CPU: offloading saves nothing there), for the
-    zero-bubble schedules (not planned), when offloading every layer does not fit, or when the plan
-    already fits without it.
+    zero-bubble schedules (not planned), for FSDP gathering a layer at a time (not planned together), when
+    offloading every layer does not fit, or when the plan already fits without it.
     """
     if (not costs.offloads or candidate.checkpoint != "never" or candidate.recompute or candidate.selective()
-            or candidate.schedule in (*ZERO_BUBBLE_KINDS, *AUTO_KINDS)):
+            or candidate.schedule in (*ZERO_BUBBLE_KINDS, *AUTO_KINDS) or candidate.blocks):
         return None
     schedule = candidate.layout()
     peaks, _ = predict_memory(costs, candidate, runner=runner)

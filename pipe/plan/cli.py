@@ -5,7 +5,7 @@ Usage::
     pipe-plan --model mypkg.models:build --input-shape 64,512 --budget 2GiB --stages 4
               [--runner processes] [--chunks 1 2 4 8 16] [--param-scale 4] [--explain] [--verify]
               [--calibrate] [--dp-shard auto | S [S ...]] [--dp-replicate auto | R [R ...]] [--zero 3 2]
-              [--select [REGEX ...]] [--threads N]
+              [--unit stage block] [--reduce step micro-batch] [--select [REGEX ...]] [--threads N]
 
 ``--model`` names a function (``module:function``, importable from the
 current directory) that returns the ``nn.Sequential``; the sample is a random
@@ -19,7 +19,8 @@ runs the chosen plan (``--runner processes``: one local gloo process per rank;
 beside the predicted ones; its loss is the mean of the output. ``--dp-shard``
 (with ``--runner processes``) plans the ``--stages`` ranks as ``pp x dp_shard``
 FSDP splits (``auto``: every divisor; :mod:`pipe.plan.sharding`), in the ZeRO
-stages of ``--zero``, and ``--dp-replicate`` adds full replicas (``pp x
+stages of ``--zero``, under ZeRO-3 gathering a stage whole and/or a layer at a time (``--unit``), a layer's
+gradients reduced once a step and/or after each backward (``--reduce``), and ``--dp-replicate`` adds full replicas (``pp x
 dp_replicate``, or HSDP with ``--dp-shard``); the table then says, per split, whether it was chosen or
 why it lost, and the command prints the ``make_mesh`` arguments. Bad arguments
 exit with status 2; a budget that nothing fits exits with status 1 and names
@@ -40,6 +41,7 @@ import statistics
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from pipe.distributed.fsdp import REDUCES, UNITS
 from pipe.plan.candidates import RUNNERS
 from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "local ranks; this process's with threads)")
     parser.add_argument("--zero", type=int, nargs="+", choices=[2, 3], default=[3, 2],
                         help="with --dp-shard: the ZeRO stages to compare (3: reshard after forward; default 3 2)")
+    parser.add_argument("--unit", nargs="+", choices=list(UNITS), default=list(UNITS),
+                        help="with --dp-shard under ZeRO-3: what FSDP gathers at a time, Shard(unit=...), to compare "
+                             "(default: stage block)")
+    parser.add_argument("--reduce", nargs="+", choices=list(REDUCES), default=list(REDUCES),
+                        help="with --unit block: when a layer's gradients are reduce-scattered, Shard(reduce=...), to "
+                             "compare (default: step micro-batch)")
     parser.add_argument("--link", choices=["auto", "cached", "none"], default="auto",
                         help="transport cost between ranks (processes), or the thread runner's overhead per "
                              "action (threads, on the CPU): auto measures it once per machine and caches it; "
@@ -246,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       link=None if args.link == "none" else args.link, loss_fn=mean_output_loss if with_loss else None,
                       target=sample if with_loss else None, dp_shard=dp_shard, zero=args.zero, dp_replicate=dp_replicate,
                       select=DEFAULT_SELECT if args.select is None else args.select, calibrate=args.calibrate,
-                      threads=args.threads)
+                      threads=args.threads, units=args.unit, reduces=args.reduce)
     except PlanError as error:
         sys.stderr.write(f"pipe-plan: {error}\n")
         return 1

@@ -65,8 +65,8 @@ class StageMemory:
 
 
 MemoryFn = Callable[..., StageMemory]
-"""``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected[, offloaded, prefetch])``: see
-:class:`Costs`."""
+"""``memory(first, stop, rows, checkpointed, recomputed, split, fresh, selected[, offloaded, prefetch][,
+blocks=])``: see :class:`Costs`."""
 
 
 class Costs:
@@ -87,7 +87,10 @@ class Costs:
             ``offloaded`` and ``prefetch`` (passed only when ``offloaded`` is not 0): its first
             ``offloaded`` layers offload what they save to host memory (:func:`pipe.recompute.offload`,
             one unit per layer, each unit copied back ``prefetch`` units ahead of its backward, 0: when
-            used, -1: all of them before the backward), never together with recompute marks.
+            used, -1: all of them before the backward), never together with recompute marks;
+            ``blocks`` (passed only when not ``""``): FSDP gathers the stage a layer at a time
+            (``Shard(unit="block")``), its gradients reduced once a step (``"step"``) or after each
+            backward (``"micro-batch"``), and the gathered layers (and those gradients) count in the peaks.
         param_bytes: bytes of each layer's parameters.
         tied: the parameters held by several layers (tied weights: a GPT-2's embedding and
             head), each as ``(the layers holding it, its bytes)``: ``param_bytes`` counts it in
@@ -149,7 +152,7 @@ class Costs:
         if select_replay is not None and not self.select:
             raise ValueError("select_replay needs select=, the name regexes its layers were marked with")
         self._memory = memory
-        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int, int, int], StageMemory] = {}
+        self._memory_cache: dict[tuple[int, int, int, bool, int, bool, bool, int, int, int, str], StageMemory] = {}
         self.param_bytes = list(param_bytes)
         self.tied = [(tuple(layers), int(nbytes)) for layers, nbytes in tied]
         self.param_scale = param_scale
@@ -276,12 +279,13 @@ class Costs:
 
     def stage_memory(self, first: int, stop: int, chunks: int, checkpointed: bool, recomputed: int = 0,
                      split: bool = False, fresh: bool = False, selected: int = 0, offloaded: int = 0,
-                     prefetch: int = 1) -> StageMemory:
+                     prefetch: int = 1, blocks: str = "") -> StageMemory:
         """Counted bytes of one micro-batch on layers ``first:stop`` (the first ``recomputed`` marked,
         the next up to ``selected`` marked for selective recompute; ``split``: the backward run as
         I then W; ``fresh``: the backward creates the gradients; the first ``offloaded`` offloading:
         the bytes left on the device, and its backward's peak with the units copied back ``prefetch``
-        units ahead, 0: as each is used, -1: all before the backward, :attr:`StageMemory.fetched`).
+        units ahead, 0: as each is used, -1: all before the backward, :attr:`StageMemory.fetched`; ``blocks``:
+        FSDP gathers the stage a layer at a time, ``"step"`` or ``"micro-batch"`` its ``Shard(reduce=...)``).
 
         Counted at the smallest and the largest micro-batch (once, then cached)
         and interpolated in between: activations grow linearly with the rows. An offloading stage
@@ -299,9 +303,9 @@ class Costs:
         prefetch = prefetch if offloaded else 1
         if rows in (low, high) or offloaded:  # what an offloader leaves is not linear in the rows (min_bytes)
             return self._counted(first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded,
-                                 prefetch)
-        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch)
-                for r in (low, high))
+                                 prefetch, blocks)
+        a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch,
+                              blocks) for r in (low, high))
         share = (rows - low) / (high - low)
         return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
             (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak, a.fetched),
@@ -309,10 +313,12 @@ class Costs:
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
                  split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0,
-                 prefetch: int = 1) -> StageMemory:
-        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch)
+                 prefetch: int = 1, blocks: str = "") -> StageMemory:
+        key = (first, stop, rows, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch, blocks)
         if key not in self._memory_cache:
-            self._memory_cache[key] = self._memory(*key) if offloaded else self._memory(*key[:-2])
+            extra: dict[str, Any] = {"blocks": blocks} if blocks else {}
+            self._memory_cache[key] = self._memory(*key[:-1], **extra) if offloaded else self._memory(*key[:-3],
+                                                                                                     **extra)
         return self._memory_cache[key]
 
     def params_of(self, layers: Iterable[int]) -> int:
@@ -350,8 +356,8 @@ class Costs:
         outputs = times.output_bytes.get(rows, [0] * layers)
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
-                   fresh: bool = False, selected: int = 0) -> StageMemory:
-            held = sum(outputs[first:stop])
+                   fresh: bool = False, selected: int = 0, blocks: str = "") -> StageMemory:
+            held = sum(outputs[first:stop])  # no parameters counted: nothing gathered either
             return StageMemory(forward_peak=held, kept=held, backward_peak=0)
 
         return cls(rows * chunks, {rows: list(times.forward[rows])}, {rows: list(times.backward[rows])}, memory,
@@ -390,7 +396,10 @@ class Costs:
         one marked selectively keeps its ``select_activation``; either replays
         the rest of its activation in its own backward. An offloading layer keeps
         nothing on the device; in backward its activation and the one prefetched
-        (with ``prefetch``) come back.
+        (with ``prefetch``) come back. Gathered a layer at a time by FSDP (``blocks``), a stage
+        also holds twice its largest layer's parameters in each peak, and reducing after each
+        backward its gradients two of its largest layer's at a time (not all at once), and after
+        its first backward (``fresh``) its first layer's gradients' copy for their reduce-scatter.
         """
         n = len(forward)
         if (select_activation is None) != (select_replay is None):
@@ -406,7 +415,11 @@ class Costs:
 
         def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
                    split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0,
-                   prefetch: int = 1) -> StageMemory:
+                   prefetch: int = 1, blocks: str = "") -> StageMemory:
+            largest = max(param_bytes[first:stop], default=0) if param_bytes else 0  # one weight's new gradient
+            # Gathered a layer at a time: a layer and the next one's gather (or its own, being copied out); reduced
+            # after each backward, one layer's gradients and their copy for the reduce-scatter at a time.
+            gathered = 2 * largest if blocks else 0
             received = output[first - 1] * rows if first > 0 else 0
             full = sum(activation[first:stop]) * rows
             if offloaded:  # the offloaded layers' activations are on the host until their unit comes back
@@ -429,9 +442,10 @@ class Costs:
             replayed = max([activation[k] for k in range(first, marked)]
                            + [activation[k] - chosen[k] for k in range(marked, partly)], default=0) * rows
             grads = sum(param_bytes[first:stop]) if fresh and param_bytes else 0  # all at once: the safe side
-            largest = max(param_bytes[first:stop], default=0) if param_bytes else 0  # one weight's new gradient
-            return StageMemory(forward_peak=received + full, kept=kept,
-                               backward_peak=out + (full - out if checkpointed else replayed) + grads,
+            if blocks == "micro-batch":  # and after the stage's first backward, the copy of its first layer's kept
+                grads = 2 * largest + (0 if fresh else next((b for b in (param_bytes or [])[first:stop] if b), 0))
+            return StageMemory(forward_peak=received + full + gathered, kept=kept,
+                               backward_peak=out + (full - out if checkpointed else replayed) + grads + gathered,
                                after_input=(full - out if checkpointed else 0) + out if split else 0,
                                weight_peak=max(largest, grads) if split else 0)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipe.core.partition import verify_module
+from pipe.distributed.fsdp import REDUCES, UNITS
 from pipe.plan.profile import profile_costs, verify_threads
 from pipe.plan.search import CHUNKS, Budget, Plan, search
 from pipe.plan.sharding import DpShard
@@ -32,7 +33,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
          link: Union[Link, str, None] = "auto", model_time: Optional[TimeModel] = None, per_stage: bool = True,
          loss_fn: Optional[Callable[[Any, Any], Any]] = None, target: Any = None, dp_shard: DpShard = None,
          zero: Sequence[int] = (3, 2), select: Sequence[str] = DEFAULT_SELECT, calibrate: bool = False,
-         dp_replicate: DpShard = None, threads: Optional[int] = None) -> Plan:
+         dp_replicate: DpShard = None, threads: Optional[int] = None, units: Sequence[str] = UNITS,
+         reduces: Sequence[str] = REDUCES) -> Plan:
     """Measures ``model`` on ``sample`` and returns the fastest plan that fits ``memory_budget``.
 
     Usage::
@@ -68,6 +70,8 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
             stage's bytes include the loss (as ``DistributedPipe.step`` computes it).
         dp_shard, zero: plan ``stages`` ranks as ``pp x dp_shard`` FSDP splits (:func:`search`;
             ``"auto"``: every divisor), in ZeRO-3 and/or ZeRO-2.
+        units, reduces: under ZeRO-3, FSDP gathering a stage whole and/or a layer at a time, reducing a
+            layer's gradients once a step and/or after each backward (:func:`search`; default: all).
         dp_replicate: plan full replicas too (:func:`search`): ``pp x dp_replicate``, or HSDP with ``dp_shard``.
         threads: intra-op threads each stage computes with on the CPU, as its layers are timed
             and as the ranks share this machine's cores (``TimeModel.cores``: its cores / threads)
@@ -104,7 +108,7 @@ def plan(model: nn.Sequential, sample: Any, *, memory_budget: Budget, stages: in
     def chosen(model_time: TimeModel) -> Plan:
         return search(costs, stages, memory_budget, runner=runner, schedules=schedules, checkpoints=checkpoints,
                       max_balances=max_balances, model=model_time, per_stage=per_stage, dp_shard=dp_shard,
-                      zero=zero, dp_replicate=dp_replicate)
+                      zero=zero, dp_replicate=dp_replicate, units=units, reduces=reduces)
 
     if not calibrate:
         return chosen(model_time)

@@ -201,7 +201,8 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
         extra: Optional[Held] = None
         if candidate.dp_shard > 1:
             fixed = sharded_static(costs, bounds, schedule.stages_of(rank), candidate.dp_shard)
-            extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward)
+            extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward,
+                                 candidate.blocks)
         else:
             layers = [k for s in schedule.stages_of(rank) for k in range(*bounds[s])]
             fixed = int(costs.param_scale * costs.params_of(layers))  # a weight tied between its stages once
@@ -312,7 +313,8 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             prefetch = -1 if key in fetched else 0
         memory = costs.stage_memory(first, last, schedule.microbatches, action.microbatch < stop,
                                     candidate.recomputed(action.stage) if candidate else 0, schedule.splits_backward,
-                                    fresh, candidate.selected(action.stage) if candidate else 0, units, prefetch)
+                                    fresh, candidate.selected(action.stage) if candidate else 0, units, prefetch,
+                                    candidate.blocks if candidate else "")
         posted = incoming(program[k + 1]) if runner == "processes" and k + 1 < len(program) else 0
         posted += besides.during[k] if besides is not None else 0
         if action.phase is Phase.FORWARD:

@@ -11,10 +11,13 @@
   (:func:`pipe.core.checkpoint.cell`, checkpointed or not) under
   :class:`pipe.recompute.ActivationMemory`, on the thread that called, so the
   bytes kept for backward and the high-water marks of forward and backward
-  are exact on any device. Ranges are measured when first asked for and cached.
+  are exact on any device; for FSDP gathering a stage a layer at a time, with
+  the layers it holds gathered at each moment added
+  (:mod:`pipe.plan.block_gathers`). Ranges are measured when first asked for and cached.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -29,6 +32,7 @@ from pipe.core.checkpoint import cell
 from pipe.core.inplace import InputGuard
 from pipe.core.iw_backward import backward_input_first
 from pipe.core.microbatch import Batch, scatter
+from pipe.plan.block_gathers import BlockGathers
 from pipe.plan.cost import Costs, StageMemory
 from pipe.plan.host_copy import HostCopy
 from pipe.plan.link import fit_line
@@ -176,7 +180,8 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
     logger.debug("profiled layer times in %.2f s", time.perf_counter() - begun)
 
     def memory(first: int, stop: int, rows: int, checkpointed: bool, recomputed: int, split: bool,
-               fresh: bool = False, selected: int = 0, offloaded: int = 0, prefetch: int = 1) -> StageMemory:
+               fresh: bool = False, selected: int = 0, offloaded: int = 0, prefetch: int = 1,
+               blocks: str = "") -> StageMemory:
         stage = layers[first:stop]
         for layer in stage[:recomputed]:
             mark_recompute(layer)
@@ -195,7 +200,7 @@ def profile_costs(module: nn.Sequential, sample: Any, chunks: Sequence[int], *, 
                 # it: a layer working in place changes no later count, and an offloader moves the whole storage.
                 given = scatter(as_input(sample, device).value, batch // rows)[0] if first == 0 else inputs[rows][first]
                 return _count_stage(nn.Sequential(*stage), given, first == 0, checkpointed, loss,
-                                    split, fresh, offloader if offloaded else None, prefetch < 0)
+                                    split, fresh, offloader if offloaded else None, prefetch < 0, blocks)
         finally:
             for layer in [*stage[:recomputed], *chosen, *stage[:offloaded]]:
                 unmark(layer)
@@ -302,12 +307,20 @@ def _monotone(times: Table) -> Table:
 
 def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: bool,
                  loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None, split: bool = False,
-                 fresh: bool = False, offloader: Optional[Offloader] = None, fetch: bool = False) -> StageMemory:
+                 fresh: bool = False, offloader: Optional[Offloader] = None, fetch: bool = False,
+                 blocks: str = "") -> StageMemory:
     """Runs one micro-batch through ``stage`` as a runner's cell and counts its bytes; with ``split``,
     its backward runs as I then W (:mod:`pipe.core.iw_backward`), as the zero-bubble schedules run it;
     with ``fresh``, the parameters have no gradient before the backward (it creates them, counted);
     ``offloader``: the one the stage's layers offload through; with ``fetch``, the counted forward's units
-    all come back before the backward (counted apart, :attr:`StageMemory.fetched`)."""
+    all come back before the backward (counted apart, :attr:`StageMemory.fetched`). ``blocks``: FSDP gathers
+    the stage a layer at a time (:class:`pipe.plan.block_gathers.BlockGathers`), reducing its gradients once
+    a step (``"step"``) or after each backward (``"micro-batch"``: every backward creates its gradients, and
+    frees them; ``fresh`` then means the stage's first backward of the step, before which FSDP holds no
+    reduce-scatter input); ``""``: not so (the gathered stage is counted apart, :mod:`pipe.plan.sharding`)."""
+    if blocks and (split or offloader is not None):
+        raise ValueError(f"blocks={blocks!r}: FSDP gathers a layer at a time only where the backward is whole "
+                         f"and nothing offloads (got split={split}, offloading={offloader is not None})")
 
     function = partition_function(stage)
     # As in the runners' steady state: the stage's guard already knows what it modifies in place
@@ -317,7 +330,10 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
     after_input = weight_peak = input_peak = 0
     if offloader is not None:
         offloader.discard()  # the warm-up's units: never used, nor prefetched by the counted ones
-    with ActivationMemory() as counter:
+    first_backward, fresh = fresh, fresh or blocks == "micro-batch"  # reduced each time, gradients are new
+    counter = ActivationMemory()
+    gathers = BlockGathers(stage, counter, blocks == "micro-batch", given.tensors[0].device) if blocks else None
+    with counter, gathers if gathers is not None else contextlib.nullcontext():
         # A later stage's input arrives (allocated here); the first stage's is a view of the batch.
         # A received input needs its gradient where the sender's output did (it is sent back).
         tensors = [t if first else t.detach().clone().requires_grad_(t.requires_grad) for t in given.tensors]
@@ -333,6 +349,8 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
             offloader.prefetch(None, 0)
             fetched = counter.live_bytes - kept
         counter.reset_peak()
+        if gathers is not None and gathers.reduce_each and not first_backward:
+            gathers.keep_reduced()
         saved = [(p, p.grad) for p in stage.parameters()] if fresh else []
         for param, _ in saved:
             param.grad = None  # the backward creates them, as at a sharded stage's first backward

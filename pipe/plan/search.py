@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pipe.core.units import format_bytes, parse_bytes
 from pipe.plan.candidates import BUILT_ORDERS, RUNNERS, candidates, per_stage_offload, per_stage_recompute
+from pipe.distributed.fsdp import REDUCES, UNITS
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory
@@ -155,7 +156,7 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
            max_balances: int = 64, balances: Optional[Sequence[Sequence[int]]] = None,
            runners_up: int = 4, model: Optional[TimeModel] = None, per_stage: bool = True,
            rejected: int = 8, dp_shard: DpShard = None, zero: Sequence[int] = (3, 2),
-           dp_replicate: DpShard = None) -> Plan:
+           dp_replicate: DpShard = None, units: Sequence[str] = UNITS, reduces: Sequence[str] = REDUCES) -> Plan:
     """The fastest candidate whose predicted peak fits ``memory_budget`` on every rank (the fastest of all
     without one).
 
@@ -193,6 +194,10 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
             runs on B / dp_shard samples, from the profiled micro-batch sizes (chunks c at
             dp_shard S needs the profile of chunks S*c). None (default): every rank a pipeline rank.
         zero: with ``dp_shard``, the ZeRO stages to compare: 3 (``Shard(reshard_after_forward=True)``), 2.
+        units, reduces: with ``dp_shard`` under ZeRO-3, what FSDP gathers at a time (``Shard(unit=...)``):
+            ``"stage"`` (a stage whole per run of its actions), ``"block"`` (a layer at a time), and for
+            ``"block"`` when gradients are reduce-scattered (``Shard(reduce=...)``): ``"step"``, or
+            ``"micro-batch"`` (least memory, most traffic). Default: all of them.
         dp_replicate: plan ``ranks`` with full replicas of each pipeline too, as ``dp_shard``
             (``"auto"`` or sizes): ``pp x dp_replicate`` (the runner's gradient averager), or with
             ``dp_shard`` ``pp x dp_replicate x dp_shard`` (HSDP); each pipeline on B / (dp_replicate x
@@ -215,7 +220,8 @@ def search(costs: Costs, ranks: int, memory_budget: Optional[Budget] = None, *, 
         if len(set(budget)) > 1:
             raise ValueError(f"memory_budget gives {len(budget)} different sizes, one per rank, but with dp_shard= "
                              f"or dp_replicate= the ranks' roles depend on the split; give one size for every rank")
-        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, dp_replicate, schedules=schedules,
+        options, skipped = split_candidates(costs, ranks, runner, dp_shard, zero, dp_replicate, units, reduces,
+                                            schedules=schedules,
                                             checkpoints=checkpoints, max_balances=max_balances, balances=balances)
     if not options:
         raise ValueError(f"no candidate plan: the balances {balances} do not split {costs.layers} layers "

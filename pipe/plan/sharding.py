@@ -30,6 +30,15 @@ last backward. The planner follows the very same per-action plan
   prefetches with compute is not modelled, nor how ranks that outnumber the cores slow the
   collectives (their compute shares the cores: :class:`pipe.plan.timing.TimeModel` ``cores``).
 
+Under ZeRO-3 FSDP may gather a layer at a time instead (``Shard(unit="block")``, the
+candidate's ``unit``): the layers gathered are counted inside each action, where
+the stage's layers run with FSDP's gathers added around each layer's forward
+and backward (``Costs.stage_memory(blocks=...)``), its full gradients held as
+above (``reduce="step"``) or, reduced after each backward
+(``reduce="micro-batch"``), created and freed within it; every layer is
+gathered for each forward and each backward (and a checkpointed cell's replay)
+and reduce-scattered once a step or after each backward.
+
 Replicas (``make_mesh(pp=P, dp_replicate=R)``, R pipelines holding full
 copies) split the batch the same way. Without sharding the runner's averager
 (:class:`pipe.distributed.data_parallel.GradientAverager`) copies a stage's
@@ -50,6 +59,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from pipe.core.lowering import gather_events
 from pipe.core.action import Action, Phase
 from pipe.core.schedule import Schedule
+from pipe.core.options import checkpoint_stop
+from pipe.distributed.fsdp import REDUCES, UNITS
 from pipe.core.units import format_bytes
 from pipe.plan.cost import Costs
 
@@ -123,6 +134,11 @@ def _stage_bytes(costs: Costs, bounds: list[tuple[int, int]], stage: int) -> int
     return costs.params_of(range(*bounds[stage]))
 
 
+def _first_layer_bytes(costs: Costs, bounds: list[tuple[int, int]], stage: int) -> int:
+    """Bytes of the parameters of ``stage``'s first layer that has any."""
+    return next((b for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]] if b), 0)
+
+
 def sharded_static(costs: Costs, bounds: list[tuple[int, int]], stages: Sequence[int], dp_shard: int) -> int:
     """Bytes of a rank's parameters, gradients and optimiser state between steps: its shards (rounded up)."""
     return sum(-(-int(costs.param_scale * _stage_bytes(costs, bounds, s)) // dp_shard) for s in stages)
@@ -151,7 +167,7 @@ class Held:
 
 
 def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
-                 zero3: bool) -> Held:
+                 zero3: bool, blocks: str = "") -> Held:
     """What FSDP holds unsharded during each action of ``rank``'s program (activations apart).
 
     Follows the runner's plan (:func:`pipe.core.lowering.gathers`): a
@@ -162,6 +178,13 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     after its last (the first ``B`` or ``W`` of a stage counts those it
     creates in its own peak: each weight's new gradient becomes its
     ``.grad``, where a later one is added to it).
+
+    Gathered a layer at a time (``blocks``, :attr:`pipe.plan.Candidate.blocks`), the layers gathered are
+    counted inside each action (``Costs.stage_memory(blocks=...)``), and nothing here but the
+    gradients: a stage's full gradients as above (``"step"``); or (``"micro-batch"``: each backward
+    creates its layers' gradients and frees them, counted in its own peak) the copy of its first layer's
+    gradients for their reduce-scatter, which FSDP keeps from the stage's first backward to its reduce
+    (inside the stage's own backwards counted there: ``fresh`` are its first).
     """
     program = _program(schedule, rank)
     events = gather_events(program, zero3, training=True)
@@ -169,6 +192,16 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     for k, action in enumerate(program):
         if action.phase in _gradient_phases(schedule):
             first_grad.setdefault(action.stage, k)
+    if blocks == "micro-batch":  # FSDP keeps a stage's last reduce-scatter input, its first layer's, to its reduce
+        reduced_at = {s: k for k, event in enumerate(events) for s in event.reduce}
+
+        def kept(k: int) -> int:
+            return sum(_first_layer_bytes(costs, bounds, s) for s, first in first_grad.items()
+                       if first < k <= reduced_at.get(s, len(program)) and program[k].stage != s)
+
+        return Held([kept(k) for k in range(len(program))], frozenset(first_grad.values()))
+    if blocks:  # the runner gathers nothing: every parameter of a stage is in a layer FSDP's hooks gather
+        events = [replace(event, unshard=[]) for event in events]
     reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     during: list[int] = []
     gathered: set[int] = set()
@@ -234,6 +267,9 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
     ``shard_step_overhead``. Replicated without sharding: each stage's
     gradients are averaged over R ranks after its last backward, one flat
     buffer per bucket of :data:`BUCKET_BYTES` (copies included, as measured).
+    A layer at a time (``candidate.unit == "block"``), each layer is gathered
+    for each forward and backward, twice for a checkpointed cell's backward,
+    and reduced once a step or after each backward (``candidate.reduce``).
     """
     shard, replicas = candidate.dp_shard, candidate.dp_replicate
     if link is None or shard * replicas == 1:
@@ -263,8 +299,25 @@ def collective_seconds(costs: Costs, schedule: Schedule, rank: int, bounds: list
         return total + link.shard_step_overhead
 
     events = gather_events(program, candidate.reshard_after_forward, training=True)
-    return {action: sum(gather(s) for s in events[k].unshard) + sum(reduce(s) for s in events[k].reduce)
-            for k, action in enumerate(program)}
+    if not candidate.blocks:
+        return {action: sum(gather(s) for s in events[k].unshard) + sum(reduce(s) for s in events[k].reduce)
+                for k, action in enumerate(program)}
+    # A layer at a time: every layer gathered for each forward, for each backward, and once more for a
+    # checkpointed cell's replay; reduced after each backward ("micro-batch", the overhead per step after the
+    # stage's last) or once a step. (A layer the runner keeps gathered across two actions is counted twice.)
+    stop = checkpoint_stop(candidate.checkpoint, candidate.chunks)
+    last = _last_backwards(schedule, program)
+
+    def layered(k: int, action: Action) -> float:
+        s = action.stage
+        if action.phase is Phase.FORWARD:
+            return gather(s)
+        total = gather(s) * (2 if action.microbatch < stop else 1)
+        if candidate.blocks == "micro-batch":
+            total += reduce(s) - (0.0 if last.get(s) == k else link.shard_step_overhead)
+        return total + sum(reduce(r) for r in events[k].reduce if candidate.blocks == "step")
+
+    return {action: layered(k, action) for k, action in enumerate(program)}
 
 
 def split_text(candidate: "Candidate") -> str:
@@ -273,8 +326,9 @@ def split_text(candidate: "Candidate") -> str:
     replicas = f" x dp_replicate{candidate.dp_replicate}" if candidate.dp_replicate > 1 else ""
     if candidate.dp_shard == 1:
         return f"pp{candidate.ranks}{replicas}" if replicas else f"pp{candidate.ranks} x dp_shard1"
+    blocks = {"": "", "step": " unit=block", "micro-batch": " unit=block reduce=micro-batch"}[candidate.blocks]
     return (f"pp{candidate.ranks}{replicas} x dp_shard{candidate.dp_shard} "
-            f"zero{3 if candidate.reshard_after_forward else 2}")
+            f"zero{3 if candidate.reshard_after_forward else 2}{blocks}")
 
 
 DpShard = Union[None, str, int, Sequence[int]]
@@ -333,19 +387,29 @@ def zero_modes(zero: Sequence[int]) -> list[bool]:
 
 
 def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, zero: Sequence[int],
-                     dp_replicate: DpShard = None, **options: Any) -> tuple[list["Candidate"], list[str]]:
+                     dp_replicate: DpShard = None, units: Sequence[str] = UNITS,
+                     reduces: Sequence[str] = REDUCES, **options: Any) -> tuple[list["Candidate"], list[str]]:
     """The candidates of every ``pp x dp_replicate x dp_shard`` split of ``ranks``
     (:func:`pipe.plan.candidates.candidates` on each pipeline's B / (dp_replicate x dp_shard) samples), in each
-    ZeRO mode where sharded; and why any split was left out.
+    ZeRO mode where sharded, and under ZeRO-3 in each of ``units`` (``"stage"``, ``"block"``: FSDP's
+    ``Shard(unit=...)``), a layer at a time with each of ``reduces`` (``"step"``, ``"micro-batch"``); and why
+    any split was left out.
 
     With one stage per rank ZeRO-2 and ZeRO-3 are the same plan (the program never moves to another stage),
-    so only the ZeRO-3 candidate is kept there.
+    so only the ZeRO-3 candidate is kept there. A layer at a time is planned where the schedule's backward is
+    whole (not the zero-bubble schedules, nor an order built from the costs) and no stage holds a tied weight
+    twice (FSDP cannot shard it in two layers), as ``DistributedPipe`` runs it.
 
     Raises:
-        ValueError: ``runner`` is not ``"processes"``, bad sizes or modes, a size given explicitly whose
-            micro-batches were not profiled, or no split left at all.
+        ValueError: ``runner`` is not ``"processes"``, bad sizes, modes, units or reduces, a size given
+            explicitly whose micro-batches were not profiled, or no split left at all.
     """
     from pipe.plan.candidates import candidates
+
+    bad = [u for u in units if u not in UNITS] + [r for r in reduces if r not in REDUCES]
+    if bad or not units or not reduces:
+        raise ValueError(f"units={list(units)}, reduces={list(reduces)}: choose units among {list(UNITS)} and "
+                         f"reduces among {list(REDUCES)} (FSDP's Shard(unit=..., reduce=...)), at least one of each")
 
     if runner != "processes":
         what = "FSDP sharding" if dp_shard is not None else "data-parallel replicas"
@@ -379,10 +443,25 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
             for reshard in modes:
                 if c.virtual_stages == 1 and not reshard and True in modes:
                     continue  # the same plan as ZeRO-3
-                found.append(replace(c, dp_shard=size, reshard_after_forward=reshard))
+                sharded = replace(c, dp_shard=size, reshard_after_forward=reshard)
+                if not reshard or "stage" in units:
+                    found.append(sharded)
+                if reshard and "block" in units and _by_layer(costs, c):
+                    found.extend(replace(sharded, unit="block", reduce=r) for r in reduces)
     if not found:
         raise ValueError(f"no pp x dp_replicate x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
     return found, skipped
+
+
+def _by_layer(costs: Costs, candidate: "Candidate") -> bool:
+    """Whether FSDP can gather ``candidate``'s stages a layer at a time: its backward is whole (no zero-bubble
+    schedule, no order built from the costs, which may split it) and no stage holds a tied weight twice."""
+    from pipe.plan.candidate import AUTO_KINDS
+
+    if candidate.schedule in AUTO_KINDS or candidate.layout().splits_backward:
+        return False
+    stage_of = [s for s, n in enumerate(candidate.balance) for _ in range(n)]
+    return not any(len({stage_of[k] for k in layers}) < len(layers) for layers, _ in costs.tied)
 
 
 def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
@@ -397,14 +476,18 @@ def _tied_across_stages(costs: Costs, candidate: "Candidate") -> bool:
 
 def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate", float],
                   fits: Callable[["Candidate"], bool], best: "Prediction", budget: int) -> list[str]:
-    """One line per split (``pp x dp_replicate x dp_shard``, ZeRO mode): its best plan, or why it lost."""
-    def key(c: "Candidate") -> tuple[int, int, bool]:
-        return c.dp_replicate, c.dp_shard, c.dp_shard == 1 or c.reshard_after_forward
+    """One line per split (``pp x dp_replicate x dp_shard``, ZeRO mode, what FSDP gathers at a time): its best
+    plan, or why it lost."""
+    def key(c: "Candidate") -> tuple[int, int, bool, str]:
+        return c.dp_replicate, c.dp_shard, c.dp_shard == 1 or c.reshard_after_forward, c.blocks
 
+    splits = sorted({key(c) for c in bounds}, key=lambda k: (k[0] * k[1], k[1], not k[2], ("", *REDUCES).index(k[3])))
+    labels = {split: split_text(next(c for c in bounds if key(c) == split)) for split in splits}
+    width = max(26, *(len(label) for label in labels.values()))
     lines = []
-    for split in sorted({key(c) for c in bounds}, key=lambda k: (k[0] * k[1], k[1], not k[2])):
+    for split in splits:
         mine = [p for p in predictions if key(p.candidate) == split]
-        label = split_text(next(c for c in bounds if key(c) == split))
+        label = labels[split]
         fitting = [p for p in mine if fits(p.candidate)]
         if best.candidate in [p.candidate for p in fitting]:
             why = f"chosen ({best.step_time * 1e3:.2f} ms)"
@@ -420,5 +503,5 @@ def split_summary(predictions: Sequence["Prediction"], bounds: dict["Candidate",
             why = (f"slower: its fastest possible step ({low * 1e3:.2f} ms, a lower bound) > the chosen "
                    f"{best.step_time * 1e3:.2f} ms" if low > best.step_time else
                    "over budget: its plans that could be faster were walked and do not fit")
-        lines.append(f"{label:<26} {why}")
+        lines.append(f"{label:<{width}} {why}")
     return lines

@@ -222,3 +222,21 @@ def test_distributed_pipe_with_replicas_plans_their_gradient_copies_and_fits() -
     assert all("no plan fits memory_budget" in r["refused"] for r in results), results[0]["refused"]
     assert all(r["plan"] == results[0]["plan"] for r in results), results
     assert all(r["peak"] <= budget for r in results), (budget, results)
+
+
+def test_distributed_plans_what_the_shard_leaves_open_and_refuses_what_it_cannot_count() -> None:
+    from pipe.distributed import Shard
+    from pipe.plan.apply import _planned_units
+
+    every = (("stage", "block"), ("step", "micro-batch"))
+    assert _planned_units(None, explicit=False) == every  # the mesh's default Shard(): all the planner counts
+    assert _planned_units(Shard(), explicit=True) == every
+    assert _planned_units(Shard(unit="stage"), explicit=True) == (("stage",), every[1])
+    assert _planned_units(Shard(unit="block"), explicit=True) == (("block",), ("step",))
+    assert _planned_units(Shard(reduce="micro-batch"), explicit=True) == (("block",), ("micro-batch",))
+    assert _planned_units(Shard(blocks=lambda name, module: False), explicit=True) == (("stage",), ("step",))
+    for shard, message in ((Shard(prefetch=False), r"but shard=Shard\(prefetch=False\) does otherwise"),
+                           (Shard(reshard_after_backward=False), r"shard=Shard\(reshard_after_backward=False\)"),
+                           (Shard(unit="block", blocks=lambda name, module: False), "chooses its own; leave blocks=")):
+        with pytest.raises(ValueError, match=message):
+            _planned_units(shard, explicit=True)

@@ -189,6 +189,12 @@ def test_pipe_plan_splits_ranks_between_pipeline_sharding_and_replicas(factory: 
     assert "mesh = make_mesh(pp=1, dp_shard=2)" in out and "mesh=mesh" in out and "shard=Shard(" in out, out
     measured = [line for line in out.splitlines() if " peak  predicted" in line]
     assert len(measured) == 2 and all("(pipeline rank 0)" in line for line in measured), out
+    # A layer at a time, reducing after each backward, as --unit and --reduce narrow it: run and counted alike.
+    assert plan_main(common + ["--dp-shard", "2", "--unit", "block", "--reduce", "micro-batch", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3 unit=block reduce=micro-batch" in out and "unit='block', reduce='micro-batch'" in out, out
+    measured = [line for line in out.splitlines() if " peak  predicted" in line]
+    assert len(measured) == 2 and all(abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 1.0 for line in measured), out
     # Replicas: --dp-replicate 2 runs pp1 x dp_replicate2 (the averager's copies in each rank's peak).
     assert plan_main(common + ["--dp-replicate", "2", "--verify"]) == 0
     out = capsys.readouterr().out
@@ -201,7 +207,8 @@ def test_pipe_plan_splits_ranks_between_pipeline_sharding_and_replicas(factory: 
                          (["--dp-shard", "two"], "--dp-shard takes 'auto' or sizes"),
                          (["--dp-shard", "auto", "--runner", "threads"], "--dp-shard plans FSDP sharding"),
                          (["--dp-replicate", "2", "--runner", "threads"], "--dp-replicate plans data-parallel replicas"),
-                         (["--dp-replicate", "3"], "dp_replicate=[3] does not divide the 2 ranks")):
+                         (["--dp-replicate", "3"], "dp_replicate=[3] does not divide the 2 ranks"),
+                         (["--dp-shard", "2", "--unit", "layer"], "argument --unit: invalid choice: 'layer'")):
         args = ["--model", factory, "--input-shape", "16,16", "--budget", "16MiB", "--stages", "2", "--link", "none"]
         if "--runner" not in bad:
             args += ["--runner", "processes"]

@@ -2,6 +2,7 @@
 the choice."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,35 @@ def test_candidates_cover_every_divisor_split_in_both_zero_modes() -> None:
     assert replica_costs(table(batch=8), 4).stage_costs([(0, 1)], 2) == table(batch=8).stage_costs([(0, 1)], 8)
 
 
+def test_a_layer_at_a_time_is_planned_under_zero3_where_the_backward_is_whole() -> None:
+    costs = table(batch=8)
+    found, _ = split_candidates(costs, 4, "processes", [2], (3, 2))
+    layered = [c for c in found if c.unit == "block"]
+    assert {c.reduce for c in layered} == {"step", "micro-batch"} and all(c.reshard_after_forward for c in layered)
+    assert {c.schedule for c in layered} == {"gpipe", "1f1b", "interleaved"}  # not zb-h1, zbv: their W is apart
+    assert {c.schedule for c in found if c.unit == "stage"} >= {"zb-h1", "zbv"}
+    assert all(c.distributed_kwargs()["shard"].unit == c.unit and c.distributed_kwargs()["shard"].reduce == c.reduce
+               for c in found)
+    narrowed, _ = split_candidates(costs, 4, "processes", [2], (3,), units=("block",), reduces=("micro-batch",))
+    assert {(c.unit, c.reduce) for c in narrowed} == {("block", "micro-batch")}
+    with pytest.raises(ValueError, match=r"units=\['layer'\], reduces=\['step'\]: choose units among "
+                                         r"\['stage', 'block'\] and reduces among \['step', 'micro-batch'\]"):
+        split_candidates(costs, 4, "processes", [2], (3,), units=("layer",), reduces=("step",))
+    # FSDP cannot shard a tied weight in two layers of one stage: no such plan a layer at a time.
+    x = torch.randn(8, WIDTH)
+    tied = profile_costs(tied_mlp(), x, (1, 2, 4), loss_fn=nn.functional.mse_loss, target=x)
+    plans, _ = split_candidates(tied, 2, "processes", [2], (3,))
+    assert plans and not any(c.unit == "block" for c in plans)
+    # Memory, 4 layers of 10 000 bytes on one stage, one micro-batch: a layer at a time holds two of them gathered
+    # (one computing, the next one's gather), not four; reducing after each backward, two layers' gradients (one
+    # and its copy for the reduce-scatter), not the stage's four.
+    peak = {(u, r): predict_memory(costs, Candidate("gpipe", 1, (4,), "never", dp_shard=2, unit=u, reduce=r),
+                                   runner="processes")[0][0] for u, r in (("stage", "step"), ("block", "step"),
+                                                                          ("block", "micro-batch"))}
+    assert peak["stage", "step"] - peak["block", "step"] == 20_000
+    assert peak["block", "step"] - peak["block", "micro-batch"] == 20_000
+
+
 def test_a_tight_budget_pipelines_and_a_loose_one_shards() -> None:
     costs = table()
     # Loose: no bubble on pp1 x dp_shard4 (12 ms of compute per rank) beats pp4's bubbles (collectives free here).
@@ -58,8 +88,8 @@ def test_a_tight_budget_pipelines_and_a_loose_one_shards() -> None:
     assert (tight.candidate.ranks, tight.candidate.dp_shard) == (4, 1)
     text = tight.table()
     assert "splits of the ranks (pp x dp_shard):" in text
-    assert "pp4 x dp_shard1            chosen" in text
-    assert "pp1 x dp_shard4 zero3      over budget" in text, text
+    assert re.search(r"pp4 x dp_shard1 +chosen", text)
+    assert re.search(r"pp1 x dp_shard4 zero3 +over budget", text), text
     assert "pp4 x dp_shard1" in next(line for line in text.splitlines() if line.startswith("* "))  # its split
     sharded = [why for p, why in tight.rejected if p.candidate.dp_shard == 4]
     assert sharded and all("faster, but pipeline rank 0 (stage 0: layers 0-" in why for why in sharded), sharded
@@ -117,11 +147,11 @@ def test_replicas_join_the_splits_hold_their_gradient_copies_and_pay_their_all_r
     assert loose.mesh_kwargs() == {"pp": 1, "dp_shard": 1, "dp_replicate": 4}
     text = loose.table()
     assert "splits of the ranks (pp x dp_replicate x dp_shard):" in text
-    assert "pp1 x dp_replicate4        chosen" in text and "pp1 x dp_replicate2 x dp_shard2 zero3 slower" in text
+    assert re.search(r"pp1 x dp_replicate4 +chosen", text) and re.search(r"pp1 x dp_replicate2 x dp_shard2 zero3 +slower", text)
     tight = search(costs, 4, 100_000, runner="processes", dp_replicate="auto", model=model)
     assert tight.candidate.dp_replicate < 4 and tight.candidate.dp_shard == 1
     assert "splits of the ranks (pp x dp_replicate):" in tight.table()
-    assert "pp1 x dp_replicate4        over budget" in tight.table()
+    assert re.search(r"pp1 x dp_replicate4 +over budget", tight.table())
     with pytest.raises(ValueError, match=r"dp_replicate=\[3\] does not divide the 4 ranks into pp x dp_replicate"):
         search(costs, 4, "1GiB", runner="processes", dp_replicate=[3])
     with pytest.raises(ValueError, match=r"dp_replicate=\[4\] x dp_shard=\[4\]: no pair of sizes divides the 4 "):
@@ -147,21 +177,36 @@ CONFIGS = [(2, 2, "gpipe", 2, "never", True, 1), (2, 2, "1f1b", 4, "never", True
 
 
 def _candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str, zero3: bool,
-               replicate: int = 1) -> Candidate:
+               replicate: int = 1, reduce: str = "", layers: int = 4) -> Candidate:
+    """``reduce``: FSDP gathers a layer at a time (``unit="block"``), reducing with it; "": a stage whole."""
     virtual = 2 if schedule in ("interleaved", "zbv") else 1
-    return Candidate(schedule, chunks, (4 // (pp * virtual),) * (pp * virtual), checkpoint, virtual,
-                     dp_shard=shard, reshard_after_forward=zero3, dp_replicate=replicate)
+    return Candidate(schedule, chunks, (layers // (pp * virtual),) * (pp * virtual), checkpoint, virtual,
+                     dp_shard=shard, reshard_after_forward=zero3, dp_replicate=replicate,
+                     unit="block" if reduce else "stage", reduce=reduce or "step")
+
+
+# FSDP gathering a layer at a time (unit="block"), reducing once a step or after each backward, on 8 layers (so
+# that a stage of 4 holds fewer gathered than whole): pp, dp_shard, schedule, chunks, checkpoint, reduce. (Left
+# out: pp1 x dp_shard4 reducing once a step, where one rank of four holds 16 KB more in many runs, see below.)
+BLOCKS = [(2, 2, "gpipe", 2, "never", "step"), (2, 2, "1f1b", 4, "never", "step"),
+          (2, 2, "gpipe", 2, "always", "step"), (2, 2, "interleaved", 2, "never", "step"),
+          (2, 2, "gpipe", 2, "never", "micro-batch"), (2, 2, "1f1b", 4, "except_last", "micro-batch"),
+          (1, 4, "gpipe", 2, "never", "micro-batch")]
+
+
+def _block_candidate(pp: int, shard: int, schedule: str, chunks: int, checkpoint: str, reduce: str) -> Candidate:
+    return _candidate(pp, shard, schedule, chunks, checkpoint, True, reduce=reduce, layers=8)
 
 
 def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tight: int,
-                    budget: int) -> dict[str, Any]:
+                    budget: int, by_layer: int) -> dict[str, Any]:
     import pipe.distributed as pd
     from pipe.plan import planned_distributed
 
     results = []
-    for config in CONFIGS:
-        candidate = _candidate(*config)
-        model = pd.DistributedPipe(mlp(), mesh=pd.make_mesh(**candidate.mesh_kwargs()),
+    for layers, candidate in [(4, _candidate(*config)) for config in CONFIGS] + [
+            (8, _block_candidate(*config)) for config in BLOCKS]:
+        model = pd.DistributedPipe(mlp(layers), mesh=pd.make_mesh(**candidate.mesh_kwargs()),
                                    **candidate.distributed_kwargs())
         share = x.size(0) // model.topology.data_parallel
         rows = slice(model.topology.replica * share, (model.topology.replica + 1) * share)
@@ -181,12 +226,15 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
     rows = slice(half * model.topology.replica, half * (model.topology.replica + 1))
     planned = measure_step(model, x[rows], y[rows], nn.functional.mse_loss, repeat=1).activation_peak
     static = sum(2 * p.to_local().numel() * p.element_size() for p in model.parameters())  # shards, and gradients
-    # ZeRO-3 left to itself gathers a layer at a time; planned, it gathers each stage whole, as the plan counts.
-    zero3 = planned_distributed(mlp(), x[:half], memory_budget="1GiB", target=y[:half],
-                                loss_fn=nn.functional.mse_loss, mesh=mesh)
-    units = (zero3.shard.unit, zero3.shard.reshard_after_forward)
+    # ZeRO-3 on a budget only FSDP reducing each layer after each backward fits: the plan gathers a layer at a
+    # time and reduces per micro-batch, and its run fits.
+    zero3 = planned_distributed(mlp(8), x[:half], memory_budget=by_layer, target=y[:half],
+                                loss_fn=nn.functional.mse_loss, mesh=mesh, chunks=2, schedule="gpipe")
+    units = (zero3.shard.unit, zero3.shard.reduce, zero3.shard.reshard_after_forward)
+    layered = measure_step(zero3, x[rows], y[rows], nn.functional.mse_loss, repeat=1).activation_peak + sum(
+        2 * p.to_local().numel() * p.element_size() for p in zero3.parameters())
     try:
-        planned_distributed(mlp(), x[:half], memory_budget="1GiB", mesh=mesh, shard=pd.Shard(unit="block"))
+        planned_distributed(mlp(), x[:half], memory_budget="1GiB", mesh=mesh, shard=pd.Shard(prefetch=False))
         block = "no error"
     except ValueError as error:
         block = str(error)
@@ -204,7 +252,8 @@ def _measure_splits(rank: int, world: int, x: torch.Tensor, y: torch.Tensor, tig
     except ValueError as error:
         mixed = str(error)
     return {"peaks": results, "refused": refused, "planned": (model.chunks, model.balance, model.schedule.kind),
-            "planned_peak": planned + static, "tp": tp, "mixed": mixed, "units": units, "block": block}
+            "planned_peak": planned + static, "tp": tp, "mixed": mixed, "units": units, "block": block,
+            "layered": layered}
 
 
 def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> None:
@@ -215,7 +264,18 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
     zero2 = split_candidates(costs, 4, "processes", [2], (2,))[0]
     smallest = min(max(predict_memory(costs, c, runner="processes")[0]) for c in zero2)
     tight, budget = int(smallest * 0.99), int(smallest * 1.01)
-    reports = run_ranks(_measure_splits, 4, x, y, tight, budget, deadline=180, timeout=60)
+    # ZeRO-3 on 8 layers (GPipe, 2 micro-batches, to plan quickly): 2% over the smallest peak of the plans
+    # reducing per micro-batch, below every other's.
+    costs8 = profile_costs(mlp(8), x, (1, 2, 4, 8, 16), loss_fn=nn.functional.mse_loss, target=y)
+    zero3 = split_candidates(costs8, 4, "processes", [2], (3,), schedules=["gpipe"])[0]
+    zero3 = [c for c in zero3 if c.chunks == 2]
+
+    def smallest_of(reduce: str) -> int:
+        return min(max(predict_memory(costs8, c, runner="processes")[0]) for c in zero3 if c.blocks == reduce)
+
+    by_layer = int(smallest_of("micro-batch") * 1.02)
+    assert by_layer < min(smallest_of("step"), smallest_of(""))
+    reports = run_ranks(_measure_splits, 4, x, y, tight, budget, by_layer, deadline=300, timeout=120)
     measured = [r["peaks"] for r in reports]
     assert all("no plan fits memory_budget" in r["refused"] for r in reports), reports[0]["refused"]
     assert all(r["planned"] == reports[0]["planned"] for r in reports), reports
@@ -224,12 +284,16 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
                for r in reports), reports[0]["tp"]
     assert all("plans in the parameters' own precision, but shard=Shard(mp_policy=...) has FSDP gather and "
                "compute in torch.bfloat16" in r["mixed"] for r in reports), reports[0]["mixed"]
-    assert all(r["units"] == ("stage", True) for r in reports), [r["units"] for r in reports]
-    assert all("plans FSDP gathering each stage whole (Shard(unit='stage')), but shard=Shard(unit='block') "
-               "gathers a layer at a time" in r["block"] for r in reports), reports[0]["block"]
+    assert all(r["units"] == ("block", "micro-batch", True) for r in reports), [r["units"] for r in reports]
+    assert all(r["layered"] <= by_layer for r in reports), (by_layer, [r["layered"] for r in reports])
+    assert all("plans FSDP gathering a layer at a time with the next one prefetched and each freed after its "
+               "backward, but shard=Shard(prefetch=False) does otherwise" in r["block"] for r in reports), \
+        reports[0]["block"]
     wrong, checked = [], 0
-    for k, config in enumerate(CONFIGS):
-        prediction = predict(costs, _candidate(*config), runner="processes")
+    planned = [(costs, _candidate(*config)) for config in CONFIGS] + [
+        (costs8, _block_candidate(*config)) for config in BLOCKS]
+    for k, (config, (counted_costs, candidate)) in enumerate(zip(CONFIGS + BLOCKS, planned)):
+        prediction = predict(counted_costs, candidate, runner="processes")
         for rank in range(4):
             pipeline_rank, counted = measured[rank][k]
             # The step's bytes above the static ones (sharded: param_scale x params / dp_shard), counted alike:
@@ -238,11 +302,16 @@ def test_predicted_peaks_of_sharded_plans_match_a_measured_run_on_4_ranks() -> N
             # Within 0.01% here. Zero bubble: I and W counted per stage (as for unsharded plans,
             # tests/plan/test_cost.py), and a stage's first W creates its gradients (counted fresh, as a first
             # B): ZB-H1 exact, ZB-V +0.3% on its middle rank (the V's turn's input counted twice).
-            low, high = (0.99, 1.02) if config[2].startswith("zb") else (0.99, 1.01)
+            # A layer at a time (pipe.plan.block_gathers): exact in most runs, but on the CPU a gather's buffer
+            # is freed on gloo's worker thread, which now and then lets it go only after the next gather's
+            # buffer is allocated: up to a layer more (4-7% more seen, on 1f1b reducing once a step, and on
+            # pp1 x dp_shard4, left out above).
+            low, high = ((0.98, 1.02) if config[2].startswith("zb") else
+                         (0.85, 1.01) if config[-1] in ("step", "micro-batch") else (0.99, 1.01))
             checked += 1
             if not low * counted <= predicted <= high * counted:
                 wrong.append((config, rank, predicted, counted))
-    assert checked == 4 * len(CONFIGS) and not wrong
+    assert checked == 4 * (len(CONFIGS) + len(BLOCKS)) and not wrong, wrong
 
 
 def tied_mlp() -> nn.Sequential:
@@ -292,3 +361,15 @@ def test_fsdp_collectives_cost_the_link_and_fsdp_s_own_overheads_per_step_and_by
     per_step = 1e-4 + 5_000 * 1e-9 + 1e-3 + 5_000 * 2e-9
     assert predict(costs, sharded, runner="processes", model=model).step_time == pytest.approx(
         alone.step_time + 4 * 2 * per_step + 5e-3)
+    # A layer at a time, 2 micro-batches: each layer gathered for each forward and each backward, reduced once a
+    # step (20 ring steps) or after each backward (24); a stage whole: gathered once, reduced once (8).
+    alone = predict(replica_costs(costs, 2), Candidate("gpipe", 2, (4,), "never"), runner="processes", model=model)
+    for unit, reduce, steps in (("stage", "step", 8), ("block", "step", 20), ("block", "micro-batch", 24)):
+        sharded = Candidate("gpipe", 2, (4,), "never", dp_shard=2, unit=unit, reduce=reduce)
+        assert predict(costs, sharded, runner="processes", model=model).step_time == pytest.approx(
+            alone.step_time + steps * per_step + 5e-3)
+    # A checkpointed cell's backward gathers each layer once more, for its replay: 4 ring steps a micro-batch.
+    replayed = Candidate("gpipe", 2, (4,), "always", dp_shard=2, unit="block")
+    alone = predict(replica_costs(costs, 2), Candidate("gpipe", 2, (4,), "always"), runner="processes", model=model)
+    assert predict(costs, replayed, runner="processes", model=model).step_time == pytest.approx(
+        alone.step_time + 28 * per_step + 5e-3)
