@@ -31,7 +31,9 @@ counting); what is added is the unsharded copies and FSDP's buffers:
   or its reduce at the step's end (that span is
   :func:`pipe.plan.sharding.held_by_fsdp`'s).
 
-A layer the runner keeps gathered from one action to the next (a stage's last
+What a stage holds outside its layers (a tied embedding read under the
+head's name in a piece of :func:`pipe.split`) the runner gathers whole for
+each action: it is counted held throughout. A layer the runner keeps gathered from one action to the next (a stage's last
 from a forward to its backward, :meth:`pipe.distributed.fsdp.StageSharding.entering`)
 is counted gathered again, on the safe side.
 """
@@ -69,6 +71,10 @@ class BlockGathers:
         self.bytes = [sum(p.numel() * p.element_size() for p in params) for params in self.params]
         self.in_place = [device.type == "cpu" and len(params) == 1 for params in self.params]
         self.keeps_buffer = device.type != "cpu"  # FSDP keeps a forward's buffer to the next copy out
+        in_blocks = {id(p) for params in self.params for p in params}
+        #: Bytes of the stage's parameters outside its layers (a tied embedding read by the head's piece), which
+        #: the runner gathers whole for each of the stage's actions: held throughout the count.
+        self.rest = sum(p.numel() * p.element_size() for p in stage.parameters() if id(p) not in in_blocks)
         self.state = [""] * len(self.blocks)  # "", "buffer" (a gather in flight) or "gathered"
         self.waiting = [0] * len(self.blocks)  # parameters still to get their gradient in this backward
         self.by_inputs = [False] * len(self.blocks)  # its backward ends with its inputs' gradients
@@ -77,6 +83,7 @@ class BlockGathers:
         self.handles: list[Any] = []
 
     def __enter__(self) -> "BlockGathers":
+        self.counter.adjust(self.rest)
         for k, block in enumerate(self.blocks):
             self.handles.append(block.register_forward_pre_hook(
                 lambda module, args, k=k: self._before_forward(k, args)))

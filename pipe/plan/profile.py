@@ -343,7 +343,7 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
         if not split:  # split: I replays a checkpointed cell itself
             finalize(output)
         value = loss[0](output.value, loss[1]) if loss is not None else None
-        forward_peak, kept = counter.peak_bytes, counter.live_bytes
+        forward_peak, kept = counter.peak_bytes, counter.live_bytes - (gathers.rest if gathers is not None else 0)
         fetched = 0
         if offloader is not None and fetch:
             offloader.prefetch(None, 0)

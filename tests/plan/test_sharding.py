@@ -54,6 +54,9 @@ def test_a_layer_at_a_time_is_planned_under_zero3_where_the_backward_is_whole() 
                for c in found)
     narrowed, _ = split_candidates(costs, 4, "processes", [2], (3,), units=("block",), reduces=("micro-batch",))
     assert {(c.unit, c.reduce) for c in narrowed} == {("block", "micro-batch")}
+    # HSDP reducing after each backward is not planned (FSDP keeps each layer's all-reduced shard, uncounted).
+    hsdp, _ = split_candidates(costs, 4, "processes", [2], (3,), [2])
+    assert {(c.unit, c.reduce) for c in hsdp} == {("stage", "step"), ("block", "step")}
     with pytest.raises(ValueError, match=r"units=\['layer'\], reduces=\['step'\]: choose units among "
                                          r"\['stage', 'block'\] and reduces among \['step', 'micro-batch'\]"):
         split_candidates(costs, 4, "processes", [2], (3,), units=("layer",), reduces=("step",))
