@@ -8,8 +8,9 @@ For the MLP stack of `benchmarks/planner.py budget`, on 4 gloo ranks on the CPU:
 2. every candidate that ``pipe.plan.search(..., dp_shard="auto",
    dp_replicate="auto")`` compares for the restricted grid (GPipe, 1F1B,
    interleaved; checkpoint "never"; even balances) is *run* on the mesh of its
-   split, each pipeline on its part of the batch: pp4, pp2 x dp_shard2 (ZeRO-3,
-   and ZeRO-2 where a rank holds two stages), pp1 x dp_shard4, pp2 x
+   split, each pipeline on its part of the batch: pp4, pp2 x dp_shard2 (ZeRO-3
+   gathering a stage whole or a layer at a time, reducing once a step or after
+   each backward, and ZeRO-2 where a rank holds two stages), pp1 x dp_shard4, pp2 x
    dp_replicate2, pp1 x dp_replicate4 and pp1 x dp_replicate2 x dp_shard2
    (HSDP). Per rank the step's bytes are counted (activations, buffers, FSDP's
    unsharded parameters and gradients, the replicas' averager's flat copies)
@@ -27,9 +28,9 @@ split and every other plan predicted with them (``fitted``). 4 processes share
 run for each of its steps).
 
 Run:
-    python benchmarks/planner.py split            # full: width 512, 8 blocks, 3 sweeps: about 40 s (2 cores, load 4-6)
-    python benchmarks/planner.py split --quick    # width 128, 4 blocks, 1 sweep: about 6 s
-    python benchmarks/planner.py split --ranks 2  # the splits of 2 ranks, a core each: about 30 s
+    python benchmarks/planner.py split            # full: width 512, 8 blocks, 3 sweeps, 68 plans: 5-7 min (2 cores)
+    python benchmarks/planner.py split --quick    # width 128, 4 blocks, 1 sweep
+    python benchmarks/planner.py split --ranks 2  # the splits of 2 ranks, a core each: about 1 min
 Results: benchmarks/results/planner_split.json (planner_split-quick.json with --quick; planner_split-2ranks.json
 with --ranks 2).
 """
