@@ -17,6 +17,10 @@ from pipe.core.schedule import Schedule
 __all__: list[str] = []
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+#: What FSDP gathers at a time (``pipe.distributed.Shard(unit=...)``), and when a layer's gradients are
+#: reduce-scattered (``Shard(reduce=...)``): here, where the planner's model reads them without torch.
+UNITS = ("stage", "block")
+REDUCES = ("step", "micro-batch")
 
 
 def is_int(value: Any) -> bool:

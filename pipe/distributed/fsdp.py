@@ -70,6 +70,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from pipe.core.lowering import Kind, Step
+from pipe.core.options import REDUCES, UNITS
 from pipe.core.original_names import partition_name
 from pipe.core.units import format_bytes
 
@@ -84,8 +85,6 @@ HUGE_PAGE_UNIT_BYTES = 32 * 1024 * 1024
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 BlockPolicy = Callable[[str, nn.Module], bool]
-UNITS = ("stage", "block")
-REDUCES = ("step", "micro-batch")
 #: The steps :meth:`StageSharding.entering` is told of.
 ENTERED = frozenset({Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD})
 

@@ -29,7 +29,8 @@ from pipe.core.options import verify_checkpoint, verify_chunks
 from pipe.core.partition import Device
 from pipe.distributed.distributed_pipe import DistributedPipe
 from pipe.distributed.env import rank_device
-from pipe.distributed.fsdp import REDUCES, UNITS, Shard, verify_shard
+from pipe.core.options import REDUCES, UNITS
+from pipe.distributed.fsdp import Shard, verify_shard
 from pipe.distributed.group import decided_on_rank_0, require_initialized
 from pipe.distributed.mesh import mesh_size, verify_mesh
 from pipe.pipe import Pipe

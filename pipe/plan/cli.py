@@ -41,7 +41,7 @@ import statistics
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from pipe.distributed.fsdp import REDUCES, UNITS
+from pipe.core.options import REDUCES, UNITS
 from pipe.plan.candidates import RUNNERS
 from pipe.plan.measure import mean_output_loss, pipeline_steps
 from pipe.recompute.scope import compile_pattern

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipe.core.partition import verify_module
-from pipe.distributed.fsdp import REDUCES, UNITS
+from pipe.core.options import REDUCES, UNITS
 from pipe.plan.profile import profile_costs, verify_threads
 from pipe.plan.search import CHUNKS, Budget, Plan, search
 from pipe.plan.sharding import DpShard

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pipe.core.units import format_bytes, parse_bytes
 from pipe.plan.candidates import BUILT_ORDERS, RUNNERS, candidates, per_stage_offload, per_stage_recompute
-from pipe.distributed.fsdp import REDUCES, UNITS
+from pipe.core.options import REDUCES, UNITS
 from pipe.plan.cost import Costs
 from pipe.plan.candidate import AUTO_KINDS, Candidate
 from pipe.plan.predict import Prediction, busy_bound, predict, predict_memory

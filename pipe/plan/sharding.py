@@ -59,8 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from pipe.core.lowering import gather_events
 from pipe.core.action import Action, Phase
 from pipe.core.schedule import Schedule
-from pipe.core.options import checkpoint_stop
-from pipe.distributed.fsdp import REDUCES, UNITS
+from pipe.core.options import REDUCES, UNITS, checkpoint_stop
 from pipe.core.units import format_bytes
 from pipe.plan.cost import Costs
 
