@@ -191,17 +191,16 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     for k, action in enumerate(program):
         if action.phase in _gradient_phases(schedule):
             first_grad.setdefault(action.stage, k)
+    reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     if blocks == "micro-batch":  # FSDP keeps a stage's last reduce-scatter input, its first layer's, to its reduce
-        reduced_at = {s: k for k, event in enumerate(events) for s in event.reduce}
 
         def kept(k: int) -> int:
             return sum(_first_layer_bytes(costs, bounds, s) for s, first in first_grad.items()
-                       if first < k <= reduced_at.get(s, len(program)) and program[k].stage != s)
+                       if first < k <= reduced.get(s, len(program)) and program[k].stage != s)
 
         return Held([kept(k) for k in range(len(program))], frozenset(first_grad.values()))
     if blocks:  # the runner gathers nothing: every parameter of a stage is in a layer FSDP's hooks gather
         events = [replace(event, unshard=[]) for event in events]
-    reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
     during: list[int] = []
     gathered: set[int] = set()
     fresh = frozenset(first_grad.values())
