@@ -3,14 +3,15 @@
 :mod:`pipe.threads.worker_backward` cuts each CPU cell out of the caller's
 graph and hands its backward, as a job, to the cell's worker. This module
 keeps the books of one such backward: which placeholder gradient each job
-fills and when it is ready (:class:`Ready`), how many jobs still run, the
+fills and when it is ready (:class:`Ready`), which workers hold its jobs, the
 first failure, and a callback on autograd's engine that makes ``backward()``
 return only when every job is done (or, interrupted, cancels the jobs that
-have not started and waits for those that run).
+have not started and waits for those that run). Waiting follows each
+worker's queue (:class:`pipe.threads.call.Drain`), not a count kept around
+the hand-overs, which an interrupt could leave wrong.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import Callable, Optional, Sequence
@@ -18,24 +19,31 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__: list[str] = []
+from pipe.threads.call import Drain
 
-logger = logging.getLogger(__name__)
+__all__: list[str] = []
 
 
 class Ready:
-    """Set when a job has filled its placeholders (or failed)."""
+    """Set when a job has filled its placeholders (or failed).
+
+    A latch made of one C lock, held until :meth:`set`: waiting is one
+    interruptible call into C, so an interrupt in the caller's thread leaves no
+    lock of a :class:`threading.Event` held for the worker that sets it.
+    """
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self.failure: Optional[BaseException] = None
 
     def set(self, failure: Optional[BaseException] = None) -> None:
         self.failure = failure
-        self.event.set()
+        self._latch.release()
 
     def wait(self) -> None:
-        self.event.wait()
+        with self._latch:  # acquired once set, released at once for the next waiter
+            pass
         if self.failure is not None:
             raise UpstreamFailed() from self.failure
 
@@ -61,9 +69,9 @@ class BackwardPass:
     def __init__(self, submit: Callable[[int, Callable[[], None]], None], sync_first: bool = False) -> None:
         self._submit = submit
         self.sync_first = sync_first
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
+        self._lock = threading.Lock()  # held only for bookkeeping, never across a wait
+        self._workers: set[int] = set()  # the workers handed a job since the last wait
+        self._drain = Drain("an interrupted backward")
         self._failure: Optional[BaseException] = None
         self._waiting = False
         self._cancelled = False
@@ -106,7 +114,6 @@ class BackwardPass:
     def submit(self, j: int, job: Callable[[], None]) -> None:
         """Runs ``job`` on worker j and makes ``backward()`` wait for it."""
         with self._lock:
-            self._pending += 1
             if not self._waiting:
                 # At the end of this backward, wait for every job: the caller
                 # must not see gradients that are still being written.
@@ -115,19 +122,17 @@ class BackwardPass:
                 torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(self))
 
         def run() -> None:
-            failure: Optional[BaseException] = None
             try:
                 job()
             except UpstreamFailed:
                 pass
             except BaseException as error:  # reaches the caller through wait()
-                failure = error
-            with self._lock:
-                if failure is not None and self._failure is None:
-                    self._failure = failure
-                self._pending -= 1
-                self._idle.notify_all()
+                with self._lock:
+                    if self._failure is None:
+                        self._failure = error
 
+        # Noted before the hand-over: interrupted in between, the wait hands worker j a marker it need not.
+        self._workers.add(j)
         self._submit(j, run)
 
     def wait(self) -> None:
@@ -137,27 +142,27 @@ class BackwardPass:
         started and waits for those that run before it raises.
         """
         try:
-            with self._lock:
-                while self._pending:
-                    self._idle.wait()
+            self._drain.wait(self._submit, self._workers)
         except BaseException:
             self.cancel()
             raise
         with self._lock:
             failure, self._failure = self._failure, None
-            self._placeholders.clear()
-            self._waiting = False
+        self._end()
         if failure is not None:
             raise failure
 
     def cancel(self) -> None:
         """Stops the backward: jobs that have not started do not run; waits for those that run."""
+        self._cancelled = True
+        self._drain.wait(self._submit, self._workers)
         with self._lock:
-            self._cancelled = True
-            while self._pending:
-                if not self._idle.wait(timeout=30.0):
-                    logger.warning("an interrupted backward waits for %d job(s) still running", self._pending)
             self._failure = None
+        self._end()
+
+    def _end(self) -> None:
+        with self._lock:
+            self._workers.clear()
             self._placeholders.clear()
             self._waiting = False
 

@@ -7,8 +7,17 @@ shared between calls. A call that ends early (an exception in a layer, a
 leave results behind for the next call to take. Before a call returns it
 cancels its tasks that have not started and waits for those that run::
 
-    caller:  open ──put(i, j)──> ... ──get(j)──> ... ──finish: cancel, wait──> return / raise
+    caller:  open ──put(i, j)──> ... ──get(j)──> ... ──finish: cancel, drain──> return / raise
     worker:       task of a cancelled call: skipped; else computed, reported to *its* call
+
+A ``KeyboardInterrupt`` is raised in the caller between any two bytecodes, so
+nothing the caller waits on may depend on bookkeeping it does around handing
+work over (a count raised just before an interrupted hand-over is never
+lowered, and the wait hangs). The caller therefore waits with a
+:class:`Drain`: a worker takes its queue in order, so a marker handed to it
+after a call's tasks is reached once they are done. The queues are
+:class:`queue.SimpleQueue`, whose ``put`` and ``get`` are single calls into C
+that an interrupt cannot leave half done.
 
 :class:`CallLock` serialises the calls of one ``Pipe`` made from several
 threads, and survives ``fork``: a child process gets a fresh lock, as threads
@@ -16,12 +25,13 @@ threads, and survives ``fork``: a child process gets a fresh lock, as threads
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 __all__: list[str] = []
 
@@ -43,18 +53,58 @@ class _Aborted:
 _ABORTED = _Aborted()
 
 
+class Drain:
+    """Waits, in the caller's thread, until workers have run everything handed to them so far.
+
+    Each wait hands every worker it names a marker of its own and returns when
+    all of them are reached; markers of an earlier, interrupted wait are
+    ignored. :meth:`wake` ends a wait from another thread.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._reached: queue.SimpleQueue[Optional[object]] = queue.SimpleQueue()
+
+    def wait(self, submit: Callable[[int, Callable[[], None]], None], workers: Iterable[int]) -> bool:
+        """Hands worker j a marker (``submit(j, marker)``) for each j in ``workers`` and waits for them all.
+
+        Returns False if :meth:`wake` ended the wait first.
+        """
+        token = object()
+        left = 0
+        for j in sorted(set(workers)):
+            submit(j, functools.partial(self._reached.put, token))
+            left += 1
+        while left:
+            try:
+                # A timeout only to log a worker stuck in a layer; the get itself is interruptible.
+                item = self._reached.get(timeout=30.0)
+            except queue.Empty:
+                logger.warning("%s waits for %d worker(s) still running its work", self.what, left)
+                continue
+            if item is None:
+                return False
+            if item is token:
+                left -= 1
+        return True
+
+    def wake(self) -> None:
+        """Ends the wait under way, or the next one, at once (from another thread)."""
+        self._reached.put(None)
+
+
 class Call:
-    """One forward of a pipeline: its result queues, its pending tasks, whether it was cancelled.
+    """One forward of a pipeline: its result queues, the workers it handed tasks to, whether it was cancelled.
 
     Args:
         partitions: number of partitions (one result queue each).
     """
 
     def __init__(self, partitions: int) -> None:
-        self.results: list[queue.Queue[Union[Result, _Aborted]]] = [queue.Queue() for _ in range(partitions)]
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
+        self.results: list[queue.SimpleQueue[Union[Result, _Aborted]]] = [
+            queue.SimpleQueue() for _ in range(partitions)]
+        self._workers: set[int] = set()
+        self._drain = Drain("a pipeline call")
         self._cancelled = False
         self._abort: Optional[BaseException] = None
 
@@ -63,18 +113,13 @@ class Call:
         """Whether tasks of this call that have not started should be skipped."""
         return self._cancelled
 
-    def handed(self) -> None:
-        """Counts a task handed to a worker; the worker calls :meth:`done` for it."""
-        with self._lock:
-            self._pending += 1
+    def handed(self, j: int) -> None:
+        """Notes that a task is about to be handed to worker j (in the caller's thread)."""
+        self._workers.add(j)
 
-    def done(self, j: int, result: Optional[Result]) -> None:
-        """A worker finished (result) or skipped (None) a task of partition j."""
-        if result is not None:
-            self.results[j].put(result)
-        with self._lock:
-            self._pending -= 1
-            self._idle.notify_all()
+    def done(self, j: int, result: Result) -> None:
+        """A worker of partition j finished a task of this call."""
+        self.results[j].put(result)
 
     def get(self, j: int) -> Result:
         """The next result of partition j.
@@ -92,27 +137,23 @@ class Call:
 
     def abort(self, error: BaseException) -> None:
         """Cancels the call and makes every :meth:`get` raise ``error`` (from another thread)."""
-        with self._lock:
-            self._cancelled = True
-            self._abort = error
-            self._idle.notify_all()
+        self._cancelled = True
+        self._abort = error
+        self._drain.wake()
         for results in self.results:
             results.put(_ABORTED)
 
-    def finish(self) -> None:
-        """Cancels the tasks that have not started and waits for those that run.
+    def finish(self, submit: Callable[[int, Callable[[], None]], None]) -> None:
+        """Cancels the tasks that have not started and waits for those that run (``submit`` hands a worker a
+        job, as :meth:`pipe.threads.worker.Workers.submit`).
 
         Called when the call ends, normally or not, so that no task of it runs
         (or reports) once the call has returned. A call aborted by
         :meth:`abort` does not wait: its workers are being closed.
         """
-        with self._lock:
-            self._cancelled = True
-            while self._pending and self._abort is None:
-                # A timeout keeps the wait interruptible and logs a worker stuck in a layer.
-                if not self._idle.wait(timeout=30.0):
-                    logger.warning("a pipeline call waits for %d task(s) still running in its workers",
-                                   self._pending)
+        self._cancelled = True
+        if self._abort is None:
+            self._drain.wait(submit, self._workers)
 
 
 class CallLock:

@@ -37,6 +37,8 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType]
+# What a worker's queue holds: a task, a job that reports by itself, or None (stop).
+Item = Union["Task", Callable[[], None], None]
 
 
 class Task:
@@ -77,7 +79,7 @@ class Task:
             self._finalize(batch)
 
 
-def _worker(j: int, in_queue: "queue.Queue[Optional[Task]]", device: torch.device,
+def _worker(j: int, in_queue: "queue.SimpleQueue[Item]", device: torch.device,
             cpu_threads: Optional[int]) -> None:
     if device.type == "cpu" and cpu_threads is not None:
         # Intra-op parallelism is per thread (OpenMP), so this bounds this worker only.
@@ -96,11 +98,10 @@ def _worker(j: int, in_queue: "queue.Queue[Optional[Task]]", device: torch.devic
 
 def _run(j: int, item: Union[Task, Callable[[], None]]) -> None:
     if not isinstance(item, Task):
-        item()  # a job that reports by itself (pipe.threads.worker_backward)
+        item()  # a job that reports by itself (pipe.threads.worker_backward, a Drain's marker)
         return
     call = item.call
     if call.cancelled:  # its call ended (an error, an interrupt, close()): nobody waits for it
-        call.done(j, None)
         return
     try:
         batch = item.compute()
@@ -111,7 +112,7 @@ def _run(j: int, item: Union[Task, Callable[[], None]]) -> None:
     call.done(j, (True, (item, batch)))
 
 
-def _stop(in_queues: list["queue.Queue[Optional[Task]]"], threads: list[threading.Thread]) -> None:
+def _stop(in_queues: list["queue.SimpleQueue[Item]"], threads: list[threading.Thread]) -> None:
     for in_queue in in_queues:
         in_queue.put(None)
     # Join, so that no worker is still inside PyTorch when the interpreter
@@ -140,7 +141,8 @@ class Workers:
     def __init__(self, devices: list[torch.device], cpu_threads: Optional[int] = None) -> None:
         self.devices = devices
         self.cpu_threads = cpu_threads
-        self.in_queues: list[queue.Queue[Optional[Task]]] = []
+        # SimpleQueue: its put is one call into C, which an interrupt in the caller cannot leave half done.
+        self.in_queues: list[queue.SimpleQueue[Item]] = []
         self.threads: list[threading.Thread] = []
         self._finalizer: Optional[weakref.finalize] = None
         # Calls under way, aborted by close(); the pid that started the threads.
@@ -171,7 +173,7 @@ class Workers:
     def _start(self) -> None:
         if self.threads:
             return
-        self.in_queues = [queue.Queue() for _ in self.devices]
+        self.in_queues = [queue.SimpleQueue() for _ in self.devices]
         for j, device in enumerate(self.devices):
             thread = threading.Thread(
                 target=_worker,
@@ -195,7 +197,7 @@ class Workers:
     def end_call(self, call: Call) -> None:
         """Ends ``call``: cancels its tasks that have not started and waits for those that run."""
         try:
-            call.finish()
+            call.finish(self.submit)
         finally:
             with self._lock:
                 self._calls.discard(call)
@@ -205,7 +207,7 @@ class Workers:
         self._forked()
         with self._lock:
             self._start()
-            task.call.handed()
+            task.call.handed(j)
             self.in_queues[j].put(task)
 
     def submit(self, j: int, job: Callable[[], None]) -> None:
@@ -213,7 +215,7 @@ class Workers:
         self._forked()
         with self._lock:
             self._start()
-            self.in_queues[j].put(job)  # type: ignore[arg-type]
+            self.in_queues[j].put(job)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Ends the threads and waits for them.

@@ -54,6 +54,25 @@ def test_ending_a_call_skips_what_has_not_started_and_waits_for_what_runs():
 
 
 @pytest.mark.timeout(30)
+def test_a_hand_over_interrupted_before_its_put_leaves_nothing_to_wait_for():
+    # Cause: a count raised before the task reached its worker's queue was never lowered when an interrupt
+    # landed between the two, and the call waited for it forever. Now a call waits for markers behind its
+    # tasks in each worker's queue: whatever the interrupt cut short, the markers are reached.
+    workers = Workers([CPU, CPU])
+    call = workers.open_call()
+    workers.put(1, task(call, lambda: Batch(torch.ones(1))))
+    call.handed(0)  # Workers.put notes worker 0, then the interrupt lands before the put
+    workers.end_call(call)  # returns (the count waited here forever)
+    assert call.cancelled
+    later = workers.open_call()  # and the workers serve the next call
+    workers.put(0, task(later, lambda: Batch(torch.zeros(1))))
+    ok, (_, batch) = later.get(0)
+    assert ok and torch.equal(batch.value, torch.zeros(1))
+    workers.end_call(later)
+    workers.close()
+
+
+@pytest.mark.timeout(30)
 def test_close_aborts_a_call_under_way():
     workers = Workers([CPU])
     call = workers.open_call()

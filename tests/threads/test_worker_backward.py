@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from pipe import Pipe
+from pipe.threads.backward_pass import BackwardPass
+from pipe.threads.worker import Workers
 
 
 class MeetInBackward(torch.autograd.Function):
@@ -119,3 +121,38 @@ def test_worker_backward_only_for_cpu_pipelines_without_skips():
     assert not single._pipeline.worker_backward  # one partition: nothing to overlap
     piped.close()
     single.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_job_whose_hand_over_was_interrupted_is_not_waited_for():
+    # Cause: the pass counted a job before handing it to its worker; an interrupt between the two left a
+    # count that nothing lowered, and the interrupted backward waited for it forever. Now the pass waits
+    # for markers behind its jobs in each worker's queue.
+    workers = Workers([torch.device("cpu")])
+    handed = []
+
+    def submit(j, job):
+        if not handed:
+            handed.append("interrupted")
+            raise KeyboardInterrupt  # lands before the job reaches worker j
+        handed.append("marker")
+        workers.submit(j, job)
+
+    backward_pass = BackwardPass(submit)
+    ran = []
+
+    class Hand(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            backward_pass.submit(0, lambda: ran.append("job"))
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        Hand.apply(x).sum().backward()  # autograd drops the pass's callback: the pass is cancelled
+    assert handed == ["interrupted", "marker"] and ran == [] and backward_pass.cancelled
+    workers.close()
