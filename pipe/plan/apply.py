@@ -157,8 +157,7 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
     Raises:
         ValueError: a mesh with "tp", FSDP in mixed precision (``Shard(mp_policy=...)`` with a
             ``param_dtype`` or ``reduce_dtype``), blocks of one's own (``Shard(blocks=...)``) a layer at a
-            time, ``Shard(prefetch=False)`` or ``Shard(reshard_after_backward=False)``, HSDP with
-            ``Shard(reduce="micro-batch")``, a ``parallelize``
+            time, ``Shard(prefetch=False)`` or ``Shard(reshard_after_backward=False)``, a ``parallelize``
             function, a schedule given as a table or ``virtual_stages`` other than the plan's, which the
             planner does not model (every rank raises alike); a mesh that does not fit
             (:func:`pipe.distributed.mesh.verify_mesh`).
@@ -170,12 +169,6 @@ def plan_for_ranks(module: Any, sample: Any, memory_budget: Budget, loss_fn: Opt
         tensor_parallel = mesh_size(mesh, "tp")
         sharding = verify_shard(shard, mesh)
         units, reduces = _planned_units(sharding, explicit=shard is not None)
-        if replicas > 1 and reduces == ("micro-batch",):
-            raise ValueError(
-                f"pipe.plan.planned_distributed() does not plan HSDP (dp_replicate={replicas} x dp_shard={shards}) "
-                f"reducing after each backward, whose all-reduced shards FSDP keeps in ways it does not count; "
-                f"leave reduce= out (the plan then reduces once a step), or build DistributedPipe(..., "
-                f"shard=Shard(reduce='micro-batch')) yourself with a plan's chunks=, balance= and checkpoint=")
         zero3 = sharding is None or sharding.reshard_after_forward
     else:
         replicas, shards, tensor_parallel, zero3, sharding = 1, 1, 1, True, None

@@ -29,7 +29,13 @@ counting); what is added is the unsharded copies and FSDP's buffers:
   FSDP keeps that buffer until the next layer's reduce-scatter, the stage's
   first layer's until the stage's next backward (:meth:`BlockGathers.keep_reduced`)
   or its reduce at the step's end (that span is
-  :func:`pipe.plan.sharding.held_by_fsdp`'s).
+  :func:`pipe.plan.sharding.held_by_fsdp`'s). With replicas too (HSDP) FSDP
+  also keeps each layer's all-reduced gradient shard until that layer's next
+  reduce frees it (its first becomes the shard's ``.grad`` itself): what that
+  adds depends on the replica count and on which backward of the step this
+  is, so the count records, instead, the backward's peak between reduces and
+  at each (:attr:`BlockGathers.reduces`), for
+  :func:`pipe.plan.sharding.backward_peak_with_shards` to add those shards to.
 
 What a stage holds outside its layers (a tied embedding read under the
 head's name in a piece of :func:`pipe.split`) the runner gathers whole for
@@ -80,6 +86,9 @@ class BlockGathers:
         self.by_inputs = [False] * len(self.blocks)  # its backward ends with its inputs' gradients
         self.buffer: Optional[int] = None  # the layer whose forward gather's buffer is kept
         self.reducing: Optional[int] = None  # the layer whose reduce-scatter input is kept
+        #: With ``reduce_each``, the backward's bytes in order: ``(0, peak)`` since the previous reduce (or the
+        #: start), ``(layer's bytes, bytes)`` when a layer's reduce-scatter input is allocated.
+        self.reduces: list[tuple[int, int]] = []
         self.handles: list[Any] = []
 
     def __enter__(self) -> "BlockGathers":
@@ -174,11 +183,14 @@ class BlockGathers:
         gradients for their reduce-scatter (the previous copy freed first) and frees them."""
         self._reshard(k)
         if self.reduce_each:
+            self.reduces.append((0, self.counter.peak_bytes))
             if self.reducing is not None:
                 self.counter.adjust(-self.bytes[self.reducing])
             self.counter.adjust(self.bytes[k])
+            self.reduces.append((self.bytes[k], self.counter.live_bytes))
             for param in self.params[k]:
                 param.grad = None
+            self.counter.reset_peak()
             self.reducing = k
 
 

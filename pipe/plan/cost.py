@@ -54,6 +54,11 @@ class StageMemory:
         fetched: for an offloading stage counted with every unit copied back before
             its backward (``prefetch=-1``, as ``DistributedPipe`` does an action ahead),
             the bytes those copies take; ``backward_peak`` is then above ``kept + fetched``.
+        reduces: for a stage FSDP gathers a layer at a time and reduces after each
+            backward (``blocks="micro-batch"``), the backward's bytes (above those of
+            ``backward_peak``) in order: ``(0, peak)`` between two reduces, ``(layer bytes,
+            bytes)`` as a layer's reduce-scatter input is allocated, then ``(0, peak)`` to
+            the end (:class:`pipe.plan.block_gathers.BlockGathers`); empty if not counted.
     """
 
     forward_peak: int
@@ -62,6 +67,7 @@ class StageMemory:
     after_input: int = 0
     weight_peak: int = 0
     fetched: int = 0
+    reduces: tuple[tuple[int, int], ...] = ()
 
 
 MemoryFn = Callable[..., StageMemory]
@@ -307,9 +313,13 @@ class Costs:
         a, b = (self._counted(first, stop, r, checkpointed, recomputed, split, fresh, selected, offloaded, prefetch,
                               blocks) for r in (low, high))
         share = (rows - low) / (high - low)
-        return StageMemory(*(round(x + (y - x) * share) for x, y in zip(
-            (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak, a.fetched),
-            (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak, b.fetched))))
+        # The same layers reduce in the same order at every size: each point interpolated alike.
+        reduces = tuple((n, round(x + (y - x) * share)) for (n, x), (_, y) in zip(a.reduces, b.reduces))
+        forward_peak, kept, backward_peak, after_input, weight_peak, fetched = (
+            round(x + (y - x) * share) for x, y in zip(
+                (a.forward_peak, a.kept, a.backward_peak, a.after_input, a.weight_peak, a.fetched),
+                (b.forward_peak, b.kept, b.backward_peak, b.after_input, b.weight_peak, b.fetched)))
+        return StageMemory(forward_peak, kept, backward_peak, after_input, weight_peak, fetched, reduces)
 
     def _counted(self, first: int, stop: int, rows: int, checkpointed: bool, recomputed: int,
                  split: bool, fresh: bool = False, selected: int = 0, offloaded: int = 0,

@@ -30,8 +30,8 @@ from pipe.core.zero_bubble import ZERO_BUBBLE_KINDS
 from pipe.core.cost_order import schedule_from_costs
 from pipe.plan.candidate import AUTO_KINDS, AUTO_V, Candidate
 from pipe.plan.cost import Costs
-from pipe.plan.sharding import (Held, collective_seconds, held_by_averager, held_by_fsdp, replica_costs,
-                                sharded_static)
+from pipe.plan.sharding import (Held, backward_peak_with_shards, collective_seconds, held_by_averager, held_by_fsdp,
+                                replica_costs, sharded_static)
 from pipe.plan.timing import SHARING_ROUNDS, TimeModel, shared_stretch
 
 LOSS_SCALAR_BYTES = 2 * 4
@@ -202,7 +202,7 @@ def predict_memory(costs: Costs, candidate: Candidate, *, runner: str = "threads
         if candidate.dp_shard > 1:
             fixed = sharded_static(costs, bounds, schedule.stages_of(rank), candidate.dp_shard)
             extra = held_by_fsdp(costs, schedule, rank, bounds, candidate.dp_shard, candidate.reshard_after_forward,
-                                 candidate.blocks)
+                                 candidate.blocks, candidate.dp_replicate)
         else:
             layers = [k for s in schedule.stages_of(rank) for k in range(*bounds[s])]
             fixed = int(costs.param_scale * costs.params_of(layers))  # a weight tied between its stages once
@@ -329,7 +329,11 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
             peak = max(peak, held + sent + posted + scalars + memory.weight_peak)
             held -= kept.pop(key)
         else:
-            peak = max(peak, held + sent + posted + scalars + memory.backward_peak)
+            backward_peak = memory.backward_peak
+            if besides is not None and k in besides.all_reduced:  # HSDP keeps all-reduced shards (see there)
+                backward_peak = backward_peak_with_shards(memory, candidate.dp_shard if candidate else 1,
+                                                          *besides.all_reduced[k])
+            peak = max(peak, held + sent + posted + scalars + backward_peak)
             if action.phase is Phase.BACKWARD:
                 held -= kept.pop(key)
             else:  # I: the gradients recorded at the branch nodes (and a replayed graph) wait for W

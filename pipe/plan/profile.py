@@ -376,11 +376,17 @@ def _count_stage(stage: nn.Sequential, given: Batch, first: bool, checkpointed: 
                 torch.autograd.backward(roots, grads)
             del roots, grads
         backward_peak = (input_peak if split else counter.peak_bytes) - kept - fetched
+        reduces: tuple[tuple[int, int], ...] = ()
+        if gathers is not None and gathers.reduce_each:
+            points = [*gathers.reduces, (0, counter.peak_bytes)]
+            reduces = tuple((nbytes, at - kept - fetched) for nbytes, at in points)
+            backward_peak = max(at for _, at in reduces)
         for param, grad in saved:
             param.grad = grad
         del output, value, batch, tensors, saved
     return StageMemory(forward_peak=forward_peak, kept=kept, backward_peak=backward_peak,
-                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0), fetched=fetched)
+                       after_input=max(after_input, 0), weight_peak=max(weight_peak, 0), fetched=fetched,
+                       reduces=reduces)
 
 
 SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26)

@@ -49,7 +49,16 @@ that last backward: a ring over R ranks scaled from the average measured
 between 2 ranks with the link (:meth:`pipe.plan.timing.Link.all_reduce`:
 copies, all-reduce, division). With ``dp_shard`` S as well (HSDP) FSDP
 all-reduces each reduce-scattered shard over the R replicas, in place: the
-memory is that of ``dp_shard`` S.
+memory is that of ``dp_shard`` S, but for one thing. Reducing a layer at a time
+after each backward, FSDP keeps the all-reduced shard of each layer until the
+layer's next reduce frees it, or the stage's reduce at the step's end (the
+one is a buffer of its own beside the shard's ``.grad``): from a stage's first
+backward on, a rank holds about a second gradient shard of the stage
+(:func:`backward_peak_with_shards` inside that stage's backwards, ``Held.during``
+elsewhere). The planner counts the ``.grad`` as existing when the step starts
+(zeroed in place, ``zero_grad(set_to_none=False)``); set to None instead, the
+first backward's shard becomes the ``.grad`` itself, and a stage with one or
+two micro-batches a step holds up to that gradient shard less than counted.
 """
 from __future__ import annotations
 
@@ -61,7 +70,7 @@ from pipe.core.action import Action, Phase
 from pipe.core.schedule import Schedule
 from pipe.core.options import REDUCES, UNITS, checkpoint_stop
 from pipe.core.units import format_bytes
-from pipe.plan.cost import Costs
+from pipe.plan.cost import Costs, StageMemory
 
 if TYPE_CHECKING:  # pragma: no cover
     from pipe.plan.candidate import Candidate
@@ -158,15 +167,19 @@ class Held:
             (``Costs.stage_memory(fresh=True)``), so ``during`` leaves that stage's gradients out there.
         copied: the actions after which the averager copies their stage's gradients, each with the
             copies held from then on (this stage's and those copied before).
+        all_reduced: HSDP reducing a layer at a time after each backward: the stage's backwards, each
+            with whether every layer's all-reduced shard is held as it starts (not in the stage's first
+            of the step), and the stage's shard bytes (:func:`backward_peak_with_shards`).
     """
 
     during: list[int]
     fresh: frozenset[int]
     copied: dict[int, int] = field(default_factory=dict)
+    all_reduced: dict[int, tuple[bool, int]] = field(default_factory=dict)
 
 
 def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple[int, int]], dp_shard: int,
-                 zero3: bool, blocks: str = "") -> Held:
+                 zero3: bool, blocks: str = "", dp_replicate: int = 1) -> Held:
     """What FSDP holds unsharded during each action of ``rank``'s program (activations apart).
 
     Follows the runner's plan (:func:`pipe.core.lowering.gathers`): a
@@ -183,7 +196,9 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
     gradients: a stage's full gradients as above (``"step"``); or (``"micro-batch"``: each backward
     creates its layers' gradients and frees them, counted in its own peak) the copy of its first layer's
     gradients for their reduce-scatter, which FSDP keeps from the stage's first backward to its reduce
-    (inside the stage's own backwards counted there: ``fresh`` are its first).
+    (inside the stage's own backwards counted there: ``fresh`` are its first). With replicas
+    (``dp_replicate`` > 1) each layer's all-reduced shard too, from its first reduce of the step to the
+    stage's reduce (inside the stage's backwards: ``all_reduced``).
     """
     program = _program(schedule, rank)
     events = gather_events(program, zero3, training=True)
@@ -192,13 +207,24 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
         if action.phase in _gradient_phases(schedule):
             first_grad.setdefault(action.stage, k)
     reduced = {s: k for k, event in enumerate(events) for s in event.reduce}
-    if blocks == "micro-batch":  # FSDP keeps a stage's last reduce-scatter input, its first layer's, to its reduce
+    if blocks == "micro-batch":
+        backwards = {s: [k for k, a in enumerate(program) if a.stage == s and a.phase in _gradient_phases(schedule)]
+                     for s in first_grad}
+        shards = {s: _stage_shard(costs, bounds, s, dp_shard) if dp_replicate > 1 else 0 for s in first_grad}
 
         def kept(k: int) -> int:
-            return sum(_first_layer_bytes(costs, bounds, s) for s, first in first_grad.items()
-                       if first < k <= reduced.get(s, len(program)) and program[k].stage != s)
+            # FSDP keeps a stage's last reduce-scatter input, its first layer's, to its reduce; with replicas,
+            # the layers' all-reduced shards from the second backward on. A stage's own backwards count theirs.
+            total = 0
+            for s, ks in backwards.items():
+                if k in ks or k > reduced.get(s, len(program)):
+                    continue
+                total += _first_layer_bytes(costs, bounds, s) if ks[0] < k else 0
+                total += shards[s] if ks[0] < k else 0
+            return total
 
-        return Held([kept(k) for k in range(len(program))], frozenset(first_grad.values()))
+        all_reduced = {k: (k != ks[0], shards[s]) for s, ks in backwards.items() if shards[s] for k in ks}
+        return Held([kept(k) for k in range(len(program))], frozenset(first_grad.values()), all_reduced=all_reduced)
     if blocks:  # the runner gathers nothing: every parameter of a stage is in a layer FSDP's hooks gather
         events = [replace(event, unshard=[]) for event in events]
     during: list[int] = []
@@ -216,6 +242,34 @@ def held_by_fsdp(costs: Costs, schedule: Schedule, rank: int, bounds: list[tuple
         gathered.update(in_flight)  # waited for before action k + 1
         gathered.difference_update(events[k].reshard)
     return Held(during, fresh)
+
+
+def backward_peak_with_shards(memory: StageMemory, dp_shard: int, all_held: bool, stage_shard: int) -> int:
+    """The peak of an HSDP stage's backward (FSDP reducing a layer at a time after each) with the layers'
+    all-reduced shards FSDP keeps (:attr:`Held.all_reduced`): in the stage's first backward of the step each
+    layer's from its reduce on, in a later one all of them but the reducing layer's own, freed just before
+    its reduce-scatter input is allocated. From ``memory.reduces``; without them (a table's costs), the
+    stage's whole shard, ``stage_shard``, over the backward's peak."""
+    if not memory.reduces:
+        return memory.backward_peak + stage_shard
+    layers = [nbytes for nbytes, _ in memory.reduces if nbytes]
+    total = sum(-(-b // dp_shard) for b in layers) if all_held else 0
+    peak = 0
+    for nbytes, at in memory.reduces:
+        shard = -(-nbytes // dp_shard)
+        if not nbytes:
+            peak = max(peak, at + total)
+        elif all_held:
+            peak = max(peak, at + total - shard)
+        else:
+            peak = max(peak, at + total)
+            total += shard  # its all-reduced shard, kept from now on
+    return peak
+
+
+def _stage_shard(costs: Costs, bounds: list[tuple[int, int]], stage: int, dp_shard: int) -> int:
+    """Bytes of ``stage``'s gradient shard, each layer's rounded up as FSDP pads it."""
+    return sum(-(-b // dp_shard) for b in costs.param_bytes[bounds[stage][0]:bounds[stage][1]])
 
 
 def _gradient_phases(schedule: Schedule) -> tuple[Phase, ...]:
@@ -396,8 +450,7 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
     With one stage per rank ZeRO-2 and ZeRO-3 are the same plan (the program never moves to another stage),
     so only the ZeRO-3 candidate is kept there. A layer at a time is planned where the schedule's backward is
     whole (not the zero-bubble schedules, nor an order built from the costs) and no stage holds a tied weight
-    twice (FSDP cannot shard it in two layers), as ``DistributedPipe`` runs it; reducing after each backward,
-    not with replicas too (HSDP), whose all-reduced shards FSDP keeps in ways not counted.
+    twice (FSDP cannot shard it in two layers), as ``DistributedPipe`` runs it.
 
     Raises:
         ValueError: ``runner`` is not ``"processes"``, bad sizes, modes, units or reduces, a size given
@@ -446,10 +499,7 @@ def split_candidates(costs: Costs, ranks: int, runner: str, dp_shard: DpShard, z
                 if not reshard or "stage" in units:
                     found.append(sharded)
                 if reshard and "block" in units and _by_layer(costs, c):
-                    # HSDP reducing after each backward: FSDP keeps each layer's all-reduced shard to its next
-                    # backward, which is not counted (measured 40-49% over the count): not planned.
-                    found.extend(replace(sharded, unit="block", reduce=r) for r in reduces
-                                 if r == "step" or replicas == 1)
+                    found.extend(replace(sharded, unit="block", reduce=r) for r in reduces)
     if not found:
         raise ValueError(f"no pp x dp_replicate x dp_shard split of {ranks} ranks can be planned: " + "; ".join(skipped))
     return found, skipped
