@@ -36,7 +36,8 @@ from pipe.plan.timing import SHARING_ROUNDS, TimeModel, shared_stretch
 
 LOSS_SCALAR_BYTES = 2 * 4
 """What the process runner's step keeps of the loss on the last stage: two float32 scalars (measured; its
-running sum and the latest micro-batch's loss. Before the lowered programs, the loop's scaled copy of the
+running sum and the latest micro-batch's loss, which goes with the last cell's backward (W in a zero-bubble
+schedule): the sum alone is kept after it. Before the lowered programs, the loop's scaled copy of the
 latest loss stayed alive one action longer: a third)."""
 
 __all__: list[str] = []
@@ -288,6 +289,10 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
 
     sent = 0
     scalars = 0  # the step's loss scalars on the last stage (its running sum, the latest loss)
+    # The action with which the last stage's last cell goes (its W in a zero-bubble schedule, else its B).
+    frees = Phase.WEIGHT if schedule.splits_backward else Phase.BACKWARD
+    last_loss = max((k for k, a in enumerate(program) if a.stage == last_stage and a.phase is frees),
+                    default=-1) if runner == "processes" else -1
     fetched: set[tuple[int, int]] = set()  # offloading cells whose units came back an action ahead (processes)
 
     def offloaded(stage: int) -> int:
@@ -343,9 +348,9 @@ def _activation_peak(costs: Costs, schedule: Schedule, rank: int, bounds: list[t
                 sent += (sizes[last - 1] - sent_copy_bytes(sizes[last - 1])  # gradient (or its copy) stay
                          if remote(action.stage + 1) else 0) + (
                     HEADER_BYTES + grads[first - 1] if remote(action.stage - 1) else 0)
+        if k == last_loss:  # the last stage's last cell let go of its loss: the running sum stays
+            scalars -= LOSS_SCALAR_BYTES // 2
         if besides is not None and k in besides.copied:  # the averager copies the stage's gradients after the
-            # action, while the gradient it received is still referenced; the copies stay to the step's end
-            received = grads[last - 1] if (runner == "processes" and sizes and action.phase is Phase.BACKWARD
-                                           and remote(action.stage + 1)) else 0
-            peak = max(peak, held + sent + scalars + posted - besides.during[k] + received + besides.copied[k])
+            # action, which has let go of the gradient it received; the copies stay to the step's end
+            peak = max(peak, held + sent + scalars + posted - besides.during[k] + besides.copied[k])
     return peak
