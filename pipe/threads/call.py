@@ -65,8 +65,10 @@ class Drain:
         self.what = what
         self._reached: queue.SimpleQueue[Optional[object]] = queue.SimpleQueue()
 
-    def wait(self, submit: Callable[[int, Callable[[], None]], None], workers: Iterable[int]) -> bool:
-        """Hands worker j a marker (``submit(j, marker)``) for each j in ``workers`` and waits for them all.
+    def wait(self, submit: Callable[[int, Callable[[], None]], None], workers: Iterable[int],
+             warn: bool = True) -> bool:
+        """Hands worker j a marker (``submit(j, marker)``) for each j in ``workers`` and waits for them all;
+        with ``warn``, logs a warning every 30 s while workers still run (a layer stuck after a cancel).
 
         Returns False if :meth:`wake` ended the wait first.
         """
@@ -78,7 +80,7 @@ class Drain:
         while left:
             try:
                 # A timeout only to log a worker stuck in a layer; the get itself is interruptible.
-                item = self._reached.get(timeout=30.0)
+                item = self._reached.get(timeout=30.0 if warn else None)
             except queue.Empty:
                 logger.warning("%s waits for %d worker(s) still running its work", self.what, left)
                 continue
