@@ -58,6 +58,7 @@ import logging
 import os
 import re
 import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, cast
 
@@ -106,11 +107,13 @@ class Shard:
             :func:`pipe.split`, the split model's module paths, ``"model.layers.0"``,
             and a piece of the split, which the model has no module for, by its
             index ``"0"``); default: each layer of the stage that has parameters
-            (each piece of a split model). The stage itself is always wrapped
-            last. ``Shard(blocks=lambda name, module: False)`` wraps only the
-            stage: one group, as a stage is gathered whole anyway; needed where
-            one stage holds two layers that share a weight (a tied split model
-            at pipeline size 1).
+            (each piece of a split model), but one holding a weight tied to
+            another layer of the stage (a tied split model's head at pipeline
+            size 1), which stays in the stage's group: FSDP cannot put one
+            parameter in two groups, and blocks of one's own that would are
+            refused. The stage itself is always wrapped last.
+            ``Shard(blocks=lambda name, module: False)`` wraps only the stage:
+            one group, as a stage is gathered whole anyway.
         unit: what is gathered at a time under ZeRO-3. ``"block"``: each
             block around its own forward and backward, the next prefetched
             (least memory: the default blocks are then the layers a stage
@@ -267,10 +270,18 @@ def _refuse_strided_first_dim(param: nn.Parameter, name: str) -> None:
 
 def _default_blocks(stage: nn.Module, unit: str) -> BlockPolicy:
     """Each layer of the stage with parameters; by block, the modules a graph of the stage calls where it has
-    such (a split stage's outlined decoder layers, :mod:`pipe.split_blocks`)."""
-    layers = {id(m) for m in _graph_calls(stage) if any(True for _ in m.parameters())} if unit == "block" else set()
+    such (a split stage's outlined decoder layers, :mod:`pipe.split_blocks`). A layer holding a weight tied to
+    one outside it (a tied LM head, where the embedding is in the same stage) is left to the stage's own group:
+    FSDP cannot put one parameter in two groups."""
+    uses = Counter(id(param) for _, param in stage.named_parameters(remove_duplicate=False))
+
+    def untied(module: nn.Module) -> bool:
+        inside = Counter(id(param) for _, param in module.named_parameters(remove_duplicate=False))
+        return bool(inside) and all(uses[key] == count for key, count in inside.items())
+
+    layers = {id(m) for m in _graph_calls(stage) if untied(m)} if unit == "block" else set()
     if not layers:
-        layers = {id(m) for m in stage.children() if any(True for _ in m.parameters())}
+        layers = {id(m) for m in stage.children() if untied(m)}
     return lambda name, module: id(module) in layers
 
 
@@ -339,6 +350,17 @@ def shard_stages(stages: dict[int, nn.Module], config: Shard, mesh: DeviceMesh) 
                         f"uses in one block, or put the two uses on different pipeline ranks"
                     )
                 owner.setdefault(id(param), (f"{block_name}.{pname}", block_name))
+        names = [block_name for block_name, _ in chosen]
+        for pname, param in stage.named_parameters(remove_duplicate=False):
+            if id(param) in owner and not any(pname.startswith(f"{name}.") for name in names):
+                block = partition_name(stage, owner[id(param)][1], module=True)
+                raise ValueError(
+                    f"parameter {partition_name(stage, owner[id(param)][0])!r} of block {block!r} of stage {s} is "
+                    f"also held outside the stage's blocks (a tied weight): FSDP cannot shard one parameter in two "
+                    f"groups, the block's and the stage's; leave {block!r} "
+                    f"out of Shard(blocks=...) so that the weight stays in the stage's group, or pass "
+                    f"Shard(blocks=lambda name, module: False) to shard the stage as one group"
+                )
         for pname, param in stage.named_parameters():
             _refuse_strided_first_dim(param, partition_name(stage, pname))
             other = stage_of.setdefault(id(param), (s, partition_name(stage, pname)))

@@ -62,7 +62,6 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], str, bool]] = {
 EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
 # (label, mesh sizes, the Shard's arguments): the reference first, then the chain.
-ONE_GROUP = Shard(blocks=lambda name, module: False)
 ZERO3: dict[str, Any] = {"reshard_after_forward": True}  # a layer at a time (the default unit, "block")
 LAYOUTS: list[tuple[str, dict[str, int], dict[str, Any] | None]] = [
     ("pp 2, dp_shard 2", dict(pp=2, dp_shard=2), {**ZERO3, "unit": "stage"}),
@@ -72,6 +71,7 @@ LAYOUTS: list[tuple[str, dict[str, int], dict[str, Any] | None]] = [
     ("pp 2, dp_shard 2, gathered by layer", dict(pp=2, dp_shard=2), {"unit": "block"}),
     ("HSDP pp 1, dp_replicate 2, dp_shard 2", dict(pp=1, dp_replicate=2, dp_shard=2), ZERO3),
     ("pp 1, dp_shard 4", dict(pp=1, dp_shard=4), ZERO3),
+    ("pp 1, dp_shard 4, ZeRO-2", dict(pp=1, dp_shard=4), {"reshard_after_forward": False}),  # the pieces as groups
 ]
 
 
@@ -101,9 +101,7 @@ def _stages(which: str, other: bool = False) -> nn.Module:
 def _build(stages: nn.Module, which: str, sizes: dict[str, int], arguments: dict[str, Any] | None
            ) -> tuple[DistributedPipe, Any]:
     tied = MODELS[which][2]
-    shard = None
-    if arguments is not None:
-        shard = Shard(**arguments, blocks=ONE_GROUP.blocks if tied and sizes["pp"] == 1 else None)
+    shard = None if arguments is None else Shard(**arguments)  # default blocks: a tied head stays in its stage's group
     piped = DistributedPipe(stages, chunks=1 if tied else 2, schedule="1f1b", mesh=make_mesh(**sizes),
                             shard=shard, loss_reduction="sum")
     return piped, torch.optim.AdamW(piped.parameters(), lr=0.01)
@@ -137,10 +135,17 @@ def _chain(rank: int, world: int, which: str, folder: str) -> dict[str, Any]:
     state.save(f"{folder}/after1", reference, optimizer, step=1)
     steps += [_step(reference, optimizer, k) for k in range(1, len(LAYOUTS))]
     results["reference"] = (steps, _weights(reference))
-    if MODELS[which][2]:  # tied, pipeline size 1: Shard(unit="stage") wraps each piece, both hold the weight
+    if MODELS[which][2]:  # tied, pipeline size 1: blocks chosen so that two groups hold the weight are refused
+        pieces = Shard(unit="stage", blocks=lambda name, module: name in ("0", "3"))  # the first and last pieces
         with pytest.raises(ValueError) as refused:
-            DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4), shard=Shard(unit="stage"))
+            DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4), shard=pieces)
         results["refusal"] = str(refused.value)
+        # The head a block (the graph the split outlined for it); the first piece's holder of the embedding, also
+        # named lm_head, left to the stage.
+        head = Shard(blocks=lambda name, module: name == "lm_head" and isinstance(module, torch.fx.GraphModule))
+        with pytest.raises(ValueError) as refused:
+            DistributedPipe(_stages(which), mesh=make_mesh(pp=1, dp_shard=4), shard=head)
+        results["head refusal"] = str(refused.value)
         with pytest.raises(ValueError) as refused:  # ZB-V puts the first and the last stage on rank 0
             DistributedPipe(_stages(which), chunks=2, schedule="zbv", mesh=make_mesh(pp=2, dp_shard=2))
         results["zbv refusal"] = str(refused.value)
@@ -193,12 +198,15 @@ def test_split_model_checkpoint_through_every_layout(which: str, tmp_path: Path)
     last: dict[str, list[float]] = {}
     for result in per_rank:
         last.update(result["last weights"])
-    assert last == reference_weights  # six layouts saved and loaded in turn: the reference's weights
+    assert last == reference_weights  # every layout saved and loaded in turn: the reference's weights
     embedding = EMBEDDING[which.split("-")[0]]
     if MODELS[which][2]:  # refused by the plain model's name of the tied weight, with the fix
         refusal = per_rank[0]["refusal"]
         assert f"parameter {embedding!r} is held by two blocks of stage 0, '0' and '3'" in refusal
         assert "Shard(blocks=lambda name, module: False)" in refusal
+        assert per_rank[0]["head refusal"].startswith(
+            f"parameter {embedding!r} of block 'lm_head' of stage 0 is also held outside the stage's blocks")
+        assert "leave 'lm_head' out of Shard(blocks=...)" in per_rank[0]["head refusal"]
         assert per_rank[0]["zbv refusal"].startswith(f"the tied weight {embedding!r} of stages [0, 3] on pipeline "
                                                      "rank 0 is held by two stages of one rank")
     # The checkpoint's keys are the plain model's, a tied weight once (under its named_parameters() name).
